@@ -1,0 +1,1 @@
+"""Benchmark cases per family, used by `kgen bench` (kgen/bench.py)."""

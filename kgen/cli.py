@@ -1,0 +1,265 @@
+"""The `kgen` command: build, list, diff, verify, bench, cache."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from pathlib import Path
+
+from kgen.errors import KgenError, SpecError
+
+SHIPPED = Path(__file__).resolve().parent / "specs"
+
+
+def shipped_specs() -> list[Path]:
+    return sorted(SHIPPED.glob("*.yaml"))
+
+
+def _console():
+    import shutil
+
+    from rich.console import Console
+
+    # Not a terminal (CI logs, pipes): a fixed wide layout instead of wrapping at 80 columns.
+    return Console(highlight=False, width=None if sys.stdout.isatty() else max(160, shutil.get_terminal_size().columns))
+
+
+def _load(path: str):
+    from kgen import spec
+
+    return spec.load(path)
+
+
+def _select(spec, names: list[str] | None):
+    if not names:
+        return list(spec.variants)
+    return [spec.variant(n) for n in names]
+
+
+# --------------------------------------------------------------------------- render helpers
+
+
+def _render_all(specs) -> dict[str, str]:
+    from kgen.render import render
+
+    files = {}
+    for s in specs:
+        for v in s.variants:
+            r = render(v)
+            files[r.filename] = r.text
+    return files
+
+
+def _write_if_different(path: Path, text: str) -> bool:
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return True
+
+
+def _write_generated(spec, out: Path) -> int:
+    """Render a spec into out/<family>/, removing files of variants the spec no longer has."""
+    files = _render_all([spec])
+    changed = sum(_write_if_different(out / name, text) for name, text in files.items())
+    fam_dir = out / spec.family
+    for stale in fam_dir.glob("*"):
+        if stale.is_file() and f"{spec.family}/{stale.name}" not in files:
+            stale.unlink()
+            changed += 1
+    return changed
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def cmd_build(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from kgen.runtime import build as build_mod
+
+    spec = _load(args.spec)
+    variants = _select(spec, args.variants)
+    if args.arch:
+        variants = [v for v in variants if v.backend == "triton" or v.arch == args.arch]
+    out = Path(args.out)
+    changed = _write_generated(spec, out)
+    console = _console()
+    print(f"rendered {len(spec.variants)} variants of {spec.path} into {out}/{spec.family}/ "
+          f"({changed} files changed)", flush=True)
+    if args.no_compile:
+        return 0
+    triton_arch = args.arch or _local_arch() or build_mod.DEFAULT_TRITON_ARCH
+    with Progress(TextColumn("building"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        task = progress.add_task("", total=len(variants))
+
+        def step(name: str):
+            progress.update(task, advance=1, description=name)
+
+        results = build_mod.build(variants, triton_arch=triton_arch, on_progress=step)
+    table = Table(title=f"kgen build {spec.path}")
+    for col in ("variant", "backend", "arch", "status", "regs", "smem B", "spill B", "build"):
+        table.add_column(col, justify="right" if col in ("regs", "smem B", "spill B", "build") else "left")
+    failed = []
+    for r in results:
+        s = r.summary()
+        when = "cached" if r.status == "cached" else f"{r.seconds:.1f} s"
+        table.add_row(r.variant.name, r.variant.backend, r.target or "-", r.status,
+                      str(s.get("registers", "-")), str(s.get("shared", "-")), str(s.get("spill", "-")),
+                      when if r.status != "failed" else "-")
+        if r.status == "failed":
+            failed.append(r)
+    console.print(table)
+    skipped = [r for r in results if r.status == "skipped"]
+    if skipped:
+        print(f"{len(skipped)} CUDA variants not compiled: {skipped[0].error}", file=sys.stderr)
+    for r in failed:
+        print(f"\n{r.error}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _local_arch() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no usable GPU means "use the default target"
+        pass
+    return None
+
+
+def cmd_list(args) -> int:
+    paths = [Path(p) for p in args.specs] or shipped_specs()
+    for p in paths:
+        s = _load(str(p))
+        print(f"{s.path}  ({s.family}, {len(s.variants)} variants)")
+        for v in s.variants:
+            print(f"  {v.name:40s} {v.backend:7s} {v.arch or '-':7s} {v.dtype}")
+    return 0
+
+
+def cmd_diff(args) -> int:
+    if args.variants:
+        if len(args.specs) != 1 or len(args.variants) != 2:
+            print("kgen diff: --variants takes one SPEC and two variant names", file=sys.stderr)
+            return 2
+        from kgen.render import render
+
+        s = _load(args.specs[0])
+        a, b = (render(s.variant(n)) for n in args.variants)
+        sys.stdout.writelines(difflib.unified_diff(a.text.splitlines(True), b.text.splitlines(True),
+                                                   a.filename, b.filename))
+        return 0
+    specs = [_load(p) for p in (args.specs or [str(p) for p in shipped_specs()])]
+    fresh = _render_all(specs)
+    out = Path(args.out)
+    on_disk = {}
+    for s in specs:
+        for f in (out / s.family).glob("*"):
+            if f.is_file():
+                on_disk[f"{s.family}/{f.name}"] = f.read_text(encoding="utf-8")
+    differ = False
+    for name in sorted(set(fresh) | set(on_disk)):
+        old, new = on_disk.get(name, ""), fresh.get(name, "")
+        if old != new:
+            differ = True
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True),
+                                                       f"{out}/{name}" if name in on_disk else "/dev/null",
+                                                       f"fresh/{name}" if name in fresh else "/dev/null"))
+    if differ and args.check:
+        print(f"\nkgen diff --check: {out}/ is stale; run `kgen build SPEC --no-compile` for each "
+              "changed spec and commit the result", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from kgen.verify import verify
+
+    spec = _load(args.spec)
+    return verify(spec, _select(spec, args.variants))
+
+
+def cmd_bench(args) -> int:
+    from kgen.bench import bench
+
+    spec = _load(args.spec)
+    return bench(spec, args.json, args.quick)
+
+
+def cmd_cache(args) -> int:
+    from kgen.runtime import cache
+
+    if args.action == "info":
+        i = cache.info()
+        print(f"{i['path']}: {i['entries']} entries, {i['bytes'] / 2**20:.1f} MiB")
+    else:
+        print(f"removed {cache.clear()} entries from {cache.info()['path']}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kgen", description="kernel code generator")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="render a spec into generated/ and compile its variants")
+    b.add_argument("spec")
+    b.add_argument("--arch", help="only CUDA variants for this arch; also the Triton target (default: "
+                                  "this GPU, else sm_90)")
+    b.add_argument("--no-compile", action="store_true", help="render only")
+    b.add_argument("--out", default="generated", help="where rendered sources go (default: generated)")
+    b.add_argument("--variants", nargs="+", metavar="NAME", help="only these variants")
+    b.set_defaults(fn=cmd_build)
+
+    ls = sub.add_parser("list", help="list the variants of specs (default: the shipped ones)")
+    ls.add_argument("specs", nargs="*")
+    ls.set_defaults(fn=cmd_list)
+
+    d = sub.add_parser("diff", help="diff a fresh render against generated/, or two variants")
+    d.add_argument("specs", nargs="*")
+    d.add_argument("--check", action="store_true", help="exit 1 when generated/ is stale")
+    d.add_argument("--out", default="generated")
+    d.add_argument("--variants", nargs=2, metavar=("A", "B"), help="diff two variants of one spec")
+    d.set_defaults(fn=cmd_diff)
+
+    v = sub.add_parser("verify", help="golden numerics of every variant this machine can run")
+    v.add_argument("spec")
+    v.add_argument("--variants", nargs="+", metavar="NAME")
+    v.set_defaults(fn=cmd_verify)
+
+    be = sub.add_parser("bench", help="time variants against peers; prints a table, writes JSON")
+    be.add_argument("spec")
+    be.add_argument("--json", default="kgen-bench.json", help="where to write results")
+    be.add_argument("--quick", action="store_true", help="fewer repetitions")
+    be.set_defaults(fn=cmd_bench)
+
+    c = sub.add_parser("cache", help="show or clear the build cache")
+    c.add_argument("action", choices=("info", "clear"))
+    c.set_defaults(fn=cmd_cache)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except SpecError as e:
+        print(f"kgen: {e}", file=sys.stderr)
+        return 2
+    except (KgenError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"kgen: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

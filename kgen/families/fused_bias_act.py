@@ -1,0 +1,340 @@
+"""fused_bias_act: out = act(x + alpha * y + bias[col]) over a row-major [rows, cols] tensor.
+
+The family's knobs, its reference math, input checks, grid sizes, autograd and public op.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Optional
+
+import torch
+
+from kgen.spec import DTYPES, Knob, Schema
+
+ACTIVATIONS = ("none", "relu", "sigmoid", "gelu", "silu")
+_ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
+_TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# The CUDA grid puts column blocks on grid.y, whose limit is 65535.
+_MAX_GRID_Y = 65535
+
+
+def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
+    problems = []
+    if backend == "cuda":
+        size = DTYPES[dtype][0]
+        if k["vec"] * size > 16 or 16 % (k["vec"] * size):
+            problems.append(("vec", f"vec={k['vec']} x {size}-byte {dtype} = {k['vec'] * size} bytes "
+                                    "does not divide a 16-byte access"))
+    else:
+        if k["block_cols"] < 32 * k["num_warps"]:
+            problems.append(("block_cols", f"block_cols={k['block_cols']} leaves warps idle with "
+                                           f"num_warps={k['num_warps']} (need >= {32 * k['num_warps']})"))
+    return problems
+
+
+SCHEMA = Schema(
+    dtypes=tuple(_TORCH_DTYPES.values()),
+    knobs={
+        "cuda": (
+            Knob("threads", "t", lo=32, hi=1024, pow2=True),
+            Knob("vec", "v", lo=1, hi=16, pow2=True),
+            Knob("rows", "r", lo=1, hi=16),
+        ),
+        "triton": (
+            Knob("block_cols", "c", lo=16, hi=16384, pow2=True),
+            Knob("rows", "r", lo=1, hi=16),
+            Knob("num_warps", "w", lo=1, hi=32, pow2=True),
+        ),
+    },
+    check=_check_variant,
+)
+TEMPLATES = {"cuda": "fused_bias_act/cuda.cu.j2", "triton": "fused_bias_act/triton.py.j2"}
+# ctypes signature of the CUDA launcher `kgen_launch` (see cuda.cu.j2).
+CUDA_ENTRY = ("kgen_launch", ("int", "int", "int", "ptr", "ptr", "ptr", "ptr", "float", "i64", "i64", "ptr"))
+
+
+def template_context(variant) -> dict:
+    return {"dtype": variant.dtype, "activations": ACTIVATIONS, **variant.params}
+
+
+def triton_aot(variant, mod) -> list[tuple[Any, dict, dict]]:
+    """What `kgen build` compiles ahead of time for a Triton variant: one representative
+    specialisation (gelu, with y), enough to check the code and report its resources."""
+    t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
+    sig = {"x_ptr": f"*{t}", "y_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}",
+           "alpha": "fp32", "rows": "i64", "cols": "i64",
+           "ACT": "constexpr", "HAS_Y": "constexpr", "BLOCK_COLS": "constexpr", "ROWS": "constexpr"}
+    const = {"ACT": _ACT_CODE["gelu"], "HAS_Y": True, "BLOCK_COLS": mod.BLOCK_COLS, "ROWS": mod.ROWS}
+    return [(mod.fused_bias_act_kernel, sig, const, {"num_warps": mod.NUM_WARPS})]
+
+
+# --------------------------------------------------------------------------- reference math
+
+
+def _act(z: torch.Tensor, act: str) -> torch.Tensor:
+    if act == "relu":
+        return torch.relu(z)
+    if act == "sigmoid":
+        return torch.sigmoid(z)
+    if act == "gelu":
+        return torch.nn.functional.gelu(z, approximate="tanh")
+    if act == "silu":
+        return torch.nn.functional.silu(z)
+    return z
+
+
+def _dact(z: torch.Tensor, act: str) -> torch.Tensor:
+    """d act(z) / dz."""
+    if act == "relu":
+        return (z > 0).to(z.dtype)
+    if act == "sigmoid":
+        s = torch.sigmoid(z)
+        return s * (1 - s)
+    if act == "gelu":
+        k, c = math.sqrt(2.0 / math.pi), 0.044715
+        s = torch.sigmoid(2 * k * (z + c * z**3))
+        return s + z * 2 * s * (1 - s) * k * (1 + 3 * c * z * z)
+    if act == "silu":
+        s = torch.sigmoid(z)
+        return s * (1 + z * (1 - s))
+    return torch.ones_like(z)
+
+
+def _preact(x, bias, y, alpha, dtype):
+    z = x.to(dtype) + bias.to(dtype)
+    if y is not None:
+        z = z + alpha * y.to(dtype)
+    return z
+
+
+def reference(x, bias, y=None, alpha: float = 1.0, act: str = "none", compute=torch.float32):
+    """The math in `compute` precision (float32: the CPU path; float64: the test oracle)."""
+    return _act(_preact(x, bias, y, alpha, compute), act)
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _check(x, bias, y, alpha, act, inplace: bool) -> None:
+    """Everything that would make a launch wrong or unsafe raises here, before any launch."""
+    if not isinstance(x, torch.Tensor) or not isinstance(bias, torch.Tensor):
+        raise TypeError("fused_bias_act: x and bias must be tensors")
+    if x.dtype not in _TORCH_DTYPES:
+        raise TypeError(f"fused_bias_act: x has dtype {x.dtype}; supported: float32, bfloat16, float16")
+    if bias.dtype != x.dtype:
+        raise TypeError(f"fused_bias_act: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
+    if act not in _ACT_CODE:
+        raise ValueError(f"fused_bias_act: unknown act {act!r}; expected one of {', '.join(ACTIVATIONS)}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise TypeError(f"fused_bias_act: alpha must be a float, got {type(alpha).__name__}")
+    if x.dim() < 1:
+        raise ValueError("fused_bias_act: x must have at least one dimension (its last is cols)")
+    if bias.dim() != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(f"fused_bias_act: bias has shape {tuple(bias.shape)}; expected ({x.shape[-1]},), "
+                         "the length of x's last dimension")
+    if bias.device != x.device:
+        raise ValueError(f"fused_bias_act: bias is on {bias.device}, x on {x.device}")
+    if y is not None:
+        if not isinstance(y, torch.Tensor):
+            raise TypeError("fused_bias_act: y must be a tensor or None")
+        if y.dtype != x.dtype:
+            raise TypeError(f"fused_bias_act: y dtype {y.dtype} differs from x dtype {x.dtype}")
+        if y.shape != x.shape:
+            raise ValueError(f"fused_bias_act: y has shape {tuple(y.shape)}, x {tuple(x.shape)}; they must match")
+        if y.device != x.device:
+            raise ValueError(f"fused_bias_act: y is on {y.device}, x on {x.device}")
+    if inplace and not x.is_contiguous():
+        raise ValueError("fused_bias_act: in place needs a contiguous x; call x.contiguous() "
+                         "or use the out-of-place form")
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when b shares memory with a without being exactly a (unsafe to read while a is written)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    return not (b.data_ptr() == a.data_ptr() and b.shape == a.shape and b.stride() == a.stride())
+
+
+# --------------------------------------------------------------------------- launch
+
+
+def _kernel(device: torch.device, dtype: torch.dtype):
+    """The launcher for (device, dtype), cached after the first call (which may build)."""
+    key = (device.index, dtype)
+    k = _KERNELS.get(key)
+    if k is None:
+        from kgen.runtime import dispatch
+
+        k = _KERNELS[key] = dispatch.select("fused_bias_act", device, _TORCH_DTYPES[dtype])
+    return k
+
+
+_KERNELS: dict = {}
+
+
+def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
+    """Run one loaded variant (`kgen.runtime.dispatch.Kernel`) on checked, contiguous tensors."""
+    cols = x.shape[-1]
+    rows = x.numel() // cols if cols else 0
+    if rows == 0 or cols == 0:
+        return
+    has_y = y is not None
+    if kernel.backend == "cuda":
+        threads, vec = kernel.params["threads"], kernel.params["vec"]
+        if math.ceil(cols / threads) > _MAX_GRID_Y:  # scalar tail path is the widest grid
+            raise ValueError(f"fused_bias_act: {cols} columns exceed the CUDA grid of variant "
+                             f"{kernel.name} (at most {_MAX_GRID_Y * threads})")
+        kernel.call(x.device.index, _ACT_CODE[act], has_y, x.data_ptr(), y.data_ptr() if has_y else 0,
+                    bias.data_ptr(), out.data_ptr(), alpha, rows, cols, _raw_stream(x.device.index))
+    else:
+        mod = kernel.module
+        grid = (triton_cdiv(rows, mod.ROWS), triton_cdiv(cols, mod.BLOCK_COLS))
+        if grid[1] > _MAX_GRID_Y:
+            raise ValueError(f"fused_bias_act: {cols} columns exceed the grid of variant {kernel.name}")
+        mod.fused_bias_act_kernel[grid](x, y if has_y else x, bias, out, alpha, rows, cols,
+                                        ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS,
+                                        ROWS=mod.ROWS, num_warps=mod.NUM_WARPS)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _raw_stream(index: int) -> int:
+    # The private getter costs a fraction of `torch.cuda.current_stream().cuda_stream`,
+    # which builds a Stream object per call; both return the caller's current stream.
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
+
+
+def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
+    _check(x, bias, y, alpha, act, inplace)
+    if inplace:
+        if _overlaps(x, bias) or (y is not None and _overlaps(x, y)):
+            raise ValueError("fused_bias_act: in place, bias and y must not partially overlap x")
+        out = x
+    else:
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty_like(x)
+    bias = bias if bias.is_contiguous() else bias.contiguous()
+    if y is not None and not y.is_contiguous():
+        y = y.contiguous()
+    if x.device.type != "cuda":
+        return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
+    kernel = _kernel(x.device, x.dtype)
+    if kernel is None:  # no GPU variant could be built: the reference on the GPU
+        return out.copy_(reference(x, bias, y, alpha, act))
+    launch(kernel, x, bias, y, float(alpha), act, out)
+    return out
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+@torch.library.custom_op("kgen::fused_bias_act", mutates_args=())
+def _op(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> torch.Tensor:
+    return _forward(x, bias, y, alpha, act, False)
+
+
+@_op.register_fake
+def _op_fake(x, bias, y, alpha, act):
+    _check(x, bias, y, alpha, act, False)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("kgen::fused_bias_act_", mutates_args=("x",))
+def _op_inplace(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> None:
+    _forward(x, bias, y, alpha, act, True)
+
+
+@_op_inplace.register_fake
+def _op_inplace_fake(x, bias, y, alpha, act):
+    _check(x, bias, y, alpha, act, True)
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias, y, alpha, act = inputs
+    ctx.save_for_backward(x, bias, y)
+    ctx.alpha, ctx.act = alpha, act
+
+
+def _backward(ctx, grad):
+    x, bias, y = ctx.saved_tensors
+    # Recompute z in float32 (the saved inputs are all we keep) and form dz = g * act'(z).
+    z = _preact(x, bias, y, ctx.alpha, torch.float32)
+    dz = grad.to(torch.float32) * _dact(z, ctx.act)
+    grad_x = dz.to(x.dtype) if ctx.needs_input_grad[0] else None
+    grad_bias = dz.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
+    grad_y = (ctx.alpha * dz).to(y.dtype) if y is not None and ctx.needs_input_grad[2] else None
+    return grad_x, grad_bias, grad_y, None, None
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _needs_grad(x, bias, y) -> bool:
+    # getattr: this runs before the type checks, which give the clear error for non-tensors
+    return (getattr(x, "requires_grad", False) or getattr(bias, "requires_grad", False)
+            or getattr(y, "requires_grad", False))
+
+
+def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor] = None, *,
+                   alpha: float = 1.0, act: str = "none", inplace: bool = False) -> torch.Tensor:
+    """out = act(x + alpha * y + bias), bias broadcast along x's last dimension.
+
+    act is one of none, relu, sigmoid, gelu (tanh form), silu; arithmetic runs in float32
+    and the result has x's dtype. `inplace=True` writes into x and returns it (not
+    differentiable: raises if a gradient is needed). Differentiable for x, y and bias.
+    On CUDA tensors the best kernel variant for the device and dtype runs on the current
+    stream; CPU tensors use the float32 PyTorch reference. Also `torch.ops.kgen.fused_bias_act`.
+    """
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(x, bias, y)):
+        if inplace:
+            if torch.is_grad_enabled() and _needs_grad(x, bias, y):
+                raise ValueError("fused_bias_act: inplace=True is not differentiable; use the "
+                                 "out-of-place form when a gradient is needed")
+            torch.ops.kgen.fused_bias_act_(x, bias, y, alpha, act)
+            return x
+        return torch.ops.kgen.fused_bias_act(x, bias, y, alpha, act)
+    # Eager fast path: the same implementation the op runs, without the dispatcher's cost.
+    return _forward(x, bias, y, alpha, act, inplace)
+
+
+OPS = {"fused_bias_act": fused_bias_act}
+
+
+# --------------------------------------------------------------------------- golden numerics
+
+# (rows, cols, storage offset in elements): sizes that are not multiples of any tile, a
+# width that takes the 16-byte path (4104 = 8 * 513) and one misaligned by one element.
+GOLDEN_SHAPES = ((1, 1, 0), (7, 33, 0), (5, 1000, 0), (33, 4104, 0), (3, 4104, 1))
+
+
+def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
+    """Run one loaded variant over GOLDEN_SHAPES x activations x (with/without y, in place)
+    on fresh random inputs with a poisoned output; return (case, worst error / tolerance)."""
+    tdtype = next(t for t, n in _TORCH_DTYPES.items() if n == dtype)
+    results = []
+    for rows, cols, offset in GOLDEN_SHAPES:
+        for act in ACTIVATIONS:
+            for has_y, inplace in ((True, False), (False, False), (True, True)):
+                def rand(*shape):
+                    flat = torch.randn(offset + math.prod(shape), device=device) * 2
+                    return flat[offset:].view(shape).to(tdtype)
+
+                x, bias = rand(rows, cols), rand(cols)
+                y = rand(rows, cols) if has_y else None
+                alpha = 0.75
+                ref = reference(x, bias, y, alpha, act, compute=torch.float64)
+                if inplace:
+                    out = x.clone()
+                    launch(kernel, out, bias, y, alpha, act, out)
+                else:
+                    out = torch.full_like(x, float("nan"))  # poison: every element must be written
+                    launch(kernel, x, bias, y, alpha, act, out)
+                err = (out.double() - ref).abs() / (tol.atol + tol.rtol * ref.abs())
+                worst = float(err.max()) if not torch.isnan(err).any() else float("inf")
+                label = f"{rows}x{cols}{'+1' if offset else ''} {act}{' y' if has_y else ''}{' inplace' if inplace else ''}"
+                results.append((label, worst))
+    return results

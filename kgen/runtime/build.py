@@ -1,0 +1,290 @@
+"""Building variants into cache entries: nvcc driven by ninja for CUDA, Triton ahead of time.
+
+`build(variants)` returns one `BuildResult` per variant; nothing is compiled when every
+entry is already in the cache (not even `nvcc --version`: its answer is memoised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import kgen
+from kgen import config
+from kgen.errors import CompileError, KgenError, ToolchainError
+from kgen.render import render
+from kgen.runtime import cache, toolchain
+from kgen.spec import Variant
+
+CUDA_SOURCE, CUDA_LIB, BUILD_LOG = "kernel.cu", "lib.so", "build.log"
+TRITON_SOURCE = "kernel.py"
+DEFAULT_TRITON_ARCH = "sm_90"
+
+
+@dataclass
+class BuildResult:
+    variant: Variant
+    status: str  # "built" | "cached" | "failed" | "skipped" (no toolchain)
+    entry: cache.Entry | None = None
+    seconds: float = 0.0
+    error: KgenError | None = None
+    target: str | None = None
+    resources: dict = field(default_factory=dict)  # kernel -> {registers, shared, local, stack}
+
+    def summary(self) -> dict:
+        """Worst case over the entry's kernels: max registers and shared memory, total local."""
+        res = self.resources or (self.entry.manifest.get("resources", {}) if self.entry else {})
+        if not res:
+            return {}
+        return {"registers": max(r["registers"] for r in res.values()),
+                "shared": max(r["shared"] for r in res.values()),
+                "spill": sum(r["local"] for r in res.values())}
+
+
+@functools.cache
+def kgen_fingerprint() -> str:
+    """kgen's version plus the code that shapes artifacts beyond the rendered text."""
+    h = hashlib.sha256(kgen.__version__.encode())
+    for mod in ("build.py", "toolchain.py"):
+        h.update((Path(__file__).parent / mod).read_bytes())
+    return h.hexdigest()
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def gencode(arch: str) -> str:
+    num = arch.removeprefix("sm_")
+    return f"-gencode=arch=compute_{num},code=sm_{num}"
+
+
+def cuda_command(nvcc: str, arch: str, src: str, out: str) -> list[str]:
+    # Static cudart (nvcc's default): the .so needs no CUDA library on the loader path and
+    # shares the driver's primary context with PyTorch.
+    return [nvcc, "-O3", "-std=c++17", "--shared", "-Xcompiler", "-fPIC", gencode(arch),
+            *config.extra_nvcc_flags(), "-o", out, src]
+
+
+def cuda_key(variant: Variant, text: str, nvcc: str) -> str:
+    return cache.digest({
+        "kind": "cuda-so", "source": sha(text),
+        "command": shlex.join(cuda_command(nvcc, variant.arch, "{src}", "{out}")),
+        "compiler": toolchain.nvcc_version(nvcc), "kgen": kgen_fingerprint(),
+        "env": config.code_env(),
+    })
+
+
+def _ninja_escape_path(p: Path) -> str:
+    return str(p).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+
+
+@contextlib.contextmanager
+def _locked(paths: list[Path]):
+    """Hold the locks of several entries, taken in sorted order so builders never deadlock."""
+    with contextlib.ExitStack() as stack:
+        for p in sorted(paths):
+            stack.enter_context(cache.lock(p))
+        yield
+
+
+def build_cuda(variants: list[Variant], on_progress: Callable[[str], None] | None = None) -> list[BuildResult]:
+    nvcc = toolchain.nvcc()
+    results: dict[str, BuildResult] = {}
+    todo = []
+    for v in variants:
+        text = render(v).text
+        path = cache.entry_path(v.family, v.name, cuda_key(v, text, nvcc))
+        entry = cache.lookup(path)
+        if entry:
+            results[v.name] = BuildResult(v, "cached", entry, target=v.arch)
+        else:
+            todo.append((v, text, path))
+    if todo:
+        with _locked([p for _, _, p in todo]):
+            pending = []
+            for v, text, path in todo:
+                entry = cache.lookup(path)  # a racing builder may have published it meanwhile
+                if entry:
+                    results[v.name] = BuildResult(v, "cached", entry, target=v.arch)
+                else:
+                    pending.append((v, text, path))
+            for r in _ninja_build(nvcc, pending, on_progress):
+                results[r.variant.name] = r
+    return [results[v.name] for v in variants]
+
+
+def _ninja_build(nvcc: str, pending, on_progress) -> list[BuildResult]:
+    if not pending:
+        return []
+    jobs = []
+    lines = ["rule nvcc", "  command = $cmd > $log 2>&1", "  description = $name", ""]
+    for v, text, path in pending:
+        staging = cache.new_staging(v.name)
+        src, out, log = staging / CUDA_SOURCE, staging / CUDA_LIB, staging / BUILD_LOG
+        src.write_text(text)
+        cmd = cuda_command(nvcc, v.arch, str(src), str(out))
+        jobs.append((v, path, staging, cmd))
+        lines += [f"build {_ninja_escape_path(out)}: nvcc {_ninja_escape_path(src)}",
+                  f"  cmd = {shlex.join(cmd).replace('$', '$$')}",
+                  f"  log = {shlex.quote(str(log)).replace('$', '$$')}",
+                  f"  name = {v.name}", ""]
+    with tempfile.TemporaryDirectory(prefix="ninja-", dir=cache.root() / ".staging") as nd:
+        (Path(nd) / "build.ninja").write_text("\n".join(lines))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([toolchain.ninja(), "-C", nd, "-k", "0", "-j", str(config.build_jobs())],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout:
+            m = re.match(r"\[(\d+)/(\d+)\] (.*)", line.strip())
+            if m and on_progress:
+                on_progress(m.group(3))
+        proc.wait()
+        wall = time.perf_counter() - t0
+        per_target = _ninja_times(Path(nd) / ".ninja_log")
+    results = []
+    for v, path, staging, cmd in jobs:
+        out, log = staging / CUDA_LIB, staging / BUILD_LOG
+        log_text = log.read_text(errors="replace") if log.exists() else ""
+        seconds = per_target.get(str(out), wall)
+        if not out.exists():
+            err = CompileError(v.qualname, shlex.join(cmd), log_text or "(no output)",
+                               str(staging / CUDA_SOURCE))
+            results.append(BuildResult(v, "failed", seconds=seconds, error=err, target=v.arch))
+            continue  # the staging dir stays for inspection; the error names its source
+        resources = toolchain.resource_usage(out)
+        facts = {"variant": v.qualname, "command": shlex.join(cmd), "seconds": round(seconds, 3),
+                 "resources": resources, "target": v.arch}
+        entry = cache.publish(staging, path, [CUDA_SOURCE, CUDA_LIB, BUILD_LOG], facts)
+        results.append(BuildResult(v, "built", entry, seconds, resources=resources, target=v.arch))
+    return results
+
+
+def _ninja_times(log: Path) -> dict[str, float]:
+    times = {}
+    try:
+        for line in log.read_text().splitlines()[1:]:
+            start, end, _, output, *_ = line.split("\t")
+            times[output] = (int(end) - int(start)) / 1000
+    except (OSError, ValueError):
+        pass
+    return times
+
+
+# --------------------------------------------------------------------------- Triton
+
+
+def _import_file(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # triton.jit resolves globals through the module
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextlib.contextmanager
+def _no_interpreter():
+    """Ahead-of-time compilation needs real JIT functions even where TRITON_INTERPRET=1
+    makes `triton.jit` return interpreted ones (it reads the variable at decoration)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def triton_source_entry(variant: Variant) -> cache.Entry:
+    """The rendered Triton module as a cache entry (no compile: Triton JITs at first call)."""
+    text = render(variant).text
+    key = cache.digest({"kind": "triton-src", "source": sha(text), "kgen": kgen_fingerprint()})
+    path = cache.entry_path(variant.family, variant.name, key)
+    entry = cache.lookup(path)
+    if entry:
+        return entry
+    with cache.lock(path):
+        entry = cache.lookup(path)
+        if entry:
+            return entry
+        staging = cache.new_staging(variant.name)
+        (staging / TRITON_SOURCE).write_text(text)
+        return cache.publish(staging, path, [TRITON_SOURCE], {"variant": variant.qualname})
+
+
+def load_triton_module(entry: cache.Entry):
+    name = f"kgen_generated.{entry.path.parent.name}.{entry.path.name.replace('-', '_')}"
+    return sys.modules.get(name) or _import_file(entry.file(TRITON_SOURCE), name)
+
+
+def build_triton(variant: Variant, arch: str) -> BuildResult:
+    """Compile a Triton variant ahead of time for `arch` (no GPU needed)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kgen.families import module_of
+
+    text = render(variant).text
+    cc = int(arch.removeprefix("sm_").rstrip("a"))
+    key = cache.digest({"kind": "triton-aot", "source": sha(text), "triton": triton.__version__,
+                        "target": f"cuda:{cc}:32", "kgen": kgen_fingerprint(), "env": config.code_env()})
+    path = cache.entry_path(variant.family, f"{variant.name}-{arch.replace('_', '')}", key)
+    entry = cache.lookup(path)
+    if entry:
+        return BuildResult(variant, "cached", entry, target=arch)
+    with cache.lock(path):
+        entry = cache.lookup(path)
+        if entry:
+            return BuildResult(variant, "cached", entry, target=arch)
+        staging = cache.new_staging(variant.name)
+        src = staging / TRITON_SOURCE
+        src.write_text(text)
+        t0 = time.perf_counter()
+        files, resources = [TRITON_SOURCE], {}
+        try:
+            with _no_interpreter():
+                mod = _import_file(src, f"kgen_aot_{staging.name.replace('-', '_')}")
+            for fn, sig, consts, opts in module_of(variant.family).triton_aot(variant, mod):
+                compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", cc, 32),
+                                          options=opts)
+                cubin = f"{fn.__name__}.cubin"
+                (staging / cubin).write_bytes(compiled.asm["cubin"])
+                files.append(cubin)
+                resources.update(toolchain.resource_usage(staging / cubin))
+        except Exception as e:  # noqa: BLE001 - Triton raises many types; all mean "did not compile"
+            err = CompileError(variant.qualname, f"triton.compile(target=cuda:{cc})",
+                               f"{type(e).__name__}: {e}", str(src))
+            return BuildResult(variant, "failed", seconds=time.perf_counter() - t0, error=err, target=arch)
+        seconds = time.perf_counter() - t0
+        facts = {"variant": variant.qualname, "seconds": round(seconds, 3), "resources": resources,
+                 "target": arch, "triton": triton.__version__}
+        entry = cache.publish(staging, path, files, facts)
+        return BuildResult(variant, "built", entry, seconds, resources=resources, target=arch)
+
+
+def build(variants: list[Variant], triton_arch: str = DEFAULT_TRITON_ARCH,
+          on_progress: Callable[[str], None] | None = None) -> list[BuildResult]:
+    """Build every variant; CUDA ones in parallel through ninja. Never raises CompileError:
+    a failure is a result with status "failed" and the error attached."""
+    cuda = [v for v in variants if v.backend == "cuda"]
+    try:
+        results = {r.variant.name: r for r in build_cuda(cuda, on_progress)} if cuda else {}
+    except ToolchainError as e:  # no nvcc: build what this machine can, say why not the rest
+        results = {v.name: BuildResult(v, "skipped", error=e, target=v.arch) for v in cuda}
+    for v in variants:
+        if v.backend == "triton":
+            if on_progress:
+                on_progress(v.name)
+            results[v.name] = build_triton(v, triton_arch)
+    return [results[v.name] for v in variants]

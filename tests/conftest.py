@@ -1,0 +1,43 @@
+import os
+import shutil
+import tempfile
+
+import pytest
+
+# Every test process gets its own cache: tests never read or write the user's cache.
+os.environ.setdefault("KGEN_CACHE_DIR", tempfile.mkdtemp(prefix="kgen-test-cache-"))
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+HAS_GPU = _has_gpu()
+if not HAS_GPU:
+    # Triton kernels run on the CPU; set before any generated module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    d = os.environ.get("KGEN_CACHE_DIR", "")
+    if "kgen-test-cache-" in d:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("KGEN_NVCC"),
+                                   reason="nvcc not installed")

@@ -1,0 +1,161 @@
+"""Cache behaviour: hits, misses, key sensitivity, races between processes, corruption."""
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kgen import spec
+from kgen.runtime import build, cache
+
+ROOT = Path(__file__).resolve().parent.parent
+FBA = spec.load(ROOT / "kgen" / "specs" / "fused_bias_act.yaml")
+CUDA_V = FBA.variant("sm90_t256_v8_r1_bf16")
+TRITON_V = FBA.variant("triton_c1024_r1_w4_f32")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    d = tmp_path / "cache"
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def counting_nvcc(tmp_path, monkeypatch):
+    """KGEN_NVCC pointing at a wrapper that logs each compile, then runs the real nvcc."""
+    real = subprocess.run(["which", "nvcc"], capture_output=True, text=True).stdout.strip()
+    if not real:
+        pytest.skip("nvcc not installed") if not os.environ.get("CI") else pytest.fail("nvcc missing in CI")
+    log = tmp_path / "nvcc-calls.log"
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("KGEN_NVCC", str(wrapper))
+    return lambda: [ln for ln in log.read_text().splitlines() if "--version" not in ln] if log.exists() else []
+
+
+def test_cache_dir_is_private_and_not_the_cwd(fresh_cache, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    build.triton_source_entry(TRITON_V)
+    assert stat.S_IMODE(fresh_cache.stat().st_mode) == 0o700
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # nothing else in the cwd
+
+
+def test_hit_miss_and_key_sensitivity(fresh_cache, counting_nvcc, monkeypatch):
+    (r1,) = build.build_cuda([CUDA_V])
+    assert r1.status == "built" and len(counting_nvcc()) == 1
+    (r2,) = build.build_cuda([CUDA_V])
+    assert r2.status == "cached" and r2.entry.path == r1.entry.path
+    assert len(counting_nvcc()) == 1  # a hit compiles nothing
+
+    monkeypatch.setenv("KGEN_NVCC_FLAGS", "-lineinfo")  # a changed flag rebuilds
+    (r3,) = build.build_cuda([CUDA_V])
+    assert r3.status == "built" and r3.entry.path != r1.entry.path
+    assert "-lineinfo" in counting_nvcc()[-1]
+    monkeypatch.delenv("KGEN_NVCC_FLAGS")
+    (r4,) = build.build_cuda([CUDA_V])  # and back: the first entry is still there
+    assert r4.status == "cached" and r4.entry.path == r1.entry.path
+
+
+def test_template_change_rebuilds(fresh_cache, counting_nvcc, monkeypatch):
+    (r1,) = build.build_cuda([CUDA_V])
+    real = build.render
+
+    def edited(variant):
+        r = real(variant)
+        return type(r)(r.variant, r.filename, r.text + "\n// an edit to the template\n")
+
+    monkeypatch.setattr(build, "render", edited)
+    (r2,) = build.build_cuda([CUDA_V])
+    assert r2.status == "built" and r2.entry.path != r1.entry.path
+    assert len(counting_nvcc()) == 2
+
+
+def test_truncated_artifact_is_rebuilt(fresh_cache, counting_nvcc):
+    (r1,) = build.build_cuda([CUDA_V])
+    lib = r1.entry.file(build.CUDA_LIB)
+    lib.write_bytes(lib.read_bytes()[:1000])
+    assert cache.lookup(r1.entry.path) is None  # the manifest hash no longer matches
+    (r2,) = build.build_cuda([CUDA_V])
+    assert r2.status == "built" and r2.entry.path == r1.entry.path
+    assert cache.lookup(r2.entry.path) is not None and len(counting_nvcc()) == 2
+
+
+def test_partial_entry_without_manifest_is_rebuilt(fresh_cache):
+    e = build.triton_source_entry(TRITON_V)
+    (e.path / cache.MANIFEST).unlink()
+    e2 = build.triton_source_entry(TRITON_V)
+    assert e2.path == e.path and (e2.path / cache.MANIFEST).exists()
+
+
+RACER = textwrap.dedent("""
+    import sys, time
+    from kgen import spec
+    from kgen.runtime import build
+    s = spec.load(sys.argv[1])
+    start = float(sys.argv[2])
+    while time.time() < start:
+        time.sleep(0.005)
+    (r,) = build.build_cuda([s.variant(sys.argv[3])])
+    print(r.status, r.entry.path)
+""")
+
+
+def test_two_processes_racing_for_one_key_build_once(fresh_cache, counting_nvcc, tmp_path):
+    import time
+
+    script = tmp_path / "racer.py"
+    script.write_text(RACER)
+    start = str(time.time() + 3)  # both processes import kgen first, then start together
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, str(script), str(ROOT / "kgen/specs/fused_bias_act.yaml"), start,
+                               CUDA_V.name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    statuses = sorted(o[0].split()[0] for o in outs)
+    assert statuses == ["built", "cached"], outs
+    assert len({o[0].split()[1] for o in outs}) == 1
+    assert len(counting_nvcc()) == 1
+
+
+def test_lock_is_released_when_its_holder_dies(fresh_cache, tmp_path):
+    path = cache.entry_path(TRITON_V.family, TRITON_V.name, "0" * 64)
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from kgen.runtime import cache
+        from pathlib import Path
+        held = cache.lock(Path({str(path)!r}))
+        held.acquire()
+        print("locked", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert holder.stdout.readline().strip() == "locked"
+    from filelock import Timeout
+
+    with pytest.raises(Timeout):
+        cache.lock(path).acquire(timeout=0.2)
+    holder.kill()
+    holder.wait()
+    lk = cache.lock(path)
+    lk.acquire(timeout=5)  # the OS dropped the dead holder's lock
+    lk.release()
+
+
+def test_warm_cache_second_process_runs_no_compiler(fresh_cache, counting_nvcc):
+    build.build_cuda([CUDA_V])
+    log = Path(os.environ["KGEN_NVCC"]).parent.parent / "nvcc-calls.log"
+    n = len(log.read_text().splitlines())  # compiles and `--version` calls alike
+    r = subprocess.run([sys.executable, "-c",
+                        "from kgen import spec; from kgen.runtime import build;"
+                        f"s = spec.load({str(ROOT / 'kgen/specs/fused_bias_act.yaml')!r});"
+                        f"print(build.build_cuda([s.variant({CUDA_V.name!r})])[0].status)"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.stdout.strip() == "cached", r.stderr
+    assert len(log.read_text().splitlines()) == n  # not even `nvcc --version`

@@ -1,0 +1,229 @@
+"""fused_bias_act: the op, its checks, autograd, torch.library integration, and every
+variant against a float64 reference (Triton under the interpreter here; all on a GPU)."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kgen import ops, spec
+from kgen.families import fused_bias_act as fba
+from kgen.runtime import dispatch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = spec.load(ROOT / "kgen" / "specs" / "fused_bias_act.yaml")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _assert_close(out, ref, tol, what=""):
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (an element was not written?)"
+    err = (out.double() - ref.double()).abs() - (tol.atol + tol.rtol * ref.double().abs())
+    assert err.max() <= 0, f"{what}: worst excess {err.max().item():.3g}"
+
+
+# --------------------------------------------------------------------------- the op on CPU
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("act", fba.ACTIVATIONS)
+def test_cpu_op_matches_float64(dtype, act):
+    t = DTYPES[dtype]
+    x, b, y = torch.randn(7, 33).to(t), torch.randn(33).to(t), torch.randn(7, 33).to(t)
+    ref = fba.reference(x, b, y, 0.5, act, compute=torch.float64)
+    _assert_close(ops.fused_bias_act(x, b, y, alpha=0.5, act=act), ref, SPEC.numerics[dtype], act)
+    xi = x.clone()
+    assert ops.fused_bias_act(xi, b, y, alpha=0.5, act=act, inplace=True) is xi
+    _assert_close(xi, ref, SPEC.numerics[dtype], f"{act} in place")
+
+
+def test_leading_dims_and_no_y():
+    x, b = torch.randn(2, 3, 5), torch.randn(5)
+    out = ops.fused_bias_act(x, b, act="relu")
+    assert out.shape == (2, 3, 5)
+    torch.testing.assert_close(out, torch.relu(x + b))
+
+
+def test_non_contiguous_input_out_of_place():
+    x = torch.randn(9, 4).t()  # 4 x 9, not contiguous
+    b = torch.randn(9)
+    torch.testing.assert_close(ops.fused_bias_act(x, b, act="silu"),
+                               torch.nn.functional.silu(x + b))
+
+
+@pytest.mark.parametrize("case,exc,match", [
+    ("int dtype", TypeError, "supported: float32"),
+    ("bias dtype", TypeError, "bias dtype"),
+    ("y dtype", TypeError, "y dtype"),
+    ("bias length", ValueError, r"expected \(33,\)"),
+    ("y shape", ValueError, "must match"),
+    ("bias device", ValueError, "bias is on meta"),
+    ("y device", ValueError, "y is on meta"),
+    ("act", ValueError, "unknown act 'tanh'"),
+    ("alpha", TypeError, "alpha must be a float"),
+    ("scalar x", ValueError, "at least one dimension"),
+    ("inplace non-contiguous", ValueError, "contiguous"),
+    ("inplace overlap", ValueError, "overlap"),
+    ("inplace grad", ValueError, "not differentiable"),
+    ("not a tensor", TypeError, "must be tensors"),
+])
+def test_bad_inputs_raise_before_launch(case, exc, match):
+    x, b, y = torch.randn(7, 33), torch.randn(33), torch.randn(7, 33)
+    kw = {}
+    if case == "int dtype":
+        x, b = x.int(), b.int()
+    elif case == "bias dtype":
+        b = b.double()
+    elif case == "y dtype":
+        y = y.half()
+    elif case == "bias length":
+        b = torch.randn(32)
+    elif case == "y shape":
+        y = torch.randn(33, 7)
+    elif case == "bias device":
+        b = b.to("meta")
+    elif case == "y device":
+        y = y.to("meta")
+    elif case == "act":
+        kw["act"] = "tanh"
+    elif case == "alpha":
+        kw["alpha"] = "1"
+    elif case == "scalar x":
+        x, b = torch.tensor(1.0), torch.randn(1)
+    elif case == "inplace non-contiguous":
+        x, y, kw["inplace"] = torch.randn(33, 7).t(), None, True
+    elif case == "inplace overlap":
+        big = torch.randn(8, 33)
+        x, y, kw["inplace"] = big[:7], big[1:], True
+    elif case == "inplace grad":
+        x, kw["inplace"] = x.requires_grad_(), True
+    elif case == "not a tensor":
+        x = x.tolist()
+    with pytest.raises(exc, match=match):
+        ops.fused_bias_act(x, b, y, **kw)
+
+
+# --------------------------------------------------------------------------- autograd, library
+
+
+@pytest.mark.parametrize("act", fba.ACTIVATIONS)
+def test_gradients_match_float64_autograd(act):
+    torch.manual_seed(0)
+    x, b, y = (torch.randn(6, 10, requires_grad=True), torch.randn(10, requires_grad=True),
+               torch.randn(6, 10, requires_grad=True))
+    g = torch.randn(6, 10)
+    ops.fused_bias_act(x, b, y, alpha=-1.5, act=act).backward(g)
+    x64, b64, y64 = (t.detach().double().requires_grad_() for t in (x, b, y))
+    fba.reference(x64, b64, y64, -1.5, act, compute=torch.float64).backward(g.double())
+    for got, want in ((x.grad, x64.grad), (b.grad, b64.grad), (y.grad, y64.grad)):
+        # float32 recomputation of z and act'(z): a few ulp of the largest term
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_registered_op_passes_opcheck():
+    x, b, y = torch.randn(5, 12), torch.randn(12), torch.randn(5, 12)
+    torch.library.opcheck(torch.ops.kgen.fused_bias_act.default, (x, b, y, 0.25, "gelu"))
+    torch.library.opcheck(torch.ops.kgen.fused_bias_act_.default, (x.clone(), b, y, 0.25, "relu"))
+
+
+def test_fake_impl_gives_shape_without_running():
+    x, b = torch.empty(4, 3, 8, device="meta"), torch.empty(8, device="meta")
+    out = torch.ops.kgen.fused_bias_act(x, b, None, 1.0, "silu")
+    assert out.shape == (4, 3, 8) and out.device.type == "meta"
+    with pytest.raises(ValueError):
+        torch.ops.kgen.fused_bias_act(x, torch.empty(7, device="meta"), None, 1.0, "silu")
+
+
+def test_compile_fullgraph_has_no_graph_break():
+    def f(x, b, y):
+        return ops.fused_bias_act(x, b, y, alpha=2.0, act="sigmoid") * 3
+
+    x, b, y = torch.randn(3, 16), torch.randn(16), torch.randn(3, 16)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, b, y), f(x, b, y))
+
+
+# --------------------------------------------------------------------------- every variant
+
+
+def _variants(backend=None):
+    return [v for v in SPEC.variants if backend is None or v.backend == backend]
+
+
+@pytest.mark.parametrize("name", [v.name for v in _variants("triton")])
+def test_triton_variant_under_interpreter_matches_float64(name):
+    """Awkward sizes, all activations, with and without y, in place; poisoned outputs."""
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU test below")
+    v = SPEC.variant(name)
+    results = fba.golden(dispatch.load(v), torch.device("cpu"), v.dtype, SPEC.numerics[v.dtype])
+    bad = [(c, e) for c, e in results if not e <= 1.0]
+    assert len(results) == len(fba.GOLDEN_SHAPES) * len(fba.ACTIVATIONS) * 3
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [v.name for v in _variants()])
+def test_every_variant_on_gpu_matches_float64(name):
+    v = SPEC.variant(name)
+    cap = torch.cuda.get_device_capability()
+    if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, cap):
+        pytest.skip(f"{v.arch} does not run on sm_{cap[0]}{cap[1]}")
+    results = fba.golden(dispatch.load(v), torch.device("cuda"), v.dtype, SPEC.numerics[v.dtype])
+    bad = [(c, e) for c, e in results if not e <= 1.0]
+    assert not bad, bad
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gpu_dispatch_prefers_cuda_and_is_right(dtype):
+    t = DTYPES[dtype]
+    x = torch.randn(1000, 4104, device="cuda").to(t)
+    b, y = torch.randn(4104, device="cuda").to(t), torch.randn(1000, 4104, device="cuda").to(t)
+    out = ops.fused_bias_act(x, b, y, alpha=0.3, act="gelu")
+    assert fba._kernel(x.device, t).backend == "cuda"
+    _assert_close(out, fba.reference(x, b, y, 0.3, "gelu", compute=torch.float64), SPEC.numerics[dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_gradients():
+    x = torch.randn(129, 1000, device="cuda", requires_grad=True)
+    b = torch.randn(1000, device="cuda", requires_grad=True)
+    y = torch.randn(129, 1000, device="cuda", requires_grad=True)
+    g = torch.randn(129, 1000, device="cuda")
+    ops.fused_bias_act(x, b, y, alpha=0.5, act="silu").backward(g)
+    x64, b64, y64 = (t.detach().double().requires_grad_() for t in (x, b, y))
+    fba.reference(x64, b64, y64, 0.5, "silu", compute=torch.float64).backward(g.double())
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.grad.double(), y64.grad, rtol=1e-5, atol=1e-5)
+    # bias grad sums 129 rows in float32
+    torch.testing.assert_close(b.grad.double(), b64.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    x = torch.randn(37, 1000, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(1000, device="cuda", dtype=torch.bfloat16)
+    ops.fused_bias_act(x, b, act="relu")  # build and load outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.fused_bias_act(x, b, act="relu")
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        _assert_close(out, fba.reference(x, b, None, 1.0, "relu", compute=torch.float64),
+                      SPEC.numerics["bfloat16"], "graph replay")
+
+
+@pytest.mark.gpu
+def test_torch_compile_fullgraph_on_gpu():
+    def f(x, b, y):
+        return ops.fused_bias_act(x, b, y, alpha=0.5, act="gelu").float().sum(-1)
+
+    x = torch.randn(64, 4104, device="cuda", dtype=torch.float16)
+    b, y = torch.randn(4104, device="cuda", dtype=torch.float16), torch.randn_like(x)
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(x, b, y), f(x, b, y), rtol=1e-3, atol=1e-2)

@@ -1,0 +1,73 @@
+"""Spec loading and validation: good specs expand; each bad spec names file, line and key."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kgen import spec
+from kgen.errors import SpecError
+
+BAD = sorted((Path(__file__).parent / "specs" / "bad").glob("*.yaml"))
+SHIPPED = sorted((Path(__file__).parent.parent / "kgen" / "specs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_specs_load_and_expand(path):
+    s = spec.load(path)
+    assert len(s.variants) > 1
+    names = [v.name for v in s.variants]
+    assert len(set(names)) == len(names)
+    for v in s.variants:
+        assert re.fullmatch(r"[a-z0-9_]+", v.name), v.name
+        for key, value in v.knobs:  # every knob appears in the name
+            assert str(int(value) if isinstance(value, bool) else value) in v.name
+    assert set(s.numerics) == set(s.dtypes)
+
+
+def test_lists_expand_into_the_product():
+    s = spec.parse(
+        "family: fused_bias_act\n"
+        "dtypes: [bfloat16, float16]\n"
+        "variants:\n"
+        "  - {backend: cuda, arch: [sm_80, sm_90], threads: [128, 256], vec: 8, rows: [1, 2, 4]}\n",
+        "inline.yaml",
+    )
+    assert len(s.variants) == 2 * 2 * 2 * 3
+    assert s.variants[0].name == "sm80_t128_v8_r1_bf16"
+    v = s.variant("sm90_t256_v8_r4_f16")
+    assert v.params == {"threads": 256, "vec": 8, "rows": 4}
+    with pytest.raises(AttributeError):
+        v.dtype = "float32"  # frozen
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_bad_spec_names_file_line_and_key(path):
+    first = path.read_text().splitlines()[0] if path.read_text() else ""
+    m = re.match(r"# expect: (\d+) (\S+)", first)
+    assert m, f"{path.name} lacks its '# expect: LINE KEY' header"
+    with pytest.raises(SpecError) as ei:
+        spec.load(path)
+    e = ei.value
+    assert (e.line, e.key) == (int(m.group(1)), m.group(2)), str(e)
+    assert str(e).startswith(f"{e.path}:{e.line}: {e.key}: ")
+    assert e.path.endswith(path.name)
+
+
+def test_cli_prints_one_line_not_a_traceback():
+    bad = next(p for p in BAD if p.stem == "vec_breaks_16b")
+    r = subprocess.run([sys.executable, "-m", "kgen.cli", "build", str(bad), "--no-compile", "--out", "/nonexistent"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "vec_breaks_16b.yaml:8: variants[0].vec:" in lines[0]
+    assert "16-byte" in lines[0]
+
+
+def test_missing_file_is_a_spec_error():
+    with pytest.raises(SpecError) as ei:
+        spec.load("does/not/exist.yaml")
+    assert ei.value.key == "<file>"
