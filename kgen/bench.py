@@ -21,11 +21,14 @@ def environment() -> dict:
     from kgen.runtime import toolchain
 
     env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "command": "kgen " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("kgen") else shlex.join(sys.argv)}
+           "command": "kgen " + shlex.join(sys.argv[1:])}
     try:
         env["nvcc"] = toolchain.nvcc_version(toolchain.nvcc())
     except Exception as e:  # noqa: BLE001 - a bench without nvcc still times Triton and peers
         env["nvcc"] = f"unavailable: {e}"
+    from kgen.runtime import loader
+
+    env["launcher"] = "trampoline" if loader.trampoline() is not None else "ctypes"
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         env.update(device=p.name, sms=p.multi_processor_count, capability=f"{p.major}.{p.minor}")
@@ -41,11 +44,11 @@ def print_table(title: str, rows: list[dict]) -> None:
     if not rows:
         return
     table = Table(title=title)
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(k for r in rows for k in r))
     for c in cols:
         table.add_column(c, justify="left" if c in ("case", "impl", "what") else "right")
     for r in rows:
-        table.add_row(*[f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+        table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
     Console(width=200).print(table)
 
 

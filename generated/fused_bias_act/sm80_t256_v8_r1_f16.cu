@@ -169,11 +169,19 @@ cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, fl
 
 }  // namespace
 
-// C ABI called through ctypes. The caller has checked shapes, dtypes, devices and the grid
-// limits; this only picks the instantiation and launches on the caller's stream.
-extern "C" int kgen_launch(int device, int act, int has_y, const void* x, const void* y,
-                           const void* bias, void* out, float alpha, long long rows,
-                           long long cols, void* stream) {
+// The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
+// checked shapes, dtypes, devices and the grid limits; this picks the instantiation and
+// launches on the caller's stream.
+//   ints:   device, act, has_y, x, y, bias, out, rows, cols, stream
+//   floats: alpha
+extern "C" int kgen_launch(const long long* ints, const double* floats) {
+  const int device = (int)ints[0], act = (int)ints[1];
+  const bool has_y = ints[2] != 0;
+  const void *x = (const void*)ints[3], *y = (const void*)ints[4], *bias = (const void*)ints[5];
+  void* out = (void*)ints[6];
+  const int64_t rows = ints[7], cols = ints[8];
+  void* stream = (void*)ints[9];
+  const float alpha = (float)floats[0];
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != device) {
     const cudaError_t e = cudaSetDevice(device);

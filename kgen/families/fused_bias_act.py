@@ -50,8 +50,6 @@ SCHEMA = Schema(
     check=_check_variant,
 )
 TEMPLATES = {"cuda": "fused_bias_act/cuda.cu.j2", "triton": "fused_bias_act/triton.py.j2"}
-# ctypes signature of the CUDA launcher `kgen_launch` (see cuda.cu.j2).
-CUDA_ENTRY = ("kgen_launch", ("int", "int", "int", "ptr", "ptr", "ptr", "ptr", "float", "i64", "i64", "ptr"))
 
 
 def template_context(variant) -> dict:
@@ -117,7 +115,24 @@ def reference(x, bias, y=None, alpha: float = 1.0, act: str = "none", compute=to
 
 
 def _check(x, bias, y, alpha, act, inplace: bool) -> None:
-    """Everything that would make a launch wrong or unsafe raises here, before any launch."""
+    """Everything that would make a launch wrong or unsafe raises here, before any launch.
+
+    One combined test on the common path (it runs on every call, so it is kept cheap), and
+    the detailed walk through `_explain` only to word the error.
+    """
+    try:
+        dt, xs, xd = x.dtype, x.shape, x.device
+        if (dt in _TORCH_DTYPES and bias.dtype is dt and act in _ACT_CODE and type(alpha) in (float, int)
+                and len(xs) >= 1 and bias.shape == xs[-1:] and bias.device == xd
+                and (y is None or (y.dtype is dt and y.shape == xs and y.device == xd))
+                and (not inplace or x.is_contiguous())):
+            return
+    except (AttributeError, TypeError):
+        pass
+    _explain(x, bias, y, alpha, act, inplace)
+
+
+def _explain(x, bias, y, alpha, act, inplace: bool) -> None:
     if not isinstance(x, torch.Tensor) or not isinstance(bias, torch.Tensor):
         raise TypeError("fused_bias_act: x and bias must be tensors")
     if x.dtype not in _TORCH_DTYPES:
@@ -147,6 +162,8 @@ def _check(x, bias, y, alpha, act, inplace: bool) -> None:
     if inplace and not x.is_contiguous():
         raise ValueError("fused_bias_act: in place needs a contiguous x; call x.contiguous() "
                          "or use the out-of-place form")
+    raise TypeError(f"fused_bias_act: invalid arguments (x {type(x).__name__}, bias {type(bias).__name__}, "
+                    f"y {type(y).__name__}, alpha {alpha!r}, act {act!r})")
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -160,33 +177,36 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _kernel(device: torch.device, dtype: torch.dtype):
-    """The launcher for (device, dtype), cached after the first call (which may build)."""
+    """The loaded variant for (device, dtype), chosen and built on the first call, then
+    cached for the process (None: no variant could be built, use the reference)."""
     key = (device.index, dtype)
-    k = _KERNELS.get(key)
-    if k is None:
+    if key not in _KERNELS:
         from kgen.runtime import dispatch
 
-        k = _KERNELS[key] = dispatch.select("fused_bias_act", device, _TORCH_DTYPES[dtype])
-    return k
+        _KERNELS[key] = dispatch.select("fused_bias_act", device, _TORCH_DTYPES[dtype])
+    return _KERNELS[key]
 
 
 _KERNELS: dict = {}
 
 
 def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
-    """Run one loaded variant (`kgen.runtime.dispatch.Kernel`) on checked, contiguous tensors."""
+    """Run one loaded variant (`kgen.runtime.loader.Kernel`) on checked, contiguous tensors."""
     cols = x.shape[-1]
     rows = x.numel() // cols if cols else 0
-    if rows == 0 or cols == 0:
+    if rows == 0:
         return
     has_y = y is not None
     if kernel.backend == "cuda":
-        threads, vec = kernel.params["threads"], kernel.params["vec"]
-        if math.ceil(cols / threads) > _MAX_GRID_Y:  # scalar tail path is the widest grid
+        # the tail path (one element per thread) has the widest grid: cols / threads blocks
+        if cols > _MAX_GRID_Y * kernel.params["threads"]:
             raise ValueError(f"fused_bias_act: {cols} columns exceed the CUDA grid of variant "
-                             f"{kernel.name} (at most {_MAX_GRID_Y * threads})")
-        kernel.call(x.device.index, _ACT_CODE[act], has_y, x.data_ptr(), y.data_ptr() if has_y else 0,
-                    bias.data_ptr(), out.data_ptr(), alpha, rows, cols, _raw_stream(x.device.index))
+                             f"{kernel.name} (at most {_MAX_GRID_Y * kernel.params['threads']})")
+        dev = x.get_device()
+        rc = kernel.raw(kernel.ptr, dev, _ACT_CODE[act], has_y, x.data_ptr(), y.data_ptr() if has_y else 0,
+                        bias.data_ptr(), out.data_ptr(), rows, cols, _raw_stream(dev), float(alpha))
+        if rc:
+            kernel.fail(rc)
     else:
         mod = kernel.module
         grid = (triton_cdiv(rows, mod.ROWS), triton_cdiv(cols, mod.BLOCK_COLS))
@@ -201,11 +221,10 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _raw_stream(index: int) -> int:
-    # The private getter costs a fraction of `torch.cuda.current_stream().cuda_stream`,
-    # which builds a Stream object per call; both return the caller's current stream.
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
+# The caller's current stream as an integer handle. The private getter costs a fraction of
+# `torch.cuda.current_stream(i).cuda_stream`, which builds a Stream object per call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
@@ -215,18 +234,25 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
             raise ValueError("fused_bias_act: in place, bias and y must not partially overlap x")
         out = x
     else:
-        x = x if x.is_contiguous() else x.contiguous()
+        if not x.is_contiguous():
+            x = x.contiguous()
         out = torch.empty_like(x)
-    bias = bias if bias.is_contiguous() else bias.contiguous()
+    if not bias.is_contiguous():
+        bias = bias.contiguous()
     if y is not None and not y.is_contiguous():
         y = y.contiguous()
-    if x.device.type != "cuda":
+    if not x.is_cuda:
         return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
-    kernel = _kernel(x.device, x.dtype)
-    if kernel is None:  # no GPU variant could be built: the reference on the GPU
+    kernel = _KERNELS.get((x.get_device(), x.dtype), _MISSING)
+    if kernel is _MISSING:
+        kernel = _kernel(x.device, x.dtype)
+    if kernel is None:  # no GPU variant could be built: the reference, on the GPU
         return out.copy_(reference(x, bias, y, alpha, act))
-    launch(kernel, x, bias, y, float(alpha), act, out)
+    launch(kernel, x, bias, y, alpha, act, out)
     return out
+
+
+_MISSING = object()
 
 
 # --------------------------------------------------------------------------- torch.library
@@ -274,9 +300,10 @@ _op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _needs_grad(x, bias, y) -> bool:
-    # getattr: this runs before the type checks, which give the clear error for non-tensors
-    return (getattr(x, "requires_grad", False) or getattr(bias, "requires_grad", False)
-            or getattr(y, "requires_grad", False))
+    try:
+        return x.requires_grad or bias.requires_grad or (y is not None and y.requires_grad)
+    except AttributeError:
+        return False  # not tensors: _check gives the clear error
 
 
 def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor] = None, *,

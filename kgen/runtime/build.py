@@ -209,17 +209,12 @@ def triton_source_entry(variant: Variant) -> cache.Entry:
     """The rendered Triton module as a cache entry (no compile: Triton JITs at first call)."""
     text = render(variant).text
     key = cache.digest({"kind": "triton-src", "source": sha(text), "kgen": kgen_fingerprint()})
-    path = cache.entry_path(variant.family, variant.name, key)
-    entry = cache.lookup(path)
-    if entry:
-        return entry
-    with cache.lock(path):
-        entry = cache.lookup(path)
-        if entry:
-            return entry
-        staging = cache.new_staging(variant.name)
+
+    def make(staging: Path):
         (staging / TRITON_SOURCE).write_text(text)
-        return cache.publish(staging, path, [TRITON_SOURCE], {"variant": variant.qualname})
+        return [TRITON_SOURCE], {"variant": variant.qualname}
+
+    return cache.obtain(variant.family, variant.name, key, make)
 
 
 def load_triton_module(entry: cache.Entry):

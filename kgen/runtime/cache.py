@@ -98,6 +98,30 @@ def publish(staging: Path, path: Path, files: list[str], facts: dict) -> Entry:
     return Entry(path, manifest)
 
 
+def obtain(family: str, name: str, key: str, make) -> Entry:
+    """The entry for `key`, built by `make(staging) -> (files, facts)` if absent or corrupt.
+
+    Check, lock, check again (a racing builder may have published meanwhile), build in a
+    private staging dir, publish by rename. For builds of one entry at a time; the batched
+    CUDA build in build.py follows the same steps for many entries under one ninja run.
+    """
+    path = entry_path(family, name, key)
+    entry = lookup(path)
+    if entry:
+        return entry
+    with lock(path):
+        entry = lookup(path)
+        if entry:
+            return entry
+        staging = new_staging(name)
+        try:
+            files, facts = make(staging)
+        except BaseException:
+            discard(staging)
+            raise
+        return publish(staging, path, files, facts)
+
+
 def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 

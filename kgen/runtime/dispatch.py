@@ -62,13 +62,11 @@ def candidates(family: str, dtype: str, capability: tuple[int, int] | None) -> l
 
 def load(variant: spec_mod.Variant) -> loader.Kernel:
     """Build (or find in the cache) and load one variant. Raises KgenError on failure."""
-    from kgen.families import module_of
-
     if variant.backend == "cuda":
         (result,) = build.build_cuda([variant])
         if result.error:
             raise result.error
-        return loader.load_cuda(variant, result.entry, module_of(variant.family).CUDA_ENTRY)
+        return loader.load_cuda(variant, result.entry)
     return loader.load_triton(variant, build.triton_source_entry(variant))
 
 

@@ -28,7 +28,12 @@ def nvcc() -> str:
 
 
 def nvcc_version(path: str) -> str:
-    """`nvcc --version`'s release line, remembered across processes.
+    """`nvcc --version`'s release lines, remembered across processes (see tool_version)."""
+    return tool_version(path)
+
+
+def tool_version(path: str) -> str:
+    """A compiler's `--version` for cache keys, remembered across processes.
 
     A warm cache must not run any compiler, so the answer is memoised in the cache dir,
     keyed by the binary's path, size and mtime (a reinstalled toolkit changes them).
@@ -61,7 +66,7 @@ def _run_version(path: str) -> str:
     except OSError as e:
         raise ToolchainError(f"{path} --version failed: {e}. {_NVCC_HELP}") from None
     lines = [ln for ln in out.splitlines() if "release" in ln or ln.startswith("Build")]
-    return " / ".join(lines) or out.strip()
+    return " / ".join(lines) or out.strip().splitlines()[0] if out.strip() else path
 
 
 def nvcc_release(version: str) -> tuple[int, int]:
