@@ -228,6 +228,8 @@ _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
 
 
 def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
+    """The op's implementation (eager fast path and the registered op alike). It runs on
+    every call, so it reads each tensor attribute once and calls as little as it can."""
     _check(x, bias, y, alpha, act, inplace)
     if inplace:
         if _overlaps(x, bias) or (y is not None and _overlaps(x, y)):
@@ -241,13 +243,12 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
         bias = bias.contiguous()
     if y is not None and not y.is_contiguous():
         y = y.contiguous()
-    if not x.is_cuda:
-        return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
-    kernel = _KERNELS.get((x.get_device(), x.dtype), _MISSING)
+    dev = x.get_device()  # -1 for CPU tensors
+    kernel = _KERNELS.get((dev, x.dtype), _MISSING) if dev >= 0 else None
     if kernel is _MISSING:
         kernel = _kernel(x.device, x.dtype)
-    if kernel is None:  # no GPU variant could be built: the reference, on the GPU
-        return out.copy_(reference(x, bias, y, alpha, act))
+    if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
+        return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
     launch(kernel, x, bias, y, alpha, act, out)
     return out
 
@@ -299,13 +300,6 @@ def _backward(ctx, grad):
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _needs_grad(x, bias, y) -> bool:
-    try:
-        return x.requires_grad or bias.requires_grad or (y is not None and y.requires_grad)
-    except AttributeError:
-        return False  # not tensors: _check gives the clear error
-
-
 def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor] = None, *,
                    alpha: float = 1.0, act: str = "none", inplace: bool = False) -> torch.Tensor:
     """out = act(x + alpha * y + bias), bias broadcast along x's last dimension.
@@ -316,9 +310,14 @@ def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor
     On CUDA tensors the best kernel variant for the device and dtype runs on the current
     stream; CPU tensors use the float32 PyTorch reference. Also `torch.ops.kgen.fused_bias_act`.
     """
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and _needs_grad(x, bias, y)):
+    try:
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or bias.requires_grad or (y is not None and y.requires_grad))
+    except AttributeError:
+        needs_grad = False  # not tensors: _check gives the clear error
+    if needs_grad or torch.compiler.is_compiling():
         if inplace:
-            if torch.is_grad_enabled() and _needs_grad(x, bias, y):
+            if needs_grad:
                 raise ValueError("fused_bias_act: inplace=True is not differentiable; use the "
                                  "out-of-place form when a gradient is needed")
             torch.ops.kgen.fused_bias_act_(x, bias, y, alpha, act)
