@@ -7,8 +7,6 @@ variants need a GPU of a matching arch and are reported as skipped.
 
 from __future__ import annotations
 
-import os
-
 from rich.console import Console
 from rich.table import Table
 
@@ -34,7 +32,9 @@ def verify(spec, variants) -> int:
 
     gpu = torch.cuda.is_available()
     if not gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+        from kgen.runtime import interpret
+
+        interpret.enable()
     capability = torch.cuda.get_device_capability() if gpu else None
     device = torch.device("cuda" if gpu else "cpu")
     family = module_of(spec.family)

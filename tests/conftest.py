@@ -21,7 +21,9 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 if not HAS_GPU:
     # Triton kernels run on the CPU; set before any generated module is imported.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kgen.runtime import interpret
+
+    interpret.enable()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,569 @@
+"""linear_logp: logp[i] = log_softmax((hidden[i] @ weight.T + bias) / T)[target[i]].
+
+The family's reference math, input checks, grid sizes, launch functions and autograd. The
+kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` below is that template
+rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D, NUM_WARPS, NUM_STAGES,
+SPLIT_V plus the kernels).
+
+Outputs are float32: logp [N], and optionally the entropy [N] of the tempered softmax.
+Rows whose target is ignore_index get logp = 0 and entropy = 0, and no gradient.
+
+Forward (O(N) extra memory, the N x V logits never exist):
+  1. `linear_logp_fwd_kernel`, grid cdiv(N, BLOCK_N) * SPLIT_V, split-major order. Each
+     program sweeps V tiles of its slice (tl.dot over D in BLOCK_D steps, float32
+     accumulation) with an online softmax in base 2 and writes 4 float32 partials per row:
+     running max, sum of exp, target logit, sum of exp * (z - max).
+  2. `linear_logp_combine_kernel`, grid cdiv(N, 128), merges the SPLIT_V partials.
+  Extra memory: 16 * SPLIT_V * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
+
+Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
+  dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] and
+              float32 column sums per row tile (for grad_bias);
+  dW kernel:  grad_weight[v0:v1] = dz^T @ hidden, the whole N reduction in registers,
+              each output tile written once in the output dtype;
+  dH kernel:  acc += dz @ weight[v0:v1] into a float32 [N, D] accumulator; the last chunk
+              writes grad_hidden in its dtype.
+  Why not one fused kernel with atomics: grad_weight would need a float32 [V, D] buffer
+  (1.2-2 GiB at the target shapes) and grad_hidden one of N*D*4 bytes; atomics into the
+  16-bit outputs would not accumulate in float32. The price of separate passes is that dz
+  makes one round trip through the workspace (N*V*elsize written once, read twice: about
+  6 GB at 8192 x 128256 bf16) and the float32 accumulator is re-read once per chunk; all
+  three kernels stay compute bound at chunk >= ~1000 columns.
+  The float32 accumulator: grad_hidden itself when it is float32; a separate buffer when
+  N*D*4 <= accumulator_bytes; otherwise it borrows the last ceil(4N/elsize) rows of the
+  still-unwritten grad_weight, whose dz is recomputed once more after grad_hidden is done
+  (2N/V of one logits GEMM: 5% at 4096 x 151936, 13% at 8192 x 128256); if even that does
+  not fit (V < 4N) it falls back to a separate N*D*4-byte buffer, over budget.
+  Extra memory: N*chunk*elsize (workspace, chunk = workspace_bytes / (N*elsize) rounded to
+  the tile) + cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) [+ N*D*4 when
+  the accumulator is a separate buffer]. Defaults: < 64 MiB at the target shapes.
+
+Inputs are made contiguous (a copy when they are not: weight should arrive contiguous);
+no pointer alignment is required (Triton specialises on 16-byte alignment by itself).
+Float32 inputs use TF32 tensor cores only when torch.backends.cuda.matmul.allow_tf32 is
+set, as torch.matmul does. Float16 inputs keep dz in float16 (as eager PyTorch does), so
+probabilities below ~6e-8 flush to zero there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any, Mapping, Optional
+
+import torch
+
+from kgen.spec import DTYPES, Knob, Schema
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_TARGET_DTYPES = (torch.int64, torch.int32)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Rows per program of the combine kernel (cheap: 4 * SPLIT_V loads per row).
+COMBINE_BLOCK = 128
+# Tiles of row-major output walked GROUP rows at a time (L2 reuse of the shared panel).
+GROUP = 8
+# Backward budgets (bytes): the dz chunk workspace, and the largest float32 grad_hidden
+# accumulator allocated separately before borrowing grad_weight's tail instead.
+WORKSPACE_BYTES = 40 << 20
+ACCUMULATOR_BYTES = 16 << 20
+
+
+# Hopper's opt-in shared memory per block (bytes); the pipelined tiles of the dot must fit.
+_SMEM_LIMIT = 232448
+
+
+def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
+    problems = []
+    smem = k["num_stages"] * (k["block_n"] + k["block_v"]) * k["block_d"] * DTYPES[dtype][0]
+    if smem > _SMEM_LIMIT:
+        problems.append(("num_stages", f"{k['num_stages']} stages of ({k['block_n']} + {k['block_v']}) x "
+                                       f"{k['block_d']} {dtype} tiles need {smem} bytes of shared memory, "
+                                       f"above the {_SMEM_LIMIT}-byte limit"))
+    return problems
+
+
+SCHEMA = Schema(
+    dtypes=("bfloat16", "float16", "float32"),
+    knobs={
+        "triton": (
+            Knob("block_n", "n", lo=16, hi=256, pow2=True),  # rows of hidden per program
+            Knob("block_v", "v", lo=16, hi=256, pow2=True),  # vocabulary tile
+            Knob("block_d", "d", lo=16, hi=256, pow2=True),  # reduction step over D
+            Knob("num_warps", "w", lo=1, hi=16, pow2=True),
+            Knob("num_stages", "s", lo=1, hi=8),
+            Knob("split_v", "sv", lo=1, hi=256),  # programs sharing one row block's V range
+        ),
+    },
+    check=_check_variant,
+)
+TEMPLATES = {"triton": "linear_logp/triton.py.j2"}
+
+
+def template_context(variant) -> dict:
+    p = variant.params
+    return {"BLOCK_N": p["block_n"], "BLOCK_V": p["block_v"], "BLOCK_D": p["block_d"],
+            "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "SPLIT_V": p["split_v"]}
+
+
+def triton_aot(variant, mod) -> list:
+    """What `kgen build` compiles ahead of time: the forward kernel (bias, entropy) in the
+    variant's dtype: the one whose speed matters most, enough to report its resources."""
+    t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
+    sig = {"h_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "t_ptr": "*i64", "part_ptr": "*fp32",
+           "N": "i32", "V": "i32", "D": "i32", "scale": "fp32"}
+    const = {"HAS_BIAS": True, "WITH_ENTROPY": True, "PRECISION": _precision_name(variant.dtype),
+             "SPLIT_V": mod.SPLIT_V, "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
+    sig.update({k: "constexpr" for k in const})
+    return [(mod.linear_logp_fwd_kernel, sig, const,
+             {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})]
+
+
+def _precision_name(dtype: str) -> str:
+    return "ieee" if dtype == "float32" else "tf32"
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every buffer a launch returns or reads back comes from here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- reference math
+
+
+def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
+              ignore_index: int = -100, compute=torch.float32):
+    """(logp, entropy) in `compute` precision (float32: the CPU path; float64: the test
+    oracle), shaped like hidden.shape[:-1]. Materialises the N x V logits; differentiable
+    through torch autograd."""
+    shape = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1]).to(compute)
+    logits = h @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    logits = logits / temperature
+    t = target.reshape(-1).long()
+    valid = t != ignore_index
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1) - lse
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    zero = logp.new_zeros(())
+    return torch.where(valid, logp, zero).reshape(shape), torch.where(valid, entropy, zero).reshape(shape)
+
+
+def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature: float,
+                       ignore_index: int):
+    """(grad_hidden, grad_weight, grad_bias or [0]) in float32 with the logits materialised:
+    dz = g_logp (onehot - p) - g_ent p (z - E[z]) on valid rows, then / temperature. (The
+    CPU path; written out because autograd does not run inside a custom op's kernel.)"""
+    f32 = torch.float32
+    h, w = hidden.to(f32), weight.to(f32)
+    z = h @ w.T
+    if bias is not None:
+        z = z + bias.to(f32)
+    z = z / temperature
+    p = torch.softmax(z, dim=-1)
+    valid = target != ignore_index
+    dz = -p * grad_logp.to(f32)[:, None]
+    rows = valid.nonzero().squeeze(1)
+    dz[rows, target[rows].long()] += grad_logp.to(f32)[rows]
+    if grad_entropy is not None:
+        ez = (p * z).sum(-1, keepdim=True)
+        dz -= grad_entropy.to(f32)[:, None] * p * (z - ez)
+    dz = torch.where(valid[:, None], dz, torch.zeros((), dtype=f32)) / temperature
+    gb = dz.sum(0).to(bias.dtype) if bias is not None else hidden.new_empty(0)
+    return (dz @ w).to(hidden.dtype), (dz.T @ h).to(weight.dtype), gb
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def check_inputs(hidden, weight, target, bias, temperature, ignore_index) -> None:
+    """Dtypes, shapes, devices and scalars; raises TypeError/ValueError naming the argument.
+    Never touches tensor values (safe on fake tensors); see check_target_range."""
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linear_logp: {name} must be a tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"linear_logp: bias must be a tensor or None, got {type(bias).__name__}")
+    if hidden.dtype not in _DTYPES:
+        raise TypeError(f"linear_logp: hidden has dtype {hidden.dtype}; supported: float32, bfloat16, float16")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"linear_logp: weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"linear_logp: bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
+    if target.dtype not in _TARGET_DTYPES:
+        raise TypeError(f"linear_logp: target has dtype {target.dtype}; expected torch.int64 (or int32)")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"linear_logp: temperature must be a float, got {type(temperature).__name__}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(f"linear_logp: temperature must be finite and > 0, got {temperature}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"linear_logp: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"linear_logp: weight must be 2-D [V, D], got shape {tuple(weight.shape)}")
+    V, D = weight.shape
+    if V == 0 or D == 0:
+        raise ValueError(f"linear_logp: weight has shape {tuple(weight.shape)}; V and D must be >= 1")
+    if hidden.dim() < 1 or hidden.shape[-1] != D:
+        raise ValueError(f"linear_logp: hidden has shape {tuple(hidden.shape)}; its last dimension "
+                         f"must be D = {D} (weight is [V, D] = {tuple(weight.shape)})")
+    n = hidden.numel() // D
+    if target.shape != hidden.shape[:-1] and not (target.dim() == 1 and target.shape[0] == n):
+        raise ValueError(f"linear_logp: target has shape {tuple(target.shape)}; expected "
+                         f"{tuple(hidden.shape[:-1])} (hidden's leading dims) or ({n},)")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != V):
+        raise ValueError(f"linear_logp: bias has shape {tuple(bias.shape)}; expected ({V},), V of weight")
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"linear_logp: {name} is on {t.device}, hidden on {hidden.device}; "
+                             "all tensors must be on one device")
+
+
+def check_target_range(target: torch.Tensor, V: int, ignore_index: int) -> None:
+    """target in [0, V) or == ignore_index. One reduction on the device and one host sync
+    (skipped during CUDA graph capture, where a sync is illegal; the kernels never index
+    memory with target, so a bad value there gives a wrong row, never a bad access)."""
+    if target.numel() == 0:
+        return
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = int(target.reshape(-1)[bad.reshape(-1)][0])
+        raise ValueError(f"linear_logp: target holds {first}, outside [0, {V}) and not "
+                         f"ignore_index ({ignore_index})")
+
+
+# --------------------------------------------------------------------------- grids and launch
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # what tl.dot uses by default; only float32 inputs read it
+
+
+def fwd_grid(mod, N: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * mod.SPLIT_V,)
+
+
+def combine_grid(N: int) -> tuple[int]:
+    return (_cdiv(N, COMBINE_BLOCK),)
+
+
+def dz_grid(mod, N: int, width: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * _cdiv(width, mod.BLOCK_V),)
+
+
+def dw_grid(mod, width: int, D: int) -> tuple[int]:
+    return (_cdiv(width, mod.BLOCK_V) * _cdiv(D, mod.BLOCK_N),)
+
+
+def dh_grid(mod, N: int, D: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * _cdiv(D, mod.BLOCK_V),)
+
+
+def _tiles(mod) -> dict:
+    return dict(BLOCK_N=mod.BLOCK_N, BLOCK_V=mod.BLOCK_V, BLOCK_D=mod.BLOCK_D,
+                num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+
+
+def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index: int,
+            with_entropy: bool):
+    """Launch the forward on checked, contiguous hidden [N, D], weight [V, D], target [N],
+    bias [V] or None. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or [0]),
+    all float32; lse2 and ez2 are the base-2 log-sum-exp and mean logit the backward needs."""
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    f32 = torch.float32
+    n_ent = N if with_entropy else 0
+    logp, entropy = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
+    lse2, ez2 = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
+    if N == 0:
+        return logp, entropy, lse2, ez2
+    part = _empty((4, mod.SPLIT_V, N), f32, dev)
+    mod.linear_logp_fwd_kernel[fwd_grid(mod, N)](
+        hidden, weight, bias if bias is not None else weight, target, part,
+        N, V, D, LOG2E / temperature,
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+        SPLIT_V=mod.SPLIT_V, **_tiles(mod))
+    mod.linear_logp_combine_kernel[combine_grid(N)](
+        part, target, logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
+        N, ignore_index, WITH_ENTROPY=with_entropy, SPLIT_V=mod.SPLIT_V, BLOCK=COMBINE_BLOCK)
+    return logp, entropy, lse2, ez2
+
+
+def _chunks(begin: int, end: int, size: int) -> list[tuple[int, int]]:
+    return [(v, min(v + size, end)) for v in range(begin, end, size)]
+
+
+def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
+             temperature: float, ignore_index: int, *, workspace_bytes: Optional[int] = None,
+             accumulator_bytes: Optional[int] = None):
+    """Gradients (hidden [N, D], weight [V, D], bias [V] or None) in the input dtype, from
+    the forward's lse2/ez2 and the upstream gradients (grad_entropy None when the entropy
+    was not requested; grad_logp None means zeros). Budgets default to WORKSPACE_BYTES and
+    ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring."""
+    workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    grad_h = _empty((N, D), dtype, dev)
+    grad_w = _empty((V, D), dtype, dev)
+    grad_b = _empty((V,), dtype, dev) if bias is not None else None
+    if N == 0:
+        grad_w.zero_()
+        if grad_b is not None:
+            grad_b.zero_()
+        return grad_h, grad_w, grad_b
+
+    with_entropy = grad_entropy is not None
+    valid = target != ignore_index
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    ca = torch.where(valid, grad_logp.float() / temperature, zero) if grad_logp is not None else \
+        torch.zeros((N,), dtype=torch.float32, device=dev)
+    cb = torch.where(valid, grad_entropy.float() * (LN2 / temperature), zero) if with_entropy else ca
+
+    esize = hidden.element_size()
+    granule = max(mod.BLOCK_V, mod.BLOCK_D)
+    chunk = workspace_bytes // (N * esize) // granule * granule
+    chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
+
+    # The float32 grad_hidden accumulator and `alias_from`, the first vocab row whose
+    # grad_weight waits until the accumulator is done with the memory it borrows.
+    alias_from = V
+    if dtype == torch.float32:
+        acc = grad_h
+    elif N * D * 4 <= accumulator_bytes:
+        acc = _empty((N, D), torch.float32, dev)
+    else:
+        start = (V - _cdiv(4 * N, esize)) // granule * granule
+        if 2 * start >= V:
+            alias_from = start
+            acc = grad_w.view(-1)[start * D:start * D + N * D * 4 // esize].view(torch.float32).view(N, D)
+        else:
+            acc = _empty((N, D), torch.float32, dev)
+
+    dz = _empty((N, chunk), dtype, dev)
+    bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
+    prec = _precision(dtype)
+    common = dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod))
+
+    def dz_pass(v0, v1, write_bpart):
+        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, v1 - v0)](
+            hidden, weight, bias if bias is not None else weight, target, lse2,
+            ez2 if with_entropy else lse2, ca, cb, dz, bpart,
+            N, V, D, v0, v1, chunk, LOG2E / temperature,
+            HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy, **common)
+        if write_bpart:
+            grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
+
+    def dw_pass(v0, v1):
+        mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
+            dz, hidden, grad_w, N, D, v0, v1, chunk, **common)
+
+    chunks = _chunks(0, alias_from, chunk) + _chunks(alias_from, V, chunk)
+    for i, (v0, v1) in enumerate(chunks):
+        dz_pass(v0, v1, bias is not None)
+        if v1 <= alias_from:
+            dw_pass(v0, v1)
+        mod.linear_logp_bwd_dh_kernel[dh_grid(mod, N, D)](
+            dz, weight, acc, grad_h, N, D, v0, v1, chunk,
+            ACCUMULATE=i > 0, FINAL=i == len(chunks) - 1, **common)
+    for v0, v1 in _chunks(alias_from, V, chunk):  # grad_hidden is final: the tail is free
+        dz_pass(v0, v1, False)
+        dw_pass(v0, v1)
+    return grad_h, grad_w, grad_b
+
+
+# --------------------------------------------------------------------------- kernel choice
+
+
+_FORCED = threading.local()
+_MODULES: dict = {}
+
+
+@contextlib.contextmanager
+def using(mod):
+    """Run the op with this kernel module (a loaded variant's `.module`; None: the PyTorch
+    reference) instead of dispatch's choice, in this thread. For tests and benchmarks."""
+    saved = getattr(_FORCED, "mod", _FORCED)
+    _FORCED.mod = mod
+    try:
+        yield
+    finally:
+        if saved is _FORCED:
+            del _FORCED.mod
+        else:
+            _FORCED.mod = saved
+
+
+def _module(device: torch.device, dtype: torch.dtype):
+    """The kernel module for (device, dtype); None means the PyTorch reference (CPU
+    tensors, or no variant could be built)."""
+    forced = getattr(_FORCED, "mod", _FORCED)
+    if forced is not _FORCED:
+        return forced
+    if device.type != "cuda":
+        return None
+    key = (device.index, dtype)
+    if key not in _MODULES:
+        from kgen.runtime import dispatch
+
+        kernel = dispatch.select("linear_logp", device, str(dtype).removeprefix("torch."))
+        _MODULES[key] = kernel.module if kernel is not None else None
+    return _MODULES[key]
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+@torch.library.custom_op("kgen::linear_logp", mutates_args=())
+def _op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+        temperature: float, ignore_index: int, with_entropy: bool
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2-D hidden, 1-D target. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or
+    [0]); the last two are what the backward needs (unused on the reference path)."""
+    check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    check_target_range(target, weight.shape[0], ignore_index)
+    mod = _module(hidden.device, hidden.dtype)
+    if mod is not None:
+        return forward(mod, hidden.contiguous(), weight.contiguous(), target.contiguous(),
+                       bias.contiguous() if bias is not None else None, temperature, ignore_index, with_entropy)
+    logp, entropy = reference(hidden, weight, target, bias, temperature=temperature, ignore_index=ignore_index)
+    N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
+    f32 = torch.float32
+    return (logp, entropy if with_entropy else entropy.new_empty(0),
+            torch.zeros(N, dtype=f32, device=hidden.device), torch.zeros(n_ent, dtype=f32, device=hidden.device))
+
+
+@_op.register_fake
+def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy):
+    check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
+    new = lambda n: hidden.new_empty((n,), dtype=torch.float32)  # noqa: E731
+    return new(N), new(n_ent), new(N), new(n_ent)
+
+
+@torch.library.custom_op("kgen::linear_logp_backward", mutates_args=())
+def _bwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+            lse2: torch.Tensor, ez2: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+            temperature: float, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation; see the module doc."""
+    mod = _module(hidden.device, hidden.dtype)
+    if mod is not None:
+        gh, gw, gb = backward(mod, hidden.contiguous(), weight.contiguous(), target.contiguous(),
+                              bias.contiguous() if bias is not None else None, lse2, ez2,
+                              grad_logp.contiguous(), None if grad_entropy is None else grad_entropy.contiguous(),
+                              temperature, ignore_index)
+        return gh, gw, gb if gb is not None else hidden.new_empty(0)
+    return reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature, ignore_index)
+
+
+@_bwd_op.register_fake
+def _bwd_op_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature, ignore_index):
+    return (torch.empty_like(hidden), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else hidden.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, temperature, ignore_index, with_entropy = inputs
+    _, _, lse2, ez2 = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
+    ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
+    ctx.has_bias = bias is not None
+    ctx.forced = getattr(_FORCED, "mod", _FORCED)  # `using(mod)` holds for the backward too
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
+    hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
+    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+        gh, gw, gb = torch.ops.kgen.linear_logp_backward(
+            hidden, weight, target, bias, lse2, ez2, grad_logp,
+            grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
+    return gh, gw, None, gb if ctx.has_bias else None, None, None, None
+
+
+_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
+                ignore_index: int = -100, return_entropy: bool = False):
+    """logp = log_softmax((hidden @ weight.T + bias) / temperature)[target] per row, float32,
+    shaped like hidden.shape[:-1]; with return_entropy, (logp, entropy) where entropy is
+    that of the tempered softmax. Rows with target == ignore_index give 0 for both and no
+    gradient. Differentiable for hidden, weight and bias under any upstream gradients.
+
+    The N x V logits are never materialised on CUDA (Triton kernels; extra memory in the
+    module docstring, < 64 MiB at N=8192, V=128256); CPU tensors use the float32 PyTorch
+    reference. Inputs are checked before any launch, including one device reduction and
+    host sync over target's range (skipped during CUDA graph capture). Also registered as
+    torch.ops.kgen.linear_logp (2-D hidden, 1-D target, four outputs).
+    """
+    check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    D = weight.shape[1]
+    shape = hidden.shape[:-1]
+    logp, entropy, _, _ = torch.ops.kgen.linear_logp(
+        hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature), int(ignore_index),
+        bool(return_entropy))
+    logp = logp.reshape(shape)
+    return (logp, entropy.reshape(shape)) if return_entropy else logp
+
+
+OPS = {"linear_logp": linear_logp}
+
+
+# --------------------------------------------------------------------------- golden numerics
+
+# Gradients vs float64, judged against the largest gradient element: 16-bit inputs round
+# dz to 16 bits before the two gradient GEMMs and round the outputs (2^-9 bf16, 2^-12
+# fp16 per element, summed over V or N): observed up to 1.3e-2 of scale for bf16, 8e-4 fp16.
+GRAD_TOL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
+    """Forward (logp, entropy) and gradients of one loaded variant against float64 on fresh
+    random inputs of awkward sizes, with bias, ignored rows, temperature 0.7 and random
+    upstream gradients; returns (case, worst error / tolerance) per output."""
+    tdtype = getattr(torch, dtype)
+    sizes = [(1, 50, 16), (7, 257, 40), (33, 1000, 72)]
+    if device.type == "cuda":
+        sizes += [(300, 5003, 264), (1, 50257, 2048)]
+    results = []
+    for N, V, D in sizes:
+        h = torch.randn(N, D, device=device).to(tdtype)
+        w = (torch.randn(V, D, device=device) * (2.0 / math.sqrt(D))).to(tdtype)
+        b = (torch.randn(V, device=device) * 0.5).to(tdtype)
+        t = torch.randint(0, V, (N,), device=device)
+        t[::3] = -100 if N > 1 else t[::3]
+        g_logp, g_ent = torch.randn(N, device=device), torch.randn(N, device=device)
+        outs = []
+        for mod, compute in ((kernel.module, None), (None, torch.float64)):
+            leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+            if compute is None:
+                with using(mod):
+                    logp, ent = linear_logp(*leaves[:2], t, leaves[2], temperature=0.7, return_entropy=True)
+            else:
+                logp, ent = reference(*leaves[:2], t, leaves[2], temperature=0.7, compute=compute)
+            ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+            outs.append([logp, ent] + [x.grad for x in leaves])
+        for name, got, want in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), *outs):
+            want = want.double()
+            if name.startswith("grad"):
+                bound = GRAD_TOL[dtype] * max(1.0, float(want.abs().max()))
+            else:
+                bound = tol.atol + tol.rtol * want.abs()
+            err = (got.double() - want).abs() / bound
+            worst = float(err.max()) if err.numel() and not torch.isnan(err).any() else (
+                0.0 if not err.numel() else float("inf"))
+            results.append((f"N={N} V={V} D={D} {name}", worst))
+    return results

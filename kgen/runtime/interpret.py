@@ -1,0 +1,44 @@
+"""Running Triton variants on the CPU: the Triton interpreter, and one fix it needs.
+
+Triton's interpreter (3.9 seen) multiplies bfloat16 `tl.dot` operands as their uint16 bit
+patterns, since numpy has no bfloat16: any bf16 matmul kernel gives garbage there. `enable`
+widens bf16 dot operands to float32 first, which is what a GPU's bf16 MMA with float32
+accumulation computes. The kernels themselves are not changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def enable() -> None:
+    """Interpret Triton kernels created from now on (set before a generated module is
+    imported), with bf16 dot operands widened."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    _widen_bf16_dot()
+
+
+def _widen_bf16_dot() -> None:
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+
+        original = interp.InterpreterBuilder.create_dot
+        convert = interp._convert_float
+    except (ImportError, AttributeError):  # another Triton layout: leave it as it is
+        return
+    if getattr(original, "_kgen_widened", False):
+        return
+
+    def widen(x):
+        if x.dtype == tl.bfloat16:
+            data = convert(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            return interp.TensorHandle(data.reshape(x.data.shape), tl.float32)
+        return x
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        return original(self, widen(a), widen(b), d, *args, **kwargs)
+
+    create_dot._kgen_widened = True
+    interp.InterpreterBuilder.create_dot = create_dot

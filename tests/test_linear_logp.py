@@ -1,0 +1,297 @@
+"""linear_logp: the Triton kernels under the interpreter (CPU) against a float64 reference,
+the op's checks and registration. GPU tests: test_linear_logp_gpu.py."""
+
+import functools
+import math
+
+import pytest
+import torch
+
+from kgen import ops, render as render_mod, spec
+from kgen.families import linear_logp as llp
+from kgen.runtime import dispatch
+
+if torch.cuda.is_available():
+    pytest.skip("interpreter tests (CPU tensors); the GPU ones are in test_linear_logp_gpu.py",
+                allow_module_level=True)
+
+
+def make_variant(dtype="float32", BLOCK_N=16, BLOCK_V=32, BLOCK_D=16, NUM_WARPS=4, NUM_STAGES=2, SPLIT_V=2):
+    text = (f"family: linear_logp\nvariants:\n  - {{backend: triton, block_n: {BLOCK_N}, block_v: {BLOCK_V}, "
+            f"block_d: {BLOCK_D}, num_warps: {NUM_WARPS}, num_stages: {NUM_STAGES}, split_v: {SPLIT_V}}}\n")
+    return next(v for v in spec.parse(text, "tests/linear_logp_small.yaml").variants if v.dtype == dtype)
+
+
+@functools.cache
+def variant(**knobs):
+    """A small-tile variant rendered by kgen and loaded through the cache, interpreted here."""
+    return dispatch.load(make_variant(**knobs)).module
+
+
+def call(mod, *args, **kwargs):
+    """The public op with this kernel module (None: the PyTorch reference)."""
+    with llp.using(mod):
+        return ops.linear_logp(*args, **kwargs)
+
+
+
+# Lanes of rows past N (masked, never stored) compute log2(0) and inf - inf in numpy.
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def make_inputs(N, V, D, dtype=torch.float32, bias=True, ignore=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g).to(dtype)
+    # Logit spread of a few units, like a trained head: exercises the online max.
+    weight = (torch.randn(V, D, generator=g) * (2.0 / math.sqrt(D))).to(dtype)
+    b = (torch.randn(V, generator=g) * 0.5).to(dtype) if bias else None
+    target = torch.randint(0, V, (N,), generator=g)
+    if ignore and N > 1:
+        target[::3] = -100
+    return hidden, weight, target, b
+
+
+def run(mod, hidden, weight, target, bias, temperature=0.7, entropy=True, seed=1, oracle=False):
+    """Forward + backward with random upstream gradients for both outputs; oracle: the
+    float64 reference instead of `mod`."""
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_()
+    b = bias.clone().requires_grad_() if bias is not None else None
+    if oracle:
+        logp, ent = llp.reference(h, w, target, b, temperature=temperature, compute=torch.float64)
+        ent = ent if entropy else None
+    else:
+        out = call(mod, h, w, target, b, temperature=temperature, return_entropy=entropy)
+        logp, ent = out if entropy else (out, None)
+    g = torch.Generator().manual_seed(seed)
+    g_logp = torch.randn(logp.shape, generator=g)
+    g_ent = torch.randn(logp.shape, generator=g)
+    loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
+    loss.backward()
+    return logp, ent, h.grad, w.grad, (b.grad if b is not None else None)
+
+
+def assert_close(actual, expected, rtol, atol, what):
+    if expected is None:
+        assert actual is None, what
+        return
+    assert actual.shape == expected.shape, what
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=what)
+
+
+def check_against_reference(mod, hidden, weight, target, bias, temperature=0.7, entropy=True):
+    got = run(mod, hidden, weight, target, bias, temperature, entropy)
+    want = run(None, hidden, weight, target, bias, temperature, entropy, oracle=True)
+    for name, a, e in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+        if name.startswith("grad"):
+            assert a is None or a.dtype == hidden.dtype, name
+            rtol, atol = GRAD_TOL[hidden.dtype]
+            # Judged against the size of the whole gradient, not element by element.
+            atol *= 1.0 if e is None else max(1.0, e.abs().max().item())
+        else:
+            assert a is None or a.dtype == torch.float32, name
+            rtol, atol = OUT_TOL
+        assert_close(a, e, rtol, atol, name)
+
+
+# Tolerances vs float64 on the same (exactly representable) inputs. The interpreter runs
+# tl.dot in float32 through numpy, so float32 rounding of D- and V-long sums is ~1e-6
+# relative (observed <= 5e-7 of scale): logp and entropy, float32 for every input dtype.
+OUT_TOL = (2e-5, 2e-5)
+# Gradients: float32 inputs as above. 16-bit inputs round dz to 16 bits before the two
+# gradient GEMMs and round the outputs (2^-9 bf16, 2^-12 fp16 per element, then summed
+# over V or N): observed up to 1.3e-2 of scale for bf16 and 8e-4 for fp16.
+GRAD_TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (3e-2, 3e-2),
+}
+
+
+@pytest.mark.parametrize("N", [1, 7, 33])
+@pytest.mark.parametrize("V", [1, 50, 257])
+@pytest.mark.parametrize("D", [16, 40])
+def test_matches_float64_reference(N, V, D):
+    """Bias, ignored rows, temperature 0.7, entropy, random upstream gradients."""
+    check_against_reference(variant(), *make_inputs(N, V, D))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("borrow", [False, True])
+def test_half_precision(monkeypatch, dtype, borrow):
+    """16-bit inputs with the float32 grad_hidden accumulator in its own buffer, or (borrow)
+    in grad_weight's tail with one-tile V chunks (N=7, V=257: 2N rows fit in half of V)."""
+    if borrow:
+        monkeypatch.setattr(llp, "WORKSPACE_BYTES", 1)
+        monkeypatch.setattr(llp, "ACCUMULATOR_BYTES", 0)
+    check_against_reference(variant(), *make_inputs(7, 257, 40, dtype=dtype))
+
+
+def test_no_bias_no_entropy_temperature_one():
+    check_against_reference(variant(), *make_inputs(33, 50, 40, bias=False), temperature=1.0,
+                            entropy=False)
+
+
+def test_leading_dims_and_int32_target():
+    hidden, weight, target, bias = make_inputs(12, 50, 16)
+    logp, ent = call(variant(), hidden.reshape(3, 4, 16), weight, target.int().reshape(3, 4),
+                                bias, temperature=1.3, return_entropy=True)
+    ref_logp, ref_ent = llp.reference(hidden, weight, target, bias, temperature=1.3,
+                                      compute=torch.float64)
+    assert logp.shape == ent.shape == (3, 4)
+    torch.testing.assert_close(logp.reshape(-1).double(), ref_logp, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ent.reshape(-1).double(), ref_ent, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("split", [1, 3, 64])
+def test_split_v_invariance(split):
+    """SPLIT_V 1, 3 and more than the 9 V tiles (empty slices) agree up to rounding."""
+    hidden, weight, target, bias = make_inputs(33, 257, 40)
+    base = run(variant(SPLIT_V=2), hidden, weight, target, bias)
+    other = run(variant(SPLIT_V=split), hidden, weight, target, bias)
+    # Only the merge order of the per-slice sums differs: lse moves by float32 rounding
+    # (~1e-7 relative, times |logits| ~ 15 here), which the gradients carry: 1e-6 of scale.
+    for name, a, b in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), base, other):
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_chunks_and_borrowed_accumulator(dtype):
+    """Several V chunks (a 1-tile workspace) and, for bf16, the accumulator in grad_weight's
+    tail, give the same gradients as one chunk."""
+    mod = variant()
+    hidden, weight, target, bias = make_inputs(7, 257, 40, dtype=dtype)
+    N = hidden.shape[0]
+    logp, ent, lse2, ez2 = llp.forward(mod, hidden, weight, target, bias, 0.7, -100, True)
+    g = torch.Generator().manual_seed(3)
+    g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    args = (mod, hidden, weight, target, bias, lse2, ez2, g_logp, g_ent, 0.7, -100)
+    one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
+    many = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
+    # Same float32 sums, different chunk boundaries for grad_hidden's accumulation order;
+    # outputs rounded to the dtype once, so at most one unit of its last place apart.
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, many):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
+    """Every buffer starts as NaN (ints as out-of-range values): no element of any output
+    is left unwritten, and no workspace element is read before it is written."""
+    def poisoned(shape, dtype_, device):
+        if dtype_.is_floating_point:
+            return torch.full(shape, float("nan"), dtype=dtype_, device=device)
+        return torch.full(shape, 1 << 30, dtype=dtype_, device=device)
+
+    monkeypatch.setattr(llp, "_empty", poisoned)
+    monkeypatch.setattr(llp, "WORKSPACE_BYTES", 1)  # many chunks
+    monkeypatch.setattr(llp, "ACCUMULATOR_BYTES", 0)  # bf16: borrow grad_weight's tail
+    for split in (1, 64):
+        got = run(variant(SPLIT_V=split), *make_inputs(7, 257, 40, dtype=dtype))
+        for name, t in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got):
+            assert torch.isfinite(t).all(), f"{name} (SPLIT_V={split}) has unwritten elements"
+    check_against_reference(variant(SPLIT_V=64), *make_inputs(7, 257, 40, dtype=dtype))
+
+
+def test_ignored_rows_are_zero_and_get_no_gradient():
+    hidden, weight, target, bias = make_inputs(7, 50, 16)
+    target[:] = -100
+    target[2] = 5
+    logp, ent, gh, gw, gb = run(variant(), hidden, weight, target, bias)
+    mask = target == -100
+    assert (logp[mask] == 0).all() and (ent[mask] == 0).all()
+    assert (gh[mask] == 0).all()
+
+
+def test_empty_batch():
+    hidden, weight, target, bias = make_inputs(1, 50, 16)
+    logp, ent, gh, gw, gb = run(variant(), hidden[:0], weight, target[:0], bias)
+    assert logp.shape == (0,) and gh.shape == (0, 16)
+    assert (gw == 0).all() and (gb == 0).all()
+
+
+def test_reference_path_on_cpu():
+    """mod=None: the float32 PyTorch path, differentiable, bf16 gradients in bf16."""
+    check_against_reference(None, *make_inputs(7, 50, 16))
+    _, _, gh, gw, gb = run(None, *make_inputs(7, 50, 16, dtype=torch.bfloat16))
+    assert gh.dtype == gw.dtype == gb.dtype == torch.bfloat16
+
+
+def test_render_is_deterministic():
+    v = spec.load("kgen/specs/linear_logp.yaml").variant("triton_n128_v256_d64_w8_s3_sv4_bf16")
+    text = render_mod.render(v).text
+    assert text == render_mod.render(v).text
+    assert text.startswith("# generated by kgen")
+    assert "BLOCK_V = 256\n" in text and "SPLIT_V = 4\n" in text
+    compile(text, "linear_logp.py", "exec")
+
+
+def test_registered_op_and_fake():
+    x, w, t = torch.randn(5, 16), torch.randn(11, 16), torch.randint(0, 11, (5,))
+    torch.library.opcheck(torch.ops.kgen.linear_logp.default, (x, w, t, None, 0.5, -100, True))
+    meta = torch.ops.kgen.linear_logp(x.to("meta"), w.to("meta"), t.to("meta"), None, 1.0, -100, False)
+    assert [m.shape for m in meta] == [(5,), (0,), (5,), (0,)]
+
+
+def test_compile_fullgraph_has_no_graph_break():
+    x, w, t = torch.randn(6, 16), torch.randn(11, 16), torch.randint(0, 11, (6,))
+
+    def f(x, w, t):
+        logp, ent = ops.linear_logp(x, w, t, temperature=0.9, return_entropy=True)
+        return (logp - 0.1 * ent).sum()
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, t), f(x, w, t))
+
+
+def test_spec_rejects_tiles_beyond_shared_memory():
+    from kgen.errors import SpecError
+
+    with pytest.raises(SpecError, match="shared memory") as ei:
+        spec.parse("family: linear_logp\ndtypes: [float32]\nvariants:\n"
+                   "  - {backend: triton, block_n: 256, block_v: 256, block_d: 128, num_warps: 8,\n"
+                   "     num_stages: 4, split_v: 1}\n", "inline.yaml")
+    assert ei.value.key == "variants[0].num_stages" and ei.value.line == 5
+
+
+# --------------------------------------------------------------------------- bad inputs
+
+H, W, T, B = make_inputs(4, 10, 16)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(hidden=H.tolist()), TypeError, "hidden"),
+    (dict(hidden=H.double(), weight=W.double()), TypeError, "hidden"),
+    (dict(weight=W.half()), TypeError, "weight"),
+    (dict(bias=B.half()), TypeError, "bias"),
+    (dict(bias=[0.0] * 10), TypeError, "bias"),
+    (dict(target=T.float()), TypeError, "target"),
+    (dict(temperature="1"), TypeError, "temperature"),
+    (dict(temperature=True), TypeError, "temperature"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(temperature=float("inf")), ValueError, "temperature"),
+    (dict(temperature=float("nan")), ValueError, "temperature"),
+    (dict(weight=W[None]), ValueError, "weight"),
+    (dict(weight=W[:0]), ValueError, "weight"),
+    (dict(hidden=H[:, :8]), ValueError, "hidden"),
+    (dict(target=T[:3]), ValueError, "target"),
+    (dict(bias=B[:9]), ValueError, "bias"),
+    (dict(target=torch.tensor([0, 1, 10, 2])), ValueError, "target"),
+    (dict(target=torch.tensor([0, -1, 3, 2])), ValueError, "target"),
+    (dict(weight=W.to("meta")), ValueError, "weight"),
+])
+def test_bad_inputs_raise(kwargs, error, match):
+    args = dict(hidden=H, weight=W, target=T, bias=B, temperature=1.0, ignore_index=-100)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        call(variant(), args.pop("hidden"), args.pop("weight"), args.pop("target"),
+                        args.pop("bias"), **args)
+
+
+def test_ignore_index_is_not_out_of_range():
+    target = torch.tensor([0, 7, 3, 2])
+    call(variant(), H, W, target, B, ignore_index=7)  # 7 < V: ignored, fine
+    call(variant(), H, W, torch.tensor([0, 12345, 3, 2]), B, ignore_index=12345)

@@ -1,0 +1,114 @@
+"""linear_logp on a GPU: every shipped variant through golden numerics, the issue's sizes
+against float64 with poisoned outputs, CUDA graph replay and torch.compile."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kgen import ops, spec
+from kgen.families import linear_logp as llp
+from kgen.runtime import dispatch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = spec.load(ROOT / "kgen" / "specs" / "linear_logp.yaml")
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("name", [v.name for v in SPEC.variants])
+def test_every_variant_golden(name):
+    v = SPEC.variant(name)
+    results = llp.golden(dispatch.load(v), torch.device("cuda"), v.dtype, SPEC.numerics[v.dtype])
+    bad = [(c, e) for c, e in results if not e <= 1.0]
+    assert not bad, bad
+
+
+def _inputs(N, V, D, dtype, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(N, D, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(V, D, device="cuda", generator=g) * (2.0 / math.sqrt(D))).to(dtype)
+    b = (torch.randn(V, device="cuda", generator=g) * 0.5).to(dtype)
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    if N > 1:
+        t[::5] = -100
+    return h, w, b, t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,V,D", [(1, 50257, 2048), (4099, 151936, 4096), (4099, 50257, 2048),
+                                   (1, 151936, 4096)])
+def test_issue_sizes_against_float64(monkeypatch, dtype, N, V, D):
+    """The dispatch choice at the issue's sizes: bias, ignored rows, temperature 0.8, entropy,
+    random upstream gradients; every buffer the op allocates starts as NaN."""
+    def poisoned(shape, dt, device):
+        return torch.full(shape, float("nan") if dt.is_floating_point else 1 << 30, dtype=dt, device=device)
+
+    monkeypatch.setattr(llp, "_empty", poisoned)
+    h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
+    g_logp, g_ent = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.8, return_entropy=True)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    got = [logp, ent] + [x.grad for x in leaves]
+    del logp, ent
+    ref = [x.clone().requires_grad_() for x in (h, w, b)]
+    r_logp, r_ent = llp.reference(*ref[:2], t, ref[2], temperature=0.8, compute=torch.float64)
+    ((r_logp * g_logp).sum() + (r_ent * g_ent).sum()).backward()
+    want = [r_logp.detach(), r_ent.detach()] + [x.grad for x in ref]
+    tol = SPEC.numerics[str(dtype).removeprefix("torch.")]
+    for name, a, e in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        e = e.double()
+        if name.startswith("grad"):
+            bound = llp.GRAD_TOL[str(dtype).removeprefix("torch.")] * max(1.0, float(e.abs().max()))
+            assert float((a.double() - e).abs().max()) <= bound, name
+        else:
+            # float32 accumulation over D = 4096 terms of |h w| ~ 2/sqrt(D): ~1e-5 of the
+            # logits' scale; the spec's tolerance holds it.
+            torch.testing.assert_close(a.double(), e, rtol=tol.rtol * 5, atol=tol.atol * 5, msg=name)
+    del got, want, ref
+    torch.cuda.empty_cache()
+
+
+def test_split_v_invariance_on_gpu():
+    h, w, b, t = _inputs(517, 50257, 1024, torch.bfloat16, seed=7)
+    outs = []
+    for name in ("triton_n128_v256_d64_w8_s3_sv4_bf16", "triton_n128_v256_d64_w8_s3_sv1_bf16",
+                 "triton_n64_v128_d64_w4_s4_sv16_bf16"):
+        with llp.using(dispatch.load(SPEC.variant(name)).module):
+            outs.append(ops.linear_logp(h, w, t, b, return_entropy=True))
+    for logp, ent in outs[1:]:
+        torch.testing.assert_close(logp, outs[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, outs[0][1], rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_replay():
+    h, w, b, t = _inputs(129, 50257, 512, torch.bfloat16, seed=3)
+    ops.linear_logp(h, w, t, b)  # build and load outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.linear_logp(h, w, t, b)
+    for seed in (11, 12):
+        h.copy_(torch.randn(h.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref, _ = llp.reference(h, w, t, b, compute=torch.float64)
+        torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    h, w, b, t = _inputs(257, 50257, 512, torch.bfloat16, seed=5)
+
+    def f(h, w, b, t):
+        logp, ent = ops.linear_logp(h, w, t, b, temperature=1.3, return_entropy=True)
+        return (logp + 0.01 * ent).sum()
+
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    eager = [x.clone().requires_grad_() for x in (h, w, b)]
+    torch.compile(f, fullgraph=True)(*leaves, t).backward()
+    f(*eager, t).backward()
+    for a, e in zip(leaves, eager):
+        torch.testing.assert_close(a.grad, e.grad, rtol=0, atol=0)  # the same kernels, same order
