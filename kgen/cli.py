@@ -118,8 +118,10 @@ def cmd_build(args) -> int:
             failed.append(r)
     console.print(table)
     skipped = [r for r in results if r.status == "skipped"]
-    if skipped:
-        print(f"{len(skipped)} CUDA variants not compiled: {skipped[0].error}", file=sys.stderr)
+    for backend in ("cuda", "triton"):
+        some = [r for r in skipped if r.variant.backend == backend]
+        if some:
+            print(f"{len(some)} {backend} variants not compiled: {some[0].error}", file=sys.stderr)
     for r in failed:
         print(f"\n{r.error}", file=sys.stderr)
     return 1 if failed else 0

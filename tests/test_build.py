@@ -4,6 +4,8 @@ was written for and no local memory; Triton variants compile ahead of time for s
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -15,6 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FBA = spec.load(ROOT / "kgen" / "specs" / "fused_bias_act.yaml")
+SHIPPED = [spec.load(p) for p in sorted((ROOT / "kgen" / "specs").glob("*.yaml"))]
+TRITON = [v for s in SHIPPED for v in s.variants if v.backend == "triton"]
 # In CI a missing compiler is a failure, not a skip.
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CI"),
                                 reason="nvcc not installed")
@@ -24,6 +28,33 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.
 def fba_builds():
     results = build.build(list(FBA.variants), triton_arch="sm_90")
     return {r.variant.name: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def triton_builds():
+    # Ahead-of-time compiles run in a process that does not interpret Triton (this one may:
+    # see kgen/runtime/interpret.py); here they are then cache hits.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for s in SHIPPED:
+        code = (f"from kgen import spec; from kgen.runtime import build; s = spec.load({str(ROOT / s.path)!r}); "
+                "rs = build.build([v for v in s.variants if v.backend == 'triton'], triton_arch='sm_90'); "
+                "print([r.status for r in rs])")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+        assert r.returncode == 0 and "failed" not in r.stdout, r.stdout + r.stderr
+    return {r.variant.qualname: r for r in build.build(TRITON, triton_arch="sm_90")}
+
+
+def test_no_ahead_of_time_build_while_interpreting(monkeypatch, tmp_path):
+    import sys as _sys
+
+    triton_loaded = "triton.language" in _sys.modules
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (r,) = build.build([TRITON[0]])
+    assert r.status == "skipped" and "TRITON_INTERPRET" in str(r.error)
+    # and Triton was not imported under the variable (that would make this process's
+    # library functions interpreted for every later test)
+    assert ("triton.language" in _sys.modules) == triton_loaded
 
 
 @needs_nvcc
@@ -43,9 +74,9 @@ def test_cuda_variant_compiles_with_16_byte_accesses(fba_builds, name):
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
 
 
-@pytest.mark.parametrize("name", [v.name for v in FBA.variants if v.backend == "triton"])
-def test_triton_variant_compiles_ahead_of_time(fba_builds, name):
-    r = fba_builds[name]
+@pytest.mark.parametrize("name", [v.qualname for v in TRITON])
+def test_triton_variant_compiles_ahead_of_time(triton_builds, name):
+    r = triton_builds[name]
     assert r.status in ("built", "cached"), r.error
     cubins = [f for f in r.entry.manifest["files"] if f.endswith(".cubin")]
     assert cubins

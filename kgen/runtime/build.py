@@ -25,7 +25,7 @@ import kgen
 from kgen import config
 from kgen.errors import CompileError, KgenError, ToolchainError
 from kgen.render import render
-from kgen.runtime import cache, toolchain
+from kgen.runtime import cache, interpret, toolchain
 from kgen.spec import Variant
 
 CUDA_SOURCE, CUDA_LIB, BUILD_LOG = "kernel.cu", "lib.so", "build.log"
@@ -193,18 +193,6 @@ def _import_file(path: Path, name: str):
     return mod
 
 
-@contextlib.contextmanager
-def _no_interpreter():
-    """Ahead-of-time compilation needs real JIT functions even where TRITON_INTERPRET=1
-    makes `triton.jit` return interpreted ones (it reads the variable at decoration)."""
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
 def triton_source_entry(variant: Variant) -> cache.Entry:
     """The rendered Triton module as a cache entry (no compile: Triton JITs at first call)."""
     text = render(variant).text
@@ -224,6 +212,10 @@ def load_triton_module(entry: cache.Entry):
 
 def build_triton(variant: Variant, arch: str) -> BuildResult:
     """Compile a Triton variant ahead of time for `arch` (no GPU needed)."""
+    if interpret.active():  # before importing Triton: see kgen/runtime/interpret.py
+        err = ToolchainError("Triton ahead-of-time builds need a process without TRITON_INTERPRET=1 "
+                             "(see kgen/runtime/interpret.py); run `kgen build` on its own")
+        return BuildResult(variant, "skipped", error=err, target=arch)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -248,8 +240,7 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
         t0 = time.perf_counter()
         files, resources = [TRITON_SOURCE], {}
         try:
-            with _no_interpreter():
-                mod = _import_file(src, f"kgen_aot_{staging.name.replace('-', '_')}")
+            mod = _import_file(src, f"kgen_aot_{staging.name.replace('-', '_')}")
             for fn, sig, consts, opts in module_of(variant.family).triton_aot(variant, mod):
                 compiled = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", cc, 32),
                                           options=opts)

@@ -4,11 +4,20 @@ Triton's interpreter (3.9 seen) multiplies bfloat16 `tl.dot` operands as their u
 patterns, since numpy has no bfloat16: any bf16 matmul kernel gives garbage there. `enable`
 widens bf16 dot operands to float32 first, which is what a GPU's bf16 MMA with float32
 accumulation computes. The kernels themselves are not changed.
+
+One process either interprets or compiles: Triton decorates its own library functions
+(tl.cdiv, ...) at import, as interpreted ones under TRITON_INTERPRET=1, and those cannot be
+compiled ahead of time (nor can compiled ones be called by interpreted kernels). So
+`kgen.runtime.build` refuses ahead-of-time builds in an interpreting process.
 """
 
 from __future__ import annotations
 
 import os
+
+
+def active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def enable() -> None:
