@@ -1,10 +1,9 @@
 """Where the op's host time goes at 128x512 bf16: each piece timed interleaved with
 torch.add, min over rounds (host noise only adds time)."""
-import time
-
 import torch
 
 from kgen import ops
+from kgen.benchmarks.fused_bias_act import interleaved_min
 from kgen.families import fused_bias_act as fba
 
 x = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
@@ -22,15 +21,5 @@ pieces = {
     "4x data_ptr + stream": lambda: (x.data_ptr(), y.data_ptr(), b.data_ptr(), out.data_ptr(), fba._raw_stream(0)),
     "empty python call": lambda: None,
 }
-best = {n: float("inf") for n in pieces}
-n = 2000
-for _ in range(15):
-    for name, fn in pieces.items():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
-for name, us in best.items():
+for name, us in interleaved_min(list(pieces.items()), 2000, 15).items():
     print(f"{us:7.2f} us  {name}")

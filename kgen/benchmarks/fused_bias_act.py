@@ -87,13 +87,20 @@ def host_cost(spec, quick) -> list[dict]:
         (f"direct Triton launch ({tri.name})", lambda: fba.launch(tk, x, b, y, 0.5, "gelu", out)),
         ("CUDA graph replay of kgen.ops", g.replay),
     ]
-    # Interleaved rounds, the minimum per impl: host noise in a VM only ever adds time, and
-    # interleaving keeps slow drift from favouring whichever impl ran in a quiet moment.
+    best = interleaved_min(impls, n, 5 if quick else 15)
+    base = best[impls[0][0]]
+    return [{"impl": name, "us/call": us, "x torch.add": us / base} for name, us in best.items()]
+
+
+def interleaved_min(impls, n: int, rounds: int) -> dict[str, float]:
+    """Microseconds per call of each (name, fn): loops of n calls synchronised once at the
+    end, in interleaved rounds, the minimum per impl. Host noise in a VM only ever adds
+    time, and interleaving keeps slow drift from favouring whichever impl ran when quiet."""
     best = {name: float("inf") for name, _ in impls}
     for name, fn in impls:
         for _ in range(50):
             fn()
-    for _ in range(5 if quick else 15):
+    for _ in range(rounds):
         for name, fn in impls:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -101,8 +108,7 @@ def host_cost(spec, quick) -> list[dict]:
                 fn()
             torch.cuda.synchronize()
             best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
-    base = best[impls[0][0]]
-    return [{"impl": name, "us/call": us, "x torch.add": us / base} for name, us in best.items()]
+    return best
 
 
 WARM_PROBE = """
