@@ -44,6 +44,14 @@ def test_leading_dims_and_no_y():
     torch.testing.assert_close(out, torch.relu(x + b))
 
 
+def test_alpha_may_be_any_real_number_type():
+    import numpy as np
+
+    x, b, y = torch.randn(3, 4), torch.randn(4), torch.randn(3, 4)
+    for alpha in (2, 2.0, np.float32(2.0), np.float64(2.0)):
+        torch.testing.assert_close(ops.fused_bias_act(x, b, y, alpha=alpha), x + 2 * y + b)
+
+
 def test_non_contiguous_input_out_of_place():
     x = torch.randn(9, 4).t()  # 4 x 9, not contiguous
     b = torch.randn(9)

@@ -300,6 +300,17 @@ def _backward(ctx, grad):
 _op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _as_float(alpha) -> float:
+    """Any real scalar (int, numpy float, 0-d CPU tensor) as a Python float; not bool or str."""
+    import numbers
+
+    if isinstance(alpha, torch.Tensor) and alpha.dim() == 0 and not alpha.is_cuda:
+        alpha = alpha.item()
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"fused_bias_act: alpha must be a float, got {type(alpha).__name__}")
+    return float(alpha)
+
+
 def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor] = None, *,
                    alpha: float = 1.0, act: str = "none", inplace: bool = False) -> torch.Tensor:
     """out = act(x + alpha * y + bias), bias broadcast along x's last dimension.
@@ -310,6 +321,8 @@ def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor
     On CUDA tensors the best kernel variant for the device and dtype runs on the current
     stream; CPU tensors use the float32 PyTorch reference. Also `torch.ops.kgen.fused_bias_act`.
     """
+    if type(alpha) is not float:
+        alpha = _as_float(alpha)
     try:
         needs_grad = torch.is_grad_enabled() and (
             x.requires_grad or bias.requires_grad or (y is not None and y.requires_grad))

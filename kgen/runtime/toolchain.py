@@ -66,7 +66,10 @@ def _run_version(path: str) -> str:
     except OSError as e:
         raise ToolchainError(f"{path} --version failed: {e}. {_NVCC_HELP}") from None
     lines = [ln for ln in out.splitlines() if "release" in ln or ln.startswith("Build")]
-    return " / ".join(lines) or out.strip().splitlines()[0] if out.strip() else path
+    if lines:  # nvcc: its release and build lines
+        return " / ".join(lines)
+    first = out.strip().splitlines()[:1]  # other compilers: their first line
+    return first[0] if first else path
 
 
 def nvcc_release(version: str) -> tuple[int, int]:
