@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -212,7 +213,16 @@ def load_triton_module(entry: cache.Entry):
 
 def build_triton(variant: Variant, arch: str) -> BuildResult:
     """Compile a Triton variant ahead of time for `arch` (no GPU needed)."""
-    if interpret.active():  # before importing Triton: see kgen/runtime/interpret.py
+    text = render(variant).text
+    cc = int(arch.removeprefix("sm_").rstrip("a"))
+    # The version from the package metadata: importing Triton is left to the compile below.
+    key = cache.digest({"kind": "triton-aot", "source": sha(text), "triton": importlib.metadata.version("triton"),
+                        "target": f"cuda:{cc}:32", "kgen": kgen_fingerprint(), "env": config.code_env()})
+    path = cache.entry_path(variant.family, f"{variant.name}-{arch.replace('_', '')}", key)
+    entry = cache.lookup(path)
+    if entry:
+        return BuildResult(variant, "cached", entry, target=arch)
+    if interpret.active():  # and before importing Triton: see kgen/runtime/interpret.py
         err = ToolchainError("Triton ahead-of-time builds need a process without TRITON_INTERPRET=1 "
                              "(see kgen/runtime/interpret.py); run `kgen build` on its own")
         return BuildResult(variant, "skipped", error=err, target=arch)
@@ -222,14 +232,6 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
 
     from kgen.families import module_of
 
-    text = render(variant).text
-    cc = int(arch.removeprefix("sm_").rstrip("a"))
-    key = cache.digest({"kind": "triton-aot", "source": sha(text), "triton": triton.__version__,
-                        "target": f"cuda:{cc}:32", "kgen": kgen_fingerprint(), "env": config.code_env()})
-    path = cache.entry_path(variant.family, f"{variant.name}-{arch.replace('_', '')}", key)
-    entry = cache.lookup(path)
-    if entry:
-        return BuildResult(variant, "cached", entry, target=arch)
     with cache.lock(path):
         entry = cache.lookup(path)
         if entry:
