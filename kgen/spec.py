@@ -150,6 +150,16 @@ def _fmt(v: Any) -> str:
 _SCALARS = yaml.constructor.SafeConstructor()
 
 
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads `1e-5` as a float: YAML 1.1 wants `1.0e-5`, and a
+    tolerance silently read as the string '1e-05' would be a confusing error."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
 class _LDict(dict):
     """A mapping that remembers the line of each key (1-based)."""
 
@@ -185,7 +195,7 @@ def _construct(node: yaml.Node, path: str) -> Any:
 
 def _parse_yaml(text: str, path: str) -> Any:
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = yaml.compose(text, Loader=_Loader)
     except yaml.YAMLError as e:
         mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
         what = getattr(e, "problem", None) or str(e)
