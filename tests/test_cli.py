@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SPEC = """family: fused_bias_act
 dtypes: [float32]
 variants:
-  - {{backend: triton, block_cols: 64, rows: 2, num_warps: 1}}
+  - {{backend: triton, block_cols: 2048, rows: 4, num_warps: 4}}
 numerics:
   float32: {{rtol: {rtol}, atol: {atol}}}
 """
