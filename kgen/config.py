@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Variables that change generated code or how it is compiled; their values are part of
-# every cache key so that changing one rebuilds instead of loading a stale artifact.
-CODE_AFFECTING_ENV = ("KGEN_NVCC_FLAGS", "TRITON_DEFAULT_FP_FUSION")
+# Variables that change generated code or how it is compiled, per backend; their values are
+# part of that backend's cache keys, so changing one rebuilds instead of loading a stale
+# artifact (and changing the other backend's variables rebuilds nothing).
+CODE_AFFECTING_ENV = {"cuda": ("KGEN_NVCC_FLAGS",), "triton": ("TRITON_DEFAULT_FP_FUSION",)}
 
 
 def cache_dir() -> Path:
@@ -42,5 +43,12 @@ def build_jobs() -> int:
     return int(env) if env else max(1, os.cpu_count() or 1)
 
 
-def code_env() -> dict[str, str]:
-    return {k: os.environ[k] for k in CODE_AFFECTING_ENV if k in os.environ}
+def pin_triton_defaults() -> None:
+    """Keep Triton's FP fusion on (its default through 3.9, announced to flip in 3.10) unless
+    the user chose: kgen's numerics should not change with a Triton upgrade. The variable is
+    part of every Triton cache key (CODE_AFFECTING_ENV). Called before Triton compiles anything."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def code_env(backend: str) -> dict[str, str]:
+    return {k: os.environ[k] for k in CODE_AFFECTING_ENV[backend] if k in os.environ}

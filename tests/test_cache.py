@@ -61,6 +61,9 @@ def test_hit_miss_and_key_sensitivity(fresh_cache, counting_nvcc, monkeypatch):
     monkeypatch.delenv("KGEN_NVCC_FLAGS")
     (r4,) = build.build_cuda([CUDA_V])  # and back: the first entry is still there
     assert r4.status == "cached" and r4.entry.path == r1.entry.path
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")  # a Triton-only variable: no CUDA rebuild
+    (r5,) = build.build_cuda([CUDA_V])
+    assert r5.status == "cached" and len(counting_nvcc()) == 2
 
 
 def test_template_change_rebuilds(fresh_cache, counting_nvcc, monkeypatch):

@@ -84,7 +84,7 @@ def cuda_key(variant: Variant, text: str, nvcc: str) -> str:
         "kind": "cuda-so", "source": sha(text),
         "command": shlex.join(cuda_command(nvcc, variant.arch, "{src}", "{out}")),
         "compiler": toolchain.nvcc_version(nvcc), "kgen": kgen_fingerprint(),
-        "env": config.code_env(),
+        "env": config.code_env("cuda"),
     })
 
 
@@ -207,17 +207,19 @@ def triton_source_entry(variant: Variant) -> cache.Entry:
 
 
 def load_triton_module(entry: cache.Entry):
+    config.pin_triton_defaults()
     name = f"kgen_generated.{entry.path.parent.name}.{entry.path.name.replace('-', '_')}"
     return sys.modules.get(name) or _import_file(entry.file(TRITON_SOURCE), name)
 
 
 def build_triton(variant: Variant, arch: str) -> BuildResult:
     """Compile a Triton variant ahead of time for `arch` (no GPU needed)."""
+    config.pin_triton_defaults()
     text = render(variant).text
     cc = int(arch.removeprefix("sm_").rstrip("a"))
     # The version from the package metadata: importing Triton is left to the compile below.
     key = cache.digest({"kind": "triton-aot", "source": sha(text), "triton": importlib.metadata.version("triton"),
-                        "target": f"cuda:{cc}:32", "kgen": kgen_fingerprint(), "env": config.code_env()})
+                        "target": f"cuda:{cc}:32", "kgen": kgen_fingerprint(), "env": config.code_env("triton")})
     path = cache.entry_path(variant.family, f"{variant.name}-{arch.replace('_', '')}", key)
     entry = cache.lookup(path)
     if entry:
