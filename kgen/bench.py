@@ -23,7 +23,7 @@ def environment() -> dict:
     env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "command": "kgen " + shlex.join(sys.argv[1:])}
     try:
-        env["nvcc"] = toolchain.nvcc_version(toolchain.nvcc())
+        env["nvcc"] = toolchain.tool_version(toolchain.nvcc())
     except Exception as e:  # noqa: BLE001 - a bench without nvcc still times Triton and peers
         env["nvcc"] = f"unavailable: {e}"
     from kgen.runtime import loader

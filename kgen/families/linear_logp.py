@@ -113,15 +113,11 @@ def triton_aot(variant, mod) -> list:
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     sig = {"h_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "t_ptr": "*i64", "part_ptr": "*fp32",
            "N": "i32", "V": "i32", "D": "i32", "scale": "fp32"}
-    const = {"HAS_BIAS": True, "WITH_ENTROPY": True, "PRECISION": _precision_name(variant.dtype),
+    const = {"HAS_BIAS": True, "WITH_ENTROPY": True, "PRECISION": _precision(getattr(torch, variant.dtype)),
              "SPLIT_V": mod.SPLIT_V, "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
     sig.update({k: "constexpr" for k in const})
     return [(mod.linear_logp_fwd_kernel, sig, const,
              {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})]
-
-
-def _precision_name(dtype: str) -> str:
-    return "ieee" if dtype == "float32" else "tf32"
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

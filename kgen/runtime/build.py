@@ -83,7 +83,7 @@ def cuda_key(variant: Variant, text: str, nvcc: str) -> str:
     return cache.digest({
         "kind": "cuda-so", "source": sha(text),
         "command": shlex.join(cuda_command(nvcc, variant.arch, "{src}", "{out}")),
-        "compiler": toolchain.nvcc_version(nvcc), "kgen": kgen_fingerprint(),
+        "compiler": toolchain.tool_version(nvcc), "kgen": kgen_fingerprint(),
         "env": config.code_env("cuda"),
     })
 
@@ -215,13 +215,14 @@ def load_triton_module(entry: cache.Entry):
 def build_triton(variant: Variant, arch: str) -> BuildResult:
     """Compile a Triton variant ahead of time for `arch` (no GPU needed)."""
     config.pin_triton_defaults()
-    text = render(variant).text
+    rendered = render(variant)
     cc = int(arch.removeprefix("sm_").rstrip("a"))
     # The version from the package metadata: importing Triton is left to the compile below.
-    key = cache.digest({"kind": "triton-aot", "source": sha(text), "triton": importlib.metadata.version("triton"),
-                        "target": f"cuda:{cc}:32", "kgen": kgen_fingerprint(), "env": config.code_env("triton")})
-    path = cache.entry_path(variant.family, f"{variant.name}-{arch.replace('_', '')}", key)
-    entry = cache.lookup(path)
+    key = cache.digest({"kind": "triton-aot", "source": sha(rendered.text),
+                        "triton": importlib.metadata.version("triton"), "target": f"cuda:{cc}:32",
+                        "kgen": kgen_fingerprint(), "env": config.code_env("triton")})
+    name = f"{variant.name}-{arch.replace('_', '')}"
+    entry = cache.lookup(cache.entry_path(variant.family, name, key))
     if entry:
         return BuildResult(variant, "cached", entry, target=arch)
     if interpret.active():  # and before importing Triton: see kgen/runtime/interpret.py
@@ -234,14 +235,13 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
 
     from kgen.families import module_of
 
-    with cache.lock(path):
-        entry = cache.lookup(path)
-        if entry:
-            return BuildResult(variant, "cached", entry, target=arch)
-        staging = cache.new_staging(variant.name)
+    t0 = time.perf_counter()
+    made = []  # make() runs only when no racing builder published the entry first
+
+    def make(staging: Path):
+        made.append(True)
         src = staging / TRITON_SOURCE
-        src.write_text(text)
-        t0 = time.perf_counter()
+        src.write_text(rendered.text)
         files, resources = [TRITON_SOURCE], {}
         try:
             mod = _import_file(src, f"kgen_aot_{staging.name.replace('-', '_')}")
@@ -256,14 +256,17 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
                     k["shared"] = max(k["shared"], int(compiled.metadata.shared))
                 resources.update(usage)
         except Exception as e:  # noqa: BLE001 - Triton raises many types; all mean "did not compile"
-            err = CompileError(variant.qualname, f"triton.compile(target=cuda:{cc})",
-                               f"{type(e).__name__}: {e}", str(src))
-            return BuildResult(variant, "failed", seconds=time.perf_counter() - t0, error=err, target=arch)
-        seconds = time.perf_counter() - t0
-        facts = {"variant": variant.qualname, "seconds": round(seconds, 3), "resources": resources,
-                 "target": arch, "triton": triton.__version__}
-        entry = cache.publish(staging, path, files, facts)
-        return BuildResult(variant, "built", entry, seconds, resources=resources, target=arch)
+            raise CompileError(variant.qualname, f"triton.compile(target=cuda:{cc})",
+                               f"{type(e).__name__}: {e}", f"generated/{rendered.filename}") from e
+        return files, {"variant": variant.qualname, "seconds": round(time.perf_counter() - t0, 3),
+                       "resources": resources, "target": arch, "triton": triton.__version__}
+
+    try:
+        entry = cache.obtain(variant.family, name, key, make)
+    except CompileError as err:
+        return BuildResult(variant, "failed", seconds=time.perf_counter() - t0, error=err, target=arch)
+    return BuildResult(variant, "built" if made else "cached", entry, time.perf_counter() - t0,
+                       resources=entry.manifest["resources"], target=arch)
 
 
 def build(variants: list[Variant], triton_arch: str = DEFAULT_TRITON_ARCH,

@@ -27,11 +27,6 @@ def nvcc() -> str:
     return str(Path(shutil.which(path)).resolve())
 
 
-def nvcc_version(path: str) -> str:
-    """`nvcc --version`'s release lines, remembered across processes (see tool_version)."""
-    return tool_version(path)
-
-
 def tool_version(path: str) -> str:
     """A compiler's `--version` for cache keys, remembered across processes.
 
