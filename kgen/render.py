@@ -61,7 +61,10 @@ def render(variant: Variant) -> Rendered:
 
     family = module_of(variant.family)
     ext = _EXT[variant.backend]
-    template = environment().get_template(family.TEMPLATES[variant.backend])
+    name = family.TEMPLATES[variant.backend]
+    if isinstance(name, dict):  # per-arch templates of one backend
+        name = name[variant.arch]
+    template = environment().get_template(name)
     context = {"header": header(variant, ext), "v": variant, **family.template_context(variant)}
     text = template.render(context)
     if not text.endswith("\n"):

@@ -74,6 +74,37 @@ def test_cuda_variant_compiles_with_16_byte_accesses(fba_builds, name):
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
 
 
+LLP = spec.load(ROOT / "kgen" / "specs" / "linear_logp.yaml")
+LLP_CUDA = [v for v in LLP.variants if v.backend == "cuda"]
+
+
+@pytest.fixture(scope="module")
+def llp_builds():
+    return {r.variant.name: r for r in build.build(LLP_CUDA)}
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name", [v.name for v in LLP_CUDA])
+def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
+    """sm_90a: WGMMA from TMA-loaded shared memory; the mma.sync template: ldmatrix + HMMA.
+    No local memory, and none of the ptxas warnings that mean a WGMMA was serialised
+    (C7511, C7515) or register reallocation ignored (C7508)."""
+    r = llp_builds[name]
+    assert r.status in ("built", "cached"), r.error
+    lib = r.entry.file(build.CUDA_LIB)
+    sass = toolchain.sass(lib)
+    assert f"arch = {r.variant.arch}" in sass
+    wanted = ("HGMMA.64x", "UTMALDG", "SYNCS") if r.variant.arch == "sm_90a" else ("HMMA.16816.F32", "LDSM", "LDGSTS")
+    for op in wanted:
+        assert op in sass, op
+    assert "LDL" not in sass and "STL" not in sass
+    res = toolchain.resource_usage(lib)
+    assert len(res) == 4  # (bias, no bias) x (entropy, no entropy)
+    assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+    log = r.entry.file(build.BUILD_LOG).read_text()
+    assert not re.search(r"C75(08|11|15)", log), log
+
+
 @pytest.mark.parametrize("name", [v.qualname for v in TRITON])
 def test_triton_variant_compiles_ahead_of_time(triton_builds, name):
     r = triton_builds[name]

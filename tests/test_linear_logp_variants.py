@@ -12,7 +12,7 @@ from kgen.runtime import dispatch
 SPEC = spec.load(Path(__file__).resolve().parent.parent / "kgen" / "specs" / "linear_logp.yaml")
 
 
-@pytest.mark.parametrize("name", [v.name for v in SPEC.variants])
+@pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.backend == "triton"])  # CUDA: compile-only here
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_shipped_variant_under_interpreter(name):
     if torch.cuda.is_available():

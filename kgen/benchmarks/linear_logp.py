@@ -5,7 +5,9 @@ Implementations, each timed forward and forward+backward (loss = (logp * g).sum(
 fixed random float32 g; gradients into hidden and weight through torch.autograd.grad):
   - `hidden @ weight.T` by cuBLAS alone, the baseline; its fwd+bwd is that GEMM plus the
     two backward GEMMs of a matmul, driven by a random bf16 gradient of the logits' shape;
-  - kgen.ops.linear_logp (dispatch's choice), then each bf16 Triton variant of the spec;
+  - kgen.ops.linear_logp (dispatch's choice), then each bf16 variant of the spec that runs
+    on the device (CUDA: forward partials by the CUDA kernel, combine and backward by
+    dispatch's first Triton variant);
   - eager PyTorch (log_softmax of the float32 logits, gather) and torch.compile of it;
   - Apple's cut-cross-entropy (`-linear_cross_entropy(..., reduction="none", impl="cce")`),
     once with its default gradient filter (filter_eps="high": skips gradient blocks whose
@@ -39,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import math
 import sys
 import time
@@ -117,10 +118,8 @@ def _kgen_variant(variant):
     from kgen.families import linear_logp as llp
     from kgen.runtime import dispatch
 
-    k = dispatch.load(variant)
-    if "mod" in inspect.signature(llp.linear_logp).parameters:
-        return (lambda h, w, t: llp.linear_logp(k.module, h, w, t)), contextlib.nullcontext
-    return llp.linear_logp, lambda: llp.using(k.module)
+    impl = llp.implementation(dispatch.load(variant))
+    return llp.linear_logp, lambda: llp.using(impl)
 
 
 def _cce(filter_eps):
@@ -248,8 +247,11 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
              ('liger-kernel (liger_fused_linear_cross_entropy, reduction="none")', _liger, True),
              ("eager PyTorch (log_softmax(float(h @ w.T)).gather)", lambda: _eager, True),
              ("torch.compile of the eager function", _compiled, True)]
+    from kgen.runtime import dispatch
+
+    capability = torch.cuda.get_device_capability()
     for v in spec.variants:
-        if v.backend == "triton" and v.dtype == "bfloat16":
+        if v.dtype == "bfloat16" and (v.backend == "triton" or dispatch.arch_runs_on(v.arch, capability)):
             impls.append((f"kgen {v.name}", lambda v=v: _kgen_variant(v), None))
 
     for name, make, with_bwd in impls:

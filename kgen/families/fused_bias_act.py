@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from kgen.runtime.streams import current_raw_stream as _raw_stream
 from kgen.spec import DTYPES, Knob, Schema
 
 ACTIVATIONS = ("none", "relu", "sigmoid", "gelu", "silu")
@@ -219,12 +220,6 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-# The caller's current stream as an integer handle. The private getter costs a fraction of
-# `torch.cuda.current_stream(i).cuda_stream`, which builds a Stream object per call.
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-    lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 def _forward(x, bias, y, alpha: float, act: str, inplace: bool):

@@ -1,9 +1,14 @@
 """linear_logp: logp[i] = log_softmax((hidden[i] @ weight.T + bias) / T)[target[i]].
 
 The family's reference math, input checks, grid sizes, launch functions and autograd. The
-kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` below is that template
-rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D, NUM_WARPS, NUM_STAGES,
-SPLIT_V plus the kernels).
+Triton kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` below is that
+template rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D, NUM_WARPS,
+NUM_STAGES, SPLIT_V plus the kernels), or a `CudaForward`: a CUDA variant's forward-partials
+kernel (cuda_sm90a.cu.j2: TMA + mbarrier + warp-specialised WGMMA; cuda_sm80.cu.j2:
+cp.async + ldmatrix + mma.sync, also built for sm_90) paired with a Triton module that
+supplies the combine and the backward. Dispatch prefers the CUDA variants whose arch runs on
+the device; inputs they cannot take (D % 8 != 0, pointers off 16-byte alignment) run the
+Triton forward of the same pair.
 
 Outputs are float32: logp [N], and optionally the entropy [N] of the tempered softmax.
 Rows whose target is ignore_index get logp = 0 and entropy = 0, and no gradient.
@@ -54,6 +59,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from kgen.runtime.streams import current_raw_stream
 from kgen.spec import DTYPES, Knob, Schema
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -64,29 +70,94 @@ LN2 = 0.6931471805599453
 COMBINE_BLOCK = 128
 # Tiles of row-major output walked GROUP rows at a time (L2 reuse of the shared panel).
 GROUP = 8
+# Hidden rows (bytes) a group of CUDA row blocks keeps in L2 while it sweeps V.
+GROUP_BYTES = 16 << 20
 # Backward budgets (bytes): the dz chunk workspace, and the largest float32 grad_hidden
 # accumulator allocated separately before borrowing grad_weight's tail instead.
 WORKSPACE_BYTES = 40 << 20
 ACCUMULATOR_BYTES = 16 << 20
 
 
-# Hopper's opt-in shared memory per block (bytes); the pipelined tiles of the dot must fit.
-_SMEM_LIMIT = 232448
+# Opt-in shared memory per block (bytes) by arch; the pipelined tiles must fit.
+_SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
+# Shared memory the CUDA kernels keep beside the tile ring: 1024 B of slack to align the
+# ring for the 128-byte swizzle, and up to 1024 B of static data (mbarriers, merge
+# scratch); the sm_90a kernel adds two bias tiles (4 * block_n bytes).
+_CUDA_SMEM_EXTRA = 2048
+
+
+def _check_triton(dtype: str, k: Mapping[str, Any]):
+    smem = k["num_stages"] * (k["block_n"] + k["block_v"]) * k["block_d"] * DTYPES[dtype][0]
+    if smem > _SMEM_LIMIT["sm_90a"]:
+        return [("num_stages", f"{k['num_stages']} stages of ({k['block_n']} + {k['block_v']}) x "
+                               f"{k['block_d']} {dtype} tiles need {smem} bytes of shared memory, "
+                               f"above the {_SMEM_LIMIT['sm_90a']}-byte limit")]
+    return []
+
+
+def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
+    ring = k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] * DTYPES[dtype][0]
+    return ring + _CUDA_SMEM_EXTRA + (4 * k["block_n"] if arch == "sm_90a" else 0)
+
+
+def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
+    """The instruction-shape and shared-memory rules of the two CUDA templates."""
+    problems = []
+    if dtype not in ("bfloat16", "float16"):
+        problems.append(("dtypes", f"the CUDA kernels take 16-bit operands (bfloat16, float16), not {dtype}; "
+                                   "float32 inputs use the Triton variants"))
+    bm, bn, bk, c = k["block_m"], k["block_n"], k["block_k"], k["consumers"]
+    if arch == "sm_90a":
+        # WGMMA: M = 64 per warpgroup, N a multiple of 8 up to 256, K = 16; the 128-byte
+        # swizzle span is 64 16-bit elements, which fixes BK (one TMA box per operand).
+        if bm != 64 * c:
+            problems.append(("block_m", f"block_m={bm} must be 64 x consumers ({64 * c}): each consumer "
+                                        "warpgroup owns 64 rows (WGMMA M = 64)"))
+        if bn % 8 or bn > 256:
+            problems.append(("block_n", f"block_n={bn} must be a multiple of 8 up to 256 (WGMMA N)"))
+        if bk != 64:
+            problems.append(("block_k", f"block_k={bk} must be 64: one 128-byte swizzle span of 16-bit elements"))
+    else:
+        # mma.sync m16n8k16 with warps tiled 2 (M) x 2*consumers (N): each warp owns
+        # block_m/2 rows and block_n/(2*consumers) columns, in 16 x 16 ldmatrix pieces.
+        wn = 2 * c
+        if bm % 32:
+            problems.append(("block_m", f"block_m={bm} must be a multiple of 32 (2 warps of 16-row MMA tiles)"))
+        if bn % (16 * wn):
+            problems.append(("block_n", f"block_n={bn} must be a multiple of {16 * wn} "
+                                        f"({wn} warps across N, 16 columns per ldmatrix)"))
+        if bk % 32:
+            problems.append(("block_k", f"block_k={bk} must be a multiple of 32 (two k16 MMA steps per 64-byte row chunk)"))
+        acc = (bm // 2) * (bn // wn) // 32
+        if acc > 128:
+            problems.append(("block_n", f"block_m={bm} x block_n={bn} over {2 * wn} warps needs {acc} float32 "
+                                        "accumulators per thread (at most 128 fit beside the fold's registers)"))
+    smem = _cuda_smem(arch, dtype, k)
+    if smem > _SMEM_LIMIT[arch]:
+        problems.append(("stages", f"{k['stages']} stages of ({bm} + {bn}) x {bk} {dtype} tiles need {smem} "
+                                   f"bytes of shared memory, above {arch}'s {_SMEM_LIMIT[arch]}-byte limit"))
+    return problems
 
 
 def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
-    problems = []
-    smem = k["num_stages"] * (k["block_n"] + k["block_v"]) * k["block_d"] * DTYPES[dtype][0]
-    if smem > _SMEM_LIMIT:
-        problems.append(("num_stages", f"{k['num_stages']} stages of ({k['block_n']} + {k['block_v']}) x "
-                                       f"{k['block_d']} {dtype} tiles need {smem} bytes of shared memory, "
-                                       f"above the {_SMEM_LIMIT}-byte limit"))
-    return problems
+    return _check_cuda(arch, dtype, k) if backend == "cuda" else _check_triton(dtype, k)
 
 
 SCHEMA = Schema(
     dtypes=("bfloat16", "float16", "float32"),
     knobs={
+        "cuda": (
+            Knob("block_m", "m", lo=32, hi=256, pow2=True),  # rows of hidden per CTA
+            Knob("block_n", "n", lo=8, hi=256),  # vocabulary tile (the MMA's N)
+            Knob("block_k", "k", lo=32, hi=128, pow2=True),  # reduction step over D
+            Knob("stages", "s", lo=2, hi=8),  # shared-memory ring depth
+            # sm_90a: consumer warpgroups beside one TMA producer warpgroup;
+            # sm_80: warpgroups (4 warps) that all load and compute
+            Knob("consumers", "c", lo=1, hi=2),
+            # programs sharing one row block's V range at large N (raised at launch when
+            # cdiv(N, block_m) * split_v would leave SMs idle)
+            Knob("split_v", "sv", lo=1, hi=1024),
+        ),
         "triton": (
             Knob("block_n", "n", lo=16, hi=256, pow2=True),  # rows of hidden per program
             Knob("block_v", "v", lo=16, hi=256, pow2=True),  # vocabulary tile
@@ -98,11 +169,19 @@ SCHEMA = Schema(
     },
     check=_check_variant,
 )
-TEMPLATES = {"triton": "linear_logp/triton.py.j2"}
+_SM80_TEMPLATE = "linear_logp/cuda_sm80.cu.j2"
+TEMPLATES = {
+    "triton": "linear_logp/triton.py.j2",
+    "cuda": {"sm_90a": "linear_logp/cuda_sm90a.cu.j2", "sm_80": _SM80_TEMPLATE, "sm_86": _SM80_TEMPLATE,
+             "sm_89": _SM80_TEMPLATE, "sm_90": _SM80_TEMPLATE},
+}
 
 
 def template_context(variant) -> dict:
     p = variant.params
+    if variant.backend == "cuda":
+        return {"dtype": variant.dtype, "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"],
+                "STAGES": p["stages"], "CONSUMERS": p["consumers"], "SPLIT_V": p["split_v"]}
     return {"BLOCK_N": p["block_n"], "BLOCK_V": p["block_v"], "BLOCK_D": p["block_d"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "SPLIT_V": p["split_v"]}
 
@@ -270,11 +349,77 @@ def _tiles(mod) -> dict:
                 num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
 
 
+class CudaForward:
+    """A CUDA variant (sm_90a WGMMA or sm_80 mma.sync): its kernel writes the forward
+    partials; the Triton module `triton` supplies the combine, the backward, and the whole
+    forward for inputs the CUDA kernel cannot take (`takes`): D not a multiple of 8 or a
+    pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
+
+    The number of splits is chosen per call: at least the spec's split_v, raised so the
+    grid fills whole waves of resident CTAs (cdiv(N, block_m) * splits a multiple of the
+    SMs' capacity), at most one V tile per split."""
+
+    def __init__(self, kernel, triton_mod):
+        self.kernel, self.triton = kernel, triton_mod
+        p = kernel.params
+        self.block_m, self.block_n, self.split_v = p["block_m"], p["block_n"], p["split_v"]
+        self.name = kernel.name
+        self._resident: dict[int, int] = {}
+
+    def takes(self, hidden, weight, bias) -> bool:
+        if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
+            return False
+        # TMA (sm_90a) reads the bias too; the sm_80 kernel reads it element by element.
+        tensors = (hidden, weight, bias) if self.kernel.variant.arch == "sm_90a" else (hidden, weight)
+        return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+
+    def splits(self, N: int, V: int, device: torch.device) -> int:
+        if device.index not in self._resident:
+            props = torch.cuda.get_device_properties(device)
+            self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
+        resident = self._resident[device.index]
+        rowblocks = _cdiv(N, self.block_m)
+        waves = _cdiv(rowblocks * self.split_v, resident)
+        return max(1, min(_cdiv(V, self.block_n), max(self.split_v, waves * resident // rowblocks)))
+
+    def _ctas_per_sm(self, props) -> int:
+        """CTAs of this kernel one SM holds at once, by shared memory and registers."""
+        v = self.kernel.variant
+        if v.arch == "sm_90a":
+            return 1  # __launch_bounds__(threads, 1) and a ~200 KB ring
+        smem = _cuda_smem(v.arch, v.dtype, v.params)
+        per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
+        resources = self.kernel.entry.manifest.get("resources", {})
+        regs = max((r["registers"] for r in resources.values()), default=255)
+        threads = 128 * v.params["consumers"]
+        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
+
+    def group(self, N: int, D: int) -> int:
+        """Row blocks per group of the CUDA grid order: as many as keep the group's hidden
+        rows within GROUP_BYTES of L2 (see the sm_90a template's work-order comment)."""
+        return max(1, min(_cdiv(N, self.block_m), GROUP_BYTES // (self.block_m * D * 2)))
+
+    def partials(self, hidden, weight, target, bias, temperature: float, with_entropy: bool, splits: int):
+        N, D = hidden.shape
+        V = weight.shape[0]
+        dev = hidden.device
+        part = _empty((4, splits, N), torch.float32, dev)
+        target = target if target.dtype == torch.int64 else target.long()
+        k = self.kernel
+        rc = k.raw(k.ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+                   target.data_ptr(), part.data_ptr(), N, V, D, splits, self.group(N, D), with_entropy,
+                   current_raw_stream(dev.index), LOG2E / temperature)
+        if rc:
+            k.fail(rc)
+        return part
+
+
 def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index: int,
-            with_entropy: bool):
+            with_entropy: bool, *, splits: Optional[int] = None):
     """Launch the forward on checked, contiguous hidden [N, D], weight [V, D], target [N],
     bias [V] or None. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or [0]),
-    all float32; lse2 and ez2 are the base-2 log-sum-exp and mean logit the backward needs."""
+    all float32; lse2 and ez2 are the base-2 log-sum-exp and mean logit the backward needs.
+    `splits` overrides a CUDA variant's choice of splits (tests of split invariance)."""
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -284,15 +429,24 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     lse2, ez2 = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
     if N == 0:
         return logp, entropy, lse2, ez2
-    part = _empty((4, mod.SPLIT_V, N), f32, dev)
-    mod.linear_logp_fwd_kernel[fwd_grid(mod, N)](
-        hidden, weight, bias if bias is not None else weight, target, part,
-        N, V, D, LOG2E / temperature,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
-        SPLIT_V=mod.SPLIT_V, **_tiles(mod))
-    mod.linear_logp_combine_kernel[combine_grid(N)](
+    if isinstance(mod, CudaForward):
+        if not mod.takes(hidden, weight, bias):
+            return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy)
+        splits = splits or mod.splits(N, V, dev)
+        part = mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits)
+        combine = mod.triton.linear_logp_combine_kernel
+    else:
+        splits = mod.SPLIT_V
+        part = _empty((4, splits, N), f32, dev)
+        mod.linear_logp_fwd_kernel[fwd_grid(mod, N)](
+            hidden, weight, bias if bias is not None else weight, target, part,
+            N, V, D, LOG2E / temperature,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
+            SPLIT_V=mod.SPLIT_V, **_tiles(mod))
+        combine = mod.linear_logp_combine_kernel
+    combine[combine_grid(N)](
         part, target, logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
-        N, ignore_index, WITH_ENTROPY=with_entropy, SPLIT_V=mod.SPLIT_V, BLOCK=COMBINE_BLOCK)
+        N, ignore_index, WITH_ENTROPY=with_entropy, SPLIT_V=splits, BLOCK=COMBINE_BLOCK)
     return logp, entropy, lse2, ez2
 
 
@@ -307,6 +461,8 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     the forward's lse2/ez2 and the upstream gradients (grad_entropy None when the entropy
     was not requested; grad_logp None means zeros). Budgets default to WORKSPACE_BYTES and
     ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring."""
+    if isinstance(mod, CudaForward):
+        mod = mod.triton
     workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
     N, D = hidden.shape
@@ -387,10 +543,28 @@ _FORCED = threading.local()
 _MODULES: dict = {}
 
 
+def implementation(kernel, companion=None):
+    """What the op runs for a loaded variant: a Triton variant's module, or a CUDA variant
+    wrapped with its Triton companion (`companion`: a loaded Triton variant; default:
+    dispatch's first Triton choice for the device and dtype)."""
+    if kernel is None or kernel.backend == "triton":
+        return kernel.module if kernel is not None else None
+    if companion is None:
+        from kgen.runtime import dispatch
+
+        companion = dispatch.select("linear_logp", torch.device("cuda", torch.cuda.current_device()),
+                                    kernel.variant.dtype, backend="triton")
+        if companion is None:
+            raise RuntimeError(f"linear_logp: no Triton variant for {kernel.variant.dtype} could be built "
+                               f"to combine the partials of {kernel.name}")
+    return CudaForward(kernel, companion.module)
+
+
 @contextlib.contextmanager
 def using(mod):
-    """Run the op with this kernel module (a loaded variant's `.module`; None: the PyTorch
-    reference) instead of dispatch's choice, in this thread. For tests and benchmarks."""
+    """Run the op with this implementation (`implementation(kernel)`, a Triton variant's
+    `.module`, or None: the PyTorch reference) instead of dispatch's choice, in this
+    thread. For tests and benchmarks."""
     saved = getattr(_FORCED, "mod", _FORCED)
     _FORCED.mod = mod
     try:
@@ -403,7 +577,7 @@ def using(mod):
 
 
 def _module(device: torch.device, dtype: torch.dtype):
-    """The kernel module for (device, dtype); None means the PyTorch reference (CPU
+    """The implementation for (device, dtype); None means the PyTorch reference (CPU
     tensors, or no variant could be built)."""
     forced = getattr(_FORCED, "mod", _FORCED)
     if forced is not _FORCED:
@@ -414,8 +588,14 @@ def _module(device: torch.device, dtype: torch.dtype):
     if key not in _MODULES:
         from kgen.runtime import dispatch
 
-        kernel = dispatch.select("linear_logp", device, str(dtype).removeprefix("torch."))
-        _MODULES[key] = kernel.module if kernel is not None else None
+        name = str(dtype).removeprefix("torch.")
+        kernel = dispatch.select("linear_logp", device, name)
+        companion = None
+        if kernel is not None and kernel.backend == "cuda":
+            companion = dispatch.select("linear_logp", device, name, backend="triton")
+            if companion is None:  # nothing to combine with: the reference serves
+                kernel = None
+        _MODULES[key] = implementation(kernel, companion) if kernel is not None else None
     return _MODULES[key]
 
 
@@ -535,6 +715,7 @@ def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
     if device.type == "cuda":
         sizes += [(300, 5003, 264), (1, 50257, 2048)]
     results = []
+    impl = implementation(kernel)
     for N, V, D in sizes:
         h = torch.randn(N, D, device=device).to(tdtype)
         w = (torch.randn(V, D, device=device) * (2.0 / math.sqrt(D))).to(tdtype)
@@ -543,7 +724,7 @@ def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
         t[::3] = -100 if N > 1 else t[::3]
         g_logp, g_ent = torch.randn(N, device=device), torch.randn(N, device=device)
         outs = []
-        for mod, compute in ((kernel.module, None), (None, torch.float64)):
+        for mod, compute in ((impl, None), (None, torch.float64)):
             leaves = [x.clone().requires_grad_() for x in (h, w, b)]
             if compute is None:
                 with using(mod):

@@ -35,7 +35,11 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
     return major == capability[0] and minor <= capability[1]
 
 
-def candidates(family: str, dtype: str, capability: tuple[int, int] | None) -> list[spec_mod.Variant]:
+def candidates(family: str, dtype: str, capability: tuple[int, int] | None,
+               backend: str | None = None) -> list[spec_mod.Variant]:
+    """Variants to try in order. `backend` restricts them to one backend (a family asking
+    for a companion, e.g. the Triton kernels a CUDA forward shares its backward with);
+    KGEN_VARIANT then applies only when it names a variant of that backend."""
     variants = [v for v in shipped_spec(family).variants if v.dtype == dtype]
     forced = os.environ.get("KGEN_VARIANT")
     if forced:
@@ -43,8 +47,9 @@ def candidates(family: str, dtype: str, capability: tuple[int, int] | None) -> l
         if not chosen:
             raise KgenError(f"KGEN_VARIANT={forced} names no {family} variant for {dtype}; "
                             f"`kgen list` shows the names")
-        return chosen
-    backend = os.environ.get("KGEN_BACKEND")
+        if backend is None or chosen[0].backend == backend:
+            return chosen
+    backend = backend or os.environ.get("KGEN_BACKEND")
     cuda = []
     if capability is not None:
         cuda = [v for v in variants if v.backend == "cuda" and arch_runs_on(v.arch, capability)]
@@ -70,13 +75,13 @@ def load(variant: spec_mod.Variant) -> loader.Kernel:
     return loader.load_triton(variant, build.triton_source_entry(variant))
 
 
-def select(family: str, device, dtype: str) -> loader.Kernel | None:
+def select(family: str, device, dtype: str, backend: str | None = None) -> loader.Kernel | None:
     """The first candidate for (device, dtype) that builds and loads; None means "use the
     reference". Each failure is logged once with its reason, then the next is tried."""
     import torch
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    for v in candidates(family, dtype, capability):
+    for v in candidates(family, dtype, capability, backend):
         try:
             return load(v)
         except KgenError as e:

@@ -1,0 +1,136 @@
+"""linear_logp's CUDA forward kernels (sm_90a WGMMA, mma.sync) on a GPU: each variant that
+runs on the device against float64 at the issue's sizes with poisoned buffers, split
+invariance, the fallback for inputs the kernels cannot take, CUDA graph replay, and that
+dispatch picks them. (The backward and combine are the Triton path's: test_linear_logp_gpu.)"""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kgen import ops, spec
+from kgen.families import linear_logp as llp
+from kgen.runtime import dispatch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = spec.load(ROOT / "kgen" / "specs" / "linear_logp.yaml")
+CUDA = [v.name for v in SPEC.variants if v.backend == "cuda"]
+pytestmark = pytest.mark.gpu
+_IMPLS: dict = {}
+
+
+def _impl(name) -> "llp.CudaForward":
+    v = SPEC.variant(name)
+    if not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} code does not run on this {torch.cuda.get_device_name()}")
+    if name not in _IMPLS:
+        _IMPLS[name] = llp.implementation(dispatch.load(v))
+    return _IMPLS[name]
+
+
+def _poison(monkeypatch):
+    def poisoned(shape, dt, device):
+        return torch.full(shape, float("nan") if dt.is_floating_point else 1 << 30, dtype=dt, device=device)
+
+    monkeypatch.setattr(llp, "_empty", poisoned)
+
+
+def _inputs(N, V, D, dtype, seed, bias=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(N, D, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(V, D, device="cuda", generator=g) * (2.0 / math.sqrt(D))).to(dtype)
+    b = (torch.randn(V, device="cuda", generator=g) * 0.5).to(dtype) if bias else None
+    t = torch.randint(0, V, (N,), device="cuda", generator=g)
+    if N > 1:
+        t[::5] = -100
+    return h, w, b, t
+
+
+def _check(got, h, w, t, b, T, dtype_name):
+    """logp and entropy within the spec's tolerance of float64; every element written."""
+    want = llp.reference(h, w, t, b, temperature=T, compute=torch.float64)
+    tol = SPEC.numerics[dtype_name]
+    for name, a, e in zip(("logp", "entropy"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: unwritten (NaN) elements"
+        torch.testing.assert_close(a.double(), e, rtol=tol.rtol, atol=tol.atol, msg=name)
+
+
+@pytest.mark.parametrize("name", CUDA)
+@pytest.mark.parametrize("N", [1, 7, 4099])
+@pytest.mark.parametrize("V,D", [(50257, 2048), (128256, 4096), (151936, 2048), (151936, 4096)])
+def test_forward_against_float64(monkeypatch, name, N, V, D):
+    """Bias, ignored rows, temperature 0.8 and entropy; the kernel itself takes these inputs."""
+    impl = _impl(name)
+    if N == 4099 and V * D > 151936 * 2048 and name != CUDA[0]:
+        pytest.skip("the largest size runs for the first variant only (time)")
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
+    assert impl.takes(h, w, b)
+    _poison(monkeypatch)
+    logp, ent, _, _ = llp.forward(impl, h, w, t, b, 0.8, -100, True)
+    _check((logp, ent), h, w, t, b, 0.8, impl.kernel.variant.dtype)
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_without_bias_and_entropy(monkeypatch, name):
+    impl = _impl(name)
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    h, w, _, t = _inputs(333, 32003, 1024, dtype, seed=2, bias=False)
+    _poison(monkeypatch)
+    logp, ent, lse2, ez2 = llp.forward(impl, h, w, t, None, 1.0, -100, False)
+    assert ent.numel() == 0 and ez2.numel() == 0
+    want, _ = llp.reference(h, w, t, None, compute=torch.float64)
+    tol = SPEC.numerics[impl.kernel.variant.dtype]
+    torch.testing.assert_close(logp.double(), want, rtol=tol.rtol, atol=tol.atol)
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_split_invariance(name):
+    """Any number of splits, including more than there are V tiles: rounding only."""
+    impl = _impl(name)
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    h, w, b, t = _inputs(517, 50257, 1024, dtype, seed=7)
+    tiles = -(-50257 // impl.block_n)
+    outs = [llp.forward(impl, h, w, t, b, 1.0, -100, True, splits=s) for s in (1, 5, None, tiles + 3)]
+    for logp, ent, _, _ in outs[1:]:
+        torch.testing.assert_close(logp, outs[0][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent, outs[0][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_inputs_the_kernel_cannot_take_fall_back(monkeypatch, name):
+    """D not a multiple of 8, and a hidden pointer off 16-byte alignment: the Triton
+    forward serves them (no crash, same numbers)."""
+    impl = _impl(name)
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    h, w, b, t = _inputs(65, 3001, 1001, dtype, seed=4)
+    assert not impl.takes(h, w, b)
+    _poison(monkeypatch)
+    _check(llp.forward(impl, h, w, t, b, 1.0, -100, True)[:2], h, w, t, b, 1.0, impl.kernel.variant.dtype)
+    h, w, b, t = _inputs(65, 3001, 1024, dtype, seed=5)
+    storage = torch.empty(65 * 1024 + 1, dtype=dtype, device="cuda")
+    shifted = storage[1:].view(65, 1024)
+    shifted.copy_(h)
+    assert shifted.is_contiguous() and not impl.takes(shifted, w, b)
+    _check(llp.forward(impl, shifted, w, t, b, 1.0, -100, True)[:2], h, w, t, b, 1.0, impl.kernel.variant.dtype)
+
+
+@pytest.mark.parametrize("name", CUDA)
+def test_cuda_graph_replay(name):
+    from test_linear_logp_gpu import check_graph_replay
+
+    impl = _impl(name)
+    check_graph_replay(llp.using(impl), getattr(torch, impl.kernel.variant.dtype))
+
+
+def test_dispatch_prefers_the_cuda_kernel():
+    """On Hopper (cc 9.0) the sm_90a variant; elsewhere the first mma.sync variant that runs."""
+    cap = torch.cuda.get_device_capability()
+    llp._MODULES.clear()
+    impl = llp._module(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
+    assert isinstance(impl, llp.CudaForward)
+    runs = [v for v in SPEC.variants if v.backend == "cuda" and v.dtype == "bfloat16"
+            and dispatch.arch_runs_on(v.arch, cap)]
+    assert impl.kernel.variant.arch == ("sm_90a" if cap == (9, 0) else runs[0].arch)
+    assert impl.triton.SPLIT_V >= 1  # the Triton companion that combines and differentiates
