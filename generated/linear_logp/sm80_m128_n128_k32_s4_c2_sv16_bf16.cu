@@ -130,7 +130,25 @@ __device__ __forceinline__ int swizzled_chunk(int row, int chunk) {
 }
 
 }  // namespace kgen
+#include <mutex>
+
 namespace kgen {
+
+// Raise a kernel's dynamic shared-memory limit to `bytes` once per device (one bit per
+// device in `configured`, each kernel instantiation its own). Launchers call it from
+// threads that run without the GIL, hence the lock.
+template <typename Kernel>
+inline cudaError_t opt_in_shared_memory(Kernel kernel, int bytes, int device, uint64_t& configured) {
+  static std::mutex mutex;
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!(configured >> device & 1)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    configured |= uint64_t(1) << device;
+  }
+  return cudaSuccess;
+}
 
 // CTA index -> (split, row block) for kernels whose grid is row blocks x V splits: row
 // blocks in groups of `group`, split-major within a group, so the CTAs resident together
@@ -232,7 +250,6 @@ struct SoftmaxRow {
 };
 
 }  // namespace kgen
-#include <mutex>
 
 namespace {
 
@@ -442,17 +459,10 @@ linear_logp_fwd_sm80(const T* __restrict__ hidden, const T* __restrict__ weight,
 template <bool HAS_BIAS, bool ENTROPY>
 cudaError_t launch(const T* hidden, const T* weight, const T* bias, const int64_t* target, float* part, int N, int V,
                    int D, int splits, int group, float scale, int device, cudaStream_t stream) {
+  static uint64_t configured = 0;
   auto kernel = linear_logp_fwd_sm80<HAS_BIAS, ENTROPY>;
-  if (SMEM_BYTES > 48 * 1024) {  // above the default limit: opt in, once per device
-    static std::mutex mutex;
-    static uint64_t configured = 0;  // one bit per device
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!(configured >> device & 1)) {
-      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-      if (e != cudaSuccess) return e;
-      configured |= uint64_t(1) << device;
-    }
-  }
+  const cudaError_t e = kgen::opt_in_shared_memory(kernel, SMEM_BYTES, device, configured);
+  if (e != cudaSuccess) return e;
   const unsigned grid = (unsigned)(kgen::cdiv(N, BM) * splits);
   kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(hidden, weight, bias, target, part, N, V, D, splits, group, scale);
   return cudaGetLastError();

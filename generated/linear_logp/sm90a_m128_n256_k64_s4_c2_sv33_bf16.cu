@@ -229,7 +229,25 @@ class TensorMapCache {
 
 }  // namespace kgen
 
+#include <mutex>
+
 namespace kgen {
+
+// Raise a kernel's dynamic shared-memory limit to `bytes` once per device (one bit per
+// device in `configured`, each kernel instantiation its own). Launchers call it from
+// threads that run without the GIL, hence the lock.
+template <typename Kernel>
+inline cudaError_t opt_in_shared_memory(Kernel kernel, int bytes, int device, uint64_t& configured) {
+  static std::mutex mutex;
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!(configured >> device & 1)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    configured |= uint64_t(1) << device;
+  }
+  return cudaSuccess;
+}
 
 // CTA index -> (split, row block) for kernels whose grid is row blocks x V splits: row
 // blocks in groups of `group`, split-major within a group, so the CTAs resident together
@@ -535,17 +553,10 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
 template <bool HAS_BIAS, bool ENTROPY>
 cudaError_t launch(const CUtensorMap& mh, const CUtensorMap& mw, const CUtensorMap& mb, const int64_t* target, float* part,
                    int N, int V, int D, int splits, int group, float scale, int device, cudaStream_t stream) {
-  static std::mutex mutex;
-  static uint64_t configured = 0;  // devices whose shared-memory limit is raised, one bit each
+  static uint64_t configured = 0;
   auto kernel = linear_logp_fwd_sm90a<HAS_BIAS, ENTROPY>;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    if (!(configured >> device & 1)) {
-      const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-      if (e != cudaSuccess) return e;
-      configured |= uint64_t(1) << device;
-    }
-  }
+  const cudaError_t e = kgen::opt_in_shared_memory(kernel, SMEM_BYTES, device, configured);
+  if (e != cudaSuccess) return e;
   const unsigned grid = (unsigned)(kgen::cdiv(N, BM) * splits);
   kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(mh, mw, mb, target, part, N, V, D, splits, group, scale);
   return cudaGetLastError();
