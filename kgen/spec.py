@@ -105,7 +105,8 @@ class Variant:
         from kgen.families import schema_of
 
         by_name = {k.name: k for k in schema_of(self.family).knobs[self.backend]}
-        return [(by_name[k].abbr, v) for k, v in self.knobs]
+        # A knob at its default stays out of the name, so adding a knob renames nothing.
+        return [(by_name[k].abbr, v) for k, v in self.knobs if v != by_name[k].default]
 
     @property
     def params(self) -> dict[str, Any]:

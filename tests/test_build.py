@@ -95,6 +95,8 @@ def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
     sass = toolchain.sass(lib)
     assert f"arch = {r.variant.arch}" in sass
     wanted = ("HGMMA.64x", "UTMALDG", "SYNCS") if r.variant.arch == "sm_90a" else ("HMMA.16816.F32", "LDSM", "LDGSTS")
+    if r.variant.params["cluster"] > 1:  # weight panels multicast to the cluster, freed in every CTA
+        wanted += ("UTMALDG.2D.MULTICAST", "SYNCS.ARRIVE.TRANS64.RED", "UCGABAR_WAIT")
     for op in wanted:
         assert op in sass, op
     assert "LDL" not in sass and "STL" not in sass

@@ -195,6 +195,17 @@ def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
     check_against_reference(variant(SPLIT_V=64), *make_inputs(7, 257, 40, dtype=dtype))
 
 
+def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
+    """With TF32 allowed, float32 inputs take the target logit from the forward's own tile
+    (partials plane 2, written: buffers start as NaN) rather than the combine's float32
+    gather-dot, which would not match TF32 logits. (The interpreter's dots are float32.)"""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
+    assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
+    monkeypatch.setattr(llp, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
+    check_against_reference(variant(), *make_inputs(33, 257, 40))
+
+
 def test_ignored_rows_are_zero_and_get_no_gradient():
     hidden, weight, target, bias = make_inputs(7, 50, 16)
     target[:] = -100
@@ -295,3 +306,23 @@ def test_ignore_index_is_not_out_of_range():
     target = torch.tensor([0, 7, 3, 2])
     call(variant(), H, W, target, B, ignore_index=7)  # 7 < V: ignored, fine
     call(variant(), H, W, torch.tensor([0, 12345, 3, 2]), B, ignore_index=12345)
+
+
+def test_triton_splits_fill_whole_waves(monkeypatch):
+    """The Triton forward's per-call splits on a 132-SM GPU (no GPU needed: the SM count is
+    what it reads): >= SPLIT_V, <= one V tile each, and the programs fill whole waves or
+    make >= 16 of them; on the CPU (interpreter) the variant's SPLIT_V."""
+    from types import SimpleNamespace
+
+    monkeypatch.setitem(llp._SMS, 0, 132)
+    mod = SimpleNamespace(SPLIT_V=4, BLOCK_N=128, BLOCK_V=256)
+    dev = torch.device("cuda", 0)
+    want = {(8192, 128256): 33, (4096, 151936): 33, (4099, 151936): 4, (1, 151936): 132,
+            (65536, 128256): 5, (1, 1000): 4, (7, 300): 4}
+    for (N, V), splits in want.items():
+        got = llp.triton_splits(mod, N, V, dev)
+        assert got == splits, (N, V, got)
+        programs, tiles = -(-N // 128) * got, -(-V // 256)
+        assert got >= 4 and (got <= tiles or got == 4)  # SPLIT_V > tiles leaves empty slices
+        assert programs % 132 == 0 or programs >= 16 * 132 or got >= tiles
+    assert llp.triton_splits(mod, 8192, 128256, torch.device("cpu")) == 4

@@ -125,7 +125,8 @@ def test_cuda_graph_replay(name):
 
 
 def test_dispatch_prefers_the_cuda_kernel():
-    """On Hopper (cc 9.0) the sm_90a variant; elsewhere the first mma.sync variant that runs."""
+    """The first CUDA variant that runs: on Hopper (cc 9.0) the sm_90a one with the 2-CTA
+    cluster; elsewhere the first mma.sync variant."""
     cap = torch.cuda.get_device_capability()
     llp._MODULES.clear()
     impl = llp._module(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
@@ -133,4 +134,5 @@ def test_dispatch_prefers_the_cuda_kernel():
     runs = [v for v in SPEC.variants if v.backend == "cuda" and v.dtype == "bfloat16"
             and dispatch.arch_runs_on(v.arch, cap)]
     assert impl.kernel.variant.arch == ("sm_90a" if cap == (9, 0) else runs[0].arch)
+    assert impl.name == runs[0].name
     assert impl.triton.SPLIT_V >= 1  # the Triton companion that combines and differentiates

@@ -141,13 +141,13 @@ def time_shapes(impls, companion, rows, ablate: bool, flags: dict):
             if not isinstance(impl, llp.CudaForward):
                 continue
             splits, group = impl.splits(N, V, h.device), impl.group(N, D)
-            notes[name] = f"splits {splits}, group {group} of {-(-N // impl.block_m)} row blocks"
+            notes[name] = f"splits {splits}, group {group} of {-(-N // impl.rows)} row groups"
             fns[f"{name}: partials only"] = lambda impl=impl, s=splits: impl.partials(h, w, t, None, 1.0, False, s)
             for label, x in extra.get(name, {}).items():
                 fns[f"{name}: partials, {label}"] = lambda x=x, s=splits: x.partials(h, w, t, None, 1.0, False, s)
             if ablate:
                 sm = llp.CudaForward(impl.kernel, companion)
-                sm.group = lambda N, D, impl=impl: -(-N // impl.block_m)
+                sm.group = lambda N, D, impl=impl: -(-N // impl.rows)
                 fns[f"{name}: partials, split-major order"] = lambda sm=sm, s=splits: sm.partials(h, w, t, None, 1.0, False, s)
                 fns[f"{name}: partials, splits = split_v {impl.split_v}"] = (
                     lambda impl=impl: impl.partials(h, w, t, None, 1.0, False, impl.split_v))

@@ -3,7 +3,7 @@
 // variant: linear_logp/sm90a_m128_n256_k64_s4_c2_sv33_f16
 // backend: cuda, arch: sm_90a
 // dtype:   float16
-// knobs:   block_m=128, block_n=256, block_k=64, stages=4, consumers=2, split_v=33
+// knobs:   block_m=128, block_n=256, block_k=64, stages=4, consumers=2, split_v=33, cluster=1
 //
 // linear_logp forward partials on Hopper: TMA + mbarrier ring, warp-specialised WGMMA,
 // online softmax in registers. The N x V logits are never written.
@@ -15,9 +15,19 @@
 // The ring runs across V tiles: the producer loads the next tile's panels while the
 // consumers fold.
 //
-// Work order: row blocks in groups of `group` (chosen by the host so a group's hidden rows,
-// group * BM * D * 2 bytes, stay within ~16 MB of L2), and within a group split-major:
-// blockIdx.x -> (group, split, row block in the group). The CTAs resident together sweep
+// Clusters (1 CTA): the CTAs of a cluster take adjacent row blocks of the same V
+// slice, so they need the same weight panels: each CTA's producer loads 1/CLUSTER of the
+// panel's rows and TMA multicasts them into every CTA of the cluster, which cuts the
+// L2-to-SM traffic per panel from (BM + BN) * BK * 2 to (BM + BN / CLUSTER) * BK * 2 bytes.
+// A stage is then free only when the consumers of all CTAs of the cluster have released
+// it: each consumer warp arrives on that stage's empty barrier in every CTA. A CTA whose
+// row block lies past N (N < CLUSTER * BM rows left) still loads its share and computes on
+// TMA's zero fill, writing nothing.
+//
+// Work order: row groups (the CLUSTER row blocks of one cluster) in groups of `group`
+// (chosen by the host so a group's hidden rows, group * CLUSTER * BM * D * 2 bytes, stay
+// within ~16 MB of L2), and within a group split-major: cluster index -> (group, split,
+// row group). The CTAs resident together sweep
 // the same few V slices in step over the same row blocks, so each weight tile comes from
 // HBM about once per group and is served from L2 to the group's other row blocks, while
 // the group's hidden rows, re-read for every V tile, stay in L2. (Split-major over all row
@@ -75,6 +85,17 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// One arrival on the barrier at the same shared-memory offset in CTA `cta` of this
+// cluster (the own CTA included): how a consumer frees a ring stage that a peer CTA's TMA
+// multicast writes into. Default (.release.cta) semantics: the stage was read by wgmma,
+// whose completion (wgmma.wait_group) already orders those reads; .release.cluster would
+// add a GPU-wide MEMBAR to every arrive.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
 // Spin until the phase with this parity has completed.
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   const uint32_t addr = smem_addr(bar);
@@ -105,6 +126,20 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// The same box delivered to the same shared-memory offset in every CTA of the cluster
+// named in `cta_mask` (bit i = rank i); each destination's barrier at `bar`'s offset
+// counts the bytes.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int32_t x, int32_t y,
+                                                      uint64_t* bar, uint16_t cta_mask) {
+  asm volatile(
+
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;"
+      ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(smem_addr(bar)),
+      "h"(cta_mask)
+      : "memory");
+}
+
 // The same for a 1-D map (a vector): the box starting at element x.
 __device__ __forceinline__ void tma_load_1d(void* dst, const CUtensorMap* map, int32_t x, uint64_t* bar) {
   asm volatile(
@@ -112,6 +147,20 @@ __device__ __forceinline__ void tma_load_1d(void* dst, const CUtensorMap* map, i
       "cp.async.bulk.tensor.1d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];"
       ::"r"(smem_addr(dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(smem_addr(bar))
       : "memory");
+}
+
+// ---------------------------------------------------------------- clusters
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster: what each wrote to its shared memory before
+// (e.g. barrier initialisation) is visible cluster-wide after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- WGMMA
@@ -382,8 +431,11 @@ namespace {
 using T = __half;
 constexpr CUtensorMapDataType kMapType = CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
 constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4, CONSUMERS = 2;
+constexpr int CLUSTER = 1;  // CTAs sharing each weight panel by TMA multicast
 constexpr int THREADS = 128 * (CONSUMERS + 1);
 constexpr int A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int B_SHARE = BN / CLUSTER;  // weight rows of a panel this CTA's producer loads
+static_assert(B_SHARE % 8 == 0, "a multicast share must be whole 1024-byte swizzle atoms");
 // Dynamic shared memory: the ring plus slack to align it to 1024 bytes (128-byte swizzle).
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 1024;
 constexpr int ACC = BN / 2;  // accumulator registers per consumer thread
@@ -399,8 +451,7 @@ __device__ __forceinline__ void slice_of(int64_t split, int64_t splits, int64_t 
 }
 
 template <bool HAS_BIAS, bool ENTROPY>
-__global__ void __launch_bounds__(THREADS, 1)
-linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
+__global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                       const __grid_constant__ CUtensorMap map_b, const int64_t* __restrict__ target,
                       float* __restrict__ part, int N, int V, int D, int splits, int group, float scale) {
   extern __shared__ uint8_t smem_raw[];
@@ -410,9 +461,11 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
   __shared__ __align__(128) T bias_tile[2][BN];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
 
-  const int rowblocks = (int)kgen::cdiv(N, BM);
-  int split, rowblock;
-  kgen::grouped_split_order(blockIdx.x, rowblocks, splits, group, split, rowblock);
+  const int rowgroups = (int)kgen::cdiv(kgen::cdiv(N, BM), CLUSTER);
+  const uint32_t rank = CLUSTER > 1 ? kgen::cluster_rank() : 0;
+  int split, rowgroup;
+  kgen::grouped_split_order(blockIdx.x / CLUSTER, rowgroups, splits, group, split, rowgroup);
+  const int rowblock = rowgroup * CLUSTER + (int)rank;
   int64_t vt_first, vt_last;
   slice_of(split, splits, kgen::cdiv(V, BN), vt_first, vt_last);
   const int k_tiles = (int)kgen::cdiv(D, BK);
@@ -421,7 +474,7 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       kgen::mbar_init(&full[s], 1);                // the producer's arrive + TMA bytes
-      kgen::mbar_init(&empty[s], 4 * CONSUMERS);  // one arrive per consumer warp
+      kgen::mbar_init(&empty[s], 4 * CONSUMERS * CLUSTER);  // one arrive per consumer warp of the cluster
     }
     for (int b = 0; b < 2; ++b) {
       kgen::mbar_init(&bias_full[b], 1);
@@ -429,7 +482,10 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
     }
     kgen::mbar_init_fence();
   }
-  __syncthreads();
+  if (CLUSTER > 1)
+    kgen::cluster_sync();  // the peers' barriers exist before any multicast or remote arrive
+  else
+    __syncthreads();
 
   if (wg == 0) {  // producer
     kgen::regs_dealloc<PRODUCER_REGS>();
@@ -450,10 +506,21 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
         uint8_t* a = ring + stage * STAGE_BYTES;
         kgen::mbar_arrive_expect_tx(&full[stage], STAGE_BYTES);
         kgen::tma_load_2d(a, &map_h, kt * BK, rowblock * BM, &full[stage]);
-        kgen::tma_load_2d(a + A_BYTES, &map_w, kt * BK, (int32_t)(vt * BN), &full[stage]);
+        if (CLUSTER > 1)
+          kgen::tma_load_2d_multicast(a + A_BYTES + rank * B_SHARE * BK * 2, &map_w, kt * BK,
+                                      (int32_t)(vt * BN + rank * B_SHARE), &full[stage], (1u << CLUSTER) - 1);
+        else
+          kgen::tma_load_2d(a + A_BYTES, &map_w, kt * BK, (int32_t)(vt * BN), &full[stage]);
         if (++stage == STAGES) stage = 0, phase ^= 1;
       }
     }
+    // With a cluster, the peers' consumers arrive on this CTA's empty barriers until they
+    // have used the last panels: stay until they all have, so no arrive reaches an exited CTA.
+    if (CLUSTER > 1)
+      for (int i = 0; i < STAGES; ++i) {
+        kgen::mbar_wait(&empty[stage], phase ^ 1);
+        if (++stage == STAGES) stage = 0, phase ^= 1;
+      }
     return;
   }
 
@@ -470,13 +537,23 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
     // Targets fit in int (0 <= target < V < 2^31); ignore_index and padding rows never match.
     tgt[r] = row[r] < N ? (int)target[row[r]] : -1;
   }
+  // Frees a ring stage in every CTA of the cluster (their producers multicast into ours).
+  auto release = [](uint64_t* bar) {
+    if (CLUSTER > 1) {
+#pragma unroll
+      for (int c = 0; c < CLUSTER; ++c) kgen::mbar_arrive_cluster(bar, c);
+    } else {
+      kgen::mbar_arrive(bar);
+    }
+  };
   kgen::SoftmaxRow state[2];
   float acc[ACC];
   const float masked = kgen::MASKED_LOGIT / scale;  // z of a column past V
 
   int stage = 0;
   uint32_t phase = 0;
-  for (int64_t vt = vt_first; vt < vt_last; ++vt) {
+  for (int i = 0; vt_first + i < vt_last; ++i) {  // tile i of the slice
+    const int64_t vt = vt_first + i;
     int prev = 0;
     for (int kt = 0; kt < k_tiles; ++kt) {
       kgen::mbar_wait(&full[stage], phase);
@@ -489,25 +566,24 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
       kgen::wgmma_commit();
       // Keep this panel's MMAs in flight; the previous panel's are done: release its stage.
       kgen::wgmma_wait<1>();
-      if (kt > 0 && lane == 0) kgen::mbar_arrive(&empty[prev]);
+      if (kt > 0 && lane == 0) release(&empty[prev]);
       prev = stage;
       if (++stage == STAGES) stage = 0, phase ^= 1;
     }
     kgen::wgmma_wait<0>();
     kgen::fence_registers(acc);
-    if (lane == 0) kgen::mbar_arrive(&empty[prev]);
+    if (lane == 0) release(&empty[prev]);
 
     // z = (acc + bias) * scale. Register i holds column 8 (i / 4) + 2 t + (i % 2) of row
     // g + 8 ((i / 2) % 2).
     const int64_t col0 = vt * BN;
 #ifdef KGEN_ABLATE_FOLD  // diagnostics only (tools/llp_cuda_check.py --ablate): no softmax epilogue
     state[0].s += acc[0] + acc[ACC - 1];
-    if (HAS_BIAS && lane == 0) kgen::mbar_wait(&bias_full[(vt - vt_first) & 1], ((vt - vt_first) >> 1) & 1),
-                               kgen::mbar_arrive(&bias_empty[(vt - vt_first) & 1]);
+    if (HAS_BIAS && lane == 0) kgen::mbar_wait(&bias_full[i & 1], (i >> 1) & 1), kgen::mbar_arrive(&bias_empty[i & 1]);
     continue;
 #endif
     if (HAS_BIAS) {  // columns past V read TMA's zero fill
-      const int i = (int)(vt - vt_first), b = i & 1;
+      const int b = i & 1;
       kgen::mbar_wait(&bias_full[b], (i >> 1) & 1);
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
@@ -546,7 +622,8 @@ linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_co
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     state[r].reduce_quad();
-    if (t == 0 && row[r] < N) state[r].store(part, split, splits, N, row[r]);
+    if (t == 0 && row[r] < N)
+      state[r].store(part, split, splits, N, row[r]);
   }
 }
 
@@ -557,7 +634,7 @@ cudaError_t launch(const CUtensorMap& mh, const CUtensorMap& mw, const CUtensorM
   auto kernel = linear_logp_fwd_sm90a<HAS_BIAS, ENTROPY>;
   const cudaError_t e = kgen::opt_in_shared_memory(kernel, SMEM_BYTES, device, configured);
   if (e != cudaSuccess) return e;
-  const unsigned grid = (unsigned)(kgen::cdiv(N, BM) * splits);
+  const unsigned grid = (unsigned)(kgen::cdiv(kgen::cdiv(N, BM), CLUSTER) * CLUSTER * splits);
   kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(mh, mw, mb, target, part, N, V, D, splits, group, scale);
   return cudaGetLastError();
 }
@@ -570,7 +647,7 @@ kgen::TensorMapCache tensor_maps;
 // checked dtypes, shapes, devices and the target range, and that D % 8 == 0 with 16-byte
 // aligned hidden, weight and bias (what TMA needs); this re-checks what would fault.
 //   ints:   device, hidden, weight, bias (0 = none), target (int64), part, N, V, D, splits,
-//           group (row blocks per group), with_entropy, stream
+//           group (row groups of CLUSTER row blocks per group), with_entropy, stream
 //   floats: scale = log2(e) / temperature
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const int device = (int)ints[0];
@@ -583,7 +660,7 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   cudaStream_t stream = (cudaStream_t)ints[12];
   const float scale = (float)floats[0];
   if (N <= 0 || V <= 0 || D <= 0 || splits <= 0 || group <= 0 || group * splits > INT32_MAX || D % 8 || N > INT32_MAX || V > INT32_MAX || device > 63 ||
-      kgen::cdiv(N, BM) * splits > INT32_MAX || (uintptr_t)hidden % 16 || (uintptr_t)weight % 16 ||
+      kgen::cdiv(N, BM) * CLUSTER * splits > INT32_MAX || (uintptr_t)hidden % 16 || (uintptr_t)weight % 16 ||
       (uintptr_t)bias % 16)
     return (int)cudaErrorInvalidValue;
   int current = -1;
@@ -592,7 +669,7 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
     if (e != cudaSuccess) return (int)e;
   }
   CUtensorMap mh, mw, mb = {};
-  if (!tensor_maps.matrix(&mh, hidden, N, D, BM, kMapType) || !tensor_maps.matrix(&mw, weight, V, D, BN, kMapType) ||
+  if (!tensor_maps.matrix(&mh, hidden, N, D, BM, kMapType) || !tensor_maps.matrix(&mw, weight, V, D, B_SHARE, kMapType) ||
       (bias != nullptr && !tensor_maps.vector(&mb, bias, V, BN, kMapType)))
     return (int)cudaErrorInvalidValue;
   const int n = (int)N, v = (int)V, d = (int)D, s = (int)splits, gr = (int)group;

@@ -29,6 +29,10 @@ SPLIT_V = 1
 
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_INF = tl.constexpr(float("-inf"))
+# The logit of a column past V: exp2 of it is 0 and 0 times it is 0, so masked columns
+# drop out of every sum with no select (-inf would give 0 * -inf = NaN in the entropy).
+# The CUDA kernels' MASKED_LOGIT (common/online_softmax.cuh.j2).
+MASKED_LOGIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -65,14 +69,19 @@ def _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
 @triton.jit
 def linear_logp_fwd_kernel(
     h_ptr, w_ptr, b_ptr, t_ptr, part_ptr,
-    N, V, D, scale,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+    N, V, D, splits, scale,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, TARGET_IN_TILE: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT_V: tl.constexpr,
 ):
     """Online softmax over one V slice for one row tile; writes the slice's partials
-    part[k, split, row] for k = running max, sum of exp2(z - max), target logit,
-    sum of exp2(z - max) * (z - max). Grid: cdiv(N, BLOCK_N) * SPLIT_V programs."""
+    part[k, split, row] for k = 0: running max, 1: sum of exp2(z - max), 3: sum of
+    exp2(z - max) * (z - max), and with TARGET_IN_TILE 2: the target logit. Otherwise
+    plane 2 is left unwritten and the combine takes the target logit by a gather-dot;
+    TARGET_IN_TILE is for TF32 tile dots, which it would not match (_target_in_tile in
+    the family module). Split s of `splits` covers V tiles [s * T / splits, (s + 1) * T /
+    splits) of the T = cdiv(V, BLOCK_V) (empty when splits > T). Grid: cdiv(N, BLOCK_N) *
+    splits programs."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     # Split-major order: the programs resident together sweep the same V slice in step,
@@ -80,13 +89,13 @@ def linear_logp_fwd_kernel(
     split = pid // tiles_n
     tile_n = pid % tiles_n
     tiles_v = tl.cdiv(V, BLOCK_V)
-    per_split = tl.cdiv(tiles_v, SPLIT_V)
-    vt_begin = split * per_split
-    vt_end = tl.minimum(vt_begin + per_split, tiles_v)  # empty when SPLIT_V > tiles_v
+    vt_begin = split * tiles_v // splits
+    vt_end = (split + 1) * tiles_v // splits
 
     rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+    if TARGET_IN_TILE:
+        target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
 
     m = tl.full((BLOCK_N,), NEG_INF, tl.float32)
     s = tl.zeros((BLOCK_N,), tl.float32)
@@ -99,10 +108,16 @@ def linear_logp_fwd_kernel(
         col_ok = cols < V
         acc = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
                           BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+        # Bias and column mask as one per-column term, so each logit is one FMA: masked
+        # columns have acc = 0 (masked loads), hence z = MASKED_LOGIT there.
         if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        z = tl.where(col_ok[None, :], acc * scale, NEG_INF)
-        z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+            colterm = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
+            colterm = tl.where(col_ok, colterm, MASKED_LOGIT)
+        else:
+            colterm = tl.where(col_ok, 0.0, MASKED_LOGIT)
+        z = acc * scale + colterm[None, :]
+        if TARGET_IN_TILE:
+            z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
         # Every tile in [vt_begin, vt_end) has a valid column, so m_new is finite and
         # alpha = exp2(-inf) = 0 on the first tile.
         m_new = tl.maximum(m, tl.max(z, axis=1))
@@ -113,40 +128,71 @@ def linear_logp_fwd_kernel(
             # Kept relative to the running max (well conditioned); moving the max by
             # delta adds delta * s before rescaling. s == 0 only before the first tile.
             shift = tl.where(s > 0.0, (m - m_new) * s, 0.0)
-            ent = alpha * (ent + shift) + tl.sum(tl.where(col_ok[None, :], p * zc, 0.0), axis=1)
+            ent = alpha * (ent + shift) + tl.sum(p * zc, axis=1)
         s = s * alpha + tl.sum(p, axis=1)
         m = m_new
 
-    plane = SPLIT_V * N
+    plane = splits * N
     out = part_ptr + split * N + rows
     tl.store(out, m, mask=row_ok)
     tl.store(out + plane, s, mask=row_ok)
-    tl.store(out + 2 * plane, z_t, mask=row_ok)
+    if TARGET_IN_TILE:
+        tl.store(out + 2 * plane, z_t, mask=row_ok)
     tl.store(out + 3 * plane, ent, mask=row_ok)
 
 
 @triton.jit
+def _target_logit(h_ptr, w_ptr, b_ptr, rows, target, gather, D, scale,
+                  HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """z[i] = hidden[rows[i]] . weight[target[i]] * scale + bias[target[i]] * scale in
+    float32 (the forward's formula for a logit); 0 where not gather[i], whose weight row
+    is never read."""
+    offs_d = tl.arange(0, BLOCK_D)
+    t = tl.where(gather, target, 0).to(tl.int64)
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    w_ptrs = w_ptr + t[:, None] * D + offs_d[None, :]
+    acc = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        ok = gather[:, None] & (offs_d < D - d0)[None, :]
+        h = tl.load(h_ptrs, mask=ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
+        acc += h * w
+        h_ptrs += BLOCK_D
+        w_ptrs += BLOCK_D
+    if HAS_BIAS:
+        colterm = tl.load(b_ptr + t, mask=gather, other=0.0).to(tl.float32) * scale
+    else:
+        colterm = tl.zeros((BLOCK,), tl.float32)
+    return tl.sum(acc, axis=1) * scale + colterm
+
+
+@triton.jit
 def linear_logp_combine_kernel(
-    part_ptr, t_ptr, logp_ptr, ent_ptr, lse_ptr, ez_ptr,
-    N, ignore_index,
-    WITH_ENTROPY: tl.constexpr, SPLIT_V: tl.constexpr, BLOCK: tl.constexpr,
+    part_ptr, t_ptr, h_ptr, w_ptr, b_ptr, logp_ptr, ent_ptr, lse_ptr, ez_ptr,
+    N, V, D, splits, ignore_index, scale,
+    WITH_ENTROPY: tl.constexpr, TARGET_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """Merge the SPLIT_V partials of each row: logp, entropy (0 on ignored rows) and the
-    base-2 lse and E[z] the backward needs. Grid: cdiv(N, BLOCK)."""
+    """Merge the `splits` partials of each row: logp, entropy (0 on ignored rows) and the
+    base-2 lse and E[z] the backward needs. The target logit: the sum of partials plane 2
+    (the CUDA forward, or the Triton one with TARGET_IN_TILE), or with TARGET_DOT one
+    gather-dot hidden[i] . weight[target[i]] over D per row (h_ptr, w_ptr, b_ptr, V, D,
+    scale and HAS_BIAS are read only then). Grid: cdiv(N, BLOCK)."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
-    plane = SPLIT_V * N
+    plane = splits * N
     m = tl.full((BLOCK,), NEG_INF, tl.float32)
-    for k in range(SPLIT_V):
+    for k in range(splits):
         m = tl.maximum(m, tl.load(part_ptr + k * N + rows, mask=ok, other=NEG_INF))
     s = tl.zeros((BLOCK,), tl.float32)
     ent = tl.zeros((BLOCK,), tl.float32)
     z_t = tl.zeros((BLOCK,), tl.float32)
-    for k in range(SPLIT_V):
+    for k in range(splits):
         at = part_ptr + k * N + rows
         m_k = tl.load(at, mask=ok, other=NEG_INF)
         s_k = tl.load(at + plane, mask=ok, other=0.0)
-        z_t += tl.load(at + 2 * plane, mask=ok, other=0.0)
+        if not TARGET_DOT:
+            z_t += tl.load(at + 2 * plane, mask=ok, other=0.0)
         live = m_k > NEG_INF  # an empty slice (no V tiles) contributes nothing
         delta = tl.where(live, m_k - m, 0.0)
         alpha = tl.where(live, tl.exp2(delta), 0.0)
@@ -155,7 +201,13 @@ def linear_logp_combine_kernel(
             ent += alpha * (tl.load(at + 3 * plane, mask=ok, other=0.0) + delta * s_k)
     log_s = tl.log2(s)
     lse = m + log_s
-    valid = tl.load(t_ptr + rows, mask=ok, other=ignore_index) != ignore_index
+    target = tl.load(t_ptr + rows, mask=ok, other=ignore_index)
+    valid = target != ignore_index
+    if TARGET_DOT:
+        # Bounds-checked too: during CUDA graph capture target is not range-checked, and a
+        # bad value must give a wrong row, never a read outside weight.
+        gather = valid & (target >= 0) & (target < V)
+        z_t = _target_logit(h_ptr, w_ptr, b_ptr, rows, target, gather, D, scale, HAS_BIAS, BLOCK, BLOCK_D)
     tl.store(logp_ptr + rows, tl.where(valid, (z_t - lse) * LN2, 0.0), mask=ok)
     tl.store(lse_ptr + rows, lse, mask=ok)
     if WITH_ENTROPY:

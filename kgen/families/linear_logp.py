@@ -14,12 +14,21 @@ Outputs are float32: logp [N], and optionally the entropy [N] of the tempered so
 Rows whose target is ignore_index get logp = 0 and entropy = 0, and no gradient.
 
 Forward (O(N) extra memory, the N x V logits never exist):
-  1. `linear_logp_fwd_kernel`, grid cdiv(N, BLOCK_N) * SPLIT_V, split-major order. Each
+  1. `linear_logp_fwd_kernel`, grid cdiv(N, BLOCK_N) * splits, split-major order, with
+     splits >= SPLIT_V chosen per call to fill whole waves of SMs (triton_splits). Each
      program sweeps V tiles of its slice (tl.dot over D in BLOCK_D steps, float32
-     accumulation) with an online softmax in base 2 and writes 4 float32 partials per row:
-     running max, sum of exp, target logit, sum of exp * (z - max).
-  2. `linear_logp_combine_kernel`, grid cdiv(N, 128), merges the SPLIT_V partials.
-  Extra memory: 16 * SPLIT_V * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
+     accumulation) with an online softmax in base 2 and writes float32 partials per row:
+     running max, sum of exp, sum of exp * (z - max). Per logit the fold is one FMA,
+     z = acc * scale + colterm[j] (colterm: bias * scale, or -1e30 past V), then max,
+     exp2 and sums; no target compare.
+  2. `linear_logp_combine_kernel`, grid cdiv(N, 16), merges the `splits` partials and takes
+     the target logit as one float32 gather-dot (hidden[i] . weight[target[i]] + bias) *
+     scale per non-ignored row (2 * D * elsize bytes a row). Exception: float32 inputs
+     under TF32 keep the target logit in the fwd fold (a fourth partial, summed by the
+     combine), so that it is rounded like the logits; see _target_in_tile.
+  The CUDA forwards write all four partials, target logit included; their combine sums
+  them (grid cdiv(N, 128)).
+  Extra memory: 16 * splits * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
 
 Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
   dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] and
@@ -66,8 +75,13 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _TARGET_DTYPES = (torch.int64, torch.int32)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# Rows per program of the combine kernel (cheap: 4 * SPLIT_V loads per row).
+# Rows per program of the combine kernel: 4 * splits loads per row summing the CUDA
+# partials; with the target gather-dot (the Triton forward), 2 * D elements per row, so
+# fewer rows a program, to spread the N * D reads over more SMs, in TARGET_BLOCK_D-element
+# steps along D.
 COMBINE_BLOCK = 128
+COMBINE_DOT_BLOCK = 16
+TARGET_BLOCK_D = 256
 # Tiles of row-major output walked GROUP rows at a time (L2 reuse of the shared panel).
 GROUP = 8
 # Hidden rows (bytes) a group of CUDA row blocks keeps in L2 while it sweeps V.
@@ -117,10 +131,16 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
             problems.append(("block_n", f"block_n={bn} must be a multiple of 8 up to 256 (WGMMA N)"))
         if bk != 64:
             problems.append(("block_k", f"block_k={bk} must be 64: one 128-byte swizzle span of 16-bit elements"))
+        if bn % (8 * k["cluster"]):
+            problems.append(("cluster", f"block_n={bn} must split into {k['cluster']} multicast shares of whole "
+                                        "8-row swizzle atoms (a multiple of 8 x cluster)"))
     else:
         # mma.sync m16n8k16 with warps tiled 2 (M) x 2*consumers (N): each warp owns
         # block_m/2 rows and block_n/(2*consumers) columns, in 16 x 16 ldmatrix pieces.
         wn = 2 * c
+        if k["cluster"] != 1:
+            problems.append(("cluster", f"cluster={k['cluster']}: thread-block clusters (TMA multicast) are "
+                                        "sm_90a only; the mma.sync template runs one CTA per cluster"))
         if bm % 32:
             problems.append(("block_m", f"block_m={bm} must be a multiple of 32 (2 warps of 16-row MMA tiles)"))
         if bn % (16 * wn):
@@ -157,6 +177,8 @@ SCHEMA = Schema(
             # programs sharing one row block's V range at large N (raised at launch when
             # cdiv(N, block_m) * split_v would leave SMs idle)
             Knob("split_v", "sv", lo=1, hi=1024),
+            # sm_90a: CTAs per cluster sharing each weight panel by TMA multicast
+            Knob("cluster", "x", lo=1, hi=2, default=1),
         ),
         "triton": (
             Knob("block_n", "n", lo=16, hi=256, pow2=True),  # rows of hidden per program
@@ -181,7 +203,8 @@ def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda":
         return {"dtype": variant.dtype, "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"],
-                "STAGES": p["stages"], "CONSUMERS": p["consumers"], "SPLIT_V": p["split_v"]}
+                "STAGES": p["stages"], "CONSUMERS": p["consumers"], "SPLIT_V": p["split_v"],
+                "CLUSTER": p["cluster"]}
     return {"BLOCK_N": p["block_n"], "BLOCK_V": p["block_v"], "BLOCK_D": p["block_d"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "SPLIT_V": p["split_v"]}
 
@@ -191,9 +214,11 @@ def triton_aot(variant, mod) -> list:
     variant's dtype: the one whose speed matters most, enough to report its resources."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     sig = {"h_ptr": f"*{t}", "w_ptr": f"*{t}", "b_ptr": f"*{t}", "t_ptr": "*i64", "part_ptr": "*fp32",
-           "N": "i32", "V": "i32", "D": "i32", "scale": "fp32"}
-    const = {"HAS_BIAS": True, "WITH_ENTROPY": True, "PRECISION": _precision(getattr(torch, variant.dtype)),
-             "SPLIT_V": mod.SPLIT_V, "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
+           "N": "i32", "V": "i32", "D": "i32", "splits": "i32", "scale": "fp32"}
+    prec = _precision(getattr(torch, variant.dtype))
+    const = {"HAS_BIAS": True, "WITH_ENTROPY": True, "PRECISION": prec,
+             "TARGET_IN_TILE": _target_in_tile(getattr(torch, variant.dtype), prec),
+             "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
     sig.update({k: "constexpr" for k in const})
     return [(mod.linear_logp_fwd_kernel, sig, const,
              {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})]
@@ -302,8 +327,9 @@ def check_inputs(hidden, weight, target, bias, temperature, ignore_index) -> Non
 
 def check_target_range(target: torch.Tensor, V: int, ignore_index: int) -> None:
     """target in [0, V) or == ignore_index. One reduction on the device and one host sync
-    (skipped during CUDA graph capture, where a sync is illegal; the kernels never index
-    memory with target, so a bad value there gives a wrong row, never a bad access)."""
+    (skipped during CUDA graph capture, where a sync is illegal; the kernels index memory
+    with target only inside [0, V), so a bad value there gives a wrong row, never a bad
+    access)."""
     if target.numel() == 0:
         return
     if target.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -324,12 +350,43 @@ def _precision(dtype: torch.dtype) -> str:
     return "tf32"  # what tl.dot uses by default; only float32 inputs read it
 
 
-def fwd_grid(mod, N: int) -> tuple[int]:
-    return (_cdiv(N, mod.BLOCK_N) * mod.SPLIT_V,)
+def _target_in_tile(dtype: torch.dtype, precision: str) -> bool:
+    """Whether the Triton forward keeps the target logit in its V sweep instead of the
+    combine's float32 gather-dot. The gather-dot equals the tile's logit up to float32
+    summation order when the tile dot multiplies exactly in float32: 16-bit operands (exact
+    products) or float32 under "ieee". A TF32 dot rounds float32 operands to 10 mantissa
+    bits (~1e-3 relative per product), which the gather-dot would not, and logp = z_t - lse
+    would mix two roundings (logp > 0 for a dominant target); that case keeps the fold."""
+    return dtype == torch.float32 and precision == "tf32"
 
 
-def combine_grid(N: int) -> tuple[int]:
-    return (_cdiv(N, COMBINE_BLOCK),)
+def fwd_grid(mod, N: int, splits: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * splits,)
+
+
+_SMS: dict[int, int] = {}
+
+
+def triton_splits(mod, N: int, V: int, device: torch.device) -> int:
+    """V splits of the Triton forward for this call: at least the variant's SPLIT_V,
+    raised (to at most one V tile per split) to the fewest that make the cdiv(N, BLOCK_N) *
+    splits programs fill whole waves of the SMs, or 16 waves or more, so that no SM idles
+    through a partial last wave. E.g. on a 132-SM H100 at N = 8192 (64 row tiles): 4 splits
+    give 256 programs, 1.94 waves; 33 give 2112, 16 waves. At N = 1: 132 splits instead
+    of 4 programs. Off the GPU (the interpreter): SPLIT_V."""
+    if device.type != "cuda":
+        return mod.SPLIT_V
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    sms, rows = _SMS[device.index], _cdiv(N, mod.BLOCK_N)
+    per_wave = sms // math.gcd(rows, sms)  # splits per whole wave of programs
+    whole = _cdiv(mod.SPLIT_V, per_wave) * per_wave
+    many = max(mod.SPLIT_V, _cdiv(16 * sms, rows))
+    return max(mod.SPLIT_V, min(whole, many, _cdiv(V, mod.BLOCK_V)))
+
+
+def combine_grid(N: int, block: int = COMBINE_BLOCK) -> tuple[int]:
+    return (_cdiv(N, block),)
 
 
 def dz_grid(mod, N: int, width: int) -> tuple[int]:
@@ -356,13 +413,15 @@ class CudaForward:
     pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
 
     The number of splits is chosen per call: at least the spec's split_v, raised so the
-    grid fills whole waves of resident CTAs (cdiv(N, block_m) * splits a multiple of the
-    SMs' capacity), at most one V tile per split."""
+    grid fills whole waves of resident CTAs (row groups * splits a multiple of the SMs'
+    capacity in clusters, where a row group is the `cluster` row blocks one cluster
+    takes), at most one V tile per split."""
 
     def __init__(self, kernel, triton_mod):
         self.kernel, self.triton = kernel, triton_mod
         p = kernel.params
         self.block_m, self.block_n, self.split_v = p["block_m"], p["block_n"], p["split_v"]
+        self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
         self.name = kernel.name
         self._resident: dict[int, int] = {}
 
@@ -377,10 +436,10 @@ class CudaForward:
         if device.index not in self._resident:
             props = torch.cuda.get_device_properties(device)
             self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
-        resident = self._resident[device.index]
-        rowblocks = _cdiv(N, self.block_m)
-        waves = _cdiv(rowblocks * self.split_v, resident)
-        return max(1, min(_cdiv(V, self.block_n), max(self.split_v, waves * resident // rowblocks)))
+        resident = self._resident[device.index] * self.block_m // self.rows  # clusters
+        rowgroups = _cdiv(N, self.rows)
+        waves = _cdiv(rowgroups * self.split_v, resident)
+        return max(1, min(_cdiv(V, self.block_n), max(self.split_v, waves * resident // rowgroups)))
 
     def _ctas_per_sm(self, props) -> int:
         """CTAs of this kernel one SM holds at once, by shared memory and registers."""
@@ -395,9 +454,10 @@ class CudaForward:
         return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
 
     def group(self, N: int, D: int) -> int:
-        """Row blocks per group of the CUDA grid order: as many as keep the group's hidden
-        rows within GROUP_BYTES of L2 (see the sm_90a template's work-order comment)."""
-        return max(1, min(_cdiv(N, self.block_m), GROUP_BYTES // (self.block_m * D * 2)))
+        """Row groups (a cluster's row blocks) per group of the CUDA grid order: as many as
+        keep the group's hidden rows within GROUP_BYTES of L2 (see the sm_90a template's
+        work-order comment)."""
+        return max(1, min(_cdiv(N, self.rows), GROUP_BYTES // (self.rows * D * 2)))
 
     def partials(self, hidden, weight, target, bias, temperature: float, with_entropy: bool, splits: int):
         N, D = hidden.shape
@@ -419,7 +479,7 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     """Launch the forward on checked, contiguous hidden [N, D], weight [V, D], target [N],
     bias [V] or None. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or [0]),
     all float32; lse2 and ez2 are the base-2 log-sum-exp and mean logit the backward needs.
-    `splits` overrides a CUDA variant's choice of splits (tests of split invariance)."""
+    `splits` overrides the per-call choice of splits (tests of split invariance)."""
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -429,24 +489,32 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     lse2, ez2 = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
     if N == 0:
         return logp, entropy, lse2, ez2
+    scale = LOG2E / temperature
     if isinstance(mod, CudaForward):
         if not mod.takes(hidden, weight, bias):
             return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy)
         splits = splits or mod.splits(N, V, dev)
         part = mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits)
         combine = mod.triton.linear_logp_combine_kernel
+        target_dot = False  # the CUDA kernels write the target logit partials
     else:
-        splits = mod.SPLIT_V
-        part = _empty((4, splits, N), f32, dev)
-        mod.linear_logp_fwd_kernel[fwd_grid(mod, N)](
+        splits = splits or triton_splits(mod, N, V, dev)
+        prec = _precision(hidden.dtype)
+        target_dot = not _target_in_tile(hidden.dtype, prec)
+        part = _empty((4, splits, N), f32, dev)  # plane 2 unwritten when target_dot
+        mod.linear_logp_fwd_kernel[fwd_grid(mod, N, splits)](
             hidden, weight, bias if bias is not None else weight, target, part,
-            N, V, D, LOG2E / temperature,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, PRECISION=_precision(hidden.dtype),
-            SPLIT_V=mod.SPLIT_V, **_tiles(mod))
+            N, V, D, splits, scale,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
+            PRECISION=prec, **_tiles(mod))
         combine = mod.linear_logp_combine_kernel
-    combine[combine_grid(N)](
-        part, target, logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
-        N, ignore_index, WITH_ENTROPY=with_entropy, SPLIT_V=splits, BLOCK=COMBINE_BLOCK)
+    block = COMBINE_DOT_BLOCK if target_dot else COMBINE_BLOCK
+    combine[combine_grid(N, block)](
+        part, target, hidden, weight, bias if bias is not None else weight,
+        logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
+        N, V, D, splits, ignore_index, scale,
+        WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
+        BLOCK=block, BLOCK_D=TARGET_BLOCK_D)
     return logp, entropy, lse2, ez2
 
 
