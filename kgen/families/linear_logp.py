@@ -364,25 +364,31 @@ def fwd_grid(mod, N: int, splits: int) -> tuple[int]:
     return (_cdiv(N, mod.BLOCK_N) * splits,)
 
 
+def wave_splits(rows: int, minimum: int, tiles: int, resident: int) -> int:
+    """V splits for a grid of `rows` row blocks x splits, `resident` of which run at once:
+    at least `minimum`, raised to the fewest that fill whole waves (rows * splits a
+    multiple of resident) or make 16 waves or more, so that no SM idles through a partial
+    last wave; at most one V tile (of `tiles`) per split. E.g. on a 132-SM H100 at
+    N = 8192 with 128-row blocks: 4 splits give 256 programs, 1.94 waves; 33 give 2112,
+    16 waves. At N = 1: 132 splits."""
+    per_wave = resident // math.gcd(rows, resident)  # splits per whole wave
+    whole = _cdiv(minimum, per_wave) * per_wave
+    many = max(minimum, _cdiv(16 * resident, rows))
+    return max(1, min(whole, many, tiles))
+
+
 _SMS: dict[int, int] = {}
 
 
 def triton_splits(mod, N: int, V: int, device: torch.device) -> int:
-    """V splits of the Triton forward for this call: at least the variant's SPLIT_V,
-    raised (to at most one V tile per split) to the fewest that make the cdiv(N, BLOCK_N) *
-    splits programs fill whole waves of the SMs, or 16 waves or more, so that no SM idles
-    through a partial last wave. E.g. on a 132-SM H100 at N = 8192 (64 row tiles): 4 splits
-    give 256 programs, 1.94 waves; 33 give 2112, 16 waves. At N = 1: 132 splits instead
-    of 4 programs. Off the GPU (the interpreter): SPLIT_V."""
+    """V splits of the Triton forward for this call: wave_splits with one resident program
+    per SM and the variant's SPLIT_V as the minimum. Off the GPU (the interpreter): SPLIT_V,
+    as the spec says (tests use it to make slices empty)."""
     if device.type != "cuda":
         return mod.SPLIT_V
     if device.index not in _SMS:
         _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    sms, rows = _SMS[device.index], _cdiv(N, mod.BLOCK_N)
-    per_wave = sms // math.gcd(rows, sms)  # splits per whole wave of programs
-    whole = _cdiv(mod.SPLIT_V, per_wave) * per_wave
-    many = max(mod.SPLIT_V, _cdiv(16 * sms, rows))
-    return max(mod.SPLIT_V, min(whole, many, _cdiv(V, mod.BLOCK_V)))
+    return wave_splits(_cdiv(N, mod.BLOCK_N), mod.SPLIT_V, _cdiv(V, mod.BLOCK_V), _SMS[device.index])
 
 
 def combine_grid(N: int, block: int = COMBINE_BLOCK) -> tuple[int]:
@@ -412,10 +418,9 @@ class CudaForward:
     forward for inputs the CUDA kernel cannot take (`takes`): D not a multiple of 8 or a
     pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
 
-    The number of splits is chosen per call: at least the spec's split_v, raised so the
-    grid fills whole waves of resident CTAs (row groups * splits a multiple of the SMs'
-    capacity in clusters, where a row group is the `cluster` row blocks one cluster
-    takes), at most one V tile per split."""
+    The number of splits is chosen per call by wave_splits, with the spec's split_v as the
+    minimum, over row groups (the `cluster` row blocks one cluster takes) and the clusters
+    the SMs hold at once."""
 
     def __init__(self, kernel, triton_mod):
         self.kernel, self.triton = kernel, triton_mod
@@ -436,10 +441,8 @@ class CudaForward:
         if device.index not in self._resident:
             props = torch.cuda.get_device_properties(device)
             self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
-        resident = self._resident[device.index] * self.block_m // self.rows  # clusters
-        rowgroups = _cdiv(N, self.rows)
-        waves = _cdiv(rowgroups * self.split_v, resident)
-        return max(1, min(_cdiv(V, self.block_n), max(self.split_v, waves * resident // rowgroups)))
+        clusters = self._resident[device.index] * self.block_m // self.rows
+        return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), clusters)
 
     def _ctas_per_sm(self, props) -> int:
         """CTAs of this kernel one SM holds at once, by shared memory and registers."""
