@@ -127,6 +127,19 @@ def test_half_precision(monkeypatch, dtype, borrow):
     check_against_reference(variant(), *make_inputs(7, 257, 40, dtype=dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("N, V, D", [(1, 50, 16), (33, 257, 40), (7, 300, 36)])
+def test_half_precision_tile_loads(monkeypatch, dtype, tma, N, V, D):
+    """16-bit logit tiles through TMA tensor descriptors (boxes reaching past N, V and D,
+    which TMA fills with zeros) and through masked pointer loads, forward and dz kernels.
+    D = 36 (72-byte rows) is not whole 16-byte units: pointer loads either way."""
+    monkeypatch.setattr(llp, "TMA", tma)
+    inputs = make_inputs(N, V, D, dtype=dtype)
+    assert llp._tma(inputs[0], inputs[1]) == (tma and D % 8 == 0)
+    check_against_reference(variant(), *inputs)
+
+
 def test_no_bias_no_entropy_temperature_one():
     check_against_reference(variant(), *make_inputs(33, 50, 40, bias=False), temperature=1.0,
                             entropy=False)

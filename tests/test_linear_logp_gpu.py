@@ -38,12 +38,24 @@ def _inputs(N, V, D, dtype, seed):
     return h, w, b, t
 
 
+def _path(monkeypatch, path, dtype):
+    """The op's implementation for a test: dispatch's choice (the CUDA forward where its arch
+    runs), or the first Triton variant with its logit tiles through TMA descriptors or
+    through pointer loads."""
+    if path == "dispatch":
+        return contextlib.nullcontext()
+    monkeypatch.setattr(llp, "TMA", path == "triton-tma")
+    mod = dispatch.select("linear_logp", torch.device("cuda"), str(dtype).removeprefix("torch."), backend="triton")
+    return llp.using(mod.module)
+
+
+@pytest.mark.parametrize("path", ["dispatch", "triton-tma", "triton-pointers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("N,V,D", [(1, 50257, 2048), (4099, 151936, 4096), (4099, 50257, 2048),
                                    (1, 151936, 4096)])
-def test_issue_sizes_against_float64(monkeypatch, dtype, N, V, D):
-    """The dispatch choice at the issue's sizes: bias, ignored rows, temperature 0.8, entropy,
-    random upstream gradients; every buffer the op allocates starts as NaN."""
+def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
+    """The issue's sizes: bias, ignored rows, temperature 0.8, entropy, random upstream
+    gradients; every buffer the op allocates starts as NaN."""
     def poisoned(shape, dt, device):
         return torch.full(shape, float("nan") if dt.is_floating_point else 1 << 30, dtype=dt, device=device)
 
@@ -51,8 +63,11 @@ def test_issue_sizes_against_float64(monkeypatch, dtype, N, V, D):
     h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
     g_logp, g_ent = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-    logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.8, return_entropy=True)
-    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    with _path(monkeypatch, path, dtype):
+        if path != "dispatch":
+            assert llp._tma(h, w) == (path == "triton-tma")
+        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.8, return_entropy=True)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     got = [logp, ent] + [x.grad for x in leaves]
     del logp, ent
     ref = [x.clone().requires_grad_() for x in (h, w, b)]
@@ -86,8 +101,9 @@ def test_split_v_invariance_on_gpu():
         torch.testing.assert_close(ent, outs[0][1], rtol=1e-5, atol=1e-5)
 
 
-def test_cuda_graph_replay():
-    check_graph_replay(contextlib.nullcontext(), torch.bfloat16)
+@pytest.mark.parametrize("path", ["dispatch", "triton-tma"])
+def test_cuda_graph_replay(monkeypatch, path):
+    check_graph_replay(_path(monkeypatch, path, torch.bfloat16), torch.bfloat16)
 
 
 def check_graph_replay(context, dtype):

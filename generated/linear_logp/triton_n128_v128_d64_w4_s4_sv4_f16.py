@@ -48,30 +48,40 @@ def _grouped_tile(pid, tiles_m, tiles_n, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
+def _logit_tile(h_src, w_src, row0, col0, rows, cols, row_ok, col_ok, D,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """acc[i, j] = hidden[rows[i]] . weight[cols[j]] in float32; masked rows/cols give 0."""
-    offs_d = tl.arange(0, BLOCK_D)
-    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
-    w_ptrs = w_ptr + cols.to(tl.int64)[None, :] * D + offs_d[:, None]
+                PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """acc[i, j] = hidden[rows[i]] . weight[cols[j]] in float32, rows = row0 + arange and
+    cols = col0 + arange. TMA: h_src and w_src are tensor descriptors of hidden [N, D] and
+    weight [V, D] with boxes [BLOCK_N, BLOCK_D] and [BLOCK_V, BLOCK_D], whose zero fill
+    gives 0 for rows past N, columns past V and the D tail. Otherwise they are pointers and
+    masked rows/cols give 0."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d_ok = offs_d < D - d0
-        h = tl.load(h_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(h, w, acc, input_precision=PRECISION)
-        h_ptrs += BLOCK_D
-        w_ptrs += BLOCK_D
+    if TMA:
+        for d0 in range(0, D, BLOCK_D):
+            h = h_src.load([row0, d0])
+            w = w_src.load([col0, d0])
+            acc = tl.dot(h, w.T, acc, input_precision=PRECISION)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        h_ptrs = h_src + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+        w_ptrs = w_src + cols.to(tl.int64)[None, :] * D + offs_d[:, None]
+        for d0 in range(0, D, BLOCK_D):
+            d_ok = offs_d < D - d0
+            h = tl.load(h_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(h, w, acc, input_precision=PRECISION)
+            h_ptrs += BLOCK_D
+            w_ptrs += BLOCK_D
     return acc
 
 
 @triton.jit
 def linear_logp_fwd_kernel(
-    h_ptr, w_ptr, b_ptr, t_ptr, part_ptr,
+    h_src, w_src, b_ptr, t_ptr, part_ptr,
     N, V, D, splits, scale,
     HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, TARGET_IN_TILE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Online softmax over one V slice for one row tile; writes the slice's partials
@@ -80,8 +90,8 @@ def linear_logp_fwd_kernel(
     plane 2 is left unwritten and the combine takes the target logit by a gather-dot;
     TARGET_IN_TILE is for TF32 tile dots, which it would not match (_target_in_tile in
     the family module). Split s of `splits` covers V tiles [s * T / splits, (s + 1) * T /
-    splits) of the T = cdiv(V, BLOCK_V) (empty when splits > T). Grid: cdiv(N, BLOCK_N) *
-    splits programs."""
+    splits) of the T = cdiv(V, BLOCK_V) (empty when splits > T). h_src / w_src: pointers,
+    or with TMA tensor descriptors (_logit_tile). Grid: cdiv(N, BLOCK_N) * splits programs."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     # Split-major order: the programs resident together sweep the same V slice in step,
@@ -106,8 +116,8 @@ def linear_logp_fwd_kernel(
     for vt in range(vt_begin, vt_end):
         cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
-        acc = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
-                          BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+        acc = _logit_tile(h_src, w_src, tile_n * BLOCK_N, vt * BLOCK_V, rows, cols, row_ok, col_ok, D,
+                          BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, TMA)
         # Bias and column mask as one per-column term, so each logit is one FMA: masked
         # columns have acc = 0 (masked loads), hence z = MASKED_LOGIT there.
         if HAS_BIAS:
@@ -218,10 +228,10 @@ def linear_logp_combine_kernel(
 
 @triton.jit
 def linear_logp_bwd_dz_kernel(
-    h_ptr, w_ptr, b_ptr, t_ptr, lse_ptr, ez_ptr, ca_ptr, cb_ptr, dz_ptr, bpart_ptr,
+    h_src, w_src, b_ptr, t_ptr, lse_ptr, ez_ptr, ca_ptr, cb_ptr, dz_ptr, bpart_ptr,
     N, V, D, v_begin, v_end, dz_stride, scale,
     HAS_BIAS: tl.constexpr, WRITE_BPART: tl.constexpr, WITH_ENTROPY: tl.constexpr,
-    PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Recompute a logit tile of the chunk [v_begin, v_end) and write the gradient of the
@@ -237,8 +247,9 @@ def linear_logp_bwd_dz_kernel(
     offs = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
     cols = v_begin + offs
     col_ok = cols < v_end
-    acc = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, D,
-                      BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+    # With TMA the tile also reads columns in [v_end, V): they are masked out of p and dz.
+    acc = _logit_tile(h_src, w_src, tile_n * BLOCK_N, v_begin + tile_v * BLOCK_V, rows, cols, row_ok, col_ok, D,
+                      BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, TMA)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     z = acc * scale
