@@ -328,7 +328,7 @@ def test_splits_fill_whole_waves(monkeypatch):
     the CUDA kernel's choice at the benchmark shapes (66 resident 2-CTA clusters)."""
     from types import SimpleNamespace
 
-    monkeypatch.setitem(llp._SMS, 0, 132)
+    monkeypatch.setattr(llp, "_device_props", lambda index: SimpleNamespace(multi_processor_count=132))
     mod = SimpleNamespace(SPLIT_V=4, BLOCK_N=128, BLOCK_V=256)
     dev = torch.device("cuda", 0)
     want = {(8192, 128256): 33, (4096, 151936): 33, (4099, 151936): 4, (1, 151936): 132,

@@ -65,6 +65,7 @@ probabilities below ~6e-8 flush to zero there.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import Any, Mapping, Optional
@@ -384,13 +385,16 @@ def wave_splits(rows: int, minimum: int, tiles: int, resident: int) -> int:
     return max(1, min(whole, many, tiles))
 
 
-_SMS: dict[int, int] = {}
+@functools.cache
+def _device_props(index: int):
+    """torch.cuda.get_device_properties, once per device (SM count, capability): read on
+    every launch."""
+    return torch.cuda.get_device_properties(index)
 
 
 # Module switch: False makes the Triton kernels load logit tiles with pointers even where
 # TMA applies (tests run both paths).
 TMA = True
-_TMA_DEVICE: dict[int, bool] = {}
 
 
 def _tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -407,9 +411,7 @@ def _tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     dev = hidden.device
     if dev.type != "cuda":
         return True  # TRITON_INTERPRET: the interpreter emulates descriptor loads
-    if dev.index not in _TMA_DEVICE:
-        _TMA_DEVICE[dev.index] = torch.cuda.get_device_capability(dev)[0] >= 9
-    return _TMA_DEVICE[dev.index]
+    return _device_props(dev.index).major >= 9
 
 
 def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any, Any, bool]:
@@ -427,9 +429,8 @@ def triton_splits(mod, N: int, V: int, device: torch.device) -> int:
     as the spec says (tests use it to make slices empty)."""
     if device.type != "cuda":
         return mod.SPLIT_V
-    if device.index not in _SMS:
-        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return wave_splits(_cdiv(N, mod.BLOCK_N), mod.SPLIT_V, _cdiv(V, mod.BLOCK_V), _SMS[device.index])
+    sms = _device_props(device.index).multi_processor_count
+    return wave_splits(_cdiv(N, mod.BLOCK_N), mod.SPLIT_V, _cdiv(V, mod.BLOCK_V), sms)
 
 
 def combine_grid(N: int, block: int = COMBINE_BLOCK) -> tuple[int]:
@@ -480,7 +481,7 @@ class CudaForward:
 
     def splits(self, N: int, V: int, device: torch.device) -> int:
         if device.index not in self._resident:
-            props = torch.cuda.get_device_properties(device)
+            props = _device_props(device.index)
             self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
         clusters = self._resident[device.index] * self.block_m // self.rows
         return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), clusters)
