@@ -86,6 +86,28 @@ def test_without_bias_and_entropy(monkeypatch, name):
 
 
 @pytest.mark.parametrize("name", CUDA)
+@pytest.mark.parametrize("splits", [1, None])
+def test_logits_far_above_the_first_tiles(monkeypatch, name, splits):
+    """The kernels sum exp2(z - m) against a reference m taken from a thread's first tile
+    and fold a tile again only when a logit lies more than ~32 (base 2) above it. Every
+    1237th column from V/3 on carries bias + 100 (+144 in base 2 at T = 1: exp2 of it
+    against the first tiles' reference overflows), and a few rows are scaled 6x: later
+    tiles must take the refold path, with and without V splits."""
+    impl = _impl(name)
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    N, V, D = 131, 40009, 264
+    h, w, b, t = _inputs(N, V, D, dtype, seed=11)
+    b = b.float()
+    b[V // 3::1237] += 100.0
+    b = b.to(dtype)
+    h[::17] *= 6
+    t[1::7] = V // 3 + 1237  # some targets on a spike
+    _poison(monkeypatch)
+    logp, ent, _, _ = llp.forward(impl, h, w, t, b, 1.0, -100, True, splits=splits)
+    _check((logp, ent), h, w, t, b, 1.0, impl.kernel.variant.dtype)
+
+
+@pytest.mark.parametrize("name", CUDA)
 def test_split_invariance(name):
     """Any number of splits, including more than there are V tiles: rounding only."""
     impl = _impl(name)

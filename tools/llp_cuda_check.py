@@ -4,7 +4,7 @@ rows / entropy, split invariance), then forward timing against cuBLAS at the ben
 shapes. Prints tables; writes $OUT/llp-cuda.json.
 
 Usage (device machine, repo root): python3 tools/llp_cuda_check.py [--spec S] [--variants A,B]
-    [--no-check] [--no-time] [--ablate]
+    [--no-check] [--no-time] [--ablate] [--order] [--clocks] [--flags "label:nvcc flags,..."]
 """
 
 from __future__ import annotations
@@ -36,12 +36,18 @@ def check(impl, dtype, rows):
     llp._empty = poisoned_empty
     cases = [(1, 50, 16, False, False, 1.0), (7, 257, 40, True, True, 0.7), (33, 1000, 72, True, False, 1.3),
              (300, 5003, 264, False, True, 1.0), (4099, 50257, 2048, True, True, 0.7),
-             (7, 128256, 4096, False, True, 1.0), (1, 151936, 2048, True, False, 1.0)]
+             (7, 128256, 4096, False, True, 1.0), (1, 151936, 2048, True, False, 1.0),
+             # "spiky": a few columns far above the rest (bias + 40), so that tiles late in a
+             # V slice raise the kernels' lazily kept reference maximum (its refold path)
+             (33, 20000, 72, "spiky", True, 1.0), (4099, 50257, 2048, "spiky", True, 0.7)]
     for N, V, D, with_bias, ent, T in cases:
         torch.manual_seed(N * 7 + V)
         h = torch.randn(N, D, device="cuda").to(dtype)
         w = (torch.randn(V, D, device="cuda") * (2.0 / math.sqrt(D))).to(dtype)
-        b = (torch.randn(V, device="cuda") * 0.5).to(dtype) if with_bias else None
+        b = (torch.randn(V, device="cuda") * 0.5) if with_bias else None
+        if with_bias == "spiky":
+            b[V // 3::1237] += 40.0
+        b = b.to(dtype) if b is not None else None
         t = torch.randint(0, V, (N,), device="cuda")
         t[::3] = -100 if N > 1 else t[::3]
         want_logp, want_ent = llp.reference(h, w, t, b, temperature=T, compute=torch.float64)
@@ -62,30 +68,67 @@ def check(impl, dtype, rows):
     llp._empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
 
 
-def interleaved(fns: dict, rounds: int = 15, reps: int = 4) -> dict:
-    """Median per-call ms of each function, timed in interleaved rounds (reps back-to-back
-    calls between CUDA events, after one warm call) in a fresh random order each round, so
-    clock and power drift over the run touches every function alike. Inputs are hundreds
-    of MB: L2 holds none between calls."""
+def interleaved(fns: dict, baseline: str, rounds: int = 25, reps: int = 4) -> tuple[dict, dict]:
+    """Per-call ms of each function and its ratio to `baseline`, from interleaved rounds:
+    in each round every other function, in a fresh random order, is timed (reps
+    back-to-back calls between CUDA events, after one warm call) right after the baseline,
+    and the ratio of the two is one sample. Returns (median ms, median ratio) per function.
+    Pairing each sample with a baseline timed moments before takes out the clock drift of a
+    power-capped GPU (the medians of unpaired times of one kernel moved 3-5 % within a run).
+    Inputs are hundreds of MB: L2 holds none between calls."""
     import random
 
+    def timed(fn):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / reps
+
     times = {k: [] for k in fns}
+    ratios = {k: [] for k in fns}
     for fn in fns.values():
         fn()
     torch.cuda.synchronize()
-    order = list(fns.items())
+    order = [(k, fn) for k, fn in fns.items() if k != baseline]
     rng = random.Random(0)
     for _ in range(rounds):
         rng.shuffle(order)
         for k, fn in order:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
+            base = timed(fns[baseline])
+            t = timed(fn)
+            times[baseline].append(base)
+            times[k].append(t)
+            ratios[k].append(t / base)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    return {k: med(v) for k, v in times.items()}, {k: med(v) for k, v in ratios.items() if v} | {baseline: 1.0}
+
+
+def clocks(fns: dict, seconds: float = 2.0) -> dict:
+    """Median SM clock (MHz) and board power (W) while each function runs back to back for
+    `seconds`, sampled by nvidia-smi every 50 ms (the first 0.5 s left out): whether a
+    variant is slower because it runs more cycles or because the power cap lowers the clock."""
+    import subprocess
+
+    out = {}
+    for k, fn in fns.items():
+        proc = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                 "-lms", "50", "-i", str(torch.cuda.current_device())],
+                                stdout=subprocess.PIPE, text=True)
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            for _ in range(4):
                 fn()
-            b.record()
-            b.synchronize()
-            times[k].append(a.elapsed_time(b) / reps)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            torch.cuda.synchronize()
+        proc.terminate()
+        samples = [tuple(float(x) for x in line.split(",")) for line in proc.communicate()[0].splitlines()
+                   if line.count(",") == 1]
+        samples = samples[10:] or samples
+        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+        out[k] = (med([c for c, _ in samples]), med([p for _, p in samples])) if samples else (0.0, 0.0)
+    return out
 
 
 class _Entry:
@@ -115,10 +158,11 @@ def ablation_build(variant, flags):
     return loader.load_cuda(variant, _Entry(out))
 
 
-def time_shapes(impls, companion, rows, ablate: bool, flags: dict):
+def time_shapes(impls, companion, rows, ablate: bool, order: bool, flags: dict, sample_clocks: bool = False):
     """Forward times at the benchmark shapes (bf16, no bias, no entropy) in one interleaved
     set per shape; with `ablate`, also each CUDA variant with parts left out, and each
-    CUDA variant built with each of `flags` (label -> nvcc flags)."""
+    CUDA variant built with each of `flags` (label -> nvcc flags); with `order`, each CUDA
+    variant's partials in split-major order and with splits = split_v."""
     from concurrent.futures import ThreadPoolExecutor
 
     extra = {}
@@ -145,17 +189,18 @@ def time_shapes(impls, companion, rows, ablate: bool, flags: dict):
             fns[f"{name}: partials only"] = lambda impl=impl, s=splits: impl.partials(h, w, t, None, 1.0, False, s)
             for label, x in extra.get(name, {}).items():
                 fns[f"{name}: partials, {label}"] = lambda x=x, s=splits: x.partials(h, w, t, None, 1.0, False, s)
-            if ablate:
+            if order:
                 sm = llp.CudaForward(impl.kernel, companion)
                 sm.group = lambda N, D, impl=impl: -(-N // impl.rows)
                 fns[f"{name}: partials, split-major order"] = lambda sm=sm, s=splits: sm.partials(h, w, t, None, 1.0, False, s)
                 fns[f"{name}: partials, splits = split_v {impl.split_v}"] = (
                     lambda impl=impl: impl.partials(h, w, t, None, 1.0, False, impl.split_v))
-        ms = interleaved(fns)
-        gemm = ms["cuBLAS h @ w.T"]
+        ms, ratio = interleaved(fns, "cuBLAS h @ w.T")
+        clk = clocks(fns) if sample_clocks else {}
         for k, v in ms.items():
             rows.append({"shape": f"{N}x{D}x{V}", "impl": k, "ms": round(v, 3), "TFLOP/s": round(flop / v / 1e9, 1),
-                         "x GEMM": round(v / gemm, 3), "note": notes.get(k, "")})
+                         "x GEMM (paired)": round(ratio[k], 3), "note": notes.get(k, "")}
+                        | ({"MHz": clk[k][0], "W": clk[k][1]} if k in clk else {}))
             print(rows[-1], flush=True)
         del h, w, t, fns
         torch.cuda.empty_cache()
@@ -167,7 +212,9 @@ def main():
     ap.add_argument("--variants", default="")
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-time", action="store_true")
-    ap.add_argument("--ablate", action="store_true")
+    ap.add_argument("--ablate", action="store_true", help="also time each CUDA variant without its softmax fold")
+    ap.add_argument("--order", action="store_true", help="also time split-major order and splits = split_v")
+    ap.add_argument("--clocks", action="store_true", help="also sample SM clock and power while each runs")
     ap.add_argument("--flags", default="", help="label:nvcc flags[,label:flags...] builds to time too")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp/kgen-out")
@@ -204,7 +251,8 @@ def main():
     impls.append((f"triton {companion['bfloat16'].name}", companion["bfloat16"].module))
     if not args.no_time:
         flags = dict(x.split(":", 1) for x in args.flags.split(",") if x)
-        time_shapes(impls, companion["bfloat16"].module, report["time"], args.ablate, flags)
+        time_shapes(impls, companion["bfloat16"].module, report["time"], args.ablate, args.order, flags,
+                    args.clocks)
     with open(os.path.join(out, "llp-cuda.json"), "w") as f:
         json.dump(report, f, indent=1)
 

@@ -11,7 +11,7 @@
 // CTA = 1 producer warpgroup (one thread issues TMA) + 2 consumer warpgroup(s),
 // each owning 64 of the 128 rows. For every V tile of its slice a consumer runs
 // wgmma m64n256k16 over D (64-wide K panels from a 4-stage ring), then folds the
-// 64 x 256 logit tile into per-row running (max, sum exp2, target logit, entropy term).
+// 64 x 256 logit tile into per-row (reference max, sum exp2, target logit, entropy term).
 // The ring runs across V tiles: the producer loads the next tile's panels while the
 // consumers fold.
 //
@@ -320,61 +320,89 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 
-__device__ __forceinline__ float quad_max(float v) {
-  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
+// A tile's sum of exp2(z - m) above this means a logit far above the reference m (more
+// than ~32 - log2(COUNT) in base 2): the tile is folded again against its own maximum.
+constexpr float LAZY_SUM_LIMIT = 4294967296.f;  // 2^32
 
 struct SoftmaxRow {
-  float m = -INFINITY;  // running max (quad-uniform)
+  // m is this thread's reference maximum: the maximum of its first folded tile, raised only
+  // when a tile would take sum exp2(z - m) past LAZY_SUM_LIMIT (so s < tiles * 2^32 stays
+  // far from float overflow, and exact: z - m <= 32 keeps every term representable). Most
+  // tiles then cost one FFMA, one ex2 and one FADD per logit, no maximum pass. The threads
+  // of a quad keep different references until reduce_quad merges them.
+  float m = -INFINITY;  // reference maximum (this thread's)
   float s = 0.f;        // this thread's sum of exp2(z - m)
   float ent = 0.f;      // this thread's sum of exp2(z - m) * (z - m)
   float zt = 0.f;       // the target logit, on the thread that holds its column
 
   // Fold COUNT logits of this row, z = x(j) * scale for j < COUNT (the thread's share of
-  // one tile; scale > 0, so max x gives max z and each (z - max) is one FFMA). Every lane
-  // of the quad calls it together. Masked columns must read a value whose z is hugely
-  // negative but finite (exp2 gives 0 and 0 times it is 0; -inf would give 0 * -inf = NaN).
+  // one tile; scale > 0, so max x gives max z and each (z - m) is one FFMA). Masked columns
+  // must read a value whose z is hugely negative but finite (MASKED_LOGIT: exp2 gives 0 and
+  // 0 times it is 0; -inf would give 0 * -inf = NaN); a thread that has seen only those
+  // keeps an empty state. Several rows at once: fold_rows below.
   template <int COUNT, bool ENTROPY, typename X>
-  __device__ __forceinline__ void fold(X x, float scale = 1.f) {
-    float xmax = x(0);
-#pragma unroll
-    for (int j = 1; j < COUNT; ++j) xmax = fmaxf(xmax, x(j));
-    const float mx = fmaxf(m, quad_max(xmax) * scale);
-    // m == -inf only before the first tile, when s == ent == 0: alpha = exp2(-inf) = 0.
-    const float alpha = ex2(m - mx);
-    float sum = 0.f, e = 0.f;
+  __device__ __forceinline__ void fold(X x, float scale = 1.f);
+
+  // The tile's sums against the reference m. Before the first tile m = -inf makes every
+  // term +inf: sum = inf.
+  template <int COUNT, bool ENTROPY, typename X>
+  __device__ __forceinline__ void lazy_sums(X x, float scale, float& sum, float& e) const {
+    sum = e = 0.f;
 #pragma unroll
     for (int j = 0; j < COUNT; ++j) {
-      const float zc = fmaf(x(j), scale, -mx);
+      const float zc = fmaf(x(j), scale, -m);
       const float p = ex2(zc);
       sum += p;
       if (ENTROPY) e = fmaf(p, zc, e);
     }
+  }
+
+  // Takes the lazy sums when they stayed within LAZY_SUM_LIMIT (a NaN or inf does not);
+  // otherwise (the first tile, or a logit far above the reference) folds the tile again
+  // against its own maximum.
+  template <int COUNT, bool ENTROPY, typename X>
+  __device__ __forceinline__ void accept(X x, float scale, float sum, float e) {
+    if (sum <= LAZY_SUM_LIMIT) {
+      s += sum;
+      if (ENTROPY) ent += e;
+      return;
+    }
+    float xmax = x(0);
+#pragma unroll
+    for (int j = 1; j < COUNT; ++j) xmax = fmaxf(xmax, x(j));
+    const float mx = fmaxf(m, xmax * scale);
+    if (mx < 0.5f * MASKED_LOGIT) return;  // only masked columns so far
+    // m == -inf before the first tile, when s == ent == 0: alpha = exp2(-inf) = 0.
+    const float alpha = ex2(m - mx);
+    const float m_old = m;
+    m = mx;
+    lazy_sums<COUNT, ENTROPY>(x, scale, sum, e);
     if (ENTROPY) {
-      // Moving the max by (m - mx) adds (m - mx) * s to the sum of p * (z - max).
-      const float shift = s > 0.f ? (m - mx) * s : 0.f;
+      // Moving the reference by (m_old - mx) adds (m_old - mx) * s to the sum of p * (z - m).
+      const float shift = s > 0.f ? (m_old - mx) * s : 0.f;
       ent = fmaf(alpha, ent + shift, e);
     }
     s = fmaf(s, alpha, sum);
-    m = mx;
   }
 
-  // Sum the thread-local parts over the quad; afterwards every lane holds the row's state.
+  // Merge the quad's four states (butterfly): afterwards every lane holds the row's state,
+  // equal across lanes up to rounding (callers store one lane's).
   __device__ __forceinline__ void reduce_quad() {
-    s = quad_sum(s);
-    ent = quad_sum(ent);
-    zt = quad_sum(zt);
+#pragma unroll
+    for (int d = 1; d <= 2; d <<= 1) {
+      SoftmaxRow o;
+      o.m = __shfl_xor_sync(0xffffffffu, m, d);
+      o.s = __shfl_xor_sync(0xffffffffu, s, d);
+      o.ent = __shfl_xor_sync(0xffffffffu, ent, d);
+      o.zt = __shfl_xor_sync(0xffffffffu, zt, d);
+      merge(o);
+    }
   }
 
-  // Merge another partial of the same row (e.g. from a warp that swept other columns),
-  // both already quad-reduced. An empty partial has m == -inf and s == 0.
+  // Merge another partial of the same row (another lane's, or a warp's that swept other
+  // columns). An empty partial has m == -inf and s == 0.
   __device__ __forceinline__ void merge(const SoftmaxRow& o) {
+    zt += o.zt;
     const float mx = fmaxf(m, o.m);
     if (mx == -INFINITY) return;
     const float a = m == -INFINITY ? 0.f : ex2(m - mx);
@@ -382,11 +410,10 @@ struct SoftmaxRow {
     const float da = m == -INFINITY ? 0.f : m - mx, db = o.m == -INFINITY ? 0.f : o.m - mx;
     ent = a * (ent + da * s) + b * (o.ent + db * o.s);
     s = a * s + b * o.s;
-    zt += o.zt;
     m = mx;
   }
 
-  // part is float32 [4][splits][N]: planes max, sum, target logit, entropy partial.
+  // part is float32 [4][splits][N]: planes reference max, sum, target logit, entropy partial.
   __device__ __forceinline__ void store(float* part, int64_t split, int64_t splits, int64_t N,
                                         int64_t row) const {
     const int64_t plane = splits * N, at = split * N + row;
@@ -396,6 +423,24 @@ struct SoftmaxRow {
     part[at + 3 * plane] = ent;
   }
 };
+
+// Fold one tile into ROWS row states at once, z = x(r, j) * scale: the lazy sums of all
+// rows first (independent work the scheduler can interleave), then each row's check.
+template <int ROWS, int COUNT, bool ENTROPY, typename X>
+__device__ __forceinline__ void fold_rows(SoftmaxRow* rows, X x, float scale = 1.f) {
+  float sum[ROWS], e[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+    rows[r].template lazy_sums<COUNT, ENTROPY>([&](int j) { return x(r, j); }, scale, sum[r], e[r]);
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+    rows[r].template accept<COUNT, ENTROPY>([&](int j) { return x(r, j); }, scale, sum[r], e[r]);
+}
+
+template <int COUNT, bool ENTROPY, typename X>
+__device__ __forceinline__ void SoftmaxRow::fold(X x, float scale) {
+  fold_rows<1, COUNT, ENTROPY>(this, [&](int, int j) { return x(j); }, scale);
+}
 
 }  // namespace kgen
 namespace kgen {
@@ -550,10 +595,21 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
   float acc[ACC];
   const float masked = kgen::MASKED_LOGIT / scale;  // z of a column past V
 
+#ifdef KGEN_TRACE  // diagnostics only (tools/llp_trace.py): SM clock at the start of each of the first
+  // TRACE_TILES tiles, when its MMAs are done and when its fold is, per consumer of the
+  // first TRACE_CTAS CTAs, as int64 [TRACE_CTAS][CONSUMERS][TRACE_TILES][3] after the partials.
+  constexpr int TRACE_TILES = 16, TRACE_CTAS = 264;
+  long long* trace = reinterpret_cast<long long*>(part + 4 * (int64_t)splits * N) +
+                     ((int64_t)blockIdx.x * CONSUMERS + consumer) * TRACE_TILES * 3;
+  const bool tracing = threadIdx.x % 128 == 0 && blockIdx.x < TRACE_CTAS;
+#endif
   int stage = 0;
   uint32_t phase = 0;
   for (int i = 0; vt_first + i < vt_last; ++i) {  // tile i of the slice
     const int64_t vt = vt_first + i;
+#ifdef KGEN_TRACE
+    if (tracing && i < TRACE_TILES) trace[3 * i] = clock64();
+#endif
     int prev = 0;
     for (int kt = 0; kt < k_tiles; ++kt) {
       kgen::mbar_wait(&full[stage], phase);
@@ -573,6 +629,9 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
     kgen::wgmma_wait<0>();
     kgen::fence_registers(acc);
     if (lane == 0) release(&empty[prev]);
+#ifdef KGEN_TRACE
+    if (tracing && i < TRACE_TILES) trace[3 * i + 1] = clock64();
+#endif
 
     // z = (acc + bias) * scale. Register i holds column 8 (i / 4) + 2 t + (i % 2) of row
     // g + 8 ((i / 2) % 2).
@@ -615,8 +674,12 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
           for (int e = 0; e < 2; ++e)
             if (8 * j + 2 * t + e == tc) state[r].zt += acc[4 * j + 2 * r + e] * scale;
       }
-      state[r].template fold<BN / 4, ENTROPY>([&](int q) { return acc[4 * (q / 2) + 2 * r + q % 2]; }, scale);
     }
+    kgen::fold_rows<2, BN / 4, ENTROPY>(state, [&](int r, int q) { return acc[4 * (q / 2) + 2 * r + q % 2]; }, scale);
+#ifdef KGEN_TRACE
+    asm volatile("" ::"f"(state[0].s), "f"(state[1].s));  // the fold's results exist before the clock read
+    if (tracing && i < TRACE_TILES) trace[3 * i + 2] = clock64();
+#endif
   }
 
 #pragma unroll

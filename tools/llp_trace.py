@@ -1,0 +1,85 @@
+"""Where a tile's cycles go in the sm_90a linear_logp kernel: each sm_90a variant is built
+with -DKGEN_TRACE (consumer warpgroups stamp the SM clock at the start of each tile, when
+its MMAs are done and when its fold is) and, for comparison, with the fold left out too.
+Prints per build and shape the median over the first wave's CTAs of steady-state tiles
+(2..12): MMA cycles, fold cycles, tile period, and how far consumer 1 starts a tile after
+consumer 0. Writes $OUT/llp-trace.json.
+
+Usage (device machine, repo root): python3 tools/llp_trace.py [--spec S] [--variants A,B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from kgen import spec as spec_mod  # noqa: E402
+from kgen.families import linear_logp as llp  # noqa: E402
+from kgen.runtime.streams import current_raw_stream  # noqa: E402
+from tools.llp_cuda_check import SHAPES, ablation_build  # noqa: E402
+
+TILES, CTAS = 16, 264  # the template's TRACE_TILES, TRACE_CTAS
+
+
+def med(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def trace(kernel, variant, N, D, V):
+    torch.manual_seed(0)
+    h = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(V, D, device="cuda") * (2.0 / math.sqrt(D))).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    splits, rows, consumers = variant.params["split_v"], variant.params["block_m"] * variant.params["cluster"], \
+        variant.params["consumers"]
+    group = max(1, min(-(-N // rows), llp.GROUP_BYTES // (rows * D * 2)))
+    n_part = 4 * splits * N
+    buf = torch.zeros(n_part + CTAS * consumers * TILES * 3 * 2, dtype=torch.float32, device="cuda")
+    for _ in range(3):  # the last launch's stamps stay
+        rc = kernel.raw(kernel.ptr, torch.cuda.current_device(), h.data_ptr(), w.data_ptr(), 0, t.data_ptr(),
+                        buf.data_ptr(), N, V, D, splits, group, False, current_raw_stream(torch.cuda.current_device()),
+                        llp.LOG2E)
+        if rc:
+            kernel.fail(rc)
+    torch.cuda.synchronize()
+    tr = buf[n_part:].view(torch.int64).view(CTAS, consumers, TILES, 3).cpu().tolist()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tiles = min(TILES - 1, -(-V // variant.params["block_n"]) // splits)
+    steady = range(2, tiles - 1)
+    mma = [tr[c][q][i][1] - tr[c][q][i][0] for c in range(sms) for q in range(consumers) for i in steady]
+    fold = [tr[c][q][i][2] - tr[c][q][i][1] for c in range(sms) for q in range(consumers) for i in steady
+            if tr[c][q][i][2]]
+    period = [tr[c][0][i + 1][0] - tr[c][0][i][0] for c in range(sms) for i in steady]
+    offset = [tr[c][1][i][0] - tr[c][0][i][0] for c in range(sms) for i in steady] if consumers > 1 else [0]
+    return {"MMA cycles": med(mma), "fold cycles": med(fold) if fold else 0, "tile period": med(period),
+            "consumer 1 - consumer 0 start": med(offset)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--spec", default="kgen/specs/linear_logp.yaml")
+    ap.add_argument("--variants", default="")
+    args = ap.parse_args()
+    wanted = set(filter(None, args.variants.split(",")))
+    out = {}
+    for v in spec_mod.load(args.spec).variants:
+        if v.backend != "cuda" or v.arch != "sm_90a" or v.dtype != "bfloat16" or (wanted and v.name not in wanted):
+            continue
+        for label, flags in (("with fold", "-DKGEN_TRACE"), ("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD")):
+            k = ablation_build(v, flags)
+            for N, D, V in SHAPES:
+                key = f"{v.name} {label} {N}x{D}x{V}"
+                out[key] = trace(k, v, N, D, V)
+                print(f"{key:70s} " + "  ".join(f"{a} {b}" for a, b in out[key].items()), flush=True)
+    with open(os.path.join(os.environ.get("OUT", "/tmp/kgen-out"), "llp-trace.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
