@@ -68,6 +68,10 @@ def check(impl, dtype, rows):
     llp._empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
 
 
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
 def interleaved(fns: dict, baseline: str, rounds: int = 25, reps: int = 4) -> tuple[dict, dict]:
     """Per-call ms of each function and its ratio to `baseline`, from interleaved rounds:
     in each round every other function, in a fresh random order, is timed (reps
@@ -102,8 +106,7 @@ def interleaved(fns: dict, baseline: str, rounds: int = 25, reps: int = 4) -> tu
             times[baseline].append(base)
             times[k].append(t)
             ratios[k].append(t / base)
-    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-    return {k: med(v) for k, v in times.items()}, {k: med(v) for k, v in ratios.items() if v} | {baseline: 1.0}
+    return {k: median(v) for k, v in times.items()}, {k: median(v) for k, v in ratios.items() if v} | {baseline: 1.0}
 
 
 def clocks(fns: dict, seconds: float = 2.0) -> dict:
@@ -126,8 +129,7 @@ def clocks(fns: dict, seconds: float = 2.0) -> dict:
         samples = [tuple(float(x) for x in line.split(",")) for line in proc.communicate()[0].splitlines()
                    if line.count(",") == 1]
         samples = samples[10:] or samples
-        med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        out[k] = (med([c for c, _ in samples]), med([p for _, p in samples])) if samples else (0.0, 0.0)
+        out[k] = (median([c for c, _ in samples]), median([p for _, p in samples])) if samples else (0.0, 0.0)
     return out
 
 

@@ -21,37 +21,38 @@ import torch
 sys.path.insert(0, os.getcwd())
 from kgen import spec as spec_mod  # noqa: E402
 from kgen.families import linear_logp as llp  # noqa: E402
-from kgen.runtime.streams import current_raw_stream  # noqa: E402
-from tools.llp_cuda_check import SHAPES, ablation_build  # noqa: E402
+from tools.llp_cuda_check import SHAPES, ablation_build, median as med  # noqa: E402
 
 TILES, CTAS = 16, 264  # the template's TRACE_TILES, TRACE_CTAS
 
 
-def med(xs):
-    return sorted(xs)[len(xs) // 2]
-
-
-def trace(kernel, variant, N, D, V):
+def trace(impl, N, D, V):
+    """Launch the partials kernel (its own choice of splits and group) three times on a
+    buffer with room for the stamps after the partials; the stamps of the last launch."""
     torch.manual_seed(0)
     h = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(V, D, device="cuda") * (2.0 / math.sqrt(D))).to(torch.bfloat16)
     t = torch.randint(0, V, (N,), device="cuda")
-    splits, rows, consumers = variant.params["split_v"], variant.params["block_m"] * variant.params["cluster"], \
-        variant.params["consumers"]
-    group = max(1, min(-(-N // rows), llp.GROUP_BYTES // (rows * D * 2)))
-    n_part = 4 * splits * N
-    buf = torch.zeros(n_part + CTAS * consumers * TILES * 3 * 2, dtype=torch.float32, device="cuda")
-    for _ in range(3):  # the last launch's stamps stay
-        rc = kernel.raw(kernel.ptr, torch.cuda.current_device(), h.data_ptr(), w.data_ptr(), 0, t.data_ptr(),
-                        buf.data_ptr(), N, V, D, splits, group, False, current_raw_stream(torch.cuda.current_device()),
-                        llp.LOG2E)
-        if rc:
-            kernel.fail(rc)
+    p = impl.kernel.variant.params
+    consumers, stamps = p["consumers"], CTAS * p["consumers"] * TILES * 3
+    bufs = []
+
+    def with_stamps(shape, dtype, device):  # partials' own buffer, followed by the int64 stamps
+        n = math.prod(shape)
+        bufs.append(torch.zeros(n + 2 * stamps, dtype=dtype, device=device))
+        return bufs[-1][:n].view(shape)
+
+    real, llp._empty = llp._empty, with_stamps
+    try:
+        splits = impl.splits(N, V, h.device)
+        for _ in range(3):
+            impl.partials(h, w, t, None, 1.0, False, splits)
+    finally:
+        llp._empty = real
     torch.cuda.synchronize()
-    tr = buf[n_part:].view(torch.int64).view(CTAS, consumers, TILES, 3).cpu().tolist()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    tiles = min(TILES - 1, -(-V // variant.params["block_n"]) // splits)
-    steady = range(2, tiles - 1)
+    tr = bufs[-1][4 * splits * N:].view(torch.int64).view(CTAS, consumers, TILES, 3).cpu().tolist()
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    steady = range(2, min(TILES - 1, -(-V // p["block_n"]) // splits) - 1)
     mma = [tr[c][q][i][1] - tr[c][q][i][0] for c in range(sms) for q in range(consumers) for i in steady]
     fold = [tr[c][q][i][2] - tr[c][q][i][1] for c in range(sms) for q in range(consumers) for i in steady
             if tr[c][q][i][2]]
@@ -72,10 +73,10 @@ def main():
         if v.backend != "cuda" or v.arch != "sm_90a" or v.dtype != "bfloat16" or (wanted and v.name not in wanted):
             continue
         for label, flags in (("with fold", "-DKGEN_TRACE"), ("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD")):
-            k = ablation_build(v, flags)
+            impl = llp.CudaForward(ablation_build(v, flags), None)  # partials only: no Triton companion
             for N, D, V in SHAPES:
                 key = f"{v.name} {label} {N}x{D}x{V}"
-                out[key] = trace(k, v, N, D, V)
+                out[key] = trace(impl, N, D, V)
                 print(f"{key:70s} " + "  ".join(f"{a} {b}" for a, b in out[key].items()), flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp/kgen-out"), "llp-trace.json"), "w") as f:
         json.dump(out, f, indent=1)
