@@ -2,10 +2,12 @@
 with -DKGEN_TRACE (consumer warpgroups stamp the SM clock at the start of each tile, when
 its MMAs are done and when its fold is) and, for comparison, with the fold left out too.
 Prints per build and shape the median over the first wave's CTAs of steady-state tiles
-(2..12): MMA cycles, fold cycles, tile period, and how far consumer 1 starts a tile after
-consumer 0. Writes $OUT/llp-trace.json.
+(2..12): MMA cycles, fold cycles, tile period, how far consumer 1 starts a tile after
+consumer 0, and how many cycles of consumer 0's fold consumer 1 spends folding too. Writes
+$OUT/llp-trace.json (with CTA 0's raw stamps).
 
 Usage (device machine, repo root): python3 tools/llp_trace.py [--spec S] [--variants A,B]
+    [--flags=EXTRA_NVCC_FLAGS] [--no-ablate]
 """
 
 from __future__ import annotations
@@ -58,26 +60,35 @@ def trace(impl, N, D, V):
             if tr[c][q][i][2]]
     period = [tr[c][0][i + 1][0] - tr[c][0][i][0] for c in range(sms) for i in steady]
     offset = [tr[c][1][i][0] - tr[c][0][i][0] for c in range(sms) for i in steady] if consumers > 1 else [0]
+    # Cycles of consumer 0's fold during which consumer 1 folds too (its tile i - 1 or i).
+    both = [max(0, min(tr[c][0][i][2], tr[c][1][j][2]) - max(tr[c][0][i][1], tr[c][1][j][1]))
+            for c in range(sms) for i in steady for j in (i - 1, i)] if consumers > 1 else [0]
+    both = [a + b for a, b in zip(both[::2], both[1::2])]
     return {"MMA cycles": med(mma), "fold cycles": med(fold) if fold else 0, "tile period": med(period),
-            "consumer 1 - consumer 0 start": med(offset)}
+            "consumer 1 - consumer 0 start": med(offset), "folds overlapping": med(both),
+            "CTA 0 stamps": [[[x - tr[0][0][0][0] for x in tile] for tile in q] for q in tr[0]]}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--spec", default="kgen/specs/linear_logp.yaml")
     ap.add_argument("--variants", default="")
+    ap.add_argument("--flags", default="", help="extra nvcc flags for every build (e.g. -DKGEN_LAG=0)")
+    ap.add_argument("--no-ablate", action="store_true", help="only the build with the fold")
     args = ap.parse_args()
     wanted = set(filter(None, args.variants.split(",")))
     out = {}
     for v in spec_mod.load(args.spec).variants:
         if v.backend != "cuda" or v.arch != "sm_90a" or v.dtype != "bfloat16" or (wanted and v.name not in wanted):
             continue
-        for label, flags in (("with fold", "-DKGEN_TRACE"), ("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD")):
-            impl = llp.CudaForward(ablation_build(v, flags), None)  # partials only: no Triton companion
+        builds = (("with fold", "-DKGEN_TRACE"), ("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD"))
+        for label, flags in builds[:1] if args.no_ablate else builds:
+            impl = llp.CudaForward(ablation_build(v, f"{flags} {args.flags}"), None)  # partials only: no Triton companion
             for N, D, V in SHAPES:
                 key = f"{v.name} {label} {N}x{D}x{V}"
                 out[key] = trace(impl, N, D, V)
-                print(f"{key:70s} " + "  ".join(f"{a} {b}" for a, b in out[key].items()), flush=True)
+                print(f"{key:70s} " + "  ".join(f"{a} {b}" for a, b in out[key].items() if a != "CTA 0 stamps"),
+                      flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp/kgen-out"), "llp-trace.json"), "w") as f:
         json.dump(out, f, indent=1)
 

@@ -3,7 +3,7 @@
 // variant: linear_logp/sm80_m128_n128_k32_s4_c2_sv16_f16
 // backend: cuda, arch: sm_80
 // dtype:   float16
-// knobs:   block_m=128, block_n=128, block_k=32, stages=4, consumers=2, split_v=16, cluster=1
+// knobs:   block_m=128, block_n=128, block_k=32, stages=4, consumers=2, split_v=16, cluster=1, hidden_stages=0
 //
 // linear_logp forward partials with Ampere-style tensor cores (sm_80 and later): a
 // 4-stage cp.async ring, ldmatrix + mma.sync m16n8k16 with float32 accumulation,

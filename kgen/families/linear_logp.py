@@ -115,8 +115,11 @@ def _check_triton(dtype: str, k: Mapping[str, Any]):
 
 
 def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
-    ring = k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] * DTYPES[dtype][0]
-    return ring + _CUDA_SMEM_EXTRA + (4 * k["block_n"] if arch == "sm_90a" else 0)
+    size = DTYPES[dtype][0]
+    if arch == "sm_90a":  # a hidden ring, a weight ring of block_n / consumers rows per consumer, two bias tiles
+        ring = (k["hidden_stages"] * k["block_m"] + k["stages"] * k["block_n"]) * k["block_k"] * size
+        return ring + _CUDA_SMEM_EXTRA + 4 * k["block_n"]
+    return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] * size + _CUDA_SMEM_EXTRA
 
 
 def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
@@ -127,22 +130,38 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
                                    "float32 inputs use the Triton variants"))
     bm, bn, bk, c = k["block_m"], k["block_n"], k["block_k"], k["consumers"]
     if arch == "sm_90a":
-        # WGMMA: M = 64 per warpgroup, N a multiple of 8 up to 256, K = 16; the 128-byte
+        # WGMMA: M = 64, N a multiple of 8 up to 256, K = 16. Each consumer warpgroup owns all
+        # block_m rows (block_m / 64 chains) and block_n / consumers columns; the 128-byte
         # swizzle span is 64 16-bit elements, which fixes BK (one TMA box per operand).
-        if bm != 64 * c:
-            problems.append(("block_m", f"block_m={bm} must be 64 x consumers ({64 * c}): each consumer "
-                                        "warpgroup owns 64 rows (WGMMA M = 64)"))
-        if bn % 8 or bn > 256:
-            problems.append(("block_n", f"block_n={bn} must be a multiple of 8 up to 256 (WGMMA N)"))
+        bnc = bn // c
+        if bm % 64:
+            problems.append(("block_m", f"block_m={bm} must be a multiple of 64 (WGMMA M = 64 rows per chain)"))
+        if bn % c or bnc % 8 or bnc > 256:
+            problems.append(("block_n", f"block_n={bn} must split into {c} consumer share(s) of a multiple of 8 "
+                                        "up to 256 columns (WGMMA N)"))
+        elif bnc % (8 * k["cluster"]):
+            problems.append(("cluster", f"block_n / consumers = {bnc} must split into {k['cluster']} multicast "
+                                        "shares of whole 8-row swizzle atoms (a multiple of 8 x cluster)"))
+        if bm % 64 == 0 and bnc and (bm // 64) * bnc // 2 > 128:
+            problems.append(("block_n", f"block_m={bm} x block_n / consumers = {bnc} needs {(bm // 64) * bnc // 2} "
+                                        "float32 accumulators per thread (at most 128 fit beside the fold's registers)"))
         if bk != 64:
             problems.append(("block_k", f"block_k={bk} must be 64: one 128-byte swizzle span of 16-bit elements"))
-        if bn % (8 * k["cluster"]):
-            problems.append(("cluster", f"block_n={bn} must split into {k['cluster']} multicast shares of whole "
-                                        "8-row swizzle atoms (a multiple of 8 x cluster)"))
+        h = k["hidden_stages"]
+        if h < 2:
+            problems.append(("hidden_stages", f"hidden_stages={h}: the sm_90a kernel needs a hidden ring of at "
+                                              f"least 2 stages (its consumers lag one another by "
+                                              "hidden_stages - 3 panels)"))
+        if c > 1 and bm * 16 > k["stages"] * bnc * bk * 2:
+            problems.append(("stages", f"consumer 0 hands its {bm} row states ({bm * 16} bytes) over in its weight "
+                                       f"ring, which holds {k['stages'] * bnc * bk * 2}"))
     else:
         # mma.sync m16n8k16 with warps tiled 2 (M) x 2*consumers (N): each warp owns
         # block_m/2 rows and block_n/(2*consumers) columns, in 16 x 16 ldmatrix pieces.
         wn = 2 * c
+        if k["hidden_stages"]:
+            problems.append(("hidden_stages", "hidden_stages is an sm_90a knob: the mma.sync template has one "
+                                              "ring of `stages`"))
         if k["cluster"] != 1:
             problems.append(("cluster", f"cluster={k['cluster']}: thread-block clusters (TMA multicast) are "
                                         "sm_90a only; the mma.sync template runs one CTA per cluster"))
@@ -159,8 +178,10 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
                                         "accumulators per thread (at most 128 fit beside the fold's registers)"))
     smem = _cuda_smem(arch, dtype, k)
     if smem > _SMEM_LIMIT[arch]:
-        problems.append(("stages", f"{k['stages']} stages of ({bm} + {bn}) x {bk} {dtype} tiles need {smem} "
-                                   f"bytes of shared memory, above {arch}'s {_SMEM_LIMIT[arch]}-byte limit"))
+        rings = (f"{k['hidden_stages']} hidden stages of {bm} x {bk} and {k['stages']} weight stages of {bn} x {bk}"
+                 if arch == "sm_90a" else f"{k['stages']} stages of ({bm} + {bn}) x {bk}")
+        problems.append(("stages", f"{rings} {dtype} tiles need {smem} bytes of shared memory, above {arch}'s "
+                                   f"{_SMEM_LIMIT[arch]}-byte limit"))
     return problems
 
 
@@ -175,7 +196,8 @@ SCHEMA = Schema(
             Knob("block_m", "m", lo=32, hi=256, pow2=True),  # rows of hidden per CTA
             Knob("block_n", "n", lo=8, hi=256),  # vocabulary tile (the MMA's N)
             Knob("block_k", "k", lo=32, hi=128, pow2=True),  # reduction step over D
-            Knob("stages", "s", lo=2, hi=8),  # shared-memory ring depth
+            # shared-memory ring depth (sm_90a: of each consumer's weight ring)
+            Knob("stages", "s", lo=2, hi=8),
             # sm_90a: consumer warpgroups beside one TMA producer warpgroup;
             # sm_80: warpgroups (4 warps) that all load and compute
             Knob("consumers", "c", lo=1, hi=2),
@@ -184,6 +206,9 @@ SCHEMA = Schema(
             Knob("split_v", "sv", lo=1, hi=1024),
             # sm_90a: CTAs per cluster sharing each weight panel by TMA multicast
             Knob("cluster", "x", lo=1, hi=2, default=1),
+            # sm_90a: stages of the hidden ring the consumers share (they lag one another by
+            # hidden_stages - 3 panels); 0 for the mma.sync template, which has one ring
+            Knob("hidden_stages", "h", lo=0, hi=16, default=0),
         ),
         "triton": (
             Knob("block_n", "n", lo=16, hi=256, pow2=True),  # rows of hidden per program
@@ -209,7 +234,8 @@ def template_context(variant) -> dict:
     if variant.backend == "cuda":
         return {"dtype": variant.dtype, "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"],
                 "STAGES": p["stages"], "CONSUMERS": p["consumers"], "SPLIT_V": p["split_v"],
-                "CLUSTER": p["cluster"]}
+                "CLUSTER": p["cluster"], "HSTAGES": p["hidden_stages"], "BNC": p["block_n"] // p["consumers"],
+                "LAG": max(0, p["hidden_stages"] - 3) if p["consumers"] > 1 else 0}
     return {"BLOCK_N": p["block_n"], "BLOCK_V": p["block_v"], "BLOCK_D": p["block_d"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "SPLIT_V": p["split_v"]}
 
@@ -490,7 +516,7 @@ class CudaForward:
         """CTAs of this kernel one SM holds at once, by shared memory and registers."""
         v = self.kernel.variant
         if v.arch == "sm_90a":
-            return 1  # __launch_bounds__(threads, 1) and a ~200 KB ring
+            return 1  # __launch_bounds__(threads, 1) and ~225 KB of rings
         smem = _cuda_smem(v.arch, v.dtype, v.params)
         per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
         resources = self.kernel.entry.manifest.get("resources", {})
