@@ -491,10 +491,11 @@ constexpr int BM = 128, BN = 256, BK = 64, CONSUMERS = 2;
 constexpr int HSTAGES = 8, WSTAGES = 3;  // hidden ring; each consumer's weight ring
 // Panels consumer 1 starts behind consumer 0: HSTAGES - 3 keeps two hidden stages loading
 // ahead of consumer 0 when it reaches panel LAG. (-DKGEN_LAG=n overrides it: diagnostics.)
-#ifndef KGEN_LAG
-#define KGEN_LAG 5
-#endif
+#ifdef KGEN_LAG
 constexpr int LAG = KGEN_LAG;
+#else
+constexpr int LAG = CONSUMERS > 1 && HSTAGES > 3 ? HSTAGES - 3 : 0;
+#endif
 static_assert(LAG < HSTAGES, "consumer 0 must reach panel LAG on hidden stages consumer 1 has not used");
 constexpr int CLUSTER = 1;
 constexpr int THREADS = 128 * (CONSUMERS + 1);

@@ -142,9 +142,7 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
         elif bnc % (8 * k["cluster"]):
             problems.append(("cluster", f"block_n / consumers = {bnc} must split into {k['cluster']} multicast "
                                         "shares of whole 8-row swizzle atoms (a multiple of 8 x cluster)"))
-        if bm % 64 == 0 and bnc and (bm // 64) * bnc // 2 > 128:
-            problems.append(("block_n", f"block_m={bm} x block_n / consumers = {bnc} needs {(bm // 64) * bnc // 2} "
-                                        "float32 accumulators per thread (at most 128 fit beside the fold's registers)"))
+        acc, layout = (bm // 64) * bnc // 2, f"{bm // 64} wgmma chain(s) of 64 x {bnc} per consumer"
         if bk != 64:
             problems.append(("block_k", f"block_k={bk} must be 64: one 128-byte swizzle span of 16-bit elements"))
         h = k["hidden_stages"]
@@ -172,10 +170,10 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
                                         f"({wn} warps across N, 16 columns per ldmatrix)"))
         if bk % 32:
             problems.append(("block_k", f"block_k={bk} must be a multiple of 32 (two k16 MMA steps per 64-byte row chunk)"))
-        acc = (bm // 2) * (bn // wn) // 32
-        if acc > 128:
-            problems.append(("block_n", f"block_m={bm} x block_n={bn} over {2 * wn} warps needs {acc} float32 "
-                                        "accumulators per thread (at most 128 fit beside the fold's registers)"))
+        acc, layout = (bm // 2) * (bn // wn) // 32, f"over {2 * wn} warps"
+    if acc > 128:
+        problems.append(("block_n", f"block_m={bm} x block_n={bn} ({layout}) needs {acc} float32 accumulators "
+                                    "per thread (at most 128 fit beside the fold's registers)"))
     smem = _cuda_smem(arch, dtype, k)
     if smem > _SMEM_LIMIT[arch]:
         rings = (f"{k['hidden_stages']} hidden stages of {bm} x {bk} and {k['stages']} weight stages of {bn} x {bk}"
@@ -234,8 +232,7 @@ def template_context(variant) -> dict:
     if variant.backend == "cuda":
         return {"dtype": variant.dtype, "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"],
                 "STAGES": p["stages"], "CONSUMERS": p["consumers"], "SPLIT_V": p["split_v"],
-                "CLUSTER": p["cluster"], "HSTAGES": p["hidden_stages"], "BNC": p["block_n"] // p["consumers"],
-                "LAG": max(0, p["hidden_stages"] - 3) if p["consumers"] > 1 else 0}
+                "CLUSTER": p["cluster"], "HSTAGES": p["hidden_stages"], "BNC": p["block_n"] // p["consumers"]}
     return {"BLOCK_N": p["block_n"], "BLOCK_V": p["block_v"], "BLOCK_D": p["block_d"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "SPLIT_V": p["split_v"]}
 
