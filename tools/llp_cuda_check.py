@@ -5,6 +5,7 @@ shapes. Prints tables; writes $OUT/llp-cuda.json.
 
 Usage (device machine, repo root): python3 tools/llp_cuda_check.py [--spec S] [--variants A,B]
     [--no-check] [--no-time] [--ablate] [--order] [--clocks] [--flags "label:nvcc flags,..."]
+    [--launch-hidden]
 """
 
 from __future__ import annotations
@@ -72,18 +73,24 @@ def median(xs):
     return sorted(xs)[len(xs) // 2]
 
 
-def interleaved(fns: dict, baseline: str, rounds: int = 25, reps: int = 4) -> tuple[dict, dict]:
+def interleaved(fns: dict, baseline: str, rounds: int = 25, reps: int = 4,
+                launch_hidden: bool = False) -> tuple[dict, dict]:
     """Per-call ms of each function and its ratio to `baseline`, from interleaved rounds:
     in each round every other function, in a fresh random order, is timed (reps
     back-to-back calls between CUDA events, after one warm call) right after the baseline,
     and the ratio of the two is one sample. Returns (median ms, median ratio) per function.
     Pairing each sample with a baseline timed moments before takes out the clock drift of a
     power-capped GPU (the medians of unpaired times of one kernel moved 3-5 % within a run).
-    Inputs are hundreds of MB: L2 holds none between calls."""
+    Inputs are hundreds of MB: L2 holds none between calls. The GPU is idle when the first
+    event is recorded, so the host's path to the first launch of the reps (Python, argument
+    checks, launcher) is on the clock, once per `reps` calls; with `launch_hidden` a ~0.5 ms
+    GPU sleep queued first keeps it off, measuring the device time alone."""
     import random
 
     def timed(fn):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if launch_hidden:
+            torch.cuda._sleep(1_000_000)
         a.record()
         for _ in range(reps):
             fn()
@@ -160,7 +167,8 @@ def ablation_build(variant, flags):
     return loader.load_cuda(variant, _Entry(out))
 
 
-def time_shapes(impls, companion, rows, ablate: bool, order: bool, flags: dict, sample_clocks: bool = False):
+def time_shapes(impls, companion, rows, ablate: bool, order: bool, flags: dict, sample_clocks: bool = False,
+                launch_hidden: bool = False):
     """Forward times at the benchmark shapes (bf16, no bias, no entropy) in one interleaved
     set per shape; with `ablate`, also each CUDA variant with parts left out, and each
     CUDA variant built with each of `flags` (label -> nvcc flags); with `order`, each CUDA
@@ -197,7 +205,7 @@ def time_shapes(impls, companion, rows, ablate: bool, order: bool, flags: dict, 
                 fns[f"{name}: partials, split-major order"] = lambda sm=sm, s=splits: sm.partials(h, w, t, None, 1.0, False, s)
                 fns[f"{name}: partials, splits = split_v {impl.split_v}"] = (
                     lambda impl=impl: impl.partials(h, w, t, None, 1.0, False, impl.split_v))
-        ms, ratio = interleaved(fns, "cuBLAS h @ w.T")
+        ms, ratio = interleaved(fns, "cuBLAS h @ w.T", launch_hidden=launch_hidden)
         clk = clocks(fns) if sample_clocks else {}
         for k, v in ms.items():
             rows.append({"shape": f"{N}x{D}x{V}", "impl": k, "ms": round(v, 3), "TFLOP/s": round(flop / v / 1e9, 1),
@@ -218,6 +226,8 @@ def main():
     ap.add_argument("--order", action="store_true", help="also time split-major order and splits = split_v")
     ap.add_argument("--clocks", action="store_true", help="also sample SM clock and power while each runs")
     ap.add_argument("--flags", default="", help="label:nvcc flags[,label:flags...] builds to time too")
+    ap.add_argument("--launch-hidden", action="store_true",
+                    help="queue a GPU sleep before each timed region: device time without the host's launch path")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp/kgen-out")
     os.makedirs(out, exist_ok=True)
@@ -254,7 +264,7 @@ def main():
     if not args.no_time:
         flags = dict(x.split(":", 1) for x in args.flags.split(",") if x)
         time_shapes(impls, companion["bfloat16"].module, report["time"], args.ablate, args.order, flags,
-                    args.clocks)
+                    args.clocks, args.launch_hidden)
     with open(os.path.join(out, "llp-cuda.json"), "w") as f:
         json.dump(report, f, indent=1)
 

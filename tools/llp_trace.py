@@ -1,13 +1,17 @@
 """Where a tile's cycles go in the sm_90a linear_logp kernel: each sm_90a variant is built
 with -DKGEN_TRACE (consumer warpgroups stamp the SM clock at the start of each tile, when
-its MMAs are done and when its fold is) and, for comparison, with the fold left out too.
+its MMAs are done and when its fold is, sum the cycles they wait for panels and for MMAs,
+and, in the first 4 CTAs, stamp every panel of tiles 2..5 with its waits) and, for
+comparison, with the fold left out too (and, with --fake-fold, replaced by a busy wait).
 Prints per build and shape the median over the first wave's CTAs of steady-state tiles
 (2..12): MMA cycles, fold cycles, tile period, how far consumer 1 starts a tile after
-consumer 0, and how many cycles of consumer 0's fold consumer 1 spends folding too. Writes
-$OUT/llp-trace.json (with CTA 0's raw stamps).
+consumer 0, how many cycles of consumer 0's fold consumer 1 spends folding too, panel and
+MMA waits per tile; and per consumer the cycles from one panel's issue to the next (with
+the hidden / weight barrier waits before it), p50 and p90, while the other consumer folds
+("alone") and while both multiply. Writes $OUT/llp-trace.json (with CTA 0's raw stamps).
 
 Usage (device machine, repo root): python3 tools/llp_trace.py [--spec S] [--variants A,B]
-    [--flags=EXTRA_NVCC_FLAGS] [--no-ablate]
+    [--flags=EXTRA_NVCC_FLAGS] [--no-ablate] [--fake-fold CYCLES]
 """
 
 from __future__ import annotations
@@ -25,7 +29,32 @@ from kgen import spec as spec_mod  # noqa: E402
 from kgen.families import linear_logp as llp  # noqa: E402
 from tools.llp_cuda_check import SHAPES, ablation_build, median as med  # noqa: E402
 
-TILES, CTAS = 16, 264  # the template's TRACE_TILES, TRACE_CTAS
+TILES, CTAS, SLOTS = 16, 264, 5  # the template's TRACE_TILES, TRACE_CTAS, stamps per tile
+PANEL_CTAS, PANEL_TILES, PANEL_TILE0, PANELS = 4, 4, 2, 64  # its per-panel stamps
+
+
+def panel_rates(tr, pan, consumers):
+    """Per consumer, median cycles between consecutive panel issues and the waits for the
+    hidden and the weight panel before each, split by whether the other consumer was
+    folding (between its MMAs-done and fold-done stamps) meanwhile."""
+    out = {}
+    for q in range(consumers):
+        rows = {True: [], False: []}
+        for c in range(PANEL_CTAS):
+            folds = [(tr[c][o][i][1], tr[c][o][i][2]) for o in range(consumers) if o != q
+                     for i in range(TILES) if tr[c][o][i][2]]
+            for pt in range(PANEL_TILES):
+                st = [x for x in pan[c][q][pt] if x[0]]
+                for a, b in zip(st, st[1:]):
+                    rows[any(f0 <= (a[0] + b[0]) / 2 <= f1 for f0, f1 in folds)].append((b[0] - a[0], b[1], b[2]))
+        for lone, xs in rows.items():
+            if xs:
+                cyc, hw, ww = (sorted(col) for col in zip(*xs))
+                out[f"c{q} {'alone' if lone else 'both'} (n={len(xs)}) panel/hidden wait/weight wait p50"] = (
+                    cyc[len(xs) // 2], hw[len(xs) // 2], ww[len(xs) // 2])
+                out[f"c{q} {'alone' if lone else 'both'} p90"] = (cyc[len(xs) * 9 // 10], hw[len(xs) * 9 // 10],
+                                                                  ww[len(xs) * 9 // 10])
+    return out
 
 
 def trace(impl, N, D, V):
@@ -36,7 +65,9 @@ def trace(impl, N, D, V):
     w = (torch.randn(V, D, device="cuda") * (2.0 / math.sqrt(D))).to(torch.bfloat16)
     t = torch.randint(0, V, (N,), device="cuda")
     p = impl.kernel.variant.params
-    consumers, stamps = p["consumers"], CTAS * p["consumers"] * TILES * 3
+    consumers = p["consumers"]
+    tile_stamps = CTAS * consumers * TILES * SLOTS
+    stamps = tile_stamps + PANEL_CTAS * consumers * PANEL_TILES * PANELS * 3
     bufs = []
 
     def with_stamps(shape, dtype, device):  # partials' own buffer, followed by the int64 stamps
@@ -52,7 +83,9 @@ def trace(impl, N, D, V):
     finally:
         llp._empty = real
     torch.cuda.synchronize()
-    tr = bufs[-1][4 * splits * N:].view(torch.int64).view(CTAS, consumers, TILES, 3).cpu().tolist()
+    raw = bufs[-1][4 * splits * N:].view(torch.int64)
+    tr = raw[:tile_stamps].view(CTAS, consumers, TILES, SLOTS).cpu().tolist()
+    pan = raw[tile_stamps:stamps].view(PANEL_CTAS, consumers, PANEL_TILES, PANELS, 3).cpu().tolist()
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     steady = range(2, min(TILES - 1, -(-V // p["block_n"]) // splits) - 1)
     mma = [tr[c][q][i][1] - tr[c][q][i][0] for c in range(sms) for q in range(consumers) for i in steady]
@@ -64,8 +97,12 @@ def trace(impl, N, D, V):
     both = [max(0, min(tr[c][0][i][2], tr[c][1][j][2]) - max(tr[c][0][i][1], tr[c][1][j][1]))
             for c in range(sms) for i in steady for j in (i - 1, i)] if consumers > 1 else [0]
     both = [a + b for a, b in zip(both[::2], both[1::2])]
+    full_wait = [tr[c][q][i][3] for c in range(sms) for q in range(consumers) for i in steady]
+    mma_wait = [tr[c][q][i][4] for c in range(sms) for q in range(consumers) for i in steady]
     return {"MMA cycles": med(mma), "fold cycles": med(fold) if fold else 0, "tile period": med(period),
             "consumer 1 - consumer 0 start": med(offset), "folds overlapping": med(both),
+            "panel waits": med(full_wait), "MMA waits": med(mma_wait),
+            **(panel_rates(tr, pan, consumers) if consumers > 1 else {}),
             "CTA 0 stamps": [[[x - tr[0][0][0][0] for x in tile] for tile in q] for q in tr[0]]}
 
 
@@ -75,19 +112,26 @@ def main():
     ap.add_argument("--variants", default="")
     ap.add_argument("--flags", default="", help="extra nvcc flags for every build (e.g. -DKGEN_LAG=0)")
     ap.add_argument("--no-ablate", action="store_true", help="only the build with the fold")
+    ap.add_argument("--fake-fold", type=int, default=0,
+                    help="also a build whose fold is a busy wait of this many cycles")
     args = ap.parse_args()
     wanted = set(filter(None, args.variants.split(",")))
     out = {}
     for v in spec_mod.load(args.spec).variants:
         if v.backend != "cuda" or v.arch != "sm_90a" or v.dtype != "bfloat16" or (wanted and v.name not in wanted):
             continue
-        builds = (("with fold", "-DKGEN_TRACE"), ("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD"))
-        for label, flags in builds[:1] if args.no_ablate else builds:
+        builds = [("with fold", "-DKGEN_TRACE")]
+        if not args.no_ablate:
+            builds.append(("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD"))
+        if args.fake_fold:
+            builds.append((f"{args.fake_fold}-cycle wait for fold",
+                           f"-DKGEN_TRACE -DKGEN_ABLATE_FOLD -DKGEN_FAKE_FOLD={args.fake_fold}"))
+        for label, flags in builds:
             impl = llp.CudaForward(ablation_build(v, f"{flags} {args.flags}"), None)  # partials only: no Triton companion
             for N, D, V in SHAPES:
                 key = f"{v.name} {label} {N}x{D}x{V}"
                 out[key] = trace(impl, N, D, V)
-                print(f"{key:70s} " + "  ".join(f"{a} {b}" for a, b in out[key].items() if a != "CTA 0 stamps"),
+                print(f"{key:70s} " + "\n    ".join(f"{a} {b}" for a, b in out[key].items() if a != "CTA 0 stamps"),
                       flush=True)
     with open(os.path.join(os.environ.get("OUT", "/tmp/kgen-out"), "llp-trace.json"), "w") as f:
         json.dump(out, f, indent=1)

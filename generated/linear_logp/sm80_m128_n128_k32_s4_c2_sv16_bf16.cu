@@ -167,9 +167,13 @@ __device__ __forceinline__ void grouped_split_order(int cta, int rowblocks, int 
 constexpr float MASKED_LOGIT = -1.0e30f;
 
 __device__ __forceinline__ float ex2(float x) {
+#ifdef KGEN_FOLD_NO_EXP  // diagnostics only (timing without the special-function unit): wrong sums
+  return x * 0.5f;
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // A tile's sum of exp2(z - m) above this means a logit far above the reference m (more

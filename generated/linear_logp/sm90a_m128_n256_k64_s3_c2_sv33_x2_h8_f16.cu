@@ -335,9 +335,13 @@ __device__ __forceinline__ void grouped_split_order(int cta, int rowblocks, int 
 constexpr float MASKED_LOGIT = -1.0e30f;
 
 __device__ __forceinline__ float ex2(float x) {
+#ifdef KGEN_FOLD_NO_EXP  // diagnostics only (timing without the special-function unit): wrong sums
+  return x * 0.5f;
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
 
 // A tile's sum of exp2(z - m) above this means a logit far above the reference m (more
@@ -644,13 +648,22 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
   const int lag = min(LAG, k_tiles);
   if (CONSUMERS > 1 && consumer == 1) kgen::named_bar_sync(1, 256);  // start LAG panels behind consumer 0
 
-#ifdef KGEN_TRACE  // diagnostics only (tools/llp_trace.py): SM clock at the start of each of the first
-  // TRACE_TILES tiles, when its MMAs are done and when its fold is, per consumer of the
-  // first TRACE_CTAS CTAs, as int64 [TRACE_CTAS][CONSUMERS][TRACE_TILES][3] after the partials.
-  constexpr int TRACE_TILES = 16, TRACE_CTAS = 264;
+#ifdef KGEN_TRACE  // diagnostics only (tools/llp_trace.py): per consumer of the first TRACE_CTAS
+  // CTAs and each of the first TRACE_TILES tiles, the SM clock at its start, when its MMAs
+  // are done and when its fold is, and the cycles its main loop spent waiting for panels
+  // (full barriers) and for MMAs (wgmma.wait_group), as int64 [TRACE_CTAS][CONSUMERS]
+  // [TRACE_TILES][5] after the partials; then, for the first PANEL_CTAS CTAs, the clock at
+  // which each of the first 64 panels of tiles PANEL_TILE0 .. PANEL_TILE0 + PANEL_TILES - 1
+  // is issued and the cycles spent waiting for its hidden and its weight panel, as
+  // [PANEL_CTAS][CONSUMERS][PANEL_TILES][64][3].
+  constexpr int TRACE_TILES = 16, TRACE_CTAS = 264, PANEL_CTAS = 4, PANEL_TILES = 4, PANEL_TILE0 = 2;
   long long* trace = reinterpret_cast<long long*>(part + 4 * (int64_t)splits * N) +
-                     ((int64_t)blockIdx.x * CONSUMERS + consumer) * TRACE_TILES * 3;
+                     ((int64_t)blockIdx.x * CONSUMERS + consumer) * TRACE_TILES * 5;
+  long long* panel_trace = reinterpret_cast<long long*>(part + 4 * (int64_t)splits * N) +
+                           (int64_t)TRACE_CTAS * CONSUMERS * TRACE_TILES * 5 +
+                           ((int64_t)blockIdx.x * CONSUMERS + consumer) * PANEL_TILES * 64 * 3;
   const bool tracing = threadIdx.x % 128 == 0 && blockIdx.x < TRACE_CTAS;
+  long long full_wait = 0, mma_wait = 0;
 #endif
   int hs = 0, ws = 0;
   uint32_t hph = 0, wph = 0;
@@ -659,12 +672,31 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
     const int64_t vt = vt_first + i;
     int hprev = 0, wprev = 0;
 #ifdef KGEN_TRACE
-    if (tracing && i < TRACE_TILES) trace[3 * i] = clock64();
+    if (tracing && i < TRACE_TILES) trace[5 * i] = clock64();
+    full_wait = mma_wait = 0;
 #endif
     for (int kt = 0; kt < k_tiles; ++kt, ++p) {
       if (CONSUMERS > 1 && consumer == 0 && p == lag) kgen::named_bar_arrive(1, 256);
+#ifdef KGEN_TRACE
+      const long long t0 = clock64();
+#endif
       kgen::mbar_wait(&hfull[hs], hph);
+#ifdef KGEN_TRACE
+      const long long t1 = clock64();
+#endif
       kgen::mbar_wait(&wfull[consumer][ws], wph);
+#ifdef KGEN_TRACE
+      {
+        const long long t2 = clock64();
+        full_wait += t2 - t0;
+        const int pt = i - PANEL_TILE0;
+        if (tracing && blockIdx.x < PANEL_CTAS && pt >= 0 && pt < PANEL_TILES && kt < 64) {
+          panel_trace[3 * (pt * 64 + kt)] = t2;
+          panel_trace[3 * (pt * 64 + kt) + 1] = t1 - t0;
+          panel_trace[3 * (pt * 64 + kt) + 2] = t2 - t1;
+        }
+      }
+#endif
       const uint64_t da = kgen::wgmma_desc_sw128(hring + hs * H_BYTES);
       const uint64_t db = kgen::wgmma_desc_sw128(my_wring + ws * W_BYTES);
       kgen::wgmma_fence();
@@ -674,7 +706,13 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
         for (int m = 0; m < MT; ++m)
           kgen::wgmma_m64n128k16(acc[m], da + m * (64 * BK * 2 >> 4) + 2 * k, db + 2 * k, kt > 0 || k > 0);
       kgen::wgmma_commit();
+#ifdef KGEN_TRACE
+      const long long tw = clock64();
+#endif
       kgen::wgmma_wait<1>();
+#ifdef KGEN_TRACE
+      mma_wait += clock64() - tw;
+#endif
       if (kt > 0 && lane == 0) {
         kgen::mbar_arrive(&hempty[hprev]);
         release_w(&wempty[consumer][wprev]);
@@ -691,7 +729,7 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
       release_w(&wempty[consumer][wprev]);
     }
 #ifdef KGEN_TRACE
-    if (tracing && i < TRACE_TILES) trace[3 * i + 1] = clock64();
+    if (tracing && i < TRACE_TILES) trace[5 * i + 1] = clock64(), trace[5 * i + 3] = full_wait, trace[5 * i + 4] = mma_wait;
 #endif
 
     // z = (acc + bias) * scale. Register j of a chain holds column 8 (j / 4) + 2 t + (j % 2)
@@ -700,6 +738,13 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
 #ifdef KGEN_ABLATE_FOLD  // diagnostics only (tools/llp_cuda_check.py --ablate): no softmax epilogue
     state[0].s += acc[0][0] + acc[MT - 1][ACC - 1];
     if (HAS_BIAS && lane == 0) kgen::mbar_wait(&bias_full[i & 1], (i >> 1) & 1), kgen::mbar_arrive(&bias_empty[i & 1]);
+#ifdef KGEN_FAKE_FOLD  // and in its place a busy wait of KGEN_FAKE_FOLD cycles (tools/llp_trace.py --fake-fold)
+    for (const long long t0 = clock64(); clock64() - t0 < KGEN_FAKE_FOLD;) {
+    }
+#endif
+#ifdef KGEN_TRACE
+    if (tracing && i < TRACE_TILES) trace[5 * i + 2] = clock64();
+#endif
     continue;
 #endif
     if (HAS_BIAS) {
@@ -742,7 +787,7 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
         state, [&](int r, int q) { return acc[r / 2][4 * (q / 2) + 2 * (r % 2) + q % 2]; }, scale);
 #ifdef KGEN_TRACE
     asm volatile("" ::"f"(state[0].s), "f"(state[2 * MT - 1].s));
-    if (tracing && i < TRACE_TILES) trace[3 * i + 2] = clock64();
+    if (tracing && i < TRACE_TILES) trace[5 * i + 2] = clock64();
 #endif
   }
   if (CONSUMERS > 1 && consumer == 0 && panels <= lag) kgen::named_bar_arrive(1, 256);
