@@ -30,7 +30,7 @@ from kgen.families import linear_logp as llp  # noqa: E402
 from tools.llp_cuda_check import SHAPES, ablation_build, median as med  # noqa: E402
 
 TILES, CTAS, SLOTS = 16, 264, 5  # the template's TRACE_TILES, TRACE_CTAS, stamps per tile
-PANEL_CTAS, PANEL_TILES, PANEL_TILE0, PANELS = 4, 4, 2, 64  # its per-panel stamps
+PANEL_CTAS, PANEL_TILES, PANEL_TILE0, PANELS = 4, 4, 2, 64  # its PANEL_CTAS, PANEL_TILES, PANEL_TILE0, PANEL_KS
 
 
 def panel_rates(tr, pan, consumers):
@@ -49,11 +49,10 @@ def panel_rates(tr, pan, consumers):
                     rows[any(f0 <= (a[0] + b[0]) / 2 <= f1 for f0, f1 in folds)].append((b[0] - a[0], b[1], b[2]))
         for lone, xs in rows.items():
             if xs:
-                cyc, hw, ww = (sorted(col) for col in zip(*xs))
-                out[f"c{q} {'alone' if lone else 'both'} (n={len(xs)}) panel/hidden wait/weight wait p50"] = (
-                    cyc[len(xs) // 2], hw[len(xs) // 2], ww[len(xs) // 2])
-                out[f"c{q} {'alone' if lone else 'both'} p90"] = (cyc[len(xs) * 9 // 10], hw[len(xs) * 9 // 10],
-                                                                  ww[len(xs) * 9 // 10])
+                cols = [sorted(col) for col in zip(*xs)]  # panel cycles, hidden wait, weight wait
+                phase = f"c{q} {'alone' if lone else 'both'}"
+                out[f"{phase} (n={len(xs)}) panel/hidden wait/weight wait p50"] = tuple(c[len(c) // 2] for c in cols)
+                out[f"{phase} p90"] = tuple(c[len(c) * 9 // 10] for c in cols)
     return out
 
 
@@ -124,8 +123,7 @@ def main():
         if not args.no_ablate:
             builds.append(("no fold", "-DKGEN_TRACE -DKGEN_ABLATE_FOLD"))
         if args.fake_fold:
-            builds.append((f"{args.fake_fold}-cycle wait for fold",
-                           f"-DKGEN_TRACE -DKGEN_ABLATE_FOLD -DKGEN_FAKE_FOLD={args.fake_fold}"))
+            builds.append((f"{args.fake_fold}-cycle wait for fold", f"-DKGEN_TRACE -DKGEN_FAKE_FOLD={args.fake_fold}"))
         for label, flags in builds:
             impl = llp.CudaForward(ablation_build(v, f"{flags} {args.flags}"), None)  # partials only: no Triton companion
             for N, D, V in SHAPES:

@@ -653,15 +653,15 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
   // are done and when its fold is, and the cycles its main loop spent waiting for panels
   // (full barriers) and for MMAs (wgmma.wait_group), as int64 [TRACE_CTAS][CONSUMERS]
   // [TRACE_TILES][5] after the partials; then, for the first PANEL_CTAS CTAs, the clock at
-  // which each of the first 64 panels of tiles PANEL_TILE0 .. PANEL_TILE0 + PANEL_TILES - 1
-  // is issued and the cycles spent waiting for its hidden and its weight panel, as
-  // [PANEL_CTAS][CONSUMERS][PANEL_TILES][64][3].
-  constexpr int TRACE_TILES = 16, TRACE_CTAS = 264, PANEL_CTAS = 4, PANEL_TILES = 4, PANEL_TILE0 = 2;
-  long long* trace = reinterpret_cast<long long*>(part + 4 * (int64_t)splits * N) +
-                     ((int64_t)blockIdx.x * CONSUMERS + consumer) * TRACE_TILES * 5;
-  long long* panel_trace = reinterpret_cast<long long*>(part + 4 * (int64_t)splits * N) +
-                           (int64_t)TRACE_CTAS * CONSUMERS * TRACE_TILES * 5 +
-                           ((int64_t)blockIdx.x * CONSUMERS + consumer) * PANEL_TILES * 64 * 3;
+  // which each of the first PANEL_KS panels of tiles PANEL_TILE0 .. PANEL_TILE0 +
+  // PANEL_TILES - 1 is issued and the cycles spent waiting for its hidden and its weight
+  // panel, as [PANEL_CTAS][CONSUMERS][PANEL_TILES][PANEL_KS][3].
+  constexpr int TRACE_TILES = 16, TRACE_CTAS = 264;
+  constexpr int PANEL_CTAS = 4, PANEL_TILES = 4, PANEL_TILE0 = 2, PANEL_KS = 64;
+  long long* stamps = reinterpret_cast<long long*>(part + 4 * (int64_t)splits * N);
+  const int64_t slot = (int64_t)blockIdx.x * CONSUMERS + consumer;  // this consumer's place in both arrays
+  long long* trace = stamps + slot * TRACE_TILES * 5;
+  long long* panel_trace = stamps + TRACE_CTAS * CONSUMERS * TRACE_TILES * 5 + slot * PANEL_TILES * PANEL_KS * 3;
   const bool tracing = threadIdx.x % 128 == 0 && blockIdx.x < TRACE_CTAS;
   long long full_wait = 0, mma_wait = 0;
 #endif
@@ -690,10 +690,9 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
         const long long t2 = clock64();
         full_wait += t2 - t0;
         const int pt = i - PANEL_TILE0;
-        if (tracing && blockIdx.x < PANEL_CTAS && pt >= 0 && pt < PANEL_TILES && kt < 64) {
-          panel_trace[3 * (pt * 64 + kt)] = t2;
-          panel_trace[3 * (pt * 64 + kt) + 1] = t1 - t0;
-          panel_trace[3 * (pt * 64 + kt) + 2] = t2 - t1;
+        if (tracing && blockIdx.x < PANEL_CTAS && pt >= 0 && pt < PANEL_TILES && kt < PANEL_KS) {
+          long long* at = panel_trace + 3 * (pt * PANEL_KS + kt);
+          at[0] = t2, at[1] = t1 - t0, at[2] = t2 - t1;
         }
       }
 #endif
@@ -732,21 +731,19 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
     if (tracing && i < TRACE_TILES) trace[5 * i + 1] = clock64(), trace[5 * i + 3] = full_wait, trace[5 * i + 4] = mma_wait;
 #endif
 
-    // z = (acc + bias) * scale. Register j of a chain holds column 8 (j / 4) + 2 t + (j % 2)
-    // of row g + 8 ((j / 2) % 2).
-    const int64_t col0 = vt * BN + consumer * BNC;
-#ifdef KGEN_ABLATE_FOLD  // diagnostics only (tools/llp_cuda_check.py --ablate): no softmax epilogue
+#if defined(KGEN_ABLATE_FOLD) || defined(KGEN_FAKE_FOLD)
+    // Diagnostics only: no softmax epilogue (tools/llp_cuda_check.py --ablate), or in its
+    // place a busy wait of KGEN_FAKE_FOLD cycles (tools/llp_trace.py --fake-fold).
     state[0].s += acc[0][0] + acc[MT - 1][ACC - 1];
     if (HAS_BIAS && lane == 0) kgen::mbar_wait(&bias_full[i & 1], (i >> 1) & 1), kgen::mbar_arrive(&bias_empty[i & 1]);
-#ifdef KGEN_FAKE_FOLD  // and in its place a busy wait of KGEN_FAKE_FOLD cycles (tools/llp_trace.py --fake-fold)
+#ifdef KGEN_FAKE_FOLD
     for (const long long t0 = clock64(); clock64() - t0 < KGEN_FAKE_FOLD;) {
     }
 #endif
-#ifdef KGEN_TRACE
-    if (tracing && i < TRACE_TILES) trace[5 * i + 2] = clock64();
-#endif
-    continue;
-#endif
+#else
+    // z = (acc + bias) * scale. Register j of a chain holds column 8 (j / 4) + 2 t + (j % 2)
+    // of row g + 8 ((j / 2) % 2).
+    const int64_t col0 = vt * BN + consumer * BNC;
     if (HAS_BIAS) {
       const int b = i & 1;
       kgen::mbar_wait(&bias_full[b], (i >> 1) & 1);
@@ -785,6 +782,7 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
       }
     kgen::fold_rows<2 * MT, BNC / 4, ENTROPY>(
         state, [&](int r, int q) { return acc[r / 2][4 * (q / 2) + 2 * (r % 2) + q % 2]; }, scale);
+#endif
 #ifdef KGEN_TRACE
     asm volatile("" ::"f"(state[0].s), "f"(state[2 * MT - 1].s));
     if (tracing && i < TRACE_TILES) trace[5 * i + 2] = clock64();

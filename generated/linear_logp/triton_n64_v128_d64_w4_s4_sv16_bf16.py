@@ -90,8 +90,9 @@ def linear_logp_fwd_kernel(
     plane 2 is left unwritten and the combine takes the target logit by a gather-dot;
     TARGET_IN_TILE is for TF32 tile dots, which it would not match (_target_in_tile in
     the family module). (The CUDA kernels write a reference max m within 32 below the
-    maximum, with the sums relative to it; the combine takes either.) Split s of `splits` covers V tiles [s * T / splits, (s + 1) * T /
-    splits) of the T = cdiv(V, BLOCK_V) (empty when splits > T). h_src / w_src: pointers,
+    maximum, with the sums relative to it; the combine takes either.) Split s of `splits`
+    covers V tiles [s * T / splits, (s + 1) * T / splits) of the T = cdiv(V, BLOCK_V)
+    (empty when splits > T). h_src / w_src: pointers,
     or with TMA tensor descriptors (_logit_tile). Grid: cdiv(N, BLOCK_N) * splits programs."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)

@@ -148,8 +148,8 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
         h = k["hidden_stages"]
         if h < 2:
             problems.append(("hidden_stages", f"hidden_stages={h}: the sm_90a kernel needs a hidden ring of at "
-                                              f"least 2 stages (its consumers lag one another by "
-                                              "hidden_stages - 3 panels)"))
+                                              "least 2 stages (with more than 3, its consumers run "
+                                              "hidden_stages - 3 panels apart)"))
         if c > 1 and bm * 16 > k["stages"] * bnc * bk * 2:
             problems.append(("stages", f"consumer 0 hands its {bm} row states ({bm * 16} bytes) over in its weight "
                                        f"ring, which holds {k['stages'] * bnc * bk * 2}"))
