@@ -321,6 +321,28 @@ def test_ignore_index_is_not_out_of_range():
     call(variant(), H, W, torch.tensor([0, 12345, 3, 2]), B, ignore_index=12345)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_target_check_kernel(dtype):
+    """The one-launch range check the op queues before its kernels (interpreted here): set
+    exactly when some target is outside [0, V) and not ignore_index, wherever it lies in
+    N = 2500 (not a multiple of the 1024-target step), with in-range and out-of-range
+    ignore_index values."""
+    mod, V, N = variant(), 50257, 2500
+    g = torch.Generator().manual_seed(5)
+    for ignore_index in (-100, V, 7):
+        for where, value in ((None, None), (0, -1), (1023, V), (1024, -5), (N - 1, V + 9), (N - 1, 1 << 35)):
+            if dtype == torch.int32 and value == 1 << 35:
+                continue
+            t = torch.randint(0, V, (N,), generator=g).to(dtype)
+            t[::9] = ignore_index
+            if where is not None:
+                t[where] = value
+            flag = torch.full((1,), -1, dtype=torch.int32)
+            mod.linear_logp_target_check_kernel[(1,)](t, flag, N, V, ignore_index, BLOCK=llp.TARGET_CHECK_BLOCK)
+            want = bool((((t < 0) | (t >= V)) & (t != ignore_index)).any())
+            assert flag.item() == int(want), (ignore_index, where, value)
+
+
 def test_splits_fill_whole_waves(monkeypatch):
     """The per-call splits on a 132-SM GPU (no GPU needed: the SM count is what it reads):
     >= SPLIT_V unless there are fewer V tiles, <= one V tile each, and the programs fill

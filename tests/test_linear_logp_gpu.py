@@ -102,6 +102,29 @@ def test_split_v_invariance_on_gpu():
 
 
 @pytest.mark.parametrize("path", ["dispatch", "triton-tma"])
+@pytest.mark.parametrize("bad", [-1, 50257, 1 << 40])
+def test_target_out_of_range_raises(monkeypatch, path, bad):
+    """The range check is waited for after the kernels are queued: a bad target still
+    raises ValueError naming it, an out-of-range ignore_index does not, and the next call
+    on the same inputs (corrected) matches float64."""
+    h, w, b, t = _inputs(300, 50257, 1024, torch.bfloat16, seed=11)
+    with _path(monkeypatch, path, torch.bfloat16):
+        ops.linear_logp(h, w, t, b)  # build and load first
+        t_bad = t.clone()
+        t_bad[123] = bad
+        with pytest.raises(ValueError, match=f"target holds {bad}, outside"):
+            ops.linear_logp(h, w, t_bad, b)
+        ignored = torch.where(t_bad == -100, torch.full_like(t_bad, bad), t_bad)
+        ops.linear_logp(h, w, ignored, b, ignore_index=bad)  # ignored rows may hold any value
+        t_bad[123] = 7
+        logp = ops.linear_logp(h, w, t_bad, b)
+        torch.cuda.synchronize()
+    want, _ = llp.reference(h, w, t_bad, b, compute=torch.float64)
+    # float32 accumulation over D = 1024 terms: within the spec's tolerance (2e-5).
+    torch.testing.assert_close(logp.double(), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("path", ["dispatch", "triton-tma"])
 def test_cuda_graph_replay(monkeypatch, path):
     check_graph_replay(_path(monkeypatch, path, torch.bfloat16), torch.bfloat16)
 

@@ -161,6 +161,25 @@ __device__ __forceinline__ void grouped_split_order(int cta, int rowblocks, int 
   rowblock = first + in_group % size;
 }
 
+// V tiles [first, last) of split `split` of `splits` over `tiles`: sizes differ by at most
+// one, and the longer slices are the first ones (splits < tiles % splits take one tile
+// more). CTAs start in split order within a group, so the grid's last wave holds the
+// shorter slices. With the longer slices spread over the splits (split * tiles / splits,
+// still built with -DKGEN_FLOOR_SLICES for timing against it) the last wave held long
+// ones too: at (8192, 4096, 128256), 501 tiles over 33 splits, the sm_90a forward took
+// ~3.5 % longer (BENCHMARKS.md). Empty when split >= tiles.
+__device__ __forceinline__ void split_slice(int64_t split, int64_t splits, int64_t tiles, int64_t& first,
+                                            int64_t& last) {
+#ifdef KGEN_FLOOR_SLICES
+  first = split * tiles / splits;
+  last = (split + 1) * tiles / splits;
+#else
+  const int64_t base = tiles / splits, longer = tiles % splits;
+  first = split * base + min(split, longer);
+  last = first + base + (split < longer ? 1 : 0);
+#endif
+}
+
 // A finite stand-in for -inf on masked columns (col >= V), as a logit z: exp2 of it is 0,
 // and 0 times it is 0 (with a true -inf the entropy term p * (z - m) would be 0 * -inf =
 // NaN). Kernels that fold unscaled values x = z / scale store MASKED_LOGIT / scale.
@@ -354,9 +373,10 @@ linear_logp_fwd_sm80(const T* __restrict__ hidden, const T* __restrict__ weight,
   int split, rowblock;
   kgen::grouped_split_order(blockIdx.x, rowblocks, splits, group, split, rowblock);
   const int row0 = rowblock * BM;
-  // V tiles [vt_first, vt_last) of this split: an even partition, possibly empty.
-  const int64_t tiles = kgen::cdiv(V, BN);
-  const int vt_first = (int)(split * tiles / splits), vt_last = (int)((split + 1) * tiles / splits);
+  // V tiles [vt_first, vt_last) of this split (possibly empty), the longer slices first.
+  int64_t first, last;
+  kgen::split_slice(split, splits, kgen::cdiv(V, BN), first, last);
+  const int vt_first = (int)first, vt_last = (int)last;
   // At least one panel per V tile: with D == 0 it is all zeros and the logits are the bias.
   const int k_tiles = D > 0 ? (int)kgen::cdiv(D, BK) : 1;
   const int panels = (vt_last - vt_first) * k_tiles;

@@ -329,6 +329,25 @@ __device__ __forceinline__ void grouped_split_order(int cta, int rowblocks, int 
   rowblock = first + in_group % size;
 }
 
+// V tiles [first, last) of split `split` of `splits` over `tiles`: sizes differ by at most
+// one, and the longer slices are the first ones (splits < tiles % splits take one tile
+// more). CTAs start in split order within a group, so the grid's last wave holds the
+// shorter slices. With the longer slices spread over the splits (split * tiles / splits,
+// still built with -DKGEN_FLOOR_SLICES for timing against it) the last wave held long
+// ones too: at (8192, 4096, 128256), 501 tiles over 33 splits, the sm_90a forward took
+// ~3.5 % longer (BENCHMARKS.md). Empty when split >= tiles.
+__device__ __forceinline__ void split_slice(int64_t split, int64_t splits, int64_t tiles, int64_t& first,
+                                            int64_t& last) {
+#ifdef KGEN_FLOOR_SLICES
+  first = split * tiles / splits;
+  last = (split + 1) * tiles / splits;
+#else
+  const int64_t base = tiles / splits, longer = tiles % splits;
+  first = split * base + min(split, longer);
+  last = first + base + (split < longer ? 1 : 0);
+#endif
+}
+
 // A finite stand-in for -inf on masked columns (col >= V), as a logit z: exp2 of it is 0,
 // and 0 times it is 0 (with a true -inf the entropy term p * (z - m) would be 0 * -inf =
 // NaN). Kernels that fold unscaled values x = z / scale store MASKED_LOGIT / scale.
@@ -515,12 +534,6 @@ constexpr int ACC = BNC / 2;  // accumulator registers per chain per thread
 static_assert(BM * 16 <= WSTAGES * W_BYTES, "consumer 0 hands its row states over in its weight ring");
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CONSUMERS == 2 ? 232 : 256;
 
-__device__ __forceinline__ void slice_of(int64_t split, int64_t splits, int64_t tiles, int64_t& first,
-                                         int64_t& last) {
-  first = split * tiles / splits;
-  last = (split + 1) * tiles / splits;
-}
-
 template <bool HAS_BIAS, bool ENTROPY>
 __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                       const __grid_constant__ CUtensorMap map_b, const int64_t* __restrict__ target,
@@ -540,7 +553,7 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
   kgen::grouped_split_order(blockIdx.x / CLUSTER, rowgroups, splits, group, split, rowgroup);
   const int rowblock = rowgroup * CLUSTER + (int)rank;
   int64_t vt_first, vt_last;
-  slice_of(split, splits, kgen::cdiv(V, BN), vt_first, vt_last);
+  kgen::split_slice(split, splits, kgen::cdiv(V, BN), vt_first, vt_last);
   const int k_tiles = (int)kgen::cdiv(D, BK);
   const int wg = threadIdx.x / 128;
 

@@ -90,9 +90,10 @@ def linear_logp_fwd_kernel(
     plane 2 is left unwritten and the combine takes the target logit by a gather-dot;
     TARGET_IN_TILE is for TF32 tile dots, which it would not match (_target_in_tile in
     the family module). (The CUDA kernels write a reference max m within 32 below the
-    maximum, with the sums relative to it; the combine takes either.) Split s of `splits`
-    covers V tiles [s * T / splits, (s + 1) * T / splits) of the T = cdiv(V, BLOCK_V)
-    (empty when splits > T). h_src / w_src: pointers,
+    maximum, with the sums relative to it; the combine takes either.) The splits partition
+    the T = cdiv(V, BLOCK_V) tiles into slices whose sizes differ by at most one, the
+    longer ones first (split_slice in common/online_softmax.cuh.j2; empty when
+    splits > T), so that the grid's last programs are the shorter. h_src / w_src: pointers,
     or with TMA tensor descriptors (_logit_tile). Grid: cdiv(N, BLOCK_N) * splits programs."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
@@ -101,8 +102,10 @@ def linear_logp_fwd_kernel(
     split = pid // tiles_n
     tile_n = pid % tiles_n
     tiles_v = tl.cdiv(V, BLOCK_V)
-    vt_begin = split * tiles_v // splits
-    vt_end = (split + 1) * tiles_v // splits
+    base = tiles_v // splits
+    longer = tiles_v % splits
+    vt_begin = split * base + tl.minimum(split, longer)
+    vt_end = vt_begin + base + (split < longer).to(tl.int32)
 
     rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -226,6 +229,20 @@ def linear_logp_combine_kernel(
         mean = ent / s  # E[z] - m, base 2
         tl.store(ent_ptr + rows, tl.where(valid, (log_s - mean) * LN2, 0.0), mask=ok)
         tl.store(ez_ptr + rows, m + mean, mask=ok)
+
+
+@triton.jit
+def linear_logp_target_check_kernel(t_ptr, flag_ptr, N, V, ignore_index, BLOCK: tl.constexpr):
+    """flag[0] = 1 if some target[i] is outside [0, V) and not ignore_index, else 0: the
+    op's range check in one launch (its host waits for this, not for the forward). One
+    program: N is rows, tiny beside the forward's work. Grid: (1,)."""
+    bad = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, N, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < N
+        t = tl.load(t_ptr + offs, mask=ok, other=0)
+        bad = tl.maximum(bad, (ok & ((t < 0) | (t >= V)) & (t != ignore_index)).to(tl.int32))
+    tl.store(flag_ptr, tl.max(bad, axis=0))
 
 
 @triton.jit

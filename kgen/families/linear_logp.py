@@ -68,7 +68,7 @@ import contextlib
 import functools
 import math
 import threading
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -87,6 +87,8 @@ LN2 = 0.6931471805599453
 COMBINE_BLOCK = 128
 COMBINE_DOT_BLOCK = 16
 TARGET_BLOCK_D = 256
+# Targets per step of the one-program range check (linear_logp_target_check_kernel).
+TARGET_CHECK_BLOCK = 1024
 # Tiles of row-major output walked GROUP rows at a time (L2 reuse of the shared panel).
 GROUP = 8
 # Hidden rows (bytes) a group of CUDA row blocks keeps in L2 while it sweeps V.
@@ -356,20 +358,44 @@ def check_inputs(hidden, weight, target, bias, temperature, ignore_index) -> Non
                              "all tensors must be on one device")
 
 
-def check_target_range(target: torch.Tensor, V: int, ignore_index: int) -> None:
-    """target in [0, V) or == ignore_index. One reduction on the device and one host sync
-    (skipped during CUDA graph capture, where a sync is illegal; the kernels index memory
-    with target only inside [0, V), so a bad value there gives a wrong row, never a bad
-    access)."""
-    if target.numel() == 0:
-        return
-    if target.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    bad = ((target < 0) | (target >= V)) & (target != ignore_index)
-    if bool(bad.any()):
-        first = int(target.reshape(-1)[bad.reshape(-1)][0])
-        raise ValueError(f"linear_logp: target holds {first}, outside [0, {V}) and not "
-                         f"ignore_index ({ignore_index})")
+def check_target_range(target: torch.Tensor, V: int, ignore_index: int, kernels=None) -> Callable[[], None]:
+    """Queues the check that target is in [0, V) or == ignore_index and returns the function
+    that waits for it and raises ValueError if it failed. Call that function after queueing
+    the kernels: the host then waits for the check alone (a flag copied to pinned memory and
+    an event recorded right after it), with the kernels already queued behind it, so the
+    GPU does not idle while the host waits and launches. `kernels`: a Triton module whose
+    linear_logp_target_check_kernel does the check in one launch (else torch ops, ~7).
+    Waiting before launching left the GPU idle for the host's whole launch path: 1.5-3 %
+    of the op's time at (4096, 2048, 151936) on an H100 (BENCHMARKS.md). The kernels index
+    memory with target only inside [0, V), so a bad value gives a wrong row, never a bad
+    access, and the error is raised before any row is returned. Skipped during CUDA graph
+    capture, where a host wait is illegal."""
+    n = target.numel()
+    if n == 0 or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return lambda: None
+    done = None
+    if not target.is_cuda:
+        flag = (((target < 0) | (target >= V)) & (target != ignore_index)).any()
+    else:
+        if kernels is not None:
+            found = torch.empty(1, dtype=torch.int32, device=target.device)
+            kernels.linear_logp_target_check_kernel[(1,)](target, found, n, V, ignore_index, BLOCK=TARGET_CHECK_BLOCK)
+        else:
+            found = (((target < 0) | (target >= V)) & (target != ignore_index)).any()
+        flag = torch.empty(found.shape, dtype=found.dtype, pin_memory=True).copy_(found, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+    def finish() -> None:
+        if done is not None:
+            done.synchronize()
+        if bool(flag):
+            bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+            first = int(target.reshape(-1)[bad.reshape(-1)][0])
+            raise ValueError(f"linear_logp: target holds {first}, outside [0, {V}) and not "
+                             f"ignore_index ({ignore_index})")
+
+    return finish
 
 
 # --------------------------------------------------------------------------- grids and launch
@@ -748,11 +774,16 @@ def _op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: 
     """2-D hidden, 1-D target. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or
     [0]); the last two are what the backward needs (unused on the reference path)."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
-    check_target_range(target, weight.shape[0], ignore_index)
     mod = _module(hidden.device, hidden.dtype)
+    target = target.contiguous()
+    checked = check_target_range(target, weight.shape[0], ignore_index,
+                                 mod.triton if isinstance(mod, CudaForward) else mod)
     if mod is not None:
-        return forward(mod, hidden.contiguous(), weight.contiguous(), target.contiguous(),
-                       bias.contiguous() if bias is not None else None, temperature, ignore_index, with_entropy)
+        out = forward(mod, hidden.contiguous(), weight.contiguous(), target,
+                      bias.contiguous() if bias is not None else None, temperature, ignore_index, with_entropy)
+        checked()
+        return out
+    checked()  # before the reference, which indexes with target
     logp, entropy = reference(hidden, weight, target, bias, temperature=temperature, ignore_index=ignore_index)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
     f32 = torch.float32
@@ -820,8 +851,10 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
 
     The N x V logits are never materialised on CUDA (Triton kernels; extra memory in the
     module docstring, < 64 MiB at N=8192, V=128256); CPU tensors use the float32 PyTorch
-    reference. Inputs are checked before any launch, including one device reduction and
-    host sync over target's range (skipped during CUDA graph capture). Also registered as
+    reference. Dtypes, shapes and devices are checked before any launch; target's range by
+    one device reduction queued before the kernels and waited for after them (one host wait
+    per call, skipped during CUDA graph capture): a target outside [0, V) that is not
+    ignore_index raises ValueError. Also registered as
     torch.ops.kgen.linear_logp (2-D hidden, 1-D target, four outputs).
     """
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
@@ -873,12 +906,12 @@ def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
             ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
             outs.append([logp, ent] + [x.grad for x in leaves])
         for name, got, want in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), *outs):
-            want = want.double()
+            want = want.detach().double()
             if name.startswith("grad"):
                 bound = GRAD_TOL[dtype] * max(1.0, float(want.abs().max()))
             else:
                 bound = tol.atol + tol.rtol * want.abs()
-            err = (got.double() - want).abs() / bound
+            err = (got.detach().double() - want).abs() / bound
             worst = float(err.max()) if err.numel() and not torch.isnan(err).any() else (
                 0.0 if not err.numel() else float("inf"))
             results.append((f"N={N} V={V} D={D} {name}", worst))
