@@ -370,18 +370,21 @@ def check_target_range(target: torch.Tensor, V: int, ignore_index: int, kernels=
     memory with target only inside [0, V), so a bad value gives a wrong row, never a bad
     access, and the error is raised before any row is returned. Skipped during CUDA graph
     capture, where a host wait is illegal."""
+    def out_of_range() -> torch.Tensor:
+        return ((target < 0) | (target >= V)) & (target != ignore_index)
+
     n = target.numel()
     if n == 0 or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
         return lambda: None
     done = None
     if not target.is_cuda:
-        flag = (((target < 0) | (target >= V)) & (target != ignore_index)).any()
+        flag = out_of_range().any()
     else:
         if kernels is not None:
             found = torch.empty(1, dtype=torch.int32, device=target.device)
             kernels.linear_logp_target_check_kernel[(1,)](target, found, n, V, ignore_index, BLOCK=TARGET_CHECK_BLOCK)
         else:
-            found = (((target < 0) | (target >= V)) & (target != ignore_index)).any()
+            found = out_of_range().any()
         flag = torch.empty(found.shape, dtype=found.dtype, pin_memory=True).copy_(found, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
@@ -390,7 +393,7 @@ def check_target_range(target: torch.Tensor, V: int, ignore_index: int, kernels=
         if done is not None:
             done.synchronize()
         if bool(flag):
-            bad = ((target < 0) | (target >= V)) & (target != ignore_index)
+            bad = out_of_range()
             first = int(target.reshape(-1)[bad.reshape(-1)][0])
             raise ValueError(f"linear_logp: target holds {first}, outside [0, {V}) and not "
                              f"ignore_index ({ignore_index})")
