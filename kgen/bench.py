@@ -52,7 +52,55 @@ def print_table(title: str, rows: list[dict]) -> None:
     Console(width=200).print(table)
 
 
-def bench(spec, json_path: str, quick: bool) -> int:
+def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list[dict]:
+    """What the tuning table does, per (dtype, shape) case: the variant spec order picks
+    ("before"), the table's pick ("after", and why), and the fastest candidate measured here,
+    each timed by the tuner's own method (`tune.cuda_timer`: back-to-back calls, so host
+    cost counts where it bounds) in interleaved rounds, minimum per candidate. `peers(dtype,
+    inputs) -> {name: fn}` adds non-candidates (torch.compile, a GEMM) to the same rounds."""
+    import torch
+
+    from kgen.families import module_of
+    from kgen.runtime import dispatch, tune
+
+    fam = module_of(family)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for dtype, shape in cases:
+        inputs = fam.tune_inputs(dev, dtype, **shape)
+        before = dispatch.select(family, dev, dtype)
+        after, why = dispatch.choose(family, dev, dtype, fam.tune_bucket(**shape))
+        fns = {}
+        for v in dispatch.runnable(family, dtype, dev):
+            fns[v.name] = fam.tune_runner(dispatch.load(v), inputs)
+        try:
+            fns[tune.REFERENCE] = fam.tune_runner(None, inputs)
+        except ValueError:
+            pass
+        extra = peers(dtype, inputs) if peers else {}
+        best = {n: float("inf") for n in (*fns, *extra)}
+        for _ in range(2 if quick else 3):
+            for n, fn in (*fns.items(), *extra.items()):
+                best[n] = min(best[n], tune.cuda_timer(fn, 500 if quick else 3000))
+        name = lambda k: k.name if k is not None else tune.REFERENCE  # noqa: E731
+        fastest = min(fns, key=best.get)
+        row = {"case": f"{dtype} " + "x".join(str(shape[d]) for d in fam.TUNE_DIMS)
+               + "".join(f" {k}={int(v)}" for k, v in shape.items() if k not in fam.TUNE_DIMS),
+               "before": name(before), "before us": best[name(before)],
+               "after": name(after), "why": why, "after us": best[name(after)],
+               "fastest": fastest, "fastest us": best[fastest],
+               "after / fastest": best[fastest] / best[name(after)]}
+        for n in extra:
+            row[f"{n} us"] = best[n]
+            row[f"after vs {n}"] = best[n] / best[name(after)]
+        rows.append(row)
+        print(row, flush=True)
+        del inputs, fns, extra
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench(spec, json_path: str, quick: bool, only_dispatch: bool = False) -> int:
     import torch
 
     if not torch.cuda.is_available():
@@ -61,7 +109,7 @@ def bench(spec, json_path: str, quick: bool) -> int:
     mod = importlib.import_module(f"kgen.benchmarks.{spec.family}")
     env = environment()
     print(json.dumps(env))
-    sections = mod.run(spec, quick)
+    sections = mod.dispatch_section(spec, quick) if only_dispatch else mod.run(spec, quick)
     for title, rows in sections.items():
         print_table(title, rows)
     with open(json_path, "w") as f:

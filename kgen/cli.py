@@ -1,4 +1,4 @@
-"""The `kgen` command: build, list, diff, verify, bench, cache."""
+"""The `kgen` command: build, list, diff, verify, bench, cache, doctor."""
 
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def cmd_bench(args) -> int:
     from kgen.bench import bench
 
     spec = _load(args.spec)
-    return bench(spec, args.json, args.quick)
+    return bench(spec, args.json, args.quick, args.dispatch)
 
 
 def cmd_cache(args) -> int:
@@ -207,6 +207,43 @@ def cmd_cache(args) -> int:
     else:
         print(f"removed {cache.clear()} entries from {cache.info()['path']}")
     return 0
+
+
+def cmd_doctor(args) -> int:
+    from kgen.doctor import doctor
+
+    return doctor(shipped_specs(), args.require, _console())
+
+
+def _add_doctor(sub) -> None:
+    from kgen.doctor import REQUIREMENTS
+
+    dr = sub.add_parser("doctor", help="what this machine can do: versions, nvcc, GPU, runnable variants, cache")
+    dr.add_argument("--require", nargs="+", default=[], choices=sorted(REQUIREMENTS), metavar="NEED",
+                    help="exit 1 unless these work here: " + "; ".join(f"{k}: {v}" for k, v in REQUIREMENTS.items()))
+    dr.set_defaults(fn=cmd_doctor)
+
+
+def cmd_tune(args) -> int:
+    from kgen import tune_cli
+
+    return tune_cli.run(args, _console())
+
+
+def _add_tune(sub) -> None:
+    from kgen.runtime.tune import MIN_MEASURE_US
+
+    t = sub.add_parser("tune", help="measure which variant wins per shape bucket on this GPU and record it")
+    t.add_argument("spec", nargs="?")
+    t.add_argument("--dtype", nargs="+", help="only these dtypes (default: the spec's)")
+    t.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                   help="e.g. 8192x11008 (the family's dimensions in order) or rows=8192,cols=11008 "
+                        "(default: the family's shape list)")
+    t.add_argument("--json", help="also write every measurement here")
+    t.add_argument("--out", help="record into this table file instead of the user's (shipped tables)")
+    t.add_argument("--min-us", type=float, default=MIN_MEASURE_US, help="GPU time per candidate (default %(default)s)")
+    t.add_argument("--show", action="store_true", help="print what the tables hold for this device")
+    t.set_defaults(fn=cmd_tune)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -242,11 +279,16 @@ def parser() -> argparse.ArgumentParser:
     be.add_argument("spec")
     be.add_argument("--json", default="kgen-bench.json", help="where to write results")
     be.add_argument("--quick", action="store_true", help="fewer repetitions")
+    be.add_argument("--dispatch", action="store_true",
+                    help="only dispatch's choice (spec order vs the tuning table) against the fastest candidate")
     be.set_defaults(fn=cmd_bench)
 
     c = sub.add_parser("cache", help="show or clear the build cache")
     c.add_argument("action", choices=("info", "clear"))
     c.set_defaults(fn=cmd_cache)
+
+    _add_doctor(sub)
+    _add_tune(sub)
     return p
 
 

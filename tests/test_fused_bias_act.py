@@ -184,12 +184,14 @@ def test_every_variant_on_gpu_matches_float64(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_gpu_dispatch_prefers_cuda_and_is_right(dtype):
+def test_gpu_dispatch_follows_the_tuning_table_and_is_right(dtype):
     t = DTYPES[dtype]
     x = torch.randn(1000, 4104, device="cuda").to(t)
     b, y = torch.randn(4104, device="cuda").to(t), torch.randn(1000, 4104, device="cuda").to(t)
     out = ops.fused_bias_act(x, b, y, alpha=0.3, act="gelu")
-    assert fba._kernel(x.device, t).backend == "cuda"
+    chosen = fba._kernel(x.device, t, 1000, 4104, True)
+    expected, why = dispatch.choose("fused_bias_act", x.device, dtype, fba.tune_bucket(1000, 4104, True))
+    assert getattr(chosen, "name", None) == getattr(expected, "name", None), why
     _assert_close(out, fba.reference(x, b, y, 0.3, "gelu", compute=torch.float64), SPEC.numerics[dtype])
 
 

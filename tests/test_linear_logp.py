@@ -212,11 +212,19 @@ def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
     """With TF32 allowed, float32 inputs take the target logit from the forward's own tile
     (partials plane 2, written: buffers start as NaN) rather than the combine's float32
     gather-dot, which would not match TF32 logits. (The interpreter's dots are float32.)"""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
-    assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
-    monkeypatch.setattr(llp, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
-    check_against_reference(variant(), *make_inputs(33, 257, 40))
+    # Saved and restored by hand: the flag lives in torch's C++ state behind __getattr__ /
+    # __setattr__, and monkeypatch (pytest 9.2) undoes a name absent from the instance's
+    # __dict__ by deleting it, which fails at teardown.
+    matmul = torch.backends.cuda.matmul
+    allowed = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
+        assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
+        monkeypatch.setattr(llp, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
+        check_against_reference(variant(), *make_inputs(33, 257, 40))
+    finally:
+        matmul.allow_tf32 = allowed
 
 
 def test_ignored_rows_are_zero_and_get_no_gradient():

@@ -158,6 +158,44 @@ def build_cost(spec, quick) -> list[dict]:
     return rows
 
 
+def _eager_y(x, b, y):
+    return torch.nn.functional.gelu(x + 0.5 * y + b, approximate="tanh")
+
+
+def _eager_no_y(x, b, y):
+    return torch.nn.functional.gelu(x + b, approximate="tanh")
+
+
+# (rows, cols): non-powers of two, one row, very wide rows, and the issue's 8192 x 11008
+DISPATCH_SHAPES = ((1, 4096), (1, 100000), (7, 1000), (333, 4104), (1000, 12345), (4096, 4096),
+                   (8192, 11008), (16384, 4096), (6000, 5000), (30000, 768), (8, 1048576))
+
+
+def dispatch_section(spec, quick) -> dict:
+    """kgen's choice before (spec order) and after (tuning table) against the fastest
+    candidate, torch.compile of the expression and a device copy of the same bytes."""
+    from kgen.bench import dispatch_effect
+
+    # one static compile per shape, as a user with fixed shapes gets (dynamo's default recompile
+    # limit would otherwise fall back to eager after 8 shapes)
+    for knob in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 1024)
+
+    def peers(dtype, inp):
+        x, b, y = inp["x"], inp["bias"], inp["y"]
+        compiled = torch.compile(_eager_y if y is not None else _eager_no_y, dynamic=False)
+        n = x.numel() * (3 if y is not None else 2)
+        src = torch.empty(n // 2, dtype=x.dtype, device=x.device)
+        dst = torch.empty_like(src)
+        return {"torch.compile": lambda: compiled(x, b, y), "copy": lambda: dst.copy_(src)}
+
+    cases = [(d, {"rows": r, "cols": c, "has_y": y}) for d in spec.dtypes
+             for r, c in DISPATCH_SHAPES[: 4 if quick else None] for y in (True, False)]
+    return {"dispatch: spec order (before) vs tuning table (after), gelu": dispatch_effect(
+        "fused_bias_act", cases, peers, quick)}
+
+
 def run(spec, quick) -> dict:
     return {"bandwidth (gelu, with y)": bandwidth(spec, quick),
             "host cost per call, 128x512 bf16": host_cost(spec, quick),

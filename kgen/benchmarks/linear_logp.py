@@ -331,6 +331,22 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
     _free()
 
 
+def dispatch_section(spec, quick) -> dict:
+    """kgen's forward choice before (spec order) and after (tuning table) against the
+    fastest candidate and the cuBLAS GEMM hidden @ weight.T, N in {1, 8, 64, 512, 4096}."""
+    from kgen.bench import dispatch_effect
+
+    def peers(dtype, inp):
+        h, w = inp["hidden"], inp["weight"]
+        return {"GEMM": lambda: h @ w.T}
+
+    shapes = ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
+    cases = [(d, {"N": n, "D": dd, "V": v}) for d in ("bfloat16", "float16")
+             for dd, v in shapes[: 1 if quick else None] for n in (1, 8, 64, 512, 4096)]
+    return {"dispatch: spec order (before) vs tuning table (after), forward": dispatch_effect(
+        "linear_logp", cases, peers, quick)}
+
+
 def run(spec, quick) -> dict:
     global _T0
     _T0 = time.perf_counter()

@@ -177,18 +177,63 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------- launch
 
 
-def _kernel(device: torch.device, dtype: torch.dtype):
-    """The loaded variant for (device, dtype), chosen and built on the first call, then
-    cached for the process (None: no variant could be built, use the reference)."""
-    key = (device.index, dtype)
+def _kernel(device: torch.device, dtype: torch.dtype, rows: int = 1, cols: int = 1, has_y: bool = True):
+    """The loaded variant for (device, dtype) and the shape's bucket, chosen (tuning table,
+    else spec order) and built on the first call, then cached for the process (None: the
+    reference runs)."""
+    key = _key(device.index, dtype, rows, cols, has_y)
     if key not in _KERNELS:
         from kgen.runtime import dispatch
 
-        _KERNELS[key] = dispatch.select("fused_bias_act", device, _TORCH_DTYPES[dtype])
+        shape = {"rows": rows, "cols": cols, "has_y": has_y}
+        _KERNELS[key], _ = dispatch.choose("fused_bias_act", device, _TORCH_DTYPES[dtype],
+                                           tune_bucket(**shape), shape)
     return _KERNELS[key]
 
 
 _KERNELS: dict = {}
+
+
+def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
+    """The per-call cache key: the same classes as tune_bucket, as cheap integers."""
+    return dev, dtype, (rows - 1).bit_length(), (cols - 1).bit_length(), cols % 8 == 0, has_y
+
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: rows and columns each rounded up to a power of two, whether a row holds whole
+# 16-byte vectors of 16-bit elements (cols % 8 == 0; the CUDA kernels' vector path), and
+# whether y is read (3 streams of memory instead of 2). act is not in the bucket: every
+# variant computes it in registers while memory is the bound, so it does not change which
+# variant wins.
+TUNE_DIMS = ("rows", "cols")
+TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
+# Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
+# ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner.
+TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
+                    for r in (1, 8, 64, 512, 2048, 8192, 32768)
+                    for c in (1001, 1024, 4096, 12288, 12345, 65536, 786432) if r * c <= 1 << 27
+                    for y in (True, False))
+
+
+def tune_bucket(rows: int, cols: int, has_y: bool = True) -> str:
+    r, c = (rows - 1).bit_length(), (cols - 1).bit_length()
+    return f"rows<={1 << r}.cols<={1 << c}.{'vec16' if cols % 8 == 0 else 'tail'}.{'y' if has_y else 'no-y'}"
+
+
+def tune_inputs(device, dtype: str, rows: int, cols: int, has_y: bool = True) -> dict:
+    t = next(k for k, n in _TORCH_DTYPES.items() if n == dtype)
+    x = torch.randn(rows, cols, device=device, dtype=t)
+    return {"x": x, "bias": torch.randn(cols, device=device, dtype=t),
+            "y": torch.randn_like(x) if has_y else None, "out": torch.empty_like(x)}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One gelu launch of `kernel` (None: the reference) into the scratch output."""
+    x, bias, y, out = inputs["x"], inputs["bias"], inputs["y"], inputs["out"]
+    if kernel is None:
+        return lambda: out.copy_(reference(x, bias, y, 0.5, "gelu"))
+    return lambda: launch(kernel, x, bias, y, 0.5, "gelu", out)
 
 
 def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
@@ -239,9 +284,13 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     if y is not None and not y.is_contiguous():
         y = y.contiguous()
     dev = x.get_device()  # -1 for CPU tensors
-    kernel = _KERNELS.get((dev, x.dtype), _MISSING) if dev >= 0 else None
-    if kernel is _MISSING:
-        kernel = _kernel(x.device, x.dtype)
+    kernel = None
+    if dev >= 0:
+        cols = x.shape[-1]
+        rows = x.numel() // cols if cols else 0
+        kernel = _KERNELS.get(_key(dev, x.dtype, rows, cols, y is not None), _MISSING)
+        if kernel is _MISSING:
+            kernel = _kernel(x.device, x.dtype, rows, cols, y is not None)
     if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
         return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
     launch(kernel, x, bias, y, alpha, act, out)

@@ -6,9 +6,10 @@ template rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D, NUM_
 NUM_STAGES, SPLIT_V plus the kernels), or a `CudaForward`: a CUDA variant's forward-partials
 kernel (cuda_sm90a.cu.j2: TMA + mbarrier + warp-specialised WGMMA; cuda_sm80.cu.j2:
 cp.async + ldmatrix + mma.sync, also built for sm_90) paired with a Triton module that
-supplies the combine and the backward. Dispatch prefers the CUDA variants whose arch runs on
-the device; inputs they cannot take (D % 8 != 0, pointers off 16-byte alignment) run the
-Triton forward of the same pair.
+supplies the combine and the backward. Dispatch takes the forward the tuning table names for
+the device, dtype and (N, D, V) bucket, else the CUDA variants whose arch runs on the device
+first; inputs they cannot take (D % 8 != 0, pointers off 16-byte alignment) run the Triton
+forward of the same pair. The backward's Triton kernels are always spec order's.
 
 Outputs are float32: logp [N], and optionally the entropy [N] of the tempered softmax.
 Rows whose target is ignore_index get logp = 0 and entropy = 0, and no gradient.
@@ -744,40 +745,87 @@ def using(mod):
             _FORCED.mod = saved
 
 
-def _module(device: torch.device, dtype: torch.dtype):
-    """The implementation for (device, dtype); None means the PyTorch reference (CPU
-    tensors, or no variant could be built)."""
+def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int, int, int]] = None):
+    """The implementation for (device, dtype) and, given the (N, D, V) of a forward, its
+    shape bucket (the tuning table's winner there, else spec order); without a shape, spec
+    order (the backward: its Triton kernels are not tuned). None means the PyTorch
+    reference (CPU tensors, no variant could be built, or the reference won the tuning)."""
     forced = getattr(_FORCED, "mod", _FORCED)
     if forced is not _FORCED:
         return forced
     if device.type != "cuda":
         return None
-    key = (device.index, dtype)
-    if key not in _MODULES:
-        from kgen.runtime import dispatch
+    key = (device.index, dtype) if shape is None else (device.index, dtype, *(
+        (n - 1).bit_length() for n in shape))
+    mod = _MODULES.get(key, _FORCED)
+    if mod is _FORCED:
+        mod = _MODULES[key] = _choose(device, dtype, shape)
+    return mod
 
-        name = str(dtype).removeprefix("torch.")
+
+def _choose(device: torch.device, dtype: torch.dtype, shape):
+    from kgen.runtime import dispatch
+
+    name = str(dtype).removeprefix("torch.")
+    if shape is None:
         kernel = dispatch.select("linear_logp", device, name)
-        companion = None
-        if kernel is not None and kernel.backend == "cuda":
-            companion = dispatch.select("linear_logp", device, name, backend="triton")
-            if companion is None:  # nothing to combine with: the reference serves
-                kernel = None
-        _MODULES[key] = implementation(kernel, companion) if kernel is not None else None
-    return _MODULES[key]
+    else:
+        dims = dict(zip(TUNE_DIMS, shape))
+        kernel, _ = dispatch.choose("linear_logp", device, name, tune_bucket(**dims), dims)
+    companion = None
+    if kernel is not None and kernel.backend == "cuda":
+        companion = dispatch.select("linear_logp", device, name, backend="triton")
+        if companion is None:  # nothing to combine with: the reference serves
+            kernel = None
+    return implementation(kernel, companion) if kernel is not None else None
+
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: N, D and V each rounded up to a power of two. Bias, entropy and temperature are
+# not in the bucket: they add O(N + V) work that every variant does alike.
+TUNE_DIMS = ("N", "D", "V")
+TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
+                    for d, v in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
+                    for n in (1, 8, 64, 512, 4096))
+# The reference materialises float32 logits and their softmax: a candidate only where that
+# stays within the op's extra-memory promise (module doc: < 64 MiB).
+_REFERENCE_TUNE_BYTES = 64 << 20
+
+
+def tune_bucket(N: int, D: int, V: int) -> str:
+    return ".".join(f"{k}<={1 << (n - 1).bit_length()}" for k, n in zip(TUNE_DIMS, (N, D, V)))
+
+
+def tune_inputs(device, dtype: str, N: int, D: int, V: int) -> dict:
+    t = getattr(torch, dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    return {"hidden": (torch.randn(N, D, device=device, generator=g) * 0.5).to(t),
+            "weight": (torch.randn(V, D, device=device, generator=g) * D ** -0.5).to(t),
+            "target": torch.randint(0, V, (N,), device=device, generator=g)}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One forward (no bias, no entropy) of `kernel` (None: the reference); outputs are
+    fresh allocations."""
+    h, w, t = inputs["hidden"], inputs["weight"], inputs["target"]
+    if kernel is None:
+        if h.shape[0] * w.shape[0] * 8 > _REFERENCE_TUNE_BYTES:
+            raise ValueError(f"the reference's logits would take over {_REFERENCE_TUNE_BYTES >> 20} MiB")
+        return lambda: reference(h, w, t)
+    mod = implementation(kernel)
+    return lambda: forward(mod, h, w, t, None, 1.0, -100, False)
 
 
 # --------------------------------------------------------------------------- torch.library
 
 
-@torch.library.custom_op("kgen::linear_logp", mutates_args=())
-def _op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-        temperature: float, ignore_index: int, with_entropy: bool
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """2-D hidden, 1-D target. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or
-    [0]); the last two are what the backward needs (unused on the reference path)."""
+def _forward_impl(hidden, weight, target, bias, temperature: float, ignore_index: int, with_entropy: bool):
+    """The forward op's implementation: 2-D hidden, 1-D target. Returns (logp [N], entropy
+    [N] or [0], lse2 [N], ez2 [N] or [0]); the last two are what the backward needs (unused
+    on the reference path)."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
-    mod = _module(hidden.device, hidden.dtype)
+    mod = _module(hidden.device, hidden.dtype, (hidden.shape[0], hidden.shape[1], weight.shape[0]))
     target = target.contiguous()
     checked = check_target_range(target, weight.shape[0], ignore_index,
                                  mod.triton if isinstance(mod, CudaForward) else mod)
@@ -794,6 +842,14 @@ def _op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: 
             torch.zeros(N, dtype=f32, device=hidden.device), torch.zeros(n_ent, dtype=f32, device=hidden.device))
 
 
+@torch.library.custom_op("kgen::linear_logp", mutates_args=())
+def _op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+        temperature: float, ignore_index: int, with_entropy: bool
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """2-D hidden, 1-D target; see _forward_impl."""
+    return _forward_impl(hidden, weight, target, bias, temperature, ignore_index, with_entropy)
+
+
 @_op.register_fake
 def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy):
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
@@ -802,10 +858,8 @@ def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entro
     return new(N), new(n_ent), new(N), new(n_ent)
 
 
-@torch.library.custom_op("kgen::linear_logp_backward", mutates_args=())
-def _bwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-            lse2: torch.Tensor, ez2: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
-            temperature: float, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
+                   temperature: float, ignore_index: int):
     """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation; see the module doc."""
     mod = _module(hidden.device, hidden.dtype)
     if mod is not None:
@@ -815,6 +869,14 @@ def _bwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bi
                               temperature, ignore_index)
         return gh, gw, gb if gb is not None else hidden.new_empty(0)
     return reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature, ignore_index)
+
+
+@torch.library.custom_op("kgen::linear_logp_backward", mutates_args=())
+def _bwd_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+            lse2: torch.Tensor, ez2: torch.Tensor, grad_logp: torch.Tensor, grad_entropy: Optional[torch.Tensor],
+            temperature: float, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_impl(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature,
+                          ignore_index)
 
 
 @_bwd_op.register_fake
@@ -832,13 +894,31 @@ def _setup_context(ctx, inputs, output):
     ctx.forced = getattr(_FORCED, "mod", _FORCED)  # `using(mod)` holds for the backward too
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2, backward_op=None):
     hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
+    backward_op = backward_op or torch.ops.kgen.linear_logp_backward
     with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
-        gh, gw, gb = torch.ops.kgen.linear_logp_backward(
-            hidden, weight, target, bias, lse2, ez2, grad_logp,
-            grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
+        gh, gw, gb = backward_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
+                                 grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
     return gh, gw, None, gb if ctx.has_bias else None, None, None, None
+
+
+class _Eager(torch.autograd.Function):
+    """The op in eager mode with autograd: the same implementation and backward as the
+    registered op, called directly. Calling a torch.library op the first time imports
+    torch._dynamo (its kernels are wrapped in `_disable_dynamo`): seconds of start-up a
+    process that never compiles should not pay. Under torch.compile the registered op runs."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, temperature, ignore_index, with_entropy):
+        out = _forward_impl(hidden, weight, target, bias, temperature, ignore_index, with_entropy)
+        _setup_context(ctx, (hidden, weight, target, bias, temperature, ignore_index, with_entropy), out)
+        ctx.mark_non_differentiable(out[2], out[3])
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy, grad_lse2, grad_ez2):
+        return _backward(ctx, grad_logp, grad_entropy, grad_lse2, grad_ez2, backward_op=_backward_impl)
 
 
 _op.register_autograd(_backward, setup_context=_setup_context)
@@ -852,9 +932,11 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     that of the tempered softmax. Rows with target == ignore_index give 0 for both and no
     gradient. Differentiable for hidden, weight and bias under any upstream gradients.
 
-    The N x V logits are never materialised on CUDA (Triton kernels; extra memory in the
-    module docstring, < 64 MiB at N=8192, V=128256); CPU tensors use the float32 PyTorch
-    reference. Dtypes, shapes and devices are checked before any launch; target's range by
+    The N x V logits are not materialised on CUDA (extra memory in the module docstring,
+    < 64 MiB at N=8192, V=128256) except where the tuning table found the PyTorch reference
+    fastest, which it may only where those logits take under 64 MiB; CPU tensors use the
+    float32 PyTorch reference. In eager mode the implementation is called directly (an
+    autograd.Function when a gradient is needed), under torch.compile the registered op. Dtypes, shapes and devices are checked before any launch; target's range by
     one device reduction queued before the kernels and waited for after them (one host wait
     per call, skipped during CUDA graph capture): a target outside [0, V) that is not
     ignore_index raises ValueError. Also registered as
@@ -863,9 +945,15 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     D = weight.shape[1]
     shape = hidden.shape[:-1]
-    logp, entropy, _, _ = torch.ops.kgen.linear_logp(
-        hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature), int(ignore_index),
-        bool(return_entropy))
+    args = (hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature), int(ignore_index),
+            bool(return_entropy))
+    if torch.compiler.is_compiling():
+        logp, entropy, _, _ = torch.ops.kgen.linear_logp(*args)
+    elif torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                      or (bias is not None and bias.requires_grad)):
+        logp, entropy, _, _ = _Eager.apply(*args)
+    else:
+        logp, entropy, _, _ = _forward_impl(*args)
     logp = logp.reshape(shape)
     return (logp, entropy.reshape(shape)) if return_entropy else logp
 

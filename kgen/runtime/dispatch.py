@@ -1,9 +1,17 @@
 """Dispatch: pick, build (through the cache) and load the variant an op runs.
 
-Order, most specific first: CUDA variants whose arch runs on the device (exact arch before
-an older minor of the same major), then Triton variants, each in spec order; the op falls
-back to its PyTorch reference when none can be built. `KGEN_VARIANT=<name>` forces one
-variant (for benchmarks and bisecting); `KGEN_BACKEND=cuda|triton|reference` one backend.
+For one (family, device, dtype, shape bucket), most specific first:
+1. `KGEN_VARIANT=<name>` forces one variant (benchmarks, bisecting); `KGEN_BACKEND=
+   cuda|triton|reference` one backend.
+2. The tuning table (`kgen.runtime.tune`): the measured winner for the bucket on this
+   device — a variant, or `reference` when the family's PyTorch path was fastest.
+3. With `KGEN_AUTOTUNE=1`, an untuned bucket is tuned on its first call (not while a CUDA
+   graph is captured or torch.compile traces); without it, the winner of the nearest tuned
+   bucket of the same device and dtype, if it beat spec order's first choice there clearly
+   (`tune.transfers`).
+4. Spec order (nothing tuned for this device and dtype): CUDA variants whose arch runs on the device (exact arch before an older
+   minor of the same major), then Triton variants; the op falls back to its PyTorch
+   reference when none can be built.
 """
 
 from __future__ import annotations
@@ -35,21 +43,18 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
     return major == capability[0] and minor <= capability[1]
 
 
-def candidates(family: str, dtype: str, capability: tuple[int, int] | None,
-               backend: str | None = None) -> list[spec_mod.Variant]:
-    """Variants to try in order. `backend` restricts them to one backend (a family asking
-    for a companion, e.g. the Triton kernels a CUDA forward shares its backward with);
-    KGEN_VARIANT then applies only when it names a variant of that backend."""
-    variants = [v for v in shipped_spec(family).variants if v.dtype == dtype]
-    forced = os.environ.get("KGEN_VARIANT")
-    if forced:
-        chosen = [v for v in variants if v.name == forced]
-        if not chosen:
-            raise KgenError(f"KGEN_VARIANT={forced} names no {family} variant for {dtype}; "
-                            f"`kgen list` shows the names")
-        if backend is None or chosen[0].backend == backend:
-            return chosen
-    backend = backend or os.environ.get("KGEN_BACKEND")
+def runnable(family: str, dtype: str, device, spec: spec_mod.Spec | None = None) -> list[spec_mod.Variant]:
+    """Every variant of the family (or of `spec`) for dtype that can run on `device`, CUDA
+    by arch match first, then Triton: what the tuner measures. Ignores KGEN_VARIANT."""
+    import torch
+
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return _ordered(family, dtype, capability, spec=spec)
+
+
+def _ordered(family: str, dtype: str, capability: tuple[int, int] | None,
+             backend: str | None = None, spec: spec_mod.Spec | None = None) -> list[spec_mod.Variant]:
+    variants = [v for v in (spec or shipped_spec(family)).variants if v.dtype == dtype]
     cuda = []
     if capability is not None:
         cuda = [v for v in variants if v.backend == "cuda" and arch_runs_on(v.arch, capability)]
@@ -63,6 +68,28 @@ def candidates(family: str, dtype: str, capability: tuple[int, int] | None,
     if backend == "reference":
         return []
     return cuda + triton
+
+
+def _forced(family: str, dtype: str) -> list[spec_mod.Variant] | None:
+    forced = os.environ.get("KGEN_VARIANT")
+    if not forced:
+        return None
+    chosen = [v for v in shipped_spec(family).variants if v.dtype == dtype and v.name == forced]
+    if not chosen:
+        raise KgenError(f"KGEN_VARIANT={forced} names no {family} variant for {dtype}; "
+                        f"`kgen list` shows the names")
+    return chosen
+
+
+def candidates(family: str, dtype: str, capability: tuple[int, int] | None,
+               backend: str | None = None) -> list[spec_mod.Variant]:
+    """Variants to try in order. `backend` restricts them to one backend (a family asking
+    for a companion, e.g. the Triton kernels a CUDA forward shares its backward with);
+    KGEN_VARIANT then applies only when it names a variant of that backend."""
+    forced = _forced(family, dtype)
+    if forced and (backend is None or forced[0].backend == backend):
+        return forced
+    return _ordered(family, dtype, capability, backend or os.environ.get("KGEN_BACKEND"))
 
 
 def load(variant: spec_mod.Variant) -> loader.Kernel:
@@ -90,3 +117,38 @@ def select(family: str, device, dtype: str, backend: str | None = None) -> loade
     if os.environ.get("KGEN_VARIANT"):
         raise KgenError(f"KGEN_VARIANT={os.environ['KGEN_VARIANT']} could not be built")
     return None
+
+
+def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = None):
+    """The loaded variant an op runs for one shape bucket (None: the family's reference),
+    and why: "forced", "tuned", "autotuned", "tuned nearby (<bucket>)" (the closest tuned
+    bucket of the same device and dtype, where its winner clearly beat spec order), "spec
+    order" or "fallback". `shape` (the call's
+    dimensions) lets KGEN_AUTOTUNE tune an untuned bucket on the spot."""
+    if device.type != "cuda":
+        return None, "fallback"
+    if os.environ.get("KGEN_VARIANT") or os.environ.get("KGEN_BACKEND"):
+        return select(family, device, dtype), "forced"
+    from kgen.runtime import tune
+
+    k = tune.key(family, tune.device_key(device.index), dtype, bucket)
+    entry = tune.lookup(k)
+    winner, why = (entry["winner"], "tuned") if entry else (None, None)
+    if winner is None and shape is not None and tune.autotune_enabled():
+        winner, why = tune.tune_online(family, device, dtype, shape), "autotuned"
+    if winner is None:
+        near = tune.nearest(k)
+        if near is not None and tune.transfers(near[1]):
+            winner, why = near[1]["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
+    if winner == tune.REFERENCE:
+        return None, why
+    if winner is not None:
+        match = [v for v in runnable(family, dtype, device) if v.name == winner]
+        if match:
+            try:
+                return load(match[0]), why
+            except KgenError as e:
+                log.warning("kgen: tuned winner %s unavailable, using spec order: %s", winner,
+                            str(e).splitlines()[0])
+    kernel = select(family, device, dtype)
+    return kernel, "spec order" if kernel is not None else "fallback"

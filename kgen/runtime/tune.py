@@ -1,0 +1,322 @@
+"""Autotuning: which candidate wins for one (family, device, dtype, shape bucket), measured,
+remembered in a table, and read by dispatch.
+
+A key is `family|device|dtype|bucket`: the device by name, compute capability and SM count
+(`NVIDIA H100 80GB HBM3|sm_90|132`), the bucket by the family's `tune_bucket` (its shape
+classes and specialisations, documented there). An entry holds the winner, every
+candidate's median time in microseconds, kgen's version and the date. Candidates are every
+variant of the family that runs on the device and `reference`, the family's non-kgen path
+(PyTorch), so kgen uses its own kernel only where it wins.
+
+Tables, most trusted first: the user's (`<cache dir>/tuning.json`, written by `kgen tune`
+and by online tuning), then the ones kgen ships (`kgen/tuning/*.json`, made by `kgen tune`
+on the named GPUs and reviewed like `generated/`). A file that is not a table of this
+format is ignored with one warning. Writes take the cache's per-file lock, re-read the file,
+merge and replace it atomically, so concurrent tuners never corrupt it.
+
+A family takes part by providing (see `kgen.families.fused_bias_act` for an example):
+- `tune_bucket(**shape) -> str`: the bucket of one call's shape (cheap: runs per new shape);
+- `TUNE_SHAPES`: default shapes (dicts) for `kgen tune`; `TUNE_DIMS`: their dimension names;
+- `tune_inputs(device, dtype, **shape) -> dict`: fresh inputs of that shape;
+- `tune_runner(kernel, inputs) -> () -> None`: one launch of a loaded variant (`kernel`,
+  or None for `reference`) that writes only into scratch buffers of its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import kgen
+from kgen import config
+
+log = logging.getLogger("kgen")
+FORMAT = "kgen-tuning-1"
+REFERENCE = "reference"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning"
+USER_FILE = "tuning.json"
+MIN_MEASURE_US = 1000.0  # each candidate is timed over at least this much GPU time
+TIE = 0.02  # candidates within 2 % of the fastest are a tie (see pick)
+NEAR_MARGIN = 0.10  # a nearby bucket's winner carries over only with this margin (transfers)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@functools.cache
+def device_key(index: int) -> str:
+    import torch
+
+    p = torch.cuda.get_device_properties(index)
+    return f"{p.name}|sm_{p.major}{p.minor}|{p.multi_processor_count}"
+
+
+def key(family: str, device: str, dtype: str, bucket: str) -> str:
+    return f"{family}|{device}|{dtype}|{bucket}"
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): a shape class."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def _read(path: Path) -> dict:
+    """The entries of one table file; {} (with one warning) when absent, corrupt or foreign."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        _warn_once(path, f"cannot read it ({e})")
+        return {}
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("entries"), dict):
+        _warn_once(path, f"not a kgen tuning table of format {FORMAT}")
+        return {}
+    return {k: v for k, v in raw["entries"].items()
+            if isinstance(v, dict) and isinstance(v.get("winner"), str)}
+
+
+_warned: set = set()
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("kgen: ignoring tuning table %s: %s", path, why)
+
+
+def user_path() -> Path:
+    return config.cache_dir() / USER_FILE
+
+
+@functools.cache
+def _shipped() -> dict:
+    entries: dict = {}
+    for f in sorted(SHIPPED_DIR.glob("*.json")):
+        entries.update(_read(f))
+    return entries
+
+
+class _Tables:
+    """Entries of the user's table over the shipped ones, read once per process (and again
+    after this process records a result)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._merged: dict | None = None
+
+    def entries(self) -> dict:
+        if self._merged is None:
+            with self._lock:
+                if self._merged is None:
+                    self._merged = {**_shipped(), **_read(user_path())}
+        return self._merged
+
+    def invalidate(self) -> None:
+        self._merged = None
+
+
+TABLES = _Tables()
+
+
+def lookup(k: str) -> dict | None:
+    return TABLES.entries().get(k)
+
+
+def _parts(bucket: str) -> tuple[dict, tuple]:
+    """A bucket string's numeric classes (`rows<=1024` -> {"rows": 10.0}, log2) and its
+    other parts (flags such as `vec16`), which must match exactly."""
+    nums, flags = {}, []
+    for part in bucket.split("."):
+        name, sep, value = part.partition("<=")
+        if sep and value.isdigit():
+            nums[name] = math.log2(max(1, int(value)))
+        else:
+            flags.append(part)
+    return nums, tuple(flags)
+
+
+def nearest(k: str) -> tuple[str, dict] | None:
+    """The tuned entry closest to key `k` on the same family, device and dtype: same flags,
+    smallest summed distance of the numeric classes in powers of two. How a shape between
+    the tuned ones is served; None when nothing comparable is tuned."""
+    prefix, _, bucket = k.rpartition("|")
+    nums, flags = _parts(bucket)
+    best = None
+    for other, entry in TABLES.entries().items():
+        o_prefix, _, o_bucket = other.rpartition("|")
+        if o_prefix != prefix:
+            continue
+        o_nums, o_flags = _parts(o_bucket)
+        if o_flags != flags or o_nums.keys() != nums.keys():
+            continue
+        d = sum(abs(nums[n] - o_nums[n]) for n in nums)
+        if best is None or (d, other) < best[0]:
+            best = ((d, other), entry)
+    return (best[0][1], best[1]) if best else None
+
+
+def record(entries: dict, path: Path | None = None) -> Path:
+    """Merge `entries` into the table at `path` (default: the user's) atomically."""
+    import hashlib
+
+    from kgen.runtime import cache
+
+    path = (path or user_path()).absolute()
+    # the lock lives in the cache dir (created 0700), never beside a shipped table
+    lock = cache.root() / ".locks" / f"tuning-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with cache.lock(lock):
+        merged = _read(path)
+        merged.update(entries)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "entries": dict(sorted(merged.items()))}, indent=1) + "\n")
+        os.replace(tmp, path)
+    TABLES.invalidate()
+    return path
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> float:
+    """Median time of one call of `fn` in microseconds, by CUDA events on the current
+    stream: three warm-up calls, then samples of enough back-to-back calls to span ~100 us
+    each (so event resolution does not matter), as many samples as cover `min_us` (>= 7)."""
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        fn()
+    end.record()
+    end.synchronize()
+    one = max(start.elapsed_time(end) * 1000 / 3, 1e-3)
+    per_sample = max(1, math.ceil(100 / one))
+    samples = max(7, min(200, math.ceil(min_us / (one * per_sample))))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
+    for s, e in events:
+        s.record()
+        for _ in range(per_sample):
+            fn()
+        e.record()
+    events[-1][1].synchronize()
+    times = sorted(s.elapsed_time(e) * 1000 / per_sample for s, e in events)
+    return times[len(times) // 2]
+
+
+# --------------------------------------------------------------------------- tuning
+
+
+@dataclass
+class Result:
+    key: str
+    times: dict[str, float]  # candidate -> median us (failed candidates absent)
+    winner: str
+    errors: dict[str, str] = field(default_factory=dict)
+
+    def entry(self) -> dict:
+        return {"winner": self.winner, "times_us": {k: round(v, 3) for k, v in self.times.items()},
+                "kgen": kgen.__version__, "date": datetime.date.today().isoformat()}
+
+    def margin(self) -> float:
+        """How much slower the runner-up is than the winner (0.05 = 5 %)."""
+        t = sorted(self.times.values())
+        return t[1] / t[0] - 1 if len(t) > 1 else math.inf
+
+
+def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None,
+         min_us: float = MIN_MEASURE_US, rounds: int = 3) -> Result:
+    """Time every candidate for one shape and return the result (not recorded).
+
+    `variants`: the variants to consider (default: every variant of the family's specs
+    that runs on the device); `timer(fn, min_us) -> us`: cuda_timer, or a fake in tests."""
+    from kgen.errors import KgenError
+    from kgen.families import module_of
+    from kgen.runtime import dispatch
+
+    fam = module_of(family)
+    if variants is None:
+        variants = dispatch.runnable(family, dtype, device)
+    inputs = fam.tune_inputs(device, dtype, **shape)
+    timer = timer or cuda_timer
+    runners, errors = {}, {}
+    for v in [*variants, None]:
+        name = v.name if v is not None else REFERENCE
+        try:
+            runners[name] = fam.tune_runner(dispatch.load(v) if v is not None else None, inputs)
+        except (KgenError, RuntimeError, ValueError) as e:  # a candidate that cannot run this shape
+            errors[name] = str(e).splitlines()[0]
+    # Interleaved rounds, the minimum per candidate: clocks drift and other work interferes
+    # over seconds, and a slow round should not decide between candidates a few % apart.
+    times = {}
+    for _ in range(rounds):
+        for name, fn in list(runners.items()):
+            try:
+                t = timer(fn, min_us)
+            except (KgenError, RuntimeError, ValueError) as e:
+                errors[name] = str(e).splitlines()[0]
+                del runners[name]
+                times.pop(name, None)
+                continue
+            times[name] = min(times.get(name, t), t)
+    if not times:
+        raise KgenError(f"{family}: no candidate ran at {shape} ({errors})")
+    winner = pick(times)
+    k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
+    return Result(k, times, winner, errors)
+
+
+def transfers(entry: dict) -> bool:
+    """Whether a tuned bucket's winner should serve an untuned bucket near it: only when it
+    beat the spec-order choice (the first candidate measured) there by NEAR_MARGIN. Within
+    a bucket the fit of a shape to a variant's tile changes (5000 columns in 2048-wide
+    tiles waste 19 % where 12288 waste none), so a narrow win does not carry over; measured
+    on an H200, carrying every nearby winner over lost up to 25 % at 6000 x 5000."""
+    times = entry.get("times_us") or {}
+    first = next(iter(times), None)
+    w = times.get(entry["winner"])
+    return first is not None and w is not None and w * (1 + NEAR_MARGIN) <= times[first]
+
+
+def pick(times: dict[str, float]) -> str:
+    """The winner: the first candidate in the order measured (spec order, the reference
+    last) whose time is within TIE of the fastest. Candidates that close are a tie within
+    run-to-run noise (a few % between processes, measured on an H100), and a tie goes to
+    the order the spec's author gave, so that noise does not flip choices between tables."""
+    fastest = min(times.values())
+    return next(n for n, t in times.items() if t <= fastest * (1 + TIE))
+
+
+_online_lock = threading.Lock()
+
+
+def tune_online(family: str, device, dtype: str, shape: dict) -> str | None:
+    """KGEN_AUTOTUNE=1: tune this bucket now, record it, and return the winner; None when
+    tuning is not allowed here (CUDA graph capture, torch.compile tracing)."""
+    import torch
+
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return None
+    with _online_lock:
+        res = tune(family, device, dtype, shape)
+        record({res.key: res.entry()})
+    log.info("kgen: tuned %s: %s", res.key, res.winner)
+    return res.winner
+
+
+def autotune_enabled() -> bool:
+    return os.environ.get("KGEN_AUTOTUNE", "0") not in ("", "0")

@@ -1,0 +1,121 @@
+"""`kgen tune SPEC`: measure which candidate wins per shape bucket on this GPU, record it,
+print a table; `kgen tune --show` prints what the tables hold for this device."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def parse_shape(text: str, dims: tuple[str, ...]) -> dict:
+    """`8192x11008` (the family's TUNE_DIMS in order) or `rows=8192,cols=11008,has_y=0`."""
+    if "=" in text:
+        out = {}
+        for part in text.split(","):
+            k, _, v = part.partition("=")
+            out[k.strip()] = int(v)
+        return out
+    values = [int(p) for p in text.lower().split("x")]
+    if len(values) != len(dims):
+        raise ValueError(f"shape {text!r}: expected {'x'.join(dims)}")
+    return dict(zip(dims, values))
+
+
+def _fmt_us(us: float | None) -> str:
+    return "-" if us is None else (f"{us:.1f}" if us < 1000 else f"{us / 1000:.2f} ms")
+
+
+def _table(console, title: str, rows: list[tuple[str, dict, str]]):
+    """One row per bucket: each candidate's time, the winner and its margin over the
+    runner-up. Called once per dtype so that the columns are that dtype's candidates."""
+    from rich.table import Table
+
+    names = sorted({n for _, times, _ in rows for n in times}, key=lambda n: (n == "reference", n))
+    t = Table(title=title)
+    for col in ("bucket", *names, "winner", "margin"):
+        t.add_column(col, justify="left" if col in ("bucket", "winner") else "right", overflow="fold")
+    for bucket, times, winner in rows:
+        ranked = sorted(times.values())
+        margin = f"{(ranked[1] / ranked[0] - 1) * 100:.1f} %" if len(ranked) > 1 else "-"
+        t.add_row(bucket, *(_fmt_us(times.get(n)) for n in names), winner, margin)
+    console.print(t)
+
+
+def _tables(console, title: str, rows: list[tuple[str, str, dict, str]]):
+    for dtype in dict.fromkeys(r[0] for r in rows):
+        _table(console, f"{title}, {dtype}", [r[1:] for r in rows if r[0] == dtype])
+
+
+def show(console, family: str | None) -> int:
+    import torch
+
+    from kgen.runtime import tune
+
+    device = tune.device_key(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    rows = []
+    for k, e in sorted(tune.TABLES.entries().items()):
+        fam, dev_name, sm, sms, dtype, bucket = k.split("|")
+        if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device):
+            continue
+        rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"), bucket,
+                     e.get("times_us", {}), e["winner"]))
+    print(f"tuning tables: {tune.user_path()} over {tune.SHIPPED_DIR}/*.json; device: {device or 'all'}")
+    _tables(console, "tuned winners (us)", rows)
+    return 0
+
+
+def run(args, console) -> int:
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kgen import spec as spec_mod
+    from kgen.families import module_of
+    from kgen.runtime import dispatch, tune
+
+    if args.show:
+        family = spec_mod.load(args.spec).family if args.spec else None
+        return show(console, family)
+    if not args.spec:
+        print("kgen tune: give a SPEC (or --show)", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("kgen tune: needs a CUDA GPU (it times kernels); `kgen doctor` says what this machine has",
+              file=sys.stderr)
+        return 1
+    spec = spec_mod.load(args.spec)
+    fam = module_of(spec.family)
+    if not hasattr(fam, "tune_bucket"):
+        print(f"kgen tune: family {spec.family} defines no tuning buckets", file=sys.stderr)
+        return 1
+    dtypes = args.dtype or list(spec.dtypes)
+    if args.shapes:
+        extra = getattr(fam, "TUNE_VARIATIONS", ({},))
+        shapes = [{**parse_shape(s, fam.TUNE_DIMS), **x} for s in args.shapes for x in extra]
+    else:
+        shapes = list(fam.TUNE_SHAPES)
+    device = torch.device("cuda", torch.cuda.current_device())
+    jobs = [(d, s) for d in dtypes for s in shapes]
+    results, rows = [], []
+    with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console, transient=True,
+                  disable=not console.is_terminal) as progress:
+        task = progress.add_task("", total=len(jobs))
+        for dtype, shape in jobs:
+            progress.update(task, description=f"{dtype} {shape}")
+            variants = dispatch.runnable(spec.family, dtype, device, spec=spec)
+            res = tune.tune(spec.family, device, dtype, shape, variants=variants, min_us=args.min_us)
+            results.append((dtype, shape, res))
+            rows.append((dtype, res.key.split("|")[-1], res.times, res.winner))
+            progress.advance(task)
+    entries = {}
+    for _, _, res in results:  # shapes that share a bucket: the last one tuned is kept
+        entries[res.key] = res.entry()
+    path = tune.record(entries, Path(args.out) if args.out else None)
+    _tables(console, f"kgen tune {spec.path} on {tune.device_key(device.index).split('|')[0]} (us)", rows)
+    print(f"recorded {len(entries)} buckets in {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [{"dtype": d, "shape": s, "key": r.key, "times_us": r.times, "winner": r.winner, "errors": r.errors}
+             for d, s, r in results], indent=1))
+    return 0

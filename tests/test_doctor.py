@@ -1,0 +1,47 @@
+"""`kgen doctor`, as a user runs it (on this machine, whatever it has)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _doctor(*args, cache):
+    return subprocess.run([sys.executable, "-m", "kgen.cli", "doctor", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "KGEN_CACHE_DIR": str(cache)})
+
+
+def test_reports_versions_cache_and_specs(tmp_path):
+    cache = tmp_path / "cache"  # absent: doctor creates it, as a build would
+    r = _doctor(cache=cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for word in ("Python", "Triton", "numpy", "nvcc", "GPU", torch.__version__,
+                 f"{cache}: 0 entries, 0.0 MiB, writable", "fused_bias_act", "linear_logp", "reference"):
+        assert word in r.stdout, word
+    assert cache.is_dir() and (cache.stat().st_mode & 0o777) == 0o700
+    assert list(cache.iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_require_gpu_fails_without_one(tmp_path):
+    r = _doctor("--require", "gpu", cache=tmp_path)
+    assert r.returncode == 1 and "--require gpu: missing" in r.stdout
+    assert _doctor("--require", "triton", cache=tmp_path).returncode == 1  # the interpreter does not count
+
+
+def test_unwritable_cache_is_an_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = _doctor(cache=blocker / "cache")  # under a regular file: not creatable, even as root
+    assert r.returncode == 1
+    assert "NOT WRITABLE" in r.stdout and "not writable" in r.stdout
+
+
+def test_unknown_requirement_is_a_usage_error(tmp_path):
+    r = _doctor("--require", "tpu", cache=tmp_path)
+    assert r.returncode == 2 and "invalid choice" in r.stderr

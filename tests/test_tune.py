@@ -1,0 +1,333 @@
+"""The tuning table and dispatch's use of it (kgen.runtime.tune, dispatch.choose).
+
+CPU tests inject a fake timer and a fake device key; Triton variants load under the
+interpreter, so dispatch really loads the table's winner. GPU tests time real kernels."""
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+
+from kgen import spec as spec_mod
+from kgen.families import fused_bias_act as fba
+from kgen.families import linear_logp as llp
+from kgen.runtime import dispatch, tune
+
+FAKE_DEVICE = "Fake GPU|sm_90|132"
+OTHER_DEVICE = "Other GPU|sm_80|108"
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """A private cache dir (user table), an empty shipped dir, and a fake device key."""
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path / "cache"))
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(tune, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(tune, "device_key", lambda index: FAKE_DEVICE)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.delenv("KGEN_VARIANT", raising=False)
+    monkeypatch.delenv("KGEN_BACKEND", raising=False)
+    monkeypatch.delenv("KGEN_AUTOTUNE", raising=False)
+    tune._shipped.cache_clear()
+    tune.TABLES.invalidate()
+    yield shipped
+    tune._shipped.cache_clear()
+    tune.TABLES.invalidate()
+
+
+CUDA0 = types.SimpleNamespace(type="cuda", index=0)  # a stand-in device for dispatch.choose
+SHAPE = {"rows": 3, "cols": 40, "has_y": True}
+
+
+def _fake_timer(times_by_name):
+    """A timer that returns a fixed time per candidate (identified by its runner)."""
+    def timer(fn, min_us):
+        return times_by_name[fn.candidate]
+    return timer
+
+
+@pytest.fixture
+def labelled_runners(monkeypatch):
+    """tune_runner returns a labelled no-op so the fake timer knows which candidate it times."""
+    def runner(kernel, inputs):
+        def fn():
+            pass
+        fn.candidate = kernel.name if kernel is not None else tune.REFERENCE
+        return fn
+    monkeypatch.setattr(fba, "tune_runner", runner)
+
+
+def _triton_f32():
+    return [v for v in dispatch.shipped_spec("fused_bias_act").variants
+            if v.backend == "triton" and v.dtype == "float32"]
+
+
+def test_the_fastest_candidate_wins_and_every_time_is_kept(tables, labelled_runners):
+    a, b = _triton_f32()[:2]
+    times = {a.name: 30.0, b.name: 10.0, tune.REFERENCE: 50.0}
+    res = tune.tune("fused_bias_act", torch.device("cpu"), "float32", SHAPE, variants=[a, b],
+                    timer=_fake_timer(times))
+    assert res.winner == b.name
+    assert res.times == times
+    assert res.key == f"fused_bias_act|{FAKE_DEVICE}|float32|{fba.tune_bucket(**SHAPE)}"
+    assert res.margin() == pytest.approx(2.0)
+    e = res.entry()
+    assert e["winner"] == b.name and e["kgen"] and e["date"]
+
+
+def test_near_ties_go_to_spec_order():
+    assert tune.pick({"first": 10.1, "second": 10.0, "reference": 9.0}) == "reference"
+    assert tune.pick({"first": 10.1, "second": 10.0}) == "first"  # 1 % apart: a tie
+    assert tune.pick({"first": 10.5, "second": 10.0}) == "second"  # 5 % apart
+
+
+def test_the_reference_can_win(tables, labelled_runners):
+    a = _triton_f32()[0]
+    res = tune.tune("fused_bias_act", torch.device("cpu"), "float32", SHAPE, variants=[a],
+                    timer=_fake_timer({a.name: 9.0, tune.REFERENCE: 3.0}))
+    assert res.winner == tune.REFERENCE
+
+
+def test_buckets():
+    b = fba.tune_bucket
+    assert b(1000, 4104, True) == "rows<=1024.cols<=8192.vec16.y"
+    assert b(1024, 4100, False) == "rows<=1024.cols<=8192.tail.no-y"
+    assert b(1, 1) == "rows<=1.cols<=1.tail.y"
+    assert b(1025, 4104) != b(1024, 4104)
+    assert llp.tune_bucket(4096, 2048, 151936) == "N<=4096.D<=2048.V<=262144"
+    assert llp.tune_bucket(1, 1, 1) == "N<=1.D<=1.V<=1"
+    # the per-call cache keys follow the buckets exactly
+    for r, c in ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1025, 4104)):
+        for r2, c2 in ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1025, 4104)):
+            same_key = fba._key(0, None, r, c, True) == fba._key(0, None, r2, c2, True)
+            assert same_key == (b(r, c) == b(r2, c2))
+
+
+def test_record_persists_merges_and_replaces_atomically(tables):
+    k1 = tune.key("fused_bias_act", FAKE_DEVICE, "float32", "b1")
+    k2 = tune.key("fused_bias_act", FAKE_DEVICE, "float32", "b2")
+    path = tune.record({k1: {"winner": "x", "times_us": {"x": 1.0}}})
+    tune.record({k2: {"winner": "y", "times_us": {"y": 1.0}}})
+    data = json.loads(path.read_text())
+    assert data["format"] == tune.FORMAT and set(data["entries"]) == {k1, k2}
+    assert not list(path.parent.glob(".tuning.json.*.tmp"))  # nothing left half-written
+    tune.TABLES.invalidate()
+    assert tune.lookup(k1)["winner"] == "x" and tune.lookup(k2)["winner"] == "y"
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"format": "someone-else", "entries": {}}),
+                                     json.dumps([1, 2, 3])])
+def test_a_corrupt_or_foreign_table_is_ignored_with_one_warning(tables, caplog, content):
+    tune.user_path().parent.mkdir(parents=True, exist_ok=True)
+    tune.user_path().write_text(content)
+    tune._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="kgen"):
+        assert tune.lookup("anything") is None
+        tune.TABLES.invalidate()
+        assert tune.lookup("anything") is None
+    assert len([r for r in caplog.records if "ignoring tuning table" in r.message]) == 1
+    # and recording over it starts a valid table
+    tune.record({"k": {"winner": "w"}})
+    assert json.loads(tune.user_path().read_text())["entries"] == {"k": {"winner": "w"}}
+
+
+def _entry(winner, first=None):
+    """An entry whose winner beat `first` (spec order's choice) clearly, or ran alone."""
+    times = {first: 2.0, winner: 1.0} if first else {winner: 1.0}
+    return {"winner": winner, "times_us": times}
+
+
+def test_dispatch_takes_the_tuned_winner_and_devices_do_not_mix(tables):
+    a, b = _triton_f32()[:2]
+    bucket = fba.tune_bucket(**SHAPE)
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): _entry(b.name, first=a.name),
+                 tune.key("fused_bias_act", OTHER_DEVICE, "float32", bucket): _entry(a.name)})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)
+    assert (kernel.name, why) == (b.name, "tuned")
+    # an untuned bucket with the same flags takes the nearest tuned bucket's winner when it
+    # beat spec order's choice clearly there, not on a narrow win
+    near_bucket = fba.tune_bucket(3000, 40, True)
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", near_bucket)
+    assert (kernel.name, why) == (b.name, f"tuned nearby ({bucket})")
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket):
+                 {"winner": b.name, "times_us": {a.name: 1.05, b.name: 1.0}}})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", near_bucket)
+    assert why in ("spec order", "fallback")
+    # other flags (no y) are not comparable: spec order (the first runnable variant is a
+    # CUDA one, which cannot be built without a GPU here, so the first Triton variant loads)
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", fba.tune_bucket(3, 40, False))
+    assert why in ("spec order", "fallback")
+    # a device whose table names something else: OTHER_DEVICE's entry is not used
+    tune.device_key = lambda index: "Third GPU|sm_90|66"
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)
+    assert why != "tuned"
+
+
+def test_nearest_bucket():
+    def entries(*buckets):
+        return {tune.key("f", FAKE_DEVICE, "float32", b): _entry(b) for b in buckets}
+
+    tune.TABLES._merged = entries("N<=1.D<=1024", "N<=64.D<=1024", "N<=4096.D<=4096", "N<=8.D<=1024.flag")
+    try:
+        near = lambda b: tune.nearest(tune.key("f", FAKE_DEVICE, "float32", b))  # noqa: E731
+        assert near("N<=4.D<=1024")[1]["winner"] == "N<=1.D<=1024"  # 2 classes away vs 4
+        assert near("N<=32.D<=1024")[1]["winner"] == "N<=64.D<=1024"
+        assert near("N<=8192.D<=2048")[1]["winner"] == "N<=4096.D<=4096"
+        assert near("N<=8.D<=1024.other") is None  # flags must match
+        assert tune.nearest(tune.key("f", OTHER_DEVICE, "float32", "N<=1.D<=1024")) is None
+        assert tune.nearest(tune.key("f", FAKE_DEVICE, "float16", "N<=1.D<=1024")) is None
+    finally:
+        tune.TABLES.invalidate()
+
+
+def test_the_user_table_overrides_the_shipped_one(tables):
+    a, b = _triton_f32()[:2]
+    bucket = fba.tune_bucket(**SHAPE)
+    k = tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket)
+    (tables / "gpu.json").write_text(json.dumps({"format": tune.FORMAT, "entries": {k: _entry(a.name)}}))
+    tune._shipped.cache_clear()
+    tune.TABLES.invalidate()
+    assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)[0].name == a.name
+    tune.record({k: _entry(b.name)})
+    assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)[0].name == b.name
+
+
+def test_a_reference_winner_dispatches_to_the_reference(tables):
+    bucket = fba.tune_bucket(**SHAPE)
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): _entry(tune.REFERENCE)})
+    assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket) == (None, "tuned")
+
+
+def test_a_stale_winner_falls_back_to_spec_order(tables):
+    bucket = fba.tune_bucket(**SHAPE)
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): _entry("no_such_variant")})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)
+    assert why != "tuned"
+
+
+def test_forced_variants_override_the_table(tables, monkeypatch):
+    a, b = _triton_f32()[:2]
+    bucket = fba.tune_bucket(**SHAPE)
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): _entry(b.name)})
+    monkeypatch.setenv("KGEN_VARIANT", a.name)
+    assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)[0].name == a.name
+    monkeypatch.delenv("KGEN_VARIANT")
+    monkeypatch.setenv("KGEN_BACKEND", "reference")
+    assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket) == (None, "forced")
+
+
+def test_online_tuning_records_the_bucket_once(tables, monkeypatch):
+    a = _triton_f32()[0]
+    calls = []
+
+    def fake_tune(family, device, dtype, shape):
+        calls.append(shape)
+        return tune.Result(tune.key(family, FAKE_DEVICE, dtype, fba.tune_bucket(**shape)),
+                           {a.name: 1.0, tune.REFERENCE: 2.0}, a.name)
+
+    monkeypatch.setattr(tune, "tune", fake_tune)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setenv("KGEN_AUTOTUNE", "1")
+    bucket = fba.tune_bucket(**SHAPE)
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, SHAPE)
+    assert (kernel.name, why) == (a.name, "autotuned")
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, SHAPE)
+    assert (kernel.name, why) == (a.name, "tuned") and len(calls) == 1
+    assert json.loads(tune.user_path().read_text())["entries"][
+        tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket)]["winner"] == a.name
+
+
+def test_no_online_tuning_during_graph_capture(tables, monkeypatch):
+    monkeypatch.setattr(tune, "tune", lambda *a, **k: pytest.fail("tuned during capture"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setenv("KGEN_AUTOTUNE", "1")
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", fba.tune_bucket(**SHAPE), SHAPE)
+    assert why in ("spec order", "fallback")
+
+
+def test_concurrent_writers_keep_every_entry(tables, tmp_path):
+    script = textwrap.dedent("""
+        import sys
+        from kgen.runtime import tune
+        for i in range(25):
+            tune.record({f"k|{sys.argv[1]}|{i}": {"winner": "w"}})
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(n)]) for n in range(3)]
+    assert all(p.wait() == 0 for p in procs)
+    entries = json.loads(tune.user_path().read_text())["entries"]
+    assert len(entries) == 75
+
+
+def test_shipped_tables_are_valid():
+    """Every table kgen ships parses, names known variants, and its winner is the one the
+    tie rule picks from its recorded times (kept in measurement order)."""
+    from kgen.runtime.tune import FORMAT, SHIPPED_DIR
+
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert files, "kgen ships tuning tables"
+    names = {v.name for f in ("fused_bias_act", "linear_logp") for v in dispatch.shipped_spec(f).variants}
+    for f in files:
+        data = json.loads(f.read_text())
+        assert data["format"] == FORMAT
+        for k, e in data["entries"].items():
+            family, _, _, _, dtype, bucket = k.split("|")
+            assert e["winner"] in names | {tune.REFERENCE}, (f.name, k)
+            assert e["winner"] == tune.pick(e["times_us"]), (f.name, k)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+SLOW_SPEC = """\
+family: fused_bias_act
+dtypes: [float32]
+variants:
+  - backend: triton
+    block_cols: 32
+    rows: 16
+    num_warps: 1
+  - backend: triton
+    block_cols: 2048
+    rows: 1
+    num_warps: 4
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_deliberately_slow_variant_never_wins(tmp_path):
+    p = tmp_path / "slow.yaml"
+    p.write_text(SLOW_SPEC)
+    s = spec_mod.load(p)
+    slow = next(v for v in s.variants if v.params["block_cols"] == 32)  # 32 x 16 per 1-warp program
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for shape in ({"rows": 4096, "cols": 4096, "has_y": True}, {"rows": 8000, "cols": 1000, "has_y": False}):
+        res = tune.tune("fused_bias_act", dev, "float32", shape, variants=list(s.variants), min_us=200)
+        assert res.winner != slow.name, res.times
+        assert res.times[slow.name] > min(res.times.values())
+
+
+@pytest.mark.gpu
+def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkeypatch):
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KGEN_AUTOTUNE", "1")
+    tune.TABLES.invalidate()
+    fba._KERNELS.clear()
+    try:
+        x = torch.randn(333, 4104, device="cuda", dtype=torch.bfloat16)
+        b, y = torch.randn(4104, device="cuda", dtype=torch.bfloat16), torch.randn_like(x)
+        x0, b0, y0 = x.clone(), b.clone(), y.clone()
+        fba.fused_bias_act(x, b, y, alpha=0.5, act="gelu", inplace=True)  # tunes, then runs once
+        assert torch.equal(b, b0) and torch.equal(y, y0)
+        ref = fba.reference(x0, b0, y0, 0.5, "gelu", compute=torch.float64)
+        err = ((x.double() - ref).abs() / (1e-5 + 1e-2 * ref.abs())).max().item()
+        assert err <= 1.0  # applied exactly once: a second application would be far off
+        assert json.loads(tune.user_path().read_text())["entries"]
+    finally:
+        tune.TABLES.invalidate()
+        fba._KERNELS.clear()
