@@ -100,16 +100,38 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
     return rows
 
 
+def benchmark_module(family: str):
+    """kgen's own families: kgen.benchmarks.<family>; any family: the module its family
+    module names in BENCHMARK (with `run(spec, quick) -> {title: rows}`)."""
+    from kgen.families import builtin_names, module_of
+
+    if family in builtin_names():
+        return importlib.import_module(f"kgen.benchmarks.{family}")
+    name = getattr(module_of(family), "BENCHMARK", None)
+    return importlib.import_module(name) if name else None
+
+
 def bench(spec, json_path: str, quick: bool, only_dispatch: bool = False) -> int:
     import torch
 
     if not torch.cuda.is_available():
         print("kgen bench: needs a CUDA GPU (timings on a CPU say nothing about the kernels)", file=sys.stderr)
         return 2
-    mod = importlib.import_module(f"kgen.benchmarks.{spec.family}")
+    mod = benchmark_module(spec.family)
+    if mod is None:
+        print(f"kgen bench: family {spec.family} has no benchmark (a BENCHMARK module name in its "
+              "family module; docs/families.md)", file=sys.stderr)
+        return 2
     env = environment()
     print(json.dumps(env))
-    sections = mod.dispatch_section(spec, quick) if only_dispatch else mod.run(spec, quick)
+    if only_dispatch and not hasattr(mod, "dispatch_section"):
+        from kgen.families import module_of
+
+        fam = module_of(spec.family)
+        cases = [(d, s) for d in spec.dtypes for s in getattr(fam, "TUNE_SHAPES", ())]
+        sections = {"dispatch: spec order (before) vs tuning table (after)": dispatch_effect(spec.family, cases)}
+    else:
+        sections = mod.dispatch_section(spec, quick) if only_dispatch else mod.run(spec, quick)
     for title, rows in sections.items():
         print_table(title, rows)
     with open(json_path, "w") as f:

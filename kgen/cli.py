@@ -1,4 +1,4 @@
-"""The `kgen` command: build, list, diff, verify, bench, cache, doctor."""
+"""The `kgen` command: build, list, diff, verify, bench, cache, doctor, tune, new-family."""
 
 from __future__ import annotations
 
@@ -140,13 +140,31 @@ def _local_arch() -> str | None:
 
 
 def cmd_list(args) -> int:
-    paths = [Path(p) for p in args.specs] or shipped_specs()
-    for p in paths:
-        s = _load(str(p))
-        print(f"{s.path}  ({s.family}, {len(s.variants)} variants)")
-        for v in s.variants:
-            print(f"  {v.name:40s} {v.backend:7s} {v.arch or '-':7s} {v.dtype}")
-    return 0
+    """With SPECs: their variants. Without: every family (kgen's own and plugins), the
+    variants dispatch and the tuner consider — the shipped specs' and those of specs on
+    KGEN_SPEC_PATH — each with the spec file it came from."""
+    if args.specs:
+        for p in args.specs:
+            s = _load(p)
+            print(f"{s.path}  ({s.family}, {len(s.variants)} variants)")
+            for v in s.variants:
+                print(f"  {v.name:40s} {v.backend:7s} {v.arch or '-':7s} {v.dtype}")
+        return 0
+    from kgen.families import FAMILY_NAMES, origin
+    from kgen.runtime import dispatch
+
+    status = 0
+    for family in FAMILY_NAMES():
+        try:
+            variants = dispatch.family_variants(family)
+        except KgenError as e:
+            print(f"{family}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"{family}  ({origin(family)}, {len(variants)} variants)")
+        for v in variants:
+            print(f"  {v.name:40s} {v.backend:7s} {v.arch or '-':7s} {v.dtype:9s} {v.spec_path}:{v.line}")
+    return status
 
 
 def cmd_diff(args) -> int:
@@ -246,6 +264,23 @@ def _add_tune(sub) -> None:
     t.set_defaults(fn=cmd_tune)
 
 
+def cmd_new_family(args) -> int:
+    from kgen.scaffold import commands, create
+
+    dest = create(args.name, args.dir)
+    steps = "\n".join(f"  {c}" for c in [f"cd {dest}", *commands(args.name)])
+    print(f"wrote the kernel family {args.name} into {dest}/; next (from its README.md):\n{steps}")
+    return 0
+
+
+def _add_new_family(sub) -> None:
+    nf = sub.add_parser("new-family", help="write a pip-installable kernel family package to start from "
+                                           "(spec, templates, op, tests, README)")
+    nf.add_argument("name", help="the family's name: a lowercase Python identifier, not an existing family")
+    nf.add_argument("--dir", help="where to write it (default: ./NAME); must be absent or empty")
+    nf.set_defaults(fn=cmd_new_family)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kgen", description="kernel code generator")
     sub = p.add_subparsers(dest="command", required=True)
@@ -259,7 +294,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--variants", nargs="+", metavar="NAME", help="only these variants")
     b.set_defaults(fn=cmd_build)
 
-    ls = sub.add_parser("list", help="list the variants of specs (default: the shipped ones)")
+    ls = sub.add_parser("list", help="list the variants of specs (default: every family's, with KGEN_SPEC_PATH's)")
     ls.add_argument("specs", nargs="*")
     ls.set_defaults(fn=cmd_list)
 
@@ -289,6 +324,7 @@ def parser() -> argparse.ArgumentParser:
 
     _add_doctor(sub)
     _add_tune(sub)
+    _add_new_family(sub)
     return p
 
 

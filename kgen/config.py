@@ -52,3 +52,8 @@ def pin_triton_defaults() -> None:
 
 def code_env(backend: str) -> dict[str, str]:
     return {k: os.environ[k] for k in CODE_AFFECTING_ENV[backend] if k in os.environ}
+
+
+def log_topics() -> set[str]:
+    """`KGEN_LOG`: comma-separated topics to report on stderr (`dispatch`: each choice)."""
+    return {t.strip() for t in os.environ.get("KGEN_LOG", "").split(",") if t.strip()}

@@ -27,10 +27,22 @@ class Rendered:
     text: str
 
 
+# kgen's templates first, so a family outside the package can include `common/` helpers
+# but never shadow them; add_template_dir appends the folders of such families.
+_LOADER = jinja2.ChoiceLoader([jinja2.PackageLoader("kgen", "templates")])
+
+
+def add_template_dir(path) -> None:
+    """Search `path` for templates too (a family's TEMPLATE_DIR); idempotent."""
+    path = str(path)
+    if not any(isinstance(ld, jinja2.FileSystemLoader) and ld.searchpath == [path] for ld in _LOADER.loaders):
+        _LOADER.loaders.append(jinja2.FileSystemLoader(path))
+
+
 @functools.cache
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.PackageLoader("kgen", "templates"),
+        loader=_LOADER,
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,

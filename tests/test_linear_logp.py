@@ -9,6 +9,7 @@ import torch
 
 from kgen import ops, render as render_mod, spec
 from kgen.families import linear_logp as llp
+from kgen.families.linear_logp import launch, plans
 from kgen.runtime import dispatch
 
 if torch.cuda.is_available():
@@ -122,8 +123,8 @@ def test_half_precision(monkeypatch, dtype, borrow):
     """16-bit inputs with the float32 grad_hidden accumulator in its own buffer, or (borrow)
     in grad_weight's tail with one-tile V chunks (N=7, V=257: 2N rows fit in half of V)."""
     if borrow:
-        monkeypatch.setattr(llp, "WORKSPACE_BYTES", 1)
-        monkeypatch.setattr(llp, "ACCUMULATOR_BYTES", 0)
+        monkeypatch.setattr(launch, "WORKSPACE_BYTES", 1)
+        monkeypatch.setattr(launch, "ACCUMULATOR_BYTES", 0)
     check_against_reference(variant(), *make_inputs(7, 257, 40, dtype=dtype))
 
 
@@ -134,7 +135,7 @@ def test_half_precision_tile_loads(monkeypatch, dtype, tma, N, V, D):
     """16-bit logit tiles through TMA tensor descriptors (boxes reaching past N, V and D,
     which TMA fills with zeros) and through masked pointer loads, forward and dz kernels.
     D = 36 (72-byte rows) is not whole 16-byte units: pointer loads either way."""
-    monkeypatch.setattr(llp, "TMA", tma)
+    monkeypatch.setattr(plans, "TMA", tma)
     inputs = make_inputs(N, V, D, dtype=dtype)
     assert llp._tma(inputs[0], inputs[1]) == (tma and D % 8 == 0)
     check_against_reference(variant(), *inputs)
@@ -198,9 +199,9 @@ def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
             return torch.full(shape, float("nan"), dtype=dtype_, device=device)
         return torch.full(shape, 1 << 30, dtype=dtype_, device=device)
 
-    monkeypatch.setattr(llp, "_empty", poisoned)
-    monkeypatch.setattr(llp, "WORKSPACE_BYTES", 1)  # many chunks
-    monkeypatch.setattr(llp, "ACCUMULATOR_BYTES", 0)  # bf16: borrow grad_weight's tail
+    monkeypatch.setattr(launch, "_empty", poisoned)
+    monkeypatch.setattr(launch, "WORKSPACE_BYTES", 1)  # many chunks
+    monkeypatch.setattr(launch, "ACCUMULATOR_BYTES", 0)  # bf16: borrow grad_weight's tail
     for split in (1, 64):
         got = run(variant(SPLIT_V=split), *make_inputs(7, 257, 40, dtype=dtype))
         for name, t in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got):
@@ -221,7 +222,7 @@ def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
     try:
         assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
         assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
-        monkeypatch.setattr(llp, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
+        monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
         check_against_reference(variant(), *make_inputs(33, 257, 40))
     finally:
         matmul.allow_tf32 = allowed
@@ -358,7 +359,7 @@ def test_splits_fill_whole_waves(monkeypatch):
     the CUDA kernel's choice at the benchmark shapes (66 resident 2-CTA clusters)."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(llp, "_device_props", lambda index: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(plans, "_device_props", lambda index: SimpleNamespace(multi_processor_count=132))
     mod = SimpleNamespace(SPLIT_V=4, BLOCK_N=128, BLOCK_V=256)
     dev = torch.device("cuda", 0)
     want = {(8192, 128256): 33, (4096, 151936): 33, (4099, 151936): 4, (1, 151936): 132,

@@ -11,6 +11,7 @@ import torch
 
 from kgen import ops, spec
 from kgen.families import linear_logp as llp
+from kgen.families.linear_logp import launch
 from kgen.runtime import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ def _poison(monkeypatch):
     def poisoned(shape, dt, device):
         return torch.full(shape, float("nan") if dt.is_floating_point else 1 << 30, dtype=dt, device=device)
 
-    monkeypatch.setattr(llp, "_empty", poisoned)
+    monkeypatch.setattr(launch, "_empty", poisoned)
 
 
 def _inputs(N, V, D, dtype, seed, bias=True):

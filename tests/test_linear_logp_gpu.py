@@ -10,6 +10,7 @@ import torch
 
 from kgen import ops, spec
 from kgen.families import linear_logp as llp
+from kgen.families.linear_logp import launch, plans
 from kgen.runtime import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def _path(monkeypatch, path, dtype):
     through pointer loads."""
     if path == "dispatch":
         return contextlib.nullcontext()
-    monkeypatch.setattr(llp, "TMA", path == "triton-tma")
+    monkeypatch.setattr(plans, "TMA", path == "triton-tma")
     mod = dispatch.select("linear_logp", torch.device("cuda"), str(dtype).removeprefix("torch."), backend="triton")
     return llp.using(mod.module)
 
@@ -59,7 +60,7 @@ def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
     def poisoned(shape, dt, device):
         return torch.full(shape, float("nan") if dt.is_floating_point else 1 << 30, dtype=dt, device=device)
 
-    monkeypatch.setattr(llp, "_empty", poisoned)
+    monkeypatch.setattr(launch, "_empty", poisoned)
     h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
     g_logp, g_ent = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
     leaves = [x.clone().requires_grad_() for x in (h, w, b)]

@@ -23,6 +23,7 @@ import triton
 sys.path.insert(0, os.getcwd())
 from kgen import spec as spec_mod  # noqa: E402
 from kgen.families import linear_logp as llp  # noqa: E402
+from kgen.families.linear_logp import launch  # noqa: E402
 from kgen.runtime import dispatch  # noqa: E402
 
 SHAPES = [(4096, 2048, 151936), (8192, 4096, 128256)]
@@ -34,7 +35,7 @@ def poisoned_empty(shape, dtype, device):
 
 
 def check(impl, dtype, rows):
-    llp._empty = poisoned_empty
+    launch._empty = poisoned_empty
     cases = [(1, 50, 16, False, False, 1.0), (7, 257, 40, True, True, 0.7), (33, 1000, 72, True, False, 1.3),
              (300, 5003, 264, False, True, 1.0), (4099, 50257, 2048, True, True, 0.7),
              (7, 128256, 4096, False, True, 1.0), (1, 151936, 2048, True, False, 1.0),
@@ -66,7 +67,7 @@ def check(impl, dtype, rows):
                      "ent err/tol": round(max(r[1] for r in results.values()), 3),
                      "split invariance": f"{inv:.2e}", "ok": worst <= 1.0 and not math.isnan(worst)})
         print(rows[-1], flush=True)
-    llp._empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
+    launch._empty = lambda shape, dtype, device: torch.empty(shape, dtype=dtype, device=device)
 
 
 def median(xs):

@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kgen import ops  # noqa: E402
 from kgen.benchmarks.linear_logp import SHAPES, _paired  # noqa: E402
 from kgen.families import linear_logp as llp  # noqa: E402
+from kgen.families.linear_logp import op as llp_op  # noqa: E402
 from llp_cuda_check import interleaved  # noqa: E402
 
 
@@ -30,13 +31,13 @@ SHIPPED_CHECK = llp.check_target_range
 
 
 def with_check(check):
-    """ops.linear_logp with llp.check_target_range replaced by `check` for the call."""
+    """ops.linear_logp with the op module's check_target_range replaced by `check` for the call."""
     def run(h, w, t):
-        llp.check_target_range = check
+        llp_op.check_target_range = check
         try:
             return ops.linear_logp(h, w, t)
         finally:
-            llp.check_target_range = SHIPPED_CHECK
+            llp_op.check_target_range = SHIPPED_CHECK
     return run
 
 

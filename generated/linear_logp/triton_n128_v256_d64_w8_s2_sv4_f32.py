@@ -7,7 +7,7 @@
 #
 # linear_logp: logp[i] = log_softmax((h[i] @ W.T + b) / T)[t[i]] (and the entropy of that
 # softmax) without writing the N x V logits. The host side (grids, chunking, checks,
-# autograd) is kgen/families/linear_logp.py.
+# autograd) is the package kgen/families/linear_logp/.
 #
 # Units: logits are kept in base 2, z = (h.w + b) * scale with scale = log2(e) / T, so each
 # exponential is one exp2. Saved row state (lse, ez) is base 2 too; the host converts.

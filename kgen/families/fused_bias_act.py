@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from kgen.runtime.op import MISSING, Kernels, define
 from kgen.runtime.streams import current_raw_stream as _raw_stream
 from kgen.spec import DTYPES, Knob, Schema
 
@@ -182,16 +183,10 @@ def _kernel(device: torch.device, dtype: torch.dtype, rows: int = 1, cols: int =
     else spec order) and built on the first call, then cached for the process (None: the
     reference runs)."""
     key = _key(device.index, dtype, rows, cols, has_y)
-    if key not in _KERNELS:
-        from kgen.runtime import dispatch
-
-        shape = {"rows": rows, "cols": cols, "has_y": has_y}
-        _KERNELS[key], _ = dispatch.choose("fused_bias_act", device, _TORCH_DTYPES[dtype],
-                                           tune_bucket(**shape), shape)
-    return _KERNELS[key]
-
-
-_KERNELS: dict = {}
+    kernel = _KERNELS.lookup(key)
+    if kernel is MISSING:
+        kernel = _KERNELS.choose(key, device, dtype, {"rows": rows, "cols": cols, "has_y": has_y})
+    return kernel
 
 
 def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
@@ -219,6 +214,9 @@ TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
 def tune_bucket(rows: int, cols: int, has_y: bool = True) -> str:
     r, c = (rows - 1).bit_length(), (cols - 1).bit_length()
     return f"rows<={1 << r}.cols<={1 << c}.{'vec16' if cols % 8 == 0 else 'tail'}.{'y' if has_y else 'no-y'}"
+
+
+_KERNELS = Kernels("fused_bias_act", tune_bucket)
 
 
 def tune_inputs(device, dtype: str, rows: int, cols: int, has_y: bool = True) -> dict:
@@ -288,8 +286,8 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     if dev >= 0:
         cols = x.shape[-1]
         rows = x.numel() // cols if cols else 0
-        kernel = _KERNELS.get(_key(dev, x.dtype, rows, cols, y is not None), _MISSING)
-        if kernel is _MISSING:
+        kernel = _KERNELS.lookup(_key(dev, x.dtype, rows, cols, y is not None))
+        if kernel is MISSING:
             kernel = _kernel(x.device, x.dtype, rows, cols, y is not None)
     if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
         return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
@@ -297,29 +295,22 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     return out
 
 
-_MISSING = object()
-
-
 # --------------------------------------------------------------------------- torch.library
 
 
-@torch.library.custom_op("kgen::fused_bias_act", mutates_args=())
-def _op(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> torch.Tensor:
+def _op_impl(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> torch.Tensor:
     return _forward(x, bias, y, alpha, act, False)
 
 
-@_op.register_fake
 def _op_fake(x, bias, y, alpha, act):
     _check(x, bias, y, alpha, act, False)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("kgen::fused_bias_act_", mutates_args=("x",))
-def _op_inplace(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> None:
+def _op_inplace_impl(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> None:
     _forward(x, bias, y, alpha, act, True)
 
 
-@_op_inplace.register_fake
 def _op_inplace_fake(x, bias, y, alpha, act):
     _check(x, bias, y, alpha, act, True)
 
@@ -341,7 +332,9 @@ def _backward(ctx, grad):
     return grad_x, grad_bias, grad_y, None, None
 
 
-_op.register_autograd(_backward, setup_context=_setup_context)
+# torch.ops.kgen.fused_bias_act (differentiable) and torch.ops.kgen.fused_bias_act_ (in place)
+_op = define("fused_bias_act", _op_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
+_op_inplace = define("fused_bias_act_", _op_inplace_impl, fake=_op_inplace_fake, mutates_args=("x",))
 
 
 def _as_float(alpha) -> float:
@@ -367,21 +360,13 @@ def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor
     """
     if type(alpha) is not float:
         alpha = _as_float(alpha)
-    try:
-        needs_grad = torch.is_grad_enabled() and (
-            x.requires_grad or bias.requires_grad or (y is not None and y.requires_grad))
-    except AttributeError:
-        needs_grad = False  # not tensors: _check gives the clear error
-    if needs_grad or torch.compiler.is_compiling():
-        if inplace:
-            if needs_grad:
-                raise ValueError("fused_bias_act: inplace=True is not differentiable; use the "
-                                 "out-of-place form when a gradient is needed")
-            torch.ops.kgen.fused_bias_act_(x, bias, y, alpha, act)
-            return x
-        return torch.ops.kgen.fused_bias_act(x, bias, y, alpha, act)
-    # Eager fast path: the same implementation the op runs, without the dispatcher's cost.
-    return _forward(x, bias, y, alpha, act, inplace)
+    if inplace:
+        if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, bias, y)):
+            raise ValueError("fused_bias_act: inplace=True is not differentiable; use the "
+                             "out-of-place form when a gradient is needed")
+        _op_inplace(x, bias, y, alpha, act)
+        return x
+    return _op(x, bias, y, alpha, act)
 
 
 OPS = {"fused_bias_act": fused_bias_act}

@@ -19,19 +19,83 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 
+from kgen import config
 from kgen import spec as spec_mod
 from kgen.errors import KgenError
 from kgen.runtime import build, loader
 
 log = logging.getLogger("kgen")
-SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 
 
 @functools.cache
 def shipped_spec(family: str) -> spec_mod.Spec:
-    return spec_mod.load(SPECS_DIR / f"{family}.yaml")
+    """The family's first shipped spec (kgen/specs/<family>.yaml for kgen's own)."""
+    from kgen.families import shipped_spec_paths
+
+    return spec_mod.load(shipped_spec_paths(family)[0])
+
+
+# --------------------------------------------------------------------------- user specs
+
+_added: list[Path] = []
+_warned_missing: set[str] = set()
+
+
+def add_spec(path) -> spec_mod.Spec:
+    """`kgen.add_spec(path)`: a spec file whose variants join their family's shipped ones
+    for dispatch, the tuner and KGEN_VARIANT, in this process. Validated now (a SpecError
+    names file, line and key); returns the spec."""
+    p = Path(path).expanduser().absolute()
+    spec = spec_mod.load(p)
+    if p not in _added:
+        _added.append(p)
+    _user_specs.cache_clear()
+    return spec
+
+
+def spec_files() -> list[Path]:
+    """Specs from outside the package: `KGEN_SPEC_PATH` (os.pathsep-separated files, or
+    folders whose *.yaml are read in name order), then those given to add_spec."""
+    files: list[Path] = []
+    for part in os.environ.get("KGEN_SPEC_PATH", "").split(os.pathsep):
+        if not part:
+            continue
+        p = Path(part).expanduser()
+        if p.is_dir():
+            files.extend(sorted(p.glob("*.yaml")))
+        elif p.exists():
+            files.append(p)
+        elif part not in _warned_missing:  # like PATH: a missing entry is skipped, said once
+            _warned_missing.add(part)
+            log.warning("kgen: KGEN_SPEC_PATH entry %s does not exist; skipped", part)
+    files.extend(_added)
+    return files
+
+
+@functools.cache
+def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
+    return tuple(spec_mod.load(f) for f in files)
+
+
+def family_specs(family: str) -> list[spec_mod.Spec]:
+    """The family's shipped specs, then the user's specs of that family."""
+    from kgen.families import shipped_spec_paths
+
+    shipped = [shipped_spec(family)] + [spec_mod.load(p) for p in shipped_spec_paths(family)[1:]]
+    return shipped + [s for s in _user_specs(tuple(spec_files())) if s.family == family]
+
+
+def family_variants(family: str) -> list[spec_mod.Variant]:
+    """Every variant of the family, shipped first, each name once: a variant listed in
+    several files (same family and name) is the same kernel, and its first listing wins."""
+    seen: dict[str, spec_mod.Variant] = {}
+    for s in family_specs(family):
+        for v in s.variants:
+            seen.setdefault(v.name, v)
+    return list(seen.values())
 
 
 def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
@@ -54,7 +118,7 @@ def runnable(family: str, dtype: str, device, spec: spec_mod.Spec | None = None)
 
 def _ordered(family: str, dtype: str, capability: tuple[int, int] | None,
              backend: str | None = None, spec: spec_mod.Spec | None = None) -> list[spec_mod.Variant]:
-    variants = [v for v in (spec or shipped_spec(family)).variants if v.dtype == dtype]
+    variants = [v for v in (spec.variants if spec else family_variants(family)) if v.dtype == dtype]
     cuda = []
     if capability is not None:
         cuda = [v for v in variants if v.backend == "cuda" and arch_runs_on(v.arch, capability)]
@@ -74,7 +138,7 @@ def _forced(family: str, dtype: str) -> list[spec_mod.Variant] | None:
     forced = os.environ.get("KGEN_VARIANT")
     if not forced:
         return None
-    chosen = [v for v in shipped_spec(family).variants if v.dtype == dtype and v.name == forced]
+    chosen = [v for v in family_variants(family) if v.dtype == dtype and v.name == forced]
     if not chosen:
         raise KgenError(f"KGEN_VARIANT={forced} names no {family} variant for {dtype}; "
                         f"`kgen list` shows the names")
@@ -144,6 +208,10 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
         return None, why
     if winner is not None:
         match = [v for v in runnable(family, dtype, device) if v.name == winner]
+        if not match:
+            log.warning("kgen: the tuned winner %s for %s %s [%s] is not a variant of the specs dispatch "
+                        "knows; put its spec on KGEN_SPEC_PATH (or kgen.add_spec). Using spec order.",
+                        winner, family, dtype, bucket)
         if match:
             try:
                 return load(match[0]), why
@@ -152,3 +220,29 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
                             str(e).splitlines()[0])
     kernel = select(family, device, dtype)
     return kernel, "spec order" if kernel is not None else "fallback"
+
+
+def choose_logged(family: str, device, dtype: str, bucket: str, shape: dict | None = None):
+    """`choose`, and with KGEN_LOG=dispatch one line on stderr naming the choice, the spec
+    file it came from and why (each family caches the result per bucket, so once each)."""
+    kernel, why = choose(family, device, dtype, bucket, shape)
+    log_choice(family, device, dtype, bucket, kernel, why)
+    return kernel, why
+
+
+_logged: set = set()
+
+
+def log_choice(family: str, device, dtype: str, bucket: str, kernel, why: str) -> None:
+    if "dispatch" not in config.log_topics():
+        return
+    key = (family, str(device), dtype, bucket)
+    if key in _logged:
+        return
+    _logged.add(key)
+    if kernel is None:
+        what = "the PyTorch reference"
+    else:
+        v = kernel.variant
+        what = f"{v.name} (from {v.spec_path}:{v.line})"
+    print(f"kgen dispatch: {family} {device} {dtype} [{bucket}] -> {what}; {why}", file=sys.stderr, flush=True)

@@ -1,0 +1,45 @@
+"""linear_logp: logp[i] = log_softmax((hidden[i] @ weight.T + bias) / T)[target[i]].
+
+The family's modules: `schema` (knobs, variant rules, template context, ahead-of-time
+builds), `reference` (the math in PyTorch), `checks` (arguments and target range), `plans`
+(precision, TMA, splits, grids), `launch` (the forward and backward kernels, and how they
+run: its docstring describes both algorithms) and `op` (kernel choice, tuning hooks, the
+torch.library ops, autograd, `linear_logp`, golden numerics). This module is the contract
+kgen's core reads and the names callers use.
+
+The Triton kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` in `launch` and
+`op` is that template rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D,
+NUM_WARPS, NUM_STAGES, SPLIT_V plus the kernels), or a `CudaForward`: a CUDA variant's
+forward-partials kernel (cuda_sm90a.cu.j2: TMA + mbarrier + warp-specialised WGMMA;
+cuda_sm80.cu.j2: cp.async + ldmatrix + mma.sync, also built for sm_90) paired with a Triton
+module that supplies the combine and the backward. Dispatch takes the forward the tuning
+table names for the device, dtype and (N, D, V) bucket, else the CUDA variants whose arch
+runs on the device first; inputs they cannot take (D % 8 != 0, pointers off 16-byte
+alignment) run the Triton forward of the same pair. The backward's Triton kernels are
+always spec order's.
+
+Outputs are float32: logp [N], and optionally the entropy [N] of the tempered softmax.
+Rows whose target is ignore_index get logp = 0 and entropy = 0, and no gradient.
+
+Inputs are made contiguous (a copy when they are not: weight should arrive contiguous);
+no pointer alignment is required: 16-bit operands with D % 8 == 0 and 16-byte aligned
+bases load their logit tiles by TMA on sm_90+ (the forward and dz kernels), anything else by
+pointer loads (Triton specialises on 16-byte alignment by itself).
+Float32 inputs use TF32 tensor cores only when torch.backends.cuda.matmul.allow_tf32 is
+set, as torch.matmul does. Float16 inputs keep dz in float16 (as eager PyTorch does), so
+probabilities below ~6e-8 flush to zero there.
+"""
+
+# Not re-exported: the switches and patch points plans.TMA, plans._device_props,
+# launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES and launch._empty; set them on their own
+# module (a copy here would not take effect).
+from kgen.families.linear_logp.checks import TARGET_CHECK_BLOCK, check_inputs, check_target_range
+from kgen.families.linear_logp.launch import LN2, LOG2E, CudaForward, backward, forward
+from kgen.families.linear_logp.op import (
+    _FORCED, _MODULES, GRAD_TOL, OPS, TUNE_DIMS, TUNE_SHAPES, _module, golden, implementation, linear_logp,
+    tune_bucket, tune_inputs, tune_runner, using)
+from kgen.families.linear_logp.plans import (
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _precision, _target_in_tile, _tma,
+    combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits, wave_splits)
+from kgen.families.linear_logp.reference import reference, reference_backward
+from kgen.families.linear_logp.schema import SCHEMA, TEMPLATES, template_context, triton_aot

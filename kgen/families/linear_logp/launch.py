@@ -1,0 +1,267 @@
+"""linear_logp's kernel launches: `CudaForward` (a CUDA variant's partials kernel with its
+Triton companion), `forward` and `backward`. Every buffer they return or read back comes
+from `_empty`.
+
+Forward (O(N) extra memory, the N x V logits never exist):
+  1. `linear_logp_fwd_kernel`, grid cdiv(N, BLOCK_N) * splits, split-major order, with
+     splits >= SPLIT_V chosen per call to fill whole waves of SMs (triton_splits). Each
+     program sweeps V tiles of its slice (tl.dot over D in BLOCK_D steps, float32
+     accumulation; the tiles arrive by TMA tensor descriptors where _tma allows, else by
+     masked pointer loads) with an online softmax in base 2 and writes float32 partials per row:
+     running max, sum of exp, sum of exp * (z - max). Per logit the fold is one FMA,
+     z = acc * scale + colterm[j] (colterm: bias * scale, or -1e30 past V), then max,
+     exp2 and sums; no target compare.
+  2. `linear_logp_combine_kernel`, grid cdiv(N, 16), merges the `splits` partials and takes
+     the target logit as one float32 gather-dot (hidden[i] . weight[target[i]] + bias) *
+     scale per non-ignored row (2 * D * elsize bytes a row). Exception: float32 inputs
+     under TF32 keep the target logit in the fwd fold (a fourth partial, summed by the
+     combine), so that it is rounded like the logits; see _target_in_tile.
+  The CUDA forwards write all four partials, target logit included; their combine sums
+  them (grid cdiv(N, 128)).
+  Extra memory: 16 * splits * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
+
+Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
+  dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] and
+              float32 column sums per row tile (for grad_bias);
+  dW kernel:  grad_weight[v0:v1] = dz^T @ hidden, the whole N reduction in registers,
+              each output tile written once in the output dtype;
+  dH kernel:  acc += dz @ weight[v0:v1] into a float32 [N, D] accumulator; the last chunk
+              writes grad_hidden in its dtype.
+  Why not one fused kernel with atomics: grad_weight would need a float32 [V, D] buffer
+  (1.2-2 GiB at the target shapes) and grad_hidden one of N*D*4 bytes; atomics into the
+  16-bit outputs would not accumulate in float32. The price of separate passes is that dz
+  makes one round trip through the workspace (N*V*elsize written once, read twice: about
+  6 GB at 8192 x 128256 bf16) and the float32 accumulator is re-read once per chunk; all
+  three kernels stay compute bound at chunk >= ~1000 columns.
+  The float32 accumulator: grad_hidden itself when it is float32; a separate buffer when
+  N*D*4 <= accumulator_bytes; otherwise it borrows the last ceil(4N/elsize) rows of the
+  still-unwritten grad_weight, whose dz is recomputed once more after grad_hidden is done
+  (2N/V of one logits GEMM: 5% at 4096 x 151936, 13% at 8192 x 128256); if even that does
+  not fit (V < 4N) it falls back to a separate N*D*4-byte buffer, over budget.
+  Extra memory: N*chunk*elsize (workspace, chunk = workspace_bytes / (N*elsize) rounded to
+  the tile) + cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) [+ N*D*4 when
+  the accumulator is a separate buffer]. Defaults: < 64 MiB at the target shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kgen.families.linear_logp.plans import (
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _cdiv, _device_props, _precision,
+    _target_in_tile, _tile_sources, _tiles, combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits,
+    wave_splits)
+from kgen.families.linear_logp.schema import _cuda_smem
+from kgen.runtime.streams import current_raw_stream
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+# Backward budgets (bytes): the dz chunk workspace, and the largest float32 grad_hidden
+# accumulator allocated separately before borrowing grad_weight's tail instead.
+WORKSPACE_BYTES = 40 << 20
+ACCUMULATOR_BYTES = 16 << 20
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every buffer a launch returns or reads back comes from here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class CudaForward:
+    """A CUDA variant (sm_90a WGMMA or sm_80 mma.sync): its kernel writes the forward
+    partials; the Triton module `triton` supplies the combine, the backward, and the whole
+    forward for inputs the CUDA kernel cannot take (`takes`): D not a multiple of 8 or a
+    pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
+
+    The number of splits is chosen per call by wave_splits, with the spec's split_v as the
+    minimum, over row groups (the `cluster` row blocks one cluster takes) and the clusters
+    the SMs hold at once."""
+
+    def __init__(self, kernel, triton_mod):
+        self.kernel, self.triton = kernel, triton_mod
+        p = kernel.params
+        self.block_m, self.block_n, self.split_v = p["block_m"], p["block_n"], p["split_v"]
+        self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
+        self.name = kernel.name
+        self._resident: dict[int, int] = {}
+
+    def takes(self, hidden, weight, bias) -> bool:
+        if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
+            return False
+        # TMA (sm_90a) reads the bias too; the sm_80 kernel reads it element by element.
+        tensors = (hidden, weight, bias) if self.kernel.variant.arch == "sm_90a" else (hidden, weight)
+        return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
+
+    def splits(self, N: int, V: int, device: torch.device) -> int:
+        if device.index not in self._resident:
+            props = _device_props(device.index)
+            self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
+        clusters = self._resident[device.index] * self.block_m // self.rows
+        return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), clusters)
+
+    def _ctas_per_sm(self, props) -> int:
+        """CTAs of this kernel one SM holds at once, by shared memory and registers."""
+        v = self.kernel.variant
+        if v.arch == "sm_90a":
+            return 1  # __launch_bounds__(threads, 1) and ~225 KB of rings
+        smem = _cuda_smem(v.arch, v.dtype, v.params)
+        per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
+        resources = self.kernel.entry.manifest.get("resources", {})
+        regs = max((r["registers"] for r in resources.values()), default=255)
+        threads = 128 * v.params["consumers"]
+        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
+
+    def group(self, N: int, D: int) -> int:
+        """Row groups (a cluster's row blocks) per group of the CUDA grid order: as many as
+        keep the group's hidden rows within GROUP_BYTES of L2 (see the sm_90a template's
+        work-order comment)."""
+        return max(1, min(_cdiv(N, self.rows), GROUP_BYTES // (self.rows * D * 2)))
+
+    def partials(self, hidden, weight, target, bias, temperature: float, with_entropy: bool, splits: int):
+        N, D = hidden.shape
+        V = weight.shape[0]
+        dev = hidden.device
+        part = _empty((4, splits, N), torch.float32, dev)
+        target = target if target.dtype == torch.int64 else target.long()
+        k = self.kernel
+        rc = k.raw(k.ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
+                   target.data_ptr(), part.data_ptr(), N, V, D, splits, self.group(N, D), with_entropy,
+                   current_raw_stream(dev.index), LOG2E / temperature)
+        if rc:
+            k.fail(rc)
+        return part
+
+
+def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index: int,
+            with_entropy: bool, *, splits: Optional[int] = None):
+    """Launch the forward on checked, contiguous hidden [N, D], weight [V, D], target [N],
+    bias [V] or None. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or [0]),
+    all float32; lse2 and ez2 are the base-2 log-sum-exp and mean logit the backward needs.
+    `splits` overrides the per-call choice of splits (tests of split invariance)."""
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    f32 = torch.float32
+    n_ent = N if with_entropy else 0
+    logp, entropy = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
+    lse2, ez2 = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
+    if N == 0:
+        return logp, entropy, lse2, ez2
+    scale = LOG2E / temperature
+    if isinstance(mod, CudaForward):
+        if not mod.takes(hidden, weight, bias):
+            return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy)
+        splits = splits or mod.splits(N, V, dev)
+        part = mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits)
+        combine = mod.triton.linear_logp_combine_kernel
+        target_dot = False  # the CUDA kernels write the target logit partials
+    else:
+        splits = splits or triton_splits(mod, N, V, dev)
+        prec = _precision(hidden.dtype)
+        target_dot = not _target_in_tile(hidden.dtype, prec)
+        part = _empty((4, splits, N), f32, dev)  # plane 2 unwritten when target_dot
+        h_src, w_src, tma = _tile_sources(mod, hidden, weight)
+        mod.linear_logp_fwd_kernel[fwd_grid(mod, N, splits)](
+            h_src, w_src, bias if bias is not None else weight, target, part,
+            N, V, D, splits, scale,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
+            PRECISION=prec, TMA=tma, **_tiles(mod))
+        combine = mod.linear_logp_combine_kernel
+    block = COMBINE_DOT_BLOCK if target_dot else COMBINE_BLOCK
+    combine[combine_grid(N, block)](
+        part, target, hidden, weight, bias if bias is not None else weight,
+        logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
+        N, V, D, splits, ignore_index, scale,
+        WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
+        BLOCK=block, BLOCK_D=TARGET_BLOCK_D)
+    return logp, entropy, lse2, ez2
+
+
+def _chunks(begin: int, end: int, size: int) -> list[tuple[int, int]]:
+    return [(v, min(v + size, end)) for v in range(begin, end, size)]
+
+
+def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
+             temperature: float, ignore_index: int, *, workspace_bytes: Optional[int] = None,
+             accumulator_bytes: Optional[int] = None):
+    """Gradients (hidden [N, D], weight [V, D], bias [V] or None) in the input dtype, from
+    the forward's lse2/ez2 and the upstream gradients (grad_entropy None when the entropy
+    was not requested; grad_logp None means zeros). Budgets default to WORKSPACE_BYTES and
+    ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring."""
+    if isinstance(mod, CudaForward):
+        mod = mod.triton
+    workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    grad_h = _empty((N, D), dtype, dev)
+    grad_w = _empty((V, D), dtype, dev)
+    grad_b = _empty((V,), dtype, dev) if bias is not None else None
+    if N == 0:
+        grad_w.zero_()
+        if grad_b is not None:
+            grad_b.zero_()
+        return grad_h, grad_w, grad_b
+
+    with_entropy = grad_entropy is not None
+    valid = target != ignore_index
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    ca = torch.where(valid, grad_logp.float() / temperature, zero) if grad_logp is not None else \
+        torch.zeros((N,), dtype=torch.float32, device=dev)
+    cb = torch.where(valid, grad_entropy.float() * (LN2 / temperature), zero) if with_entropy else ca
+
+    esize = hidden.element_size()
+    granule = max(mod.BLOCK_V, mod.BLOCK_D)
+    chunk = workspace_bytes // (N * esize) // granule * granule
+    chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
+
+    # The float32 grad_hidden accumulator and `alias_from`, the first vocab row whose
+    # grad_weight waits until the accumulator is done with the memory it borrows.
+    alias_from = V
+    if dtype == torch.float32:
+        acc = grad_h
+    elif N * D * 4 <= accumulator_bytes:
+        acc = _empty((N, D), torch.float32, dev)
+    else:
+        start = (V - _cdiv(4 * N, esize)) // granule * granule
+        if 2 * start >= V:
+            alias_from = start
+            acc = grad_w.view(-1)[start * D:start * D + N * D * 4 // esize].view(torch.float32).view(N, D)
+        else:
+            acc = _empty((N, D), torch.float32, dev)
+
+    dz = _empty((N, chunk), dtype, dev)
+    bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
+    prec = _precision(dtype)
+    common = dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod))
+
+    h_src, w_src, tma = _tile_sources(mod, hidden, weight)
+
+    def dz_pass(v0, v1, write_bpart):
+        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, v1 - v0)](
+            h_src, w_src, bias if bias is not None else weight, target, lse2,
+            ez2 if with_entropy else lse2, ca, cb, dz, bpart,
+            N, V, D, v0, v1, chunk, LOG2E / temperature,
+            HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy, TMA=tma, **common)
+        if write_bpart:
+            grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
+
+    def dw_pass(v0, v1):
+        mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
+            dz, hidden, grad_w, N, D, v0, v1, chunk, **common)
+
+    chunks = _chunks(0, alias_from, chunk) + _chunks(alias_from, V, chunk)
+    for i, (v0, v1) in enumerate(chunks):
+        dz_pass(v0, v1, bias is not None)
+        if v1 <= alias_from:
+            dw_pass(v0, v1)
+        mod.linear_logp_bwd_dh_kernel[dh_grid(mod, N, D)](
+            dz, weight, acc, grad_h, N, D, v0, v1, chunk,
+            ACCUMULATE=i > 0, FINAL=i == len(chunks) - 1, **common)
+    for v0, v1 in _chunks(alias_from, V, chunk):  # grad_hidden is final: the tail is free
+        dz_pass(v0, v1, False)
+        dw_pass(v0, v1)
+    return grad_h, grad_w, grad_b

@@ -1,0 +1,288 @@
+"""linear_logp as an op: which implementation runs (dispatch, `using`), the tuning hooks,
+the ops (kgen.runtime.op.define: torch.library registration with fake and autograd, and
+the eager path), the public `linear_logp`, and the golden numerics `kgen verify` runs."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Optional
+
+import torch
+
+from kgen.families.linear_logp.checks import check_inputs, check_target_range
+from kgen.families.linear_logp.launch import CudaForward, backward, forward
+from kgen.families.linear_logp.reference import reference, reference_backward
+from kgen.runtime.op import define
+
+# --------------------------------------------------------------------------- kernel choice
+
+
+_FORCED = threading.local()
+_MODULES: dict = {}
+
+
+def implementation(kernel, companion=None):
+    """What the op runs for a loaded variant: a Triton variant's module, or a CUDA variant
+    wrapped with its Triton companion (`companion`: a loaded Triton variant; default:
+    dispatch's first Triton choice for the device and dtype)."""
+    if kernel is None or kernel.backend == "triton":
+        return kernel.module if kernel is not None else None
+    if companion is None:
+        from kgen.runtime import dispatch
+
+        companion = dispatch.select("linear_logp", torch.device("cuda", torch.cuda.current_device()),
+                                    kernel.variant.dtype, backend="triton")
+        if companion is None:
+            raise RuntimeError(f"linear_logp: no Triton variant for {kernel.variant.dtype} could be built "
+                               f"to combine the partials of {kernel.name}")
+    return CudaForward(kernel, companion.module)
+
+
+@contextlib.contextmanager
+def using(mod):
+    """Run the op with this implementation (`implementation(kernel)`, a Triton variant's
+    `.module`, or None: the PyTorch reference) instead of dispatch's choice, in this
+    thread. For tests and benchmarks."""
+    saved = getattr(_FORCED, "mod", _FORCED)
+    _FORCED.mod = mod
+    try:
+        yield
+    finally:
+        if saved is _FORCED:
+            del _FORCED.mod
+        else:
+            _FORCED.mod = saved
+
+
+def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int, int, int]] = None):
+    """The implementation for (device, dtype) and, given the (N, D, V) of a forward, its
+    shape bucket (the tuning table's winner there, else spec order); without a shape, spec
+    order (the backward: its Triton kernels are not tuned). None means the PyTorch
+    reference (CPU tensors, no variant could be built, or the reference won the tuning)."""
+    forced = getattr(_FORCED, "mod", _FORCED)
+    if forced is not _FORCED:
+        return forced
+    if device.type != "cuda":
+        return None
+    key = (device.index, dtype) if shape is None else (device.index, dtype, *(
+        (n - 1).bit_length() for n in shape))
+    mod = _MODULES.get(key, _FORCED)
+    if mod is _FORCED:
+        mod = _MODULES[key] = _choose(device, dtype, shape)
+    return mod
+
+
+def _choose(device: torch.device, dtype: torch.dtype, shape):
+    from kgen.runtime import dispatch
+
+    name = str(dtype).removeprefix("torch.")
+    if shape is None:
+        kernel = dispatch.select("linear_logp", device, name)
+        dispatch.log_choice("linear_logp", device, name, "backward", kernel, "spec order")
+    else:
+        dims = dict(zip(TUNE_DIMS, shape))
+        kernel, _ = dispatch.choose_logged("linear_logp", device, name, tune_bucket(**dims), dims)
+    companion = None
+    if kernel is not None and kernel.backend == "cuda":
+        companion = dispatch.select("linear_logp", device, name, backend="triton")
+        if companion is None:  # nothing to combine with: the reference serves
+            kernel = None
+    return implementation(kernel, companion) if kernel is not None else None
+
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: N, D and V each rounded up to a power of two. Bias, entropy and temperature are
+# not in the bucket: they add O(N + V) work that every variant does alike.
+TUNE_DIMS = ("N", "D", "V")
+TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
+                    for d, v in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
+                    for n in (1, 8, 64, 512, 4096))
+# The reference materialises float32 logits and their softmax: a candidate only where that
+# stays within the op's extra-memory promise (launch's docstring: < 64 MiB).
+_REFERENCE_TUNE_BYTES = 64 << 20
+
+
+def tune_bucket(N: int, D: int, V: int) -> str:
+    return ".".join(f"{k}<={1 << (n - 1).bit_length()}" for k, n in zip(TUNE_DIMS, (N, D, V)))
+
+
+def tune_inputs(device, dtype: str, N: int, D: int, V: int) -> dict:
+    t = getattr(torch, dtype)
+    g = torch.Generator(device=device).manual_seed(0)
+    return {"hidden": (torch.randn(N, D, device=device, generator=g) * 0.5).to(t),
+            "weight": (torch.randn(V, D, device=device, generator=g) * D ** -0.5).to(t),
+            "target": torch.randint(0, V, (N,), device=device, generator=g)}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One forward (no bias, no entropy) of `kernel` (None: the reference); outputs are
+    fresh allocations."""
+    h, w, t = inputs["hidden"], inputs["weight"], inputs["target"]
+    if kernel is None:
+        if h.shape[0] * w.shape[0] * 8 > _REFERENCE_TUNE_BYTES:
+            raise ValueError(f"the reference's logits would take over {_REFERENCE_TUNE_BYTES >> 20} MiB")
+        return lambda: reference(h, w, t)
+    mod = implementation(kernel)
+    return lambda: forward(mod, h, w, t, None, 1.0, -100, False)
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                  temperature: float, ignore_index: int, with_entropy: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward op's implementation: 2-D hidden, 1-D target. Returns (logp [N], entropy
+    [N] or [0], lse2 [N], ez2 [N] or [0]); the last two are what the backward needs (unused
+    on the reference path)."""
+    check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    mod = _module(hidden.device, hidden.dtype, (hidden.shape[0], hidden.shape[1], weight.shape[0]))
+    target = target.contiguous()
+    checked = check_target_range(target, weight.shape[0], ignore_index,
+                                 mod.triton if isinstance(mod, CudaForward) else mod)
+    if mod is not None:
+        out = forward(mod, hidden.contiguous(), weight.contiguous(), target,
+                      bias.contiguous() if bias is not None else None, temperature, ignore_index, with_entropy)
+        checked()
+        return out
+    checked()  # before the reference, which indexes with target
+    logp, entropy = reference(hidden, weight, target, bias, temperature=temperature, ignore_index=ignore_index)
+    N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
+    f32 = torch.float32
+    return (logp, entropy if with_entropy else entropy.new_empty(0),
+            torch.zeros(N, dtype=f32, device=hidden.device), torch.zeros(n_ent, dtype=f32, device=hidden.device))
+
+
+def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy):
+    check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
+    new = lambda n: hidden.new_empty((n,), dtype=torch.float32)  # noqa: E731
+    return new(N), new(n_ent), new(N), new(n_ent)
+
+
+def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                   lse2: torch.Tensor, ez2: torch.Tensor, grad_logp: torch.Tensor,
+                   grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation; see launch's docstring."""
+    mod = _module(hidden.device, hidden.dtype)
+    if mod is not None:
+        gh, gw, gb = backward(mod, hidden.contiguous(), weight.contiguous(), target.contiguous(),
+                              bias.contiguous() if bias is not None else None, lse2, ez2,
+                              grad_logp.contiguous(), None if grad_entropy is None else grad_entropy.contiguous(),
+                              temperature, ignore_index)
+        return gh, gw, gb if gb is not None else hidden.new_empty(0)
+    return reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature, ignore_index)
+
+
+def _bwd_op_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature, ignore_index):
+    return (torch.empty_like(hidden), torch.empty_like(weight),
+            torch.empty_like(bias) if bias is not None else hidden.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, target, bias, temperature, ignore_index, with_entropy = inputs
+    _, _, lse2, ez2 = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
+    ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
+    ctx.has_bias = bias is not None
+    ctx.forced = getattr(_FORCED, "mod", _FORCED)  # `using(mod)` holds for the backward too
+
+
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
+    hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
+    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+        gh, gw, gb = _bwd_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
+                             grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
+    return gh, gw, None, gb if ctx.has_bias else None, None, None, None
+
+
+# torch.ops.kgen.linear_logp(_backward): 2-D hidden, 1-D target, four outputs (logp,
+# entropy or [0], lse2, ez2 or [0]). Each call below goes straight to the implementation in
+# eager mode and through the registered op under torch.compile (kgen.runtime.op.define), so
+# the backward, called from either, takes the same path as its forward.
+_bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
+_op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
+
+
+def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
+                ignore_index: int = -100, return_entropy: bool = False):
+    """logp = log_softmax((hidden @ weight.T + bias) / temperature)[target] per row, float32,
+    shaped like hidden.shape[:-1]; with return_entropy, (logp, entropy) where entropy is
+    that of the tempered softmax. Rows with target == ignore_index give 0 for both and no
+    gradient. Differentiable for hidden, weight and bias under any upstream gradients.
+
+    The N x V logits are not materialised on CUDA (extra memory in the docstring of
+    kgen.families.linear_logp.launch, < 64 MiB at N=8192, V=128256) except where the
+    tuning table found the PyTorch reference fastest, which it may only where those logits take under 64 MiB; CPU tensors use the
+    float32 PyTorch reference. In eager mode the implementation is called directly (an
+    autograd.Function when a gradient is needed), under torch.compile the registered op.
+    Dtypes, shapes and devices are checked before any launch; target's range by
+    one device reduction queued before the kernels and waited for after them (one host wait
+    per call, skipped during CUDA graph capture): a target outside [0, V) that is not
+    ignore_index raises ValueError. Also registered as
+    torch.ops.kgen.linear_logp (2-D hidden, 1-D target, four outputs).
+    """
+    check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    D = weight.shape[1]
+    shape = hidden.shape[:-1]
+    args = (hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature), int(ignore_index),
+            bool(return_entropy))
+    logp, entropy, _, _ = _op(*args)
+    logp = logp.reshape(shape)
+    return (logp, entropy.reshape(shape)) if return_entropy else logp
+
+
+OPS = {"linear_logp": linear_logp}
+
+
+# --------------------------------------------------------------------------- golden numerics
+
+# Gradients vs float64, judged against the largest gradient element: 16-bit inputs round
+# dz to 16 bits before the two gradient GEMMs and round the outputs (2^-9 bf16, 2^-12
+# fp16 per element, summed over V or N): observed up to 1.3e-2 of scale for bf16, 8e-4 fp16.
+GRAD_TOL = {"float32": 2e-5, "float16": 5e-3, "bfloat16": 3e-2}
+
+
+def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
+    """Forward (logp, entropy) and gradients of one loaded variant against float64 on fresh
+    random inputs of awkward sizes, with bias, ignored rows, temperature 0.7 and random
+    upstream gradients; returns (case, worst error / tolerance) per output."""
+    tdtype = getattr(torch, dtype)
+    sizes = [(1, 50, 16), (7, 257, 40), (33, 1000, 72)]
+    if device.type == "cuda":
+        sizes += [(300, 5003, 264), (1, 50257, 2048)]
+    results = []
+    impl = implementation(kernel)
+    for N, V, D in sizes:
+        h = torch.randn(N, D, device=device).to(tdtype)
+        w = (torch.randn(V, D, device=device) * (2.0 / math.sqrt(D))).to(tdtype)
+        b = (torch.randn(V, device=device) * 0.5).to(tdtype)
+        t = torch.randint(0, V, (N,), device=device)
+        t[::3] = -100 if N > 1 else t[::3]
+        g_logp, g_ent = torch.randn(N, device=device), torch.randn(N, device=device)
+        outs = []
+        for mod, compute in ((impl, None), (None, torch.float64)):
+            leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+            if compute is None:
+                with using(mod):
+                    logp, ent = linear_logp(*leaves[:2], t, leaves[2], temperature=0.7, return_entropy=True)
+            else:
+                logp, ent = reference(*leaves[:2], t, leaves[2], temperature=0.7, compute=compute)
+            ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+            outs.append([logp, ent] + [x.grad for x in leaves])
+        for name, got, want in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), *outs):
+            want = want.detach().double()
+            if name.startswith("grad"):
+                bound = GRAD_TOL[dtype] * max(1.0, float(want.abs().max()))
+            else:
+                bound = tol.atol + tol.rtol * want.abs()
+            err = (got.detach().double() - want).abs() / bound
+            worst = float(err.max()) if err.numel() and not torch.isnan(err).any() else (
+                0.0 if not err.numel() else float("inf"))
+            results.append((f"N={N} V={V} D={D} {name}", worst))
+    return results

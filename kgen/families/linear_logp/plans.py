@@ -1,0 +1,130 @@
+"""How one call of linear_logp is laid out: the dot precision, where the target logit is
+taken, TMA or pointer loads, the V splits, the grids and tile constants. Decisions only:
+nothing here allocates a buffer or launches a kernel."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+# Rows per program of the combine kernel: 4 * splits loads per row summing the CUDA
+# partials; with the target gather-dot (the Triton forward), 2 * D elements per row, so
+# fewer rows a program, to spread the N * D reads over more SMs, in TARGET_BLOCK_D-element
+# steps along D.
+COMBINE_BLOCK = 128
+COMBINE_DOT_BLOCK = 16
+TARGET_BLOCK_D = 256
+# Tiles of row-major output walked GROUP rows at a time (L2 reuse of the shared panel).
+GROUP = 8
+# Hidden rows (bytes) a group of CUDA row blocks keeps in L2 while it sweeps V.
+GROUP_BYTES = 16 << 20
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"  # what tl.dot uses by default; only float32 inputs read it
+
+
+def _target_in_tile(dtype: torch.dtype, precision: str) -> bool:
+    """Whether the Triton forward keeps the target logit in its V sweep instead of the
+    combine's float32 gather-dot. The gather-dot equals the tile's logit up to float32
+    summation order when the tile dot multiplies exactly in float32: 16-bit operands (exact
+    products) or float32 under "ieee". A TF32 dot rounds float32 operands to 10 mantissa
+    bits (~1e-3 relative per product), which the gather-dot would not, and logp = z_t - lse
+    would mix two roundings (logp > 0 for a dominant target); that case keeps the fold."""
+    return dtype == torch.float32 and precision == "tf32"
+
+
+def fwd_grid(mod, N: int, splits: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * splits,)
+
+
+def wave_splits(rows: int, minimum: int, tiles: int, resident: int) -> int:
+    """V splits for a grid of `rows` row blocks x splits, `resident` of which run at once:
+    at least `minimum`, raised to the fewest that fill whole waves (rows * splits a
+    multiple of resident) or make 16 waves or more, so that no SM idles through a partial
+    last wave; at most one V tile (of `tiles`) per split. E.g. on a 132-SM H100 at
+    N = 8192 with 128-row blocks: 4 splits give 256 programs, 1.94 waves; 33 give 2112,
+    16 waves. At N = 1: 132 splits."""
+    per_wave = resident // math.gcd(rows, resident)  # splits per whole wave
+    whole = _cdiv(minimum, per_wave) * per_wave
+    many = max(minimum, _cdiv(16 * resident, rows))
+    return max(1, min(whole, many, tiles))
+
+
+@functools.cache
+def _device_props(index: int):
+    """torch.cuda.get_device_properties, once per device (SM count, capability): read on
+    every launch."""
+    return torch.cuda.get_device_properties(index)
+
+
+# Module switch: False makes the Triton kernels load logit tiles with pointers even where
+# TMA applies (tests run both paths).
+TMA = True
+
+
+def _tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the Triton forward and dz kernels load their logit tiles through TMA tensor
+    descriptors: 16-bit operands whose rows are whole 16-byte units from 16-byte aligned
+    bases (TMA's rules), on an sm_90+ GPU or in the interpreter. Measured on an H100 at
+    (8192, 4096, 128256) bf16: forward 13.3 ms against 17.0 ms with pointer loads
+    (BENCHMARKS.md). float32 keeps pointer loads: its 64-column boxes are 256 bytes wide,
+    past the 128-byte swizzle span."""
+    if not TMA or hidden.element_size() != 2 or (hidden.shape[1] * 2) % 16:
+        return False
+    if hidden.data_ptr() % 16 or weight.data_ptr() % 16:
+        return False
+    dev = hidden.device
+    if dev.type != "cuda":
+        return True  # TRITON_INTERPRET: the interpreter emulates descriptor loads
+    return _device_props(dev.index).major >= 9
+
+
+def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any, Any, bool]:
+    """(h_src, w_src, TMA) for _logit_tile: descriptors with the variant's boxes, or the
+    tensors themselves (pointer loads)."""
+    if not _tma(hidden, weight):
+        return hidden, weight, False
+    return (TensorDescriptor.from_tensor(hidden, [mod.BLOCK_N, mod.BLOCK_D]),
+            TensorDescriptor.from_tensor(weight, [mod.BLOCK_V, mod.BLOCK_D]), True)
+
+
+def triton_splits(mod, N: int, V: int, device: torch.device) -> int:
+    """V splits of the Triton forward for this call: wave_splits with one resident program
+    per SM and the variant's SPLIT_V as the minimum. Off the GPU (the interpreter): SPLIT_V,
+    as the spec says (tests use it to make slices empty)."""
+    if device.type != "cuda":
+        return mod.SPLIT_V
+    sms = _device_props(device.index).multi_processor_count
+    return wave_splits(_cdiv(N, mod.BLOCK_N), mod.SPLIT_V, _cdiv(V, mod.BLOCK_V), sms)
+
+
+def combine_grid(N: int, block: int = COMBINE_BLOCK) -> tuple[int]:
+    return (_cdiv(N, block),)
+
+
+def dz_grid(mod, N: int, width: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * _cdiv(width, mod.BLOCK_V),)
+
+
+def dw_grid(mod, width: int, D: int) -> tuple[int]:
+    return (_cdiv(width, mod.BLOCK_V) * _cdiv(D, mod.BLOCK_N),)
+
+
+def dh_grid(mod, N: int, D: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * _cdiv(D, mod.BLOCK_V),)
+
+
+def _tiles(mod) -> dict:
+    return dict(BLOCK_N=mod.BLOCK_N, BLOCK_V=mod.BLOCK_V, BLOCK_D=mod.BLOCK_D,
+                num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)

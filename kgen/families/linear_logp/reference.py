@@ -1,0 +1,50 @@
+"""linear_logp's math in PyTorch, with the N x V logits materialised: the CPU path and the
+tests' float64 oracle."""
+
+from __future__ import annotations
+
+import torch
+
+
+def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
+              ignore_index: int = -100, compute=torch.float32):
+    """(logp, entropy) in `compute` precision (float32: the CPU path; float64: the test
+    oracle), shaped like hidden.shape[:-1]. Materialises the N x V logits; differentiable
+    through torch autograd."""
+    shape = hidden.shape[:-1]
+    h = hidden.reshape(-1, hidden.shape[-1]).to(compute)
+    logits = h @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    logits = logits / temperature
+    t = target.reshape(-1).long()
+    valid = t != ignore_index
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1) - lse
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    zero = logp.new_zeros(())
+    return torch.where(valid, logp, zero).reshape(shape), torch.where(valid, entropy, zero).reshape(shape)
+
+
+def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature: float,
+                       ignore_index: int):
+    """(grad_hidden, grad_weight, grad_bias or [0]) in float32 with the logits materialised:
+    dz = g_logp (onehot - p) - g_ent p (z - E[z]) on valid rows, then / temperature. (The
+    CPU path; written out because autograd does not run inside a custom op's kernel.)"""
+    f32 = torch.float32
+    h, w = hidden.to(f32), weight.to(f32)
+    z = h @ w.T
+    if bias is not None:
+        z = z + bias.to(f32)
+    z = z / temperature
+    p = torch.softmax(z, dim=-1)
+    valid = target != ignore_index
+    dz = -p * grad_logp.to(f32)[:, None]
+    rows = valid.nonzero().squeeze(1)
+    dz[rows, target[rows].long()] += grad_logp.to(f32)[rows]
+    if grad_entropy is not None:
+        ez = (p * z).sum(-1, keepdim=True)
+        dz -= grad_entropy.to(f32)[:, None] * p * (z - ez)
+    dz = torch.where(valid[:, None], dz, torch.zeros((), dtype=f32)) / temperature
+    gb = dz.sum(0).to(bias.dtype) if bias is not None else hidden.new_empty(0)
+    return (dz @ w).to(hidden.dtype), (dz.T @ h).to(weight.dtype), gb

@@ -1,0 +1,139 @@
+"""What every family's op needs, written once: the kernel a call runs, the op itself, and
+the golden-numerics comparison.
+
+- `Kernels(family, bucket)`: per (device, dtype, shape bucket), the variant dispatch chooses
+  (tuning table, KGEN_AUTOTUNE, spec order; KGEN_LOG=dispatch says which and why), built
+  and loaded on the first call and cached for the process; None means the family's PyTorch
+  reference (CPU tensors, nothing could be built, or the reference won the tuning).
+- `define(name, impl, fake=..., backward=..., setup_context=...)`: registers `kgen::<name>`
+  with torch.library (schema from `impl`'s annotations, the fake impl, autograd) and returns
+  the function to call. In eager mode it calls `impl` directly — through an
+  `autograd.Function` when a gradient is needed — because a torch.library op's first call
+  imports torch._dynamo (seconds) and every call pays the dispatcher (~15 us); under
+  torch.compile, or on tensor subclasses (fake, functional), it calls the registered op.
+- `error_ratio(out, ref, tol)`: the worst |out - ref| / (atol + rtol |ref|), inf for NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from kgen.runtime import dispatch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+MISSING = object()
+
+
+class Kernels:
+    """The loaded variant per (device, dtype, bucket) for one family. `bucket(**shape)` is
+    the family's tune_bucket. `get` is the simple form; a family whose calls are short can
+    key the cache by something cheaper than the bucket string (the same classes as plain
+    integers) and use `lookup(key)` on every call and `choose(key, ...)` on a miss."""
+
+    def __init__(self, family: str, bucket: Callable[..., str]):
+        self.family, self.bucket = family, bucket
+        self._cache: dict = {}
+        self.lookup = lambda key: self._cache.get(key, MISSING)  # the hot path: one dict lookup
+
+    def choose(self, key, device: torch.device, dtype: torch.dtype, shape: dict):
+        """Dispatch's choice for `shape`'s bucket (KGEN_LOG=dispatch says which and why),
+        cached under `key`."""
+        name = str(dtype).removeprefix("torch.")
+        kernel, _ = dispatch.choose_logged(self.family, device, name, self.bucket(**shape), shape)
+        self._cache[key] = kernel
+        return kernel
+
+    def get(self, device: torch.device, dtype: torch.dtype, **shape):
+        if device.type != "cuda":
+            return None
+        key = (device.index, dtype, self.bucket(**shape))
+        kernel = self._cache.get(key, MISSING)
+        return kernel if kernel is not MISSING else self.choose(key, device, dtype, shape)
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+
+def _plain(args) -> bool:
+    """True when every tensor argument is an ordinary tensor (not a fake or functional
+    one that tracing passes in)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) not in _PLAIN:
+            return False
+        if isinstance(a, (list, tuple)) and not _plain(a):
+            return False
+    return True
+
+
+def _needs_grad(args) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+        if isinstance(a, (list, tuple)) and _needs_grad(a):
+            return True
+    return False
+
+
+def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | None = None,
+           setup_context: Callable | None = None, mutates_args=()) -> Callable:
+    """Register `kgen::<name>` and return the function a family exposes (see the module
+    doc). `backward(ctx, *grads)` and `setup_context(ctx, inputs, output)` follow
+    `torch.library.register_autograd`; the eager path runs the same two."""
+    op = torch.library.custom_op(f"kgen::{name}", mutates_args=mutates_args)(impl)
+    op.register_fake(fake)
+    eager_grad = None
+    if backward is not None:
+        op.register_autograd(backward, setup_context=setup_context)
+
+        class _Eager(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                out = impl(*args)
+                setup_context(ctx, args, out)
+                return out
+
+            @staticmethod
+            def backward(ctx, *grads):
+                return backward(ctx, *grads)
+
+        _Eager.__name__ = _Eager.__qualname__ = f"{name}_eager"
+        eager_grad = _Eager.apply
+
+    def call(*args):
+        if torch.compiler.is_compiling() or not _plain(args):
+            return op(*args)
+        if eager_grad is not None and _needs_grad(args):
+            return eager_grad(*args)
+        return impl(*args)
+
+    call.op = op
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = impl.__doc__
+    return call
+
+
+def error_ratio(out: torch.Tensor, ref: torch.Tensor, tol) -> float:
+    """max |out - ref| / (atol + rtol |ref|) in float64; inf if out holds a NaN that ref does
+    not (an element the kernel never wrote, when out was poisoned with NaN)."""
+    out, ref = out.double(), ref.double()
+    bad = torch.isnan(out) & ~torch.isnan(ref)
+    if bool(bad.any()):
+        return math.inf
+    both = torch.isnan(out) & torch.isnan(ref)
+    err = ((out - ref).abs() / (tol.atol + tol.rtol * ref.abs())).masked_fill(both, 0.0)
+    return float(err.max()) if err.numel() else 0.0
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """An output buffer full of NaN (integers: the type's minimum), so that an element a
+    kernel fails to write shows up in the comparison."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, torch.iinfo(dtype).min, dtype=dtype, device=device)
