@@ -9,9 +9,10 @@ For one (family, device, dtype, shape bucket), most specific first:
    graph is captured or torch.compile traces); without it, the winner of the nearest tuned
    bucket of the same device and dtype, if it beat spec order's first choice there clearly
    (`tune.transfers`).
-4. Spec order (nothing tuned for this device and dtype): CUDA variants whose arch runs on the device (exact arch before an older
-   minor of the same major), then Triton variants; the op falls back to its PyTorch
-   reference when none can be built.
+4. Spec order (nothing tuned for this device and dtype): CUDA variants whose arch runs on
+   the device (exact arch before an older minor of the same major), then Triton variants;
+   the op falls back to its PyTorch reference when none can be built.
+Variants come from the family's shipped specs and the user's (KGEN_SPEC_PATH, add_spec).
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ log = logging.getLogger("kgen")
 
 
 @functools.cache
-def shipped_spec(family: str) -> spec_mod.Spec:
-    """The family's first shipped spec (kgen/specs/<family>.yaml for kgen's own)."""
+def shipped_specs(family: str) -> tuple[spec_mod.Spec, ...]:
+    """The specs the family ships (kgen/specs/<family>.yaml for kgen's own), read once."""
     from kgen.families import shipped_spec_paths
 
-    return spec_mod.load(shipped_spec_paths(family)[0])
+    return tuple(spec_mod.load(p) for p in shipped_spec_paths(family))
+
+
+def shipped_spec(family: str) -> spec_mod.Spec:
+    """The family's first (main) shipped spec."""
+    return shipped_specs(family)[0]
 
 
 # --------------------------------------------------------------------------- user specs
@@ -82,10 +88,7 @@ def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
 
 def family_specs(family: str) -> list[spec_mod.Spec]:
     """The family's shipped specs, then the user's specs of that family."""
-    from kgen.families import shipped_spec_paths
-
-    shipped = [shipped_spec(family)] + [spec_mod.load(p) for p in shipped_spec_paths(family)[1:]]
-    return shipped + [s for s in _user_specs(tuple(spec_files())) if s.family == family]
+    return [*shipped_specs(family), *(s for s in _user_specs(tuple(spec_files())) if s.family == family)]
 
 
 def family_variants(family: str) -> list[spec_mod.Variant]:
