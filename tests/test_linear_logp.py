@@ -263,8 +263,8 @@ def test_render_is_deterministic():
 
 def test_registered_op_and_fake():
     x, w, t = torch.randn(5, 16), torch.randn(11, 16), torch.randint(0, 11, (5,))
-    torch.library.opcheck(torch.ops.kgen.linear_logp.default, (x, w, t, None, 0.5, -100, True))
-    meta = torch.ops.kgen.linear_logp(x.to("meta"), w.to("meta"), t.to("meta"), None, 1.0, -100, False)
+    torch.library.opcheck(torch.ops.kgen.linear_logp.default, (x, w, t, None, 0.5, -100, True, False))
+    meta = torch.ops.kgen.linear_logp(x.to("meta"), w.to("meta"), t.to("meta"), None, 1.0, -100, False, False)
     assert [m.shape for m in meta] == [(5,), (0,), (5,), (0,)]
 
 
@@ -312,8 +312,8 @@ H, W, T, B = make_inputs(4, 10, 16)
     (dict(hidden=H[:, :8]), ValueError, "hidden"),
     (dict(target=T[:3]), ValueError, "target"),
     (dict(bias=B[:9]), ValueError, "bias"),
-    (dict(target=torch.tensor([0, 1, 10, 2])), ValueError, "target"),
-    (dict(target=torch.tensor([0, -1, 3, 2])), ValueError, "target"),
+    (dict(target=torch.tensor([0, 1, 10, 2]), check_targets=True), ValueError, "target"),
+    (dict(target=torch.tensor([0, -1, 3, 2]), check_targets=True), ValueError, "target"),
     (dict(weight=W.to("meta")), ValueError, "weight"),
 ])
 def test_bad_inputs_raise(kwargs, error, match):
@@ -322,6 +322,27 @@ def test_bad_inputs_raise(kwargs, error, match):
     with pytest.raises(error, match=match):
         call(variant(), args.pop("hidden"), args.pop("weight"), args.pop("target"),
                         args.pop("bias"), **args)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_targets_out_of_range_give_nan_rows_or_raise_in_checked_mode(impl, monkeypatch):
+    """By default no host check: a target outside [0, V) (not ignore_index) makes that row's
+    logp and entropy NaN, the other rows are untouched; checked mode (argument or
+    KGEN_CHECK_TARGETS=1) raises ValueError naming the value."""
+    mod = variant() if impl == "triton" else None
+    target = torch.tensor([0, 10, 3, -5])  # V = 10
+    logp, ent = call(mod, H, W, target, B, return_entropy=True)
+    assert torch.isnan(logp[[1, 3]]).all() and torch.isnan(ent[[1, 3]]).all()
+    good = torch.tensor([0, 2, 3, 2])
+    want_logp, want_ent = llp.reference(H, W, good, B, compute=torch.float64)
+    torch.testing.assert_close(logp[[0, 2]].double(), want_logp[[0, 2]], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ent[[0, 2]].double(), want_ent[[0, 2]], rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="target holds 10, outside"):
+        call(mod, H, W, target, B, check_targets=True)
+    monkeypatch.setenv("KGEN_CHECK_TARGETS", "1")
+    with pytest.raises(ValueError, match="target holds 10, outside"):
+        call(mod, H, W, target, B)
+    call(mod, H, W, target, B, check_targets=False)  # the argument wins over the environment
 
 
 def test_ignore_index_is_not_out_of_range():

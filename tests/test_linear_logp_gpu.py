@@ -105,16 +105,17 @@ def test_split_v_invariance_on_gpu():
 @pytest.mark.parametrize("path", ["dispatch", "triton-tma"])
 @pytest.mark.parametrize("bad", [-1, 50257, 1 << 40])
 def test_target_out_of_range_raises(monkeypatch, path, bad):
-    """The range check is waited for after the kernels are queued: a bad target still
-    raises ValueError naming it, an out-of-range ignore_index does not, and the next call
-    on the same inputs (corrected) matches float64."""
+    """In checked mode a bad target raises ValueError naming it; by default its row is NaN;
+    an out-of-range ignore_index is fine; the next call (corrected) matches float64."""
     h, w, b, t = _inputs(300, 50257, 1024, torch.bfloat16, seed=11)
     with _path(monkeypatch, path, torch.bfloat16):
         ops.linear_logp(h, w, t, b)  # build and load first
         t_bad = t.clone()
         t_bad[123] = bad
         with pytest.raises(ValueError, match=f"target holds {bad}, outside"):
-            ops.linear_logp(h, w, t_bad, b)
+            ops.linear_logp(h, w, t_bad, b, check_targets=True)
+        logp = ops.linear_logp(h, w, t_bad, b)  # default: no host check, that row NaN
+        assert torch.isnan(logp[123]) and not torch.isnan(logp[:123]).any() and not torch.isnan(logp[124:]).any()
         ignored = torch.where(t_bad == -100, torch.full_like(t_bad, bad), t_bad)
         ops.linear_logp(h, w, ignored, b, ignore_index=bad)  # ignored rows may hold any value
         t_bad[123] = 7
@@ -123,6 +124,24 @@ def test_target_out_of_range_raises(monkeypatch, path, bad):
     want, _ = llp.reference(h, w, t_bad, b, compute=torch.float64)
     # float32 accumulation over D = 1024 terms: within the spec's tolerance (2e-5).
     torch.testing.assert_close(logp.double(), want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("path", ["dispatch", "triton-tma"])
+def test_no_host_wait_by_default(monkeypatch, path):
+    """The call returns while the GPU is still busy with work queued before it: the op's
+    default path waits on the host for nothing (forward and backward)."""
+    h, w, b, t = _inputs(300, 50257, 1024, torch.bfloat16, seed=5)
+    with _path(monkeypatch, path, torch.bfloat16):
+        ops.linear_logp(h, w, t, b)  # build and load first
+        hg = h.clone().requires_grad_()
+        torch.cuda.synchronize()
+        done = torch.cuda.Event()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the op
+        done.record()
+        logp = ops.linear_logp(hg, w, t, b)
+        logp.sum().backward()
+        assert not done.query(), "the op waited for the GPU"
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("path", ["dispatch", "triton-tma"])

@@ -35,7 +35,7 @@ def with_check(check):
     def run(h, w, t):
         llp_op.check_target_range = check
         try:
-            return ops.linear_logp(h, w, t)
+            return ops.linear_logp(h, w, t, check_targets=True)
         finally:
             llp_op.check_target_range = SHIPPED_CHECK
     return run
@@ -57,9 +57,10 @@ def main():
         t = torch.randint(0, V, (N,), device="cuda")
         impl = llp._module(h.device, h.dtype)
         fns = {"cuBLAS h @ w.T": lambda: h @ w.T,
-               "op (shipped: wait after queueing)": lambda: ops.linear_logp(h, w, t),
-               "op, wait before queueing": lambda: before(h, w, t),
-               "op, no range check": lambda: unchecked(h, w, t),
+               "op (default: no range check)": lambda: ops.linear_logp(h, w, t),
+               "op, checked: wait after queueing": lambda: ops.linear_logp(h, w, t, check_targets=True),
+               "op, checked: wait before queueing": lambda: before(h, w, t),
+               "op, no range check (patched)": lambda: unchecked(h, w, t),
                "llp.forward": lambda: llp.forward(impl, h, w, t, None, 1.0, -100, False)}
         if isinstance(impl, llp.CudaForward):
             splits = impl.splits(N, V, h.device)

@@ -29,6 +29,7 @@ SPLIT_V = 4
 
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_INF = tl.constexpr(float("-inf"))
+NAN = tl.constexpr(float("nan"))
 # The logit of a column past V: exp2 of it is 0 and 0 times it is 0, so masked columns
 # drop out of every sum with no select (-inf would give 0 * -inf = NaN in the entropy).
 # The CUDA kernels' MASKED_LOGIT (common/online_softmax.cuh.j2).
@@ -218,16 +219,20 @@ def linear_logp_combine_kernel(
     lse = m + log_s
     target = tl.load(t_ptr + rows, mask=ok, other=ignore_index)
     valid = target != ignore_index
+    # A target outside [0, V) that is not ignore_index: that row's logp and entropy are NaN
+    # (no plausible value, and no read outside weight); the op checks on the host only in
+    # its checked mode.
+    bad = valid & ((target < 0) | (target >= V))
     if TARGET_DOT:
-        # Bounds-checked too: during CUDA graph capture target is not range-checked, and a
-        # bad value must give a wrong row, never a read outside weight.
-        gather = valid & (target >= 0) & (target < V)
+        gather = valid & ~bad
         z_t = _target_logit(h_ptr, w_ptr, b_ptr, rows, target, gather, D, scale, HAS_BIAS, BLOCK, BLOCK_D)
-    tl.store(logp_ptr + rows, tl.where(valid, (z_t - lse) * LN2, 0.0), mask=ok)
+    logp = tl.where(valid, (z_t - lse) * LN2, 0.0)
+    tl.store(logp_ptr + rows, tl.where(bad, NAN, logp), mask=ok)
     tl.store(lse_ptr + rows, lse, mask=ok)
     if WITH_ENTROPY:
         mean = ent / s  # E[z] - m, base 2
-        tl.store(ent_ptr + rows, tl.where(valid, (log_s - mean) * LN2, 0.0), mask=ok)
+        ent = tl.where(valid, (log_s - mean) * LN2, 0.0)
+        tl.store(ent_ptr + rows, tl.where(bad, NAN, ent), mask=ok)
         tl.store(ez_ptr + rows, m + mean, mask=ok)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 from typing import Optional
 
@@ -133,22 +134,24 @@ def tune_runner(kernel, inputs: dict):
 
 
 def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                  temperature: float, ignore_index: int, with_entropy: bool
+                  temperature: float, ignore_index: int, with_entropy: bool, check_targets: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward op's implementation: 2-D hidden, 1-D target. Returns (logp [N], entropy
     [N] or [0], lse2 [N], ez2 [N] or [0]); the last two are what the backward needs (unused
-    on the reference path)."""
+    on the reference path). `check_targets`: raise ValueError for a target outside [0, V)
+    (a host wait); otherwise such rows come out NaN."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     mod = _module(hidden.device, hidden.dtype, (hidden.shape[0], hidden.shape[1], weight.shape[0]))
     target = target.contiguous()
-    checked = check_target_range(target, weight.shape[0], ignore_index,
-                                 mod.triton if isinstance(mod, CudaForward) else mod)
+    checked = (check_target_range(target, weight.shape[0], ignore_index,
+                                  mod.triton if isinstance(mod, CudaForward) else mod)
+               if check_targets else _unchecked)
     if mod is not None:
         out = forward(mod, hidden.contiguous(), weight.contiguous(), target,
                       bias.contiguous() if bias is not None else None, temperature, ignore_index, with_entropy)
         checked()
         return out
-    checked()  # before the reference, which indexes with target
+    checked()  # before the reference (it never indexes outside the logits either)
     logp, entropy = reference(hidden, weight, target, bias, temperature=temperature, ignore_index=ignore_index)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
     f32 = torch.float32
@@ -156,7 +159,11 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
             torch.zeros(N, dtype=f32, device=hidden.device), torch.zeros(n_ent, dtype=f32, device=hidden.device))
 
 
-def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy):
+def _unchecked() -> None:
+    pass
+
+
+def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets):
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
     new = lambda n: hidden.new_empty((n,), dtype=torch.float32)  # noqa: E731
@@ -184,7 +191,7 @@ def _bwd_op_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entrop
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, temperature, ignore_index, with_entropy = inputs
+    hidden, weight, target, bias, temperature, ignore_index, with_entropy, _check_targets = inputs
     _, _, lse2, ez2 = output
     ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
     ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
@@ -197,7 +204,7 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
     with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
         gh, gw, gb = _bwd_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
                              grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
-    return gh, gw, None, gb if ctx.has_bias else None, None, None, None
+    return gh, gw, None, gb if ctx.has_bias else None, None, None, None, None
 
 
 # torch.ops.kgen.linear_logp(_backward): 2-D hidden, 1-D target, four outputs (logp,
@@ -208,9 +215,17 @@ _bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
 _op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
 
 
+def checked_mode(check_targets: Optional[bool]) -> bool:
+    """The argument, else KGEN_CHECK_TARGETS (off by default: see linear_logp)."""
+    if check_targets is not None:
+        return bool(check_targets)
+    return os.environ.get("KGEN_CHECK_TARGETS", "0") not in ("", "0")
+
+
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
-                ignore_index: int = -100, return_entropy: bool = False):
+                ignore_index: int = -100, return_entropy: bool = False,
+                check_targets: Optional[bool] = None):
     """logp = log_softmax((hidden @ weight.T + bias) / temperature)[target] per row, float32,
     shaped like hidden.shape[:-1]; with return_entropy, (logp, entropy) where entropy is
     that of the tempered softmax. Rows with target == ignore_index give 0 for both and no
@@ -218,20 +233,24 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
 
     The N x V logits are not materialised on CUDA (extra memory in the docstring of
     kgen.families.linear_logp.launch, < 64 MiB at N=8192, V=128256) except where the
-    tuning table found the PyTorch reference fastest, which it may only where those logits take under 64 MiB; CPU tensors use the
-    float32 PyTorch reference. In eager mode the implementation is called directly (an
+    tuning table found the PyTorch reference fastest, which it may only where those logits
+    take under 64 MiB; CPU tensors use the float32 PyTorch reference. In eager mode the implementation is called directly (an
     autograd.Function when a gradient is needed), under torch.compile the registered op.
-    Dtypes, shapes and devices are checked before any launch; target's range by
-    one device reduction queued before the kernels and waited for after them (one host wait
-    per call, skipped during CUDA graph capture): a target outside [0, V) that is not
-    ignore_index raises ValueError. Also registered as
-    torch.ops.kgen.linear_logp (2-D hidden, 1-D target, four outputs).
+    Dtypes, shapes and devices are checked before any launch. Target values are not, by
+    default: a target outside [0, V) that is not ignore_index gives that row a NaN logp (and
+    entropy), never a read outside weight and never a plausible number. Checking them needs
+    the device's answer on the host, a wait per call that would stop a training loop's CPU
+    from running ahead of the GPU (and is illegal during CUDA graph capture), so it is
+    opt-in: `check_targets=True` or KGEN_CHECK_TARGETS=1 raises ValueError naming the first
+    bad value (one device reduction queued before the kernels, waited for after them;
+    skipped during graph capture). Also registered as torch.ops.kgen.linear_logp (2-D
+    hidden, 1-D target, four outputs).
     """
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     D = weight.shape[1]
     shape = hidden.shape[:-1]
     args = (hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature), int(ignore_index),
-            bool(return_entropy))
+            bool(return_entropy), checked_mode(check_targets))
     logp, entropy, _, _ = _op(*args)
     logp = logp.reshape(shape)
     return (logp, entropy.reshape(shape)) if return_entropy else logp

@@ -19,11 +19,16 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
     logits = logits / temperature
     t = target.reshape(-1).long()
     valid = t != ignore_index
+    bad = valid & ((t < 0) | (t >= logits.shape[1]))  # NaN rows, as the kernels give
     lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1) - lse
+    logp = logits.gather(1, torch.where(valid & ~bad, t, 0)[:, None]).squeeze(1) - lse
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    zero = logp.new_zeros(())
-    return torch.where(valid, logp, zero).reshape(shape), torch.where(valid, entropy, zero).reshape(shape)
+    zero, nan = logp.new_zeros(()), logp.new_full((), float("nan"))
+
+    def rows(x):
+        return torch.where(bad, nan, torch.where(valid, x, zero)).reshape(shape)
+
+    return rows(logp), rows(entropy)
 
 
 def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature: float,
@@ -40,7 +45,7 @@ def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, te
     p = torch.softmax(z, dim=-1)
     valid = target != ignore_index
     dz = -p * grad_logp.to(f32)[:, None]
-    rows = valid.nonzero().squeeze(1)
+    rows = (valid & (target >= 0) & (target < w.shape[0])).nonzero().squeeze(1)
     dz[rows, target[rows].long()] += grad_logp.to(f32)[rows]
     if grad_entropy is not None:
         ez = (p * z).sum(-1, keepdim=True)
