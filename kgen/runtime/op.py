@@ -21,8 +21,6 @@ from typing import Callable
 
 import torch
 
-from kgen.runtime import dispatch
-
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -43,6 +41,8 @@ class Kernels:
     def choose(self, key, device: torch.device, dtype: torch.dtype, shape: dict):
         """Dispatch's choice for `shape`'s bucket (KGEN_LOG=dispatch says which and why),
         cached under `key`."""
+        from kgen.runtime import dispatch  # builds and renders: imported at the first miss, as before
+
         name = str(dtype).removeprefix("torch.")
         kernel, _ = dispatch.choose_logged(self.family, device, name, self.bucket(**shape), shape)
         self._cache[key] = kernel

@@ -67,8 +67,11 @@ def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int,
         return forced
     if device.type != "cuda":
         return None
-    key = (device.index, dtype) if shape is None else (device.index, dtype, *(
-        (n - 1).bit_length() for n in shape))
+    if shape is None:
+        key = (device.index, dtype)
+    else:  # tune_bucket's classes as plain integers (a generator here cost every call)
+        N, D, V = shape
+        key = (device.index, dtype, (N - 1).bit_length(), (D - 1).bit_length(), (V - 1).bit_length())
     mod = _MODULES.get(key, _FORCED)
     if mod is _FORCED:
         mod = _MODULES[key] = _choose(device, dtype, shape)
