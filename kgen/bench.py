@@ -55,8 +55,8 @@ def print_table(title: str, rows: list[dict]) -> None:
 def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list[dict]:
     """What the tuning table does, per (dtype, shape) case: the variant spec order picks
     ("before"), the table's pick ("after", and why), and the fastest candidate measured here,
-    each timed by the tuner's own method (`tune.cuda_timer`: back-to-back calls, so host
-    cost counts where it bounds) in interleaved rounds, minimum per candidate. `peers(dtype,
+    each timed by the tuner's own method (`tune.cuda_timer`: the larger of the GPU time
+    and the host's launch time, so host cost counts where it bounds) in interleaved rounds, minimum per candidate. `peers(dtype,
     inputs) -> {name: fn}` adds non-candidates (torch.compile, a GEMM) to the same rounds."""
     import torch
 

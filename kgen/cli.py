@@ -105,15 +105,15 @@ def cmd_build(args) -> int:
 
         results = build_mod.build(variants, triton_arch=triton_arch, on_progress=step)
     table = Table(title=f"kgen build {spec.path}")
-    for col in ("variant", "backend", "arch", "status", "regs", "smem B", "spill B", "build"):
-        table.add_column(col, justify="right" if col in ("regs", "smem B", "spill B", "build") else "left")
+    for col in ("variant", "backend", "arch", "status", "regs", "smem B", "spill B", "stack B", "build"):
+        table.add_column(col, justify="right" if col in ("regs", "smem B", "spill B", "stack B", "build") else "left")
     failed = []
     for r in results:
         s = r.summary()
         when = "cached" if r.status == "cached" else f"{r.seconds:.1f} s"
         table.add_row(r.variant.name, r.variant.backend, r.target or "-", r.status,
                       str(s.get("registers", "-")), str(s.get("shared", "-")), str(s.get("spill", "-")),
-                      when if r.status != "failed" else "-")
+                      str(s.get("stack", "-")), when if r.status != "failed" else "-")
         if r.status == "failed":
             failed.append(r)
     console.print(table)

@@ -14,8 +14,8 @@ import jinja2
 from kgen.spec import Variant
 
 # One table maps kgen dtype names to each language's spelling.
-C_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half"}
-TRITON_TYPES = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16"}
+C_TYPES = {"float32": "float", "bfloat16": "__nv_bfloat16", "float16": "__half", "int8": "int8_t"}
+TRITON_TYPES = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.float16", "int8": "tl.int8"}
 _EXT = {"cuda": ".cu", "triton": ".py"}
 _COMMENT = {".cu": "//", ".py": "#"}
 

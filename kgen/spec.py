@@ -23,6 +23,7 @@ DTYPES: Mapping[str, tuple[int, str]] = {
     "float32": (4, "f32"),
     "bfloat16": (2, "bf16"),
     "float16": (2, "f16"),
+    "int8": (1, "i8"),  # int8_gemm: the operand type of its int8 x int8 kernels
 }
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a")
 BACKENDS = ("cuda", "triton")
@@ -48,6 +49,14 @@ class Knob:
     default: Any = None  # None: required
 
     def check(self, value: Any) -> str | None:
+        if self.kind is tuple:  # a list of integers that is one value (e.g. fused_mlp's widths)
+            if not isinstance(value, tuple) or not value:
+                return f"expected a non-empty list of integers, got {value!r}"
+            for x in value:
+                problem = Knob(self.name, self.abbr, lo=self.lo, hi=self.hi, pow2=self.pow2).check(x)
+                if problem:
+                    return problem
+            return None
         if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
             return f"expected an integer, got {type(value).__name__} {value!r}"
         if self.kind is bool and not isinstance(value, bool):
@@ -142,6 +151,8 @@ class Spec:
 def _fmt(v: Any) -> str:
     if isinstance(v, bool):
         return "1" if v else "0"
+    if isinstance(v, tuple):
+        return "x".join(map(_fmt, v))
     return str(v)
 
 
@@ -356,7 +367,18 @@ def _expand(entry: _LDict, i: int, family: str, schema: Schema, dtypes: list[str
 
     axes: list[list[tuple[str, Any]]] = []
     for knob in knobs:
-        if knob.name in entry:
+        if knob.name in entry and knob.kind is tuple:
+            # one list is one value; a list of lists is several
+            raw = entry[knob.name]
+            if isinstance(raw, list) and raw and all(isinstance(x, list) for x in raw):
+                values = [tuple(x) for x in raw]
+            else:
+                values = [tuple(raw) if isinstance(raw, list) else raw]
+            for j, v in enumerate(values):
+                problem = knob.check(v)
+                if problem:
+                    err(knob.name, problem, j if len(values) > 1 else None)
+        elif knob.name in entry:
             values = _listify(entry[knob.name])
             if not values:
                 err(knob.name, "expected at least one value")

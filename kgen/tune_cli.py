@@ -14,7 +14,8 @@ def parse_shape(text: str, dims: tuple[str, ...]) -> dict:
         out = {}
         for part in text.split(","):
             k, _, v = part.partition("=")
-            out[k.strip()] = int(v)
+            v = v.strip()
+            out[k.strip()] = int(v) if v.lstrip("-").isdigit() else v  # e.g. fused_mlp's widths=13-512-256
         return out
     values = [int(p) for p in text.lower().split("x")]
     if len(values) != len(dims):

@@ -28,6 +28,13 @@ if not HAS_GPU:
 
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            skip_multi = pytest.mark.skip(reason="needs 2 or more CUDA GPUs")
+            for item in items:
+                if "multigpu" in item.keywords:
+                    item.add_marker(skip_multi)
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

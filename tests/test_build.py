@@ -19,6 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 FBA = spec.load(ROOT / "kgen" / "specs" / "fused_bias_act.yaml")
 SHIPPED = [spec.load(p) for p in sorted((ROOT / "kgen" / "specs").glob("*.yaml"))]
 TRITON = [v for s in SHIPPED for v in s.variants if v.backend == "triton"]
+# Families whose shipped Triton variants compile without a per-thread stack (arrays the
+# compiler keeps in local memory, LDL/STL like spills; `kgen build` reports it). The newer
+# families' variants still carry 8-2000 B stacks with Triton 3.9 on sm_90 (issues 16, 17, 22).
+STACK_FREE = {"fused_bias_act", "linear_logp"}
 # In CI a missing compiler is a failure, not a skip.
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CI"),
                                 reason="nvcc not installed")
@@ -115,7 +119,10 @@ def test_triton_variant_compiles_ahead_of_time(triton_builds, name):
     assert cubins
     sass = toolchain.sass(r.entry.file(cubins[0]))
     assert re.search(r"code for sm_90a?\b", sass) and "LDG.E" in sass
-    assert all(k["local"] == 0 for k in r.entry.manifest["resources"].values())
+    res = r.entry.manifest["resources"]
+    assert all(k["local"] == 0 for k in res.values()), res
+    if r.variant.family in STACK_FREE:
+        assert all(k["stack"] == 0 for k in res.values()), res
 
 
 @needs_nvcc

@@ -288,6 +288,18 @@ def test_spec_rejects_tiles_beyond_shared_memory():
     assert ei.value.key == "variants[0].num_stages" and ei.value.line == 5
 
 
+def test_spec_rejects_float32_tma_boxes_past_the_swizzle_span():
+    # float32 tiles load through TMA with 128-byte rows (block_d <= 32); 64 columns would
+    # be 256 bytes, which the 128-byte swizzle cannot take.
+    from kgen.errors import SpecError
+
+    with pytest.raises(SpecError, match="128-byte swizzle") as ei:
+        spec.parse("family: linear_logp\ndtypes: [float32]\nvariants:\n"
+                   "  - {backend: triton, block_n: 64, block_v: 64, block_d: 64, num_warps: 4,\n"
+                   "     num_stages: 2, split_v: 1}\n", "inline.yaml")
+    assert ei.value.key == "variants[0].block_d"
+
+
 # --------------------------------------------------------------------------- bad inputs
 
 H, W, T, B = make_inputs(4, 10, 16)

@@ -129,11 +129,13 @@ def test_target_out_of_range_raises(monkeypatch, path, bad):
 @pytest.mark.parametrize("path", ["dispatch", "triton-tma"])
 def test_no_host_wait_by_default(monkeypatch, path):
     """The call returns while the GPU is still busy with work queued before it: the op's
-    default path waits on the host for nothing (forward and backward)."""
+    default path waits on the host for nothing (forward and backward). The first call of
+    each kernel builds and loads it (loading a module may wait for the device), so one
+    forward + backward runs first, as the first step of a training loop would."""
     h, w, b, t = _inputs(300, 50257, 1024, torch.bfloat16, seed=5)
     with _path(monkeypatch, path, torch.bfloat16):
-        ops.linear_logp(h, w, t, b)  # build and load first
         hg = h.clone().requires_grad_()
+        ops.linear_logp(hg, w, t, b).sum().backward()  # build and load forward and backward
         torch.cuda.synchronize()
         done = torch.cuda.Event()
         torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the op

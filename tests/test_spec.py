@@ -9,6 +9,7 @@ import pytest
 
 from kgen import spec
 from kgen.errors import SpecError
+from kgen.families import schema_of
 
 BAD = sorted((Path(__file__).parent / "specs" / "bad").glob("*.yaml"))
 SHIPPED = sorted((Path(__file__).parent.parent / "kgen" / "specs").glob("*.yaml"))
@@ -22,8 +23,14 @@ def test_shipped_specs_load_and_expand(path):
     assert len(set(names)) == len(names)
     for v in s.variants:
         assert re.fullmatch(r"[a-z0-9_]+", v.name), v.name
-        for key, value in v.knobs:  # every knob appears in the name
-            assert str(int(value) if isinstance(value, bool) else value) in v.name
+        defaults = {k.name: k.default for k in schema_of(s.family).knobs[v.backend]}
+        for key, value in v.knobs:  # every knob appears in the name (one at its default stays out)
+            if value == defaults[key]:
+                continue
+            if isinstance(value, tuple):  # a list-valued knob (fused_mlp's widths): 367x512x256x1
+                assert "x".join(map(str, value)) in v.name
+            else:
+                assert str(int(value) if isinstance(value, bool) else value) in v.name
     assert set(s.numerics) == set(s.dtypes)
 
 

@@ -331,3 +331,26 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
     finally:
         tune.TABLES.invalidate()
         fba._KERNELS.clear()
+
+
+@pytest.mark.gpu
+def test_gpu_timer_reports_the_larger_of_host_and_gpu_time():
+    """cuda_timer's two halves, checked on calls of known cost (bounds are wide: they test
+    what is measured, not how fast anything is): ~200 us of host work around a tiny kernel
+    measures as host-bound, a ~300 us spin kernel with a cheap launch as GPU-bound."""
+    import time
+
+    x = torch.zeros(1, device="cuda")
+    cycles = tune._sleep_cycles_per_us(torch.cuda.current_device())
+
+    def host_bound():
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 200e-6:
+            pass
+        x.add_(1)
+
+    def gpu_bound():
+        torch.cuda._sleep(int(300 * cycles))
+
+    assert 180 <= tune.cuda_timer(host_bound, 2000) <= 600
+    assert 250 <= tune.cuda_timer(gpu_bound, 3000) <= 450

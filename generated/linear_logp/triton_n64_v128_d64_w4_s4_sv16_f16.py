@@ -29,7 +29,6 @@ SPLIT_V = 16
 
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_INF = tl.constexpr(float("-inf"))
-NAN = tl.constexpr(float("nan"))
 # The logit of a column past V: exp2 of it is 0 and 0 times it is 0, so masked columns
 # drop out of every sum with no select (-inf would give 0 * -inf = NaN in the entropy).
 # The CUDA kernels' MASKED_LOGIT (common/online_softmax.cuh.j2).
@@ -227,12 +226,12 @@ def linear_logp_combine_kernel(
         gather = valid & ~bad
         z_t = _target_logit(h_ptr, w_ptr, b_ptr, rows, target, gather, D, scale, HAS_BIAS, BLOCK, BLOCK_D)
     logp = tl.where(valid, (z_t - lse) * LN2, 0.0)
-    tl.store(logp_ptr + rows, tl.where(bad, NAN, logp), mask=ok)
+    tl.store(logp_ptr + rows, tl.where(bad, float("nan"), logp), mask=ok)
     tl.store(lse_ptr + rows, lse, mask=ok)
     if WITH_ENTROPY:
         mean = ent / s  # E[z] - m, base 2
         ent = tl.where(valid, (log_s - mean) * LN2, 0.0)
-        tl.store(ent_ptr + rows, tl.where(bad, NAN, ent), mask=ok)
+        tl.store(ent_ptr + rows, tl.where(bad, float("nan"), ent), mask=ok)
         tl.store(ez_ptr + rows, m + mean, mask=ok)
 
 

@@ -45,13 +45,16 @@ class BuildResult:
     resources: dict = field(default_factory=dict)  # kernel -> {registers, shared, local, stack}
 
     def summary(self) -> dict:
-        """Worst case over the entry's kernels: max registers and shared memory, total local."""
+        """Worst case over the entry's kernels: max registers, shared memory and per-thread
+        stack (a large stack is local memory too: arrays the compiler could not keep in
+        registers, read and written with LDL/STL like spills), total spill (local) bytes."""
         res = self.resources or (self.entry.manifest.get("resources", {}) if self.entry else {})
         if not res:
             return {}
         return {"registers": max(r["registers"] for r in res.values()),
                 "shared": max(r["shared"] for r in res.values()),
-                "spill": sum(r["local"] for r in res.values())}
+                "spill": sum(r["local"] for r in res.values()),
+                "stack": max(r.get("stack", 0) for r in res.values())}
 
 
 @functools.cache

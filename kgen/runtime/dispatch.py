@@ -169,13 +169,29 @@ def load(variant: spec_mod.Variant) -> loader.Kernel:
     return loader.load_triton(variant, build.triton_source_entry(variant))
 
 
-def select(family: str, device, dtype: str, backend: str | None = None) -> loader.Kernel | None:
-    """The first candidate for (device, dtype) that builds and loads; None means "use the
-    reference". Each failure is logged once with its reason, then the next is tried."""
+def _fits(family: str, shape: dict | None):
+    """The family's optional `variant_fits(variant, shape) -> bool` bound to `shape` (a
+    variant built for some shapes only, e.g. fused_mlp's exact widths), or None."""
+    if shape is None:
+        return None
+    from kgen.families import module_of
+
+    fits = getattr(module_of(family), "variant_fits", None)
+    return (lambda v: fits(v, shape)) if fits is not None else None
+
+
+def select(family: str, device, dtype: str, backend: str | None = None,
+           shape: dict | None = None) -> loader.Kernel | None:
+    """The first candidate for (device, dtype) that builds and loads (and, given the call's
+    `shape`, that the family's `variant_fits` accepts); None means "use the reference".
+    Each failure is logged once with its reason, then the next is tried."""
     import torch
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    fits = _fits(family, shape)
     for v in candidates(family, dtype, capability, backend):
+        if fits is not None and not fits(v):
+            continue
         try:
             return load(v)
         except KgenError as e:
@@ -195,7 +211,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     if device.type != "cuda":
         return None, "fallback"
     if os.environ.get("KGEN_VARIANT") or os.environ.get("KGEN_BACKEND"):
-        return select(family, device, dtype), "forced"
+        return select(family, device, dtype, shape=shape), "forced"
     from kgen.runtime import tune
 
     k = tune.key(family, tune.device_key(device.index), dtype, bucket)
@@ -210,7 +226,8 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     if winner == tune.REFERENCE:
         return None, why
     if winner is not None:
-        match = [v for v in runnable(family, dtype, device) if v.name == winner]
+        fits = _fits(family, shape)
+        match = [v for v in runnable(family, dtype, device) if v.name == winner and (fits is None or fits(v))]
         if not match:
             log.warning("kgen: the tuned winner %s for %s %s [%s] is not a variant of the specs dispatch "
                         "knows; put its spec on KGEN_SPEC_PATH (or kgen.add_spec). Using spec order.",
@@ -221,7 +238,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
             except KgenError as e:
                 log.warning("kgen: tuned winner %s unavailable, using spec order: %s", winner,
                             str(e).splitlines()[0])
-    kernel = select(family, device, dtype)
+    kernel = select(family, device, dtype, shape=shape)
     return kernel, "spec order" if kernel is not None else "fallback"
 
 

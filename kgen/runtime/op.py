@@ -81,6 +81,13 @@ def _needs_grad(args) -> bool:
     return False
 
 
+def _has_tensor_lists(op) -> bool:
+    from torch._library.utils import is_tensorlist_like_type
+
+    schema = op._opoverload._schema
+    return any(is_tensorlist_like_type(a.type) for a in (*schema.arguments, *schema.returns))
+
+
 def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | None = None,
            setup_context: Callable | None = None, mutates_args=()) -> Callable:
     """Register `kgen::<name>` and return the function a family exposes (see the module
@@ -104,6 +111,10 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
                 return backward(ctx, *grads)
 
         _Eager.__name__ = _Eager.__qualname__ = f"{name}_eager"
+        if _has_tensor_lists(op):  # Tensor[] / Tensor?[] arguments: autograd through each element
+            from torch._library.autograd import supports_tensorlist
+
+            _Eager = supports_tensorlist(_Eager)
         eager_grad = _Eager.apply
 
     def call(*args):

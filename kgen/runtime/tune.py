@@ -190,15 +190,45 @@ def record(entries: dict, path: Path | None = None) -> Path:
 # --------------------------------------------------------------------------- timing
 
 
+@functools.cache
+def _sleep_cycles_per_us(index: int) -> float:
+    """How many `torch.cuda._sleep` cycles make one microsecond on this device (measured
+    once: the spin kernel counts SM clock cycles, and clocks differ between GPUs)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # warm up (clocks ramp)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 10_000_000 / max(start.elapsed_time(end) * 1000, 1.0)
+
+
 def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> float:
-    """Median time of one call of `fn` in microseconds, by CUDA events on the current
-    stream: three warm-up calls, then samples of enough back-to-back calls to span ~100 us
-    each (so event resolution does not matter), as many samples as cover `min_us` (>= 7)."""
+    """One call of `fn` in microseconds as a stream of back-to-back calls runs it: the
+    larger of its GPU time and its host (launch) time, each the median of several samples.
+
+    The GPU time is measured with every sample's calls queued behind a spin kernel
+    (`torch.cuda._sleep`) long enough to cover their launches, so CUDA events see kernels
+    back to back and not the host's gaps; the host time is the wall time of enqueueing
+    them (the GPU still busy, so nothing waits on it). Timing back-to-back calls alone mixes
+    the two: where a Triton launch's ~15-25 us host cost is near the kernel's GPU time it
+    swung timings 30-60 % between processes (H100, BENCHMARKS.md), enough to flip choices.
+    A sample spans ~100 us of GPU time (event resolution); samples cover `min_us` (>= 7)."""
+    import time
+
     import torch
 
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn()
+    host_est = (time.perf_counter() - t0) / 3 * 1e6
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
     start.record()
     for _ in range(3):
         fn()
@@ -207,15 +237,40 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> float:
     one = max(start.elapsed_time(end) * 1000 / 3, 1e-3)
     per_sample = max(1, math.ceil(100 / one))
     samples = max(7, min(200, math.ceil(min_us / (one * per_sample))))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(samples)]
-    for s, e in events:
-        s.record()
-        for _ in range(per_sample):
-            fn()
-        e.record()
-    events[-1][1].synchronize()
-    times = sorted(s.elapsed_time(e) * 1000 / per_sample for s, e in events)
-    return times[len(times) // 2]
+    cycles_per_us = _sleep_cycles_per_us(torch.cuda.current_device())
+    gpu, host = [], []
+    # Batches of samples, each queued behind one spin long enough for its launches (2x the
+    # host estimate + 200 us); a batch whose spin ended before its launches did is retried
+    # with a longer spin, so a host time is never inflated by waiting on a full queue.
+    batch = max(1, min(samples, math.ceil(20_000 / (per_sample * max(host_est, one)))))
+    slack = 2.0
+    while len(gpu) < samples:
+        n = min(batch, samples - len(gpu))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        spin_done = torch.cuda.Event()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(cycles_per_us * (slack * host_est * per_sample * n + 200)))
+        spin_done.record()
+        walls = []
+        for s, e in events:
+            t0 = time.perf_counter()
+            s.record()
+            for _ in range(per_sample):
+                fn()
+            e.record()
+            walls.append((time.perf_counter() - t0) * 1e6 / per_sample)
+        if spin_done.query():  # the GPU caught up with the launches: retry, spinning longer
+            torch.cuda.synchronize()
+            if slack > 64:
+                raise RuntimeError("cuda_timer: the GPU keeps catching up with the host's launches")
+            slack *= 2
+            continue
+        events[-1][1].synchronize()
+        gpu += [s.elapsed_time(e) * 1000 / per_sample for s, e in events]
+        host += walls
+    gpu.sort()
+    host.sort()
+    return max(gpu[len(gpu) // 2], host[len(host) // 2])
 
 
 # --------------------------------------------------------------------------- tuning

@@ -4,7 +4,8 @@ The family's modules: `schema` (knobs, variant rules, template context, ahead-of
 builds), `reference` (the math in PyTorch), `checks` (arguments and target range), `plans`
 (precision, TMA, splits, grids), `launch` (the forward and backward kernels, and how they
 run: its docstring describes both algorithms) and `op` (kernel choice, tuning hooks, the
-torch.library ops, autograd, `linear_logp`, golden numerics). This module is the contract
+torch.library ops, autograd, `linear_logp`, golden numerics) and `dist` (`linear_logp(...,
+group=)`: the vocabulary split over a torch.distributed group). This module is the contract
 kgen's core reads and the names callers use.
 
 The Triton kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` in `launch` and
@@ -43,3 +44,5 @@ from kgen.families.linear_logp.plans import (
     combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits, wave_splits)
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.families.linear_logp.schema import SCHEMA, TEMPLATES, template_context, triton_aot
+# Registers torch.ops.kgen.linear_logp_dist(_backward) (group=...; imports op).
+from kgen.families.linear_logp import dist  # noqa: E402,F401  isort: skip

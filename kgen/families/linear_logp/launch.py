@@ -185,11 +185,14 @@ def _chunks(begin: int, end: int, size: int) -> list[tuple[int, int]]:
 
 def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
              temperature: float, ignore_index: int, *, workspace_bytes: Optional[int] = None,
-             accumulator_bytes: Optional[int] = None):
+             accumulator_bytes: Optional[int] = None, on_grad_hidden=None):
     """Gradients (hidden [N, D], weight [V, D], bias [V] or None) in the input dtype, from
     the forward's lse2/ez2 and the upstream gradients (grad_entropy None when the entropy
     was not requested; grad_logp None means zeros). Budgets default to WORKSPACE_BYTES and
-    ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring."""
+    ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring.
+    `on_grad_hidden(grad_h)` is called once grad_hidden's kernels are queued, before the
+    grad_weight passes that follow them (the vocab-parallel op starts its all-reduce
+    there)."""
     if isinstance(mod, CudaForward):
         mod = mod.triton
     workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
@@ -261,6 +264,8 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         mod.linear_logp_bwd_dh_kernel[dh_grid(mod, N, D)](
             dz, weight, acc, grad_h, N, D, v0, v1, chunk,
             ACCUMULATE=i > 0, FINAL=i == len(chunks) - 1, **common)
+    if on_grad_hidden is not None:
+        on_grad_hidden(grad_h)
     for v0, v1 in _chunks(alias_from, V, chunk):  # grad_hidden is final: the tail is free
         dz_pass(v0, v1, False)
         dw_pass(v0, v1)

@@ -228,7 +228,7 @@ def checked_mode(check_targets: Optional[bool]) -> bool:
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
                 ignore_index: int = -100, return_entropy: bool = False,
-                check_targets: Optional[bool] = None):
+                check_targets: Optional[bool] = None, group=None):
     """logp = log_softmax((hidden @ weight.T + bias) / temperature)[target] per row, float32,
     shaped like hidden.shape[:-1]; with return_entropy, (logp, entropy) where entropy is
     that of the tempered softmax. Rows with target == ignore_index give 0 for both and no
@@ -248,7 +248,19 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     bad value (one device reduction queued before the kernels, waited for after them;
     skipped during graph capture). Also registered as torch.ops.kgen.linear_logp (2-D
     hidden, 1-D target, four outputs).
+
+    `group`: a torch.distributed process group over which the vocabulary is split. Then
+    weight (and bias) are this rank's contiguous slice, slices in group-rank order, of any
+    lengths; hidden and target (global ids) are the same on every rank; every rank returns
+    what the op gives on the whole weight, hidden's gradient summed over the group and
+    weight's and bias's of the local slice. Forward: one all-gather of O(N) floats;
+    backward: one all-reduce of grad_hidden. See kgen.families.linear_logp.dist.
     """
+    if group is not None:
+        from kgen.families.linear_logp.dist import linear_logp_group
+
+        return linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, return_entropy,
+                                 checked_mode(check_targets), group)
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     D = weight.shape[1]
     shape = hidden.shape[:-1]

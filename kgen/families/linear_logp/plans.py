@@ -29,9 +29,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision (only float32 inputs read it). TF32 allowed: "tf32", as
+    F.linear. TF32 off: "tf32x3" (each operand split into a TF32 high part and a TF32
+    low part, three tensor-core products), which keeps float32's accuracy (products to
+    ~2^-22 relative, under the 2^-24 * sqrt(D) rounding of the float32 sums themselves)
+    at tensor-core speed. "ieee" is an FMA loop that Triton (3.6-3.9, sm_90) compiles with a
+    6-23 KB per-thread stack and that ran 8x slower than torch.compile's float32 GEMM."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        return "ieee"
-    return "tf32"  # what tl.dot uses by default; only float32 inputs read it
+        return "tf32x3"
+    return "tf32"
 
 
 def _target_in_tile(dtype: torch.dtype, precision: str) -> bool:
@@ -40,8 +46,9 @@ def _target_in_tile(dtype: torch.dtype, precision: str) -> bool:
     summation order when the tile dot multiplies exactly in float32: 16-bit operands (exact
     products) or float32 under "ieee". A TF32 dot rounds float32 operands to 10 mantissa
     bits (~1e-3 relative per product), which the gather-dot would not, and logp = z_t - lse
-    would mix two roundings (logp > 0 for a dominant target); that case keeps the fold."""
-    return dtype == torch.float32 and precision == "tf32"
+    would mix two roundings (logp > 0 for a dominant target); that case keeps the fold, and
+    so does "tf32x3", whose products are close to but not exactly float32's."""
+    return dtype == torch.float32 and precision in ("tf32", "tf32x3")
 
 
 def fwd_grid(mod, N: int, splits: int) -> tuple[int]:
@@ -75,12 +82,12 @@ TMA = True
 
 def _tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the Triton forward and dz kernels load their logit tiles through TMA tensor
-    descriptors: 16-bit operands whose rows are whole 16-byte units from 16-byte aligned
-    bases (TMA's rules), on an sm_90+ GPU or in the interpreter. Measured on an H100 at
-    (8192, 4096, 128256) bf16: forward 13.3 ms against 17.0 ms with pointer loads
-    (BENCHMARKS.md). float32 keeps pointer loads: its 64-column boxes are 256 bytes wide,
-    past the 128-byte swizzle span."""
-    if not TMA or hidden.element_size() != 2 or (hidden.shape[1] * 2) % 16:
+    descriptors: rows that are whole 16-byte units from 16-byte aligned bases (TMA's rules),
+    on an sm_90+ GPU or in the interpreter. Measured on an H100 at (8192, 4096, 128256)
+    bf16: forward 13.3 ms against 17.0 ms with pointer loads (BENCHMARKS.md). float32
+    variants take 32-column boxes (128 bytes, the swizzle span; the spec's check): with
+    pointer loads Triton 3.9 compiled their tiles with a 7-15 KB per-thread stack."""
+    if not TMA or (hidden.shape[1] * hidden.element_size()) % 16:
         return False
     if hidden.data_ptr() % 16 or weight.data_ptr() % 16:
         return False

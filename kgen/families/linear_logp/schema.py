@@ -19,12 +19,16 @@ _CUDA_SMEM_EXTRA = 2048
 
 
 def _check_triton(dtype: str, k: Mapping[str, Any]):
+    problems = []
     smem = k["num_stages"] * (k["block_n"] + k["block_v"]) * k["block_d"] * DTYPES[dtype][0]
     if smem > _SMEM_LIMIT["sm_90a"]:
-        return [("num_stages", f"{k['num_stages']} stages of ({k['block_n']} + {k['block_v']}) x "
-                               f"{k['block_d']} {dtype} tiles need {smem} bytes of shared memory, "
-                               f"above the {_SMEM_LIMIT['sm_90a']}-byte limit")]
-    return []
+        problems.append(("num_stages", f"{k['num_stages']} stages of ({k['block_n']} + {k['block_v']}) x "
+                                       f"{k['block_d']} {dtype} tiles need {smem} bytes of shared memory, "
+                                       f"above the {_SMEM_LIMIT['sm_90a']}-byte limit"))
+    if k["block_d"] * DTYPES[dtype][0] > 128:
+        problems.append(("block_d", f"{k['block_d']} {dtype} columns are {k['block_d'] * DTYPES[dtype][0]} bytes: "
+                                    "a TMA box row must fit the 128-byte swizzle span"))
+    return problems
 
 
 def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
@@ -154,7 +158,7 @@ def triton_aot(variant, mod) -> list:
     """What `kgen build` compiles ahead of time: the forward kernel (bias, entropy) in the
     variant's dtype: the one whose speed matters most, enough to report its resources."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
-    tma = variant.dtype != "float32"  # 16-bit operands load through TMA (_tma) on sm_90+
+    tma = True  # every dtype loads its tiles through TMA (_tma) on sm_90+
     h_src, w_src = ((f"tensordesc<{t}[{mod.BLOCK_N}, {mod.BLOCK_D}]>", f"tensordesc<{t}[{mod.BLOCK_V}, {mod.BLOCK_D}]>")
                     if tma else (f"*{t}", f"*{t}"))
     sig = {"h_src": h_src, "w_src": w_src, "b_ptr": f"*{t}", "t_ptr": "*i64", "part_ptr": "*fp32",

@@ -1,0 +1,152 @@
+"""logmatmul benchmark (issue 17): N = K = 4096 float32 weights against the PyTorch
+expression (eager and torch.compile) and the floor = bytes of w / copy bandwidth measured
+in the same run; forward + backward; host cost per call at B = 1, N = K = 512 against one
+torch.add launch; block-sparse at 25 % density, block_size 128, against the dense time."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kgen import ops
+from kgen.benchmarks.fused_bias_act import interleaved_min
+from kgen.families import logmatmul as lmm
+from kgen.runtime import dispatch
+
+N = K = 4096
+BATCHES = (1, 2, 4, 8, 16, 64, 256)
+
+
+def _bench(fn, quick) -> float:
+    """Median microseconds."""
+    return 1e3 * triton.testing.do_bench(fn, warmup=10 if quick else 25, rep=40 if quick else 150,
+                                         return_mode="median")
+
+
+def expression(x, w):
+    """What a user writes: shift each row by its maximum, one matmul, log."""
+    m = x.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return torch.log(torch.exp(x - m) @ w.T) + m
+
+
+def _copy_floor(w, quick) -> tuple[float, float]:
+    """(GB/s of a device copy of w's size, microseconds to read w once at that rate)."""
+    src = torch.empty_like(w)
+    dst = torch.empty_like(w)
+    us = _bench(lambda: dst.copy_(src), quick)
+    bw = 2 * w.numel() * w.element_size() / us / 1e3
+    return bw, w.numel() * w.element_size() / bw / 1e3
+
+
+def _variants(spec):
+    cap = torch.cuda.get_device_capability()
+    out = []
+    for v in spec.variants:
+        if v.dtype != "float32" or (v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, cap)):
+            continue
+        out.append((v.name, lmm.implementation(dispatch.load(v))))
+    return out
+
+
+def forward_table(spec, quick) -> list[dict]:
+    dev = torch.device("cuda")
+    w = torch.rand(N, K, device=dev)
+    bw, floor = _copy_floor(w, quick)
+    compiled = torch.compile(expression, dynamic=False)
+    impls = _variants(spec)
+    rows = []
+    for B in BATCHES:
+        x = torch.randn(B, K, device=dev) * 2
+        ref = lmm.reference(x.double(), w.double(), torch.float64)
+        row = {"B": B, "copy GB/s": bw, "floor us": floor,
+               "eager us": _bench(lambda: expression(x, w), quick),
+               "compile us": _bench(lambda: compiled(x, w), quick),
+               "kgen.ops us": _bench(lambda: ops.logmatmul(x, w), quick)}
+        best, best_name = float("inf"), "-"
+        for name, mod in impls:
+            if isinstance(mod, lmm.CudaForward) and not mod.takes(x, w):
+                continue
+            err = float((lmm.forward(mod, x, w).double() - ref).abs().max())
+            us = _bench(lambda mod=mod: lmm.forward(mod, x, w), quick)
+            row[name] = us
+            if err > 1e-3:
+                row[name + " ERR"] = err
+            if us < best:
+                best, best_name = us, name
+        row.update({"best us": best, "best": best_name, "best/floor": best / floor,
+                    "kgen.ops/floor": row["kgen.ops us"] / floor,
+                    "compile/best": row["compile us"] / best, "eager/best": row["eager us"] / best})
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def backward_table(spec, quick) -> list[dict]:
+    """Forward + backward (dx and dw) through autograd, B <= 8; floor = 3 passes over w."""
+    dev = torch.device("cuda")
+    w0 = torch.rand(N, K, device=dev)
+    _, floor = _copy_floor(w0, quick)
+    compiled = torch.compile(expression, dynamic=False)
+    rows = []
+    for B in (1, 2, 4, 8):
+        x = (torch.randn(B, K, device=dev) * 2).requires_grad_()
+        w = w0.clone().requires_grad_()
+        g = torch.randn(B, N, device=dev)
+
+        def step(f):
+            x.grad = w.grad = None
+            f(x, w).backward(g)
+
+        row = {"B": B, "floor x3 us": 3 * floor}
+        for name, f in (("eager", expression), ("compile", compiled), ("kgen.ops", ops.logmatmul)):
+            row[f"{name} us"] = _bench(lambda f=f: step(f), quick)
+        row["kgen/floor x3"] = row["kgen.ops us"] / (3 * floor)
+        row["compile/kgen"] = row["compile us"] / row["kgen.ops us"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def host_cost(spec, quick) -> list[dict]:
+    dev = torch.device("cuda")
+    x, w = torch.randn(1, 512, device=dev), torch.rand(512, 512, device=dev)
+    a, b = torch.randn(1, 512, device=dev), torch.randn(1, 512, device=dev)
+    ops.logmatmul(x, w)
+    impls = [("torch.add(a, b)", lambda: torch.add(a, b)),
+             ("kgen.ops.logmatmul", lambda: ops.logmatmul(x, w)),
+             ("eager PyTorch expression", lambda: expression(x, w))]
+    best = interleaved_min(impls, 1000 if quick else 3000, 5 if quick else 11)
+    base = best[impls[0][0]]
+    return [{"impl": n, "us/call": us, "x torch.add": us / base} for n, us in best.items()]
+
+
+def block_sparse(spec, quick) -> list[dict]:
+    dev = torch.device("cuda")
+    bs = 128
+    R = C = N // bs
+    g = torch.Generator().manual_seed(0)
+    keep = torch.rand(R, C, generator=g).argsort(1) < C // 4  # 25 %: 8 blocks in each block row
+    rows_, cols = keep.nonzero(as_tuple=True)
+    row_ptr = torch.zeros(R + 1, dtype=torch.int32)
+    row_ptr[1:] = torch.cumsum(keep.sum(1), 0)
+    row_ptr, col_idx = row_ptr.to(dev), cols.to(torch.int32).to(dev)
+    blocks = torch.rand(rows_.shape[0], bs, bs, device=dev)
+    dense_w = lmm.dense_from_blocks(blocks, row_ptr, col_idx, bs, K)
+    rows = []
+    for B in (1, 4, 8, 16):
+        x = torch.randn(B, K, device=dev) * 2
+        sparse_out = ops.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
+        err = float((sparse_out - ops.logmatmul(x, dense_w)).nan_to_num().abs().max())
+        s = _bench(lambda: ops.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs), quick)
+        d = _bench(lambda: ops.logmatmul(x, dense_w), quick)
+        rows.append({"B": B, "sparse us": s, "dense us": d, "sparse/dense": s / d, "max |diff|": err})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def run(spec, quick) -> dict:
+    return {f"forward, N = K = {N}, float32 w": forward_table(spec, quick),
+            "forward + backward (dx, dw)": backward_table(spec, quick),
+            "host cost per call, B = 1, N = K = 512": host_cost(spec, quick),
+            "block-sparse, 25 % density, block_size 128": block_sparse(spec, quick)}

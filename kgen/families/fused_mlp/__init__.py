@@ -1,0 +1,22 @@
+"""fused_mlp: a whole small MLP (nn.Linear + activation layers, up to 8) in one kernel.
+
+The family's modules: `schema` (knobs, variant rules, which widths a variant takes, the
+template context: an exact variant's unrolled layer/chunk plan), `reference` (activations,
+the eager composition, the float64 oracle, the backward's per-layer GEMMs), `checks`
+(arguments), `launch` (how the Triton forward runs and the backward: its docstring), `op`
+(kernel choice, tuning hooks, the torch.library ops with autograd, `fused_mlp`, golden
+numerics) and `module` (kgen.nn.FusedMLP). This module is the contract kgen's core reads.
+
+The Triton kernels live in kgen/templates/fused_mlp/triton.py.j2.
+"""
+
+from kgen.families.fused_mlp.checks import check_inputs
+from kgen.families.fused_mlp.launch import backward, forward, precision
+from kgen.families.fused_mlp.op import (
+    DLRM_BOTTOM, DLRM_TOP, KERNELS, OPS, TUNE_DIMS, TUNE_SHAPES, fused_mlp, golden, grad_check, make_inputs,
+    module_for, tune_bucket, tune_inputs, tune_runner, using)
+from kgen.families.fused_mlp.reference import act, dact, eager, reference
+from kgen.families.fused_mlp.schema import (
+    ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits)
+
+BENCHMARK = "kgen.benchmarks.fused_mlp"

@@ -1,0 +1,100 @@
+"""How fused_mlp's Triton kernels run.
+
+Forward (one launch, grid = cdiv(B, BLOCK_M) programs): each program owns BLOCK_M rows of
+x and runs every layer on them (templates/fused_mlp/triton.py.j2). An exact variant keeps
+each layer's activations in registers; a generic one writes each hidden layer's z row tile
+to a scratch of B x width elements in x's dtype (two buffers, alternating by layer; the
+program reads back only its own rows after a barrier, so the tile stays in L1/L2) and
+applies the activation when the next layer loads it. With `save`, every layer's z that the
+backward needs goes to its own [B, width] buffer instead (the generic kernel's scratch is
+then those buffers).
+
+Backward: the forward is run again with `save` (or the eager composition saves z on the
+reference path), then reference.backward's per-layer GEMMs through PyTorch (deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kgen.families.fused_mlp.reference import backward as torch_backward
+from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS
+
+
+def precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: float32 uses TF32 only where torch.matmul would; with TF32
+    off, "tf32x3" (three TF32 products per step, float32's accuracy at tensor-core speed), not
+    "ieee", an FMA loop Triton compiles with a local-memory stack (as linear_logp's plans)."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "tf32x3"
+    return "tf32"
+
+
+def grid(B: int, mod) -> tuple[int]:
+    return (-(-B // mod.BLOCK_M),)
+
+
+def forward(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False, out=None):
+    """Run one variant's forward (`mod`: its rendered module) on checked, contiguous 2-D x
+    [B, w0] and contiguous weights; returns (out [B, wL], zs), zs the saved pre-activations
+    when `save` (None where the backward does not need one), else []. `out`: a
+    given [B, wL] output buffer (golden passes a poisoned one)."""
+    B, L = x.shape[0], len(weights)
+    widths = [x.shape[1]] + [w.shape[0] for w in weights]
+    if out is None:
+        out = torch.empty((B, widths[-1]), dtype=x.dtype, device=x.device)
+    keep_last = save and last_activation != "none"
+    if save:
+        zs = [torch.empty((B, widths[i + 1]), dtype=x.dtype, device=x.device) if i < L - 1 or keep_last else None
+              for i in range(L)]
+    else:
+        zs = []
+    if B == 0:
+        return out, zs
+    if mod.EXACT:
+        zbuf = zs if save else [None] * L
+    elif save:
+        zbuf = zs
+    else:  # hidden layers alternate between two halves of one scratch
+        hidden = max(widths[1:-1], default=0)
+        if hidden:
+            scratch = torch.empty(2 * B * hidden, dtype=x.dtype, device=x.device)
+            halves = (scratch[: B * hidden], scratch[B * hidden:])
+            zbuf = [halves[i % 2] if i < L - 1 else None for i in range(L)]
+        else:
+            zbuf = [None] * L
+    args, has_b = [x, out], {}
+    n_slots = L if mod.EXACT else MAX_LAYERS
+    for i in range(n_slots):
+        if i < L:
+            b, z = biases[i], zbuf[i]
+            args += [weights[i], b if b is not None else x, z if z is not None else x]
+            has_b[f"HAS_B{i}"] = b is not None
+        else:
+            args += [x, x, x]
+            has_b[f"HAS_B{i}"] = False
+    args.append(B)
+    kw = dict(has_b, ACT=ACT_CODE[activation], LAST_ACT=ACT_CODE[last_activation], SAVE=save,
+              SAVE_LAST=keep_last,
+              PRECISION=precision(x.dtype), BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
+    if not mod.EXACT:
+        kw.update({f"D{i}": (widths[i] if i <= L else 1) for i in range(MAX_LAYERS + 1)})
+        kw.update(NUM_LAYERS=L, BLOCK_K=mod.BLOCK_K, NUM_STAGES=mod.NUM_STAGES)
+    mod.fused_mlp_fwd_kernel[grid(B, mod)](*args, **kw)
+    return out, zs
+
+
+def backward(mod, grad, x, weights, biases, activation: str, last_activation: str, need_x: bool = True):
+    """(grad_x or None, [grad_w], [grad_b or None]) for 2-D contiguous x and grad: the
+    forward again with `save` (mod None: the eager composition), then the GEMMs."""
+    if mod is None:
+        _, zs = _eager_save(x, weights, biases, activation, last_activation)
+    else:
+        _, zs = forward(mod, x, weights, biases, activation, last_activation, save=True)
+    return torch_backward(grad, x, weights, biases, zs, activation, last_activation, need_x)
+
+
+def _eager_save(x, weights, biases, activation, last_activation):
+    from kgen.families.fused_mlp.reference import eager
+
+    return eager(x, weights, biases, activation, last_activation, save=True)

@@ -1,0 +1,125 @@
+"""kgen.nn.FusedMLP: an nn.Module holding an MLP's parameters that runs it with fused_mlp."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kgen.families.fused_mlp.op import fused_mlp
+from kgen.families.fused_mlp.schema import ACTIVATIONS, MAX_LAYERS, MAX_WIDTH
+
+# activation module type -> fused_mlp's name (GELU only in its tanh form: checked below)
+_ACT_MODULES = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU: "silu"}
+_ACT_BUILDERS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "gelu": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU}
+
+
+class FusedMLP(nn.Module):
+    """Linear layers `widths[0] -> widths[1] -> ... -> widths[-1]` with `activation` after
+    every layer but the last and `last_activation` after the last, run as one fused_mlp
+    call. Parameters `weights[i]` `[w(i+1), w(i)]` and `biases[i]` (nn.Linear's layout and
+    initialisation); `bias=False` leaves them out."""
+
+    def __init__(self, widths, activation: str = "relu", last_activation: str = "none", *, bias: bool = True,
+                 dtype=None, device=None):
+        super().__init__()
+        widths = tuple(int(w) for w in widths)
+        if not 2 <= len(widths) <= MAX_LAYERS + 1:
+            raise ValueError(f"FusedMLP: {len(widths)} widths make {len(widths) - 1} layers; 1 to {MAX_LAYERS} "
+                             "are supported")
+        if any(not 1 <= w <= MAX_WIDTH for w in widths):
+            raise ValueError(f"FusedMLP: widths {widths} must each be in 1..{MAX_WIDTH}")
+        for name, a in (("activation", activation), ("last_activation", last_activation)):
+            if a not in ACTIVATIONS:
+                raise ValueError(f"FusedMLP: unknown {name} {a!r}; expected one of {', '.join(ACTIVATIONS)}")
+        self.widths, self.activation, self.last_activation = widths, activation, last_activation
+        self.weights = nn.ParameterList()
+        self.biases = nn.ParameterList() if bias else None
+        for i in range(len(widths) - 1):
+            lin = nn.Linear(widths[i], widths[i + 1], bias=bias, dtype=dtype, device=device)
+            self.weights.append(lin.weight)
+            if bias:
+                self.biases.append(lin.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        biases = list(self.biases) if self.biases is not None else None
+        return fused_mlp(x, list(self.weights), biases, activation=self.activation,
+                         last_activation=self.last_activation)
+
+    def extra_repr(self) -> str:
+        return (f"widths={list(self.widths)}, activation={self.activation!r}, "
+                f"last_activation={self.last_activation!r}, bias={self.biases is not None}")
+
+    @classmethod
+    def from_sequential(cls, seq: nn.Sequential) -> "FusedMLP":
+        """The same network from an nn.Sequential of nn.Linear layers, each followed by at
+        most one of nn.ReLU, nn.Sigmoid, nn.GELU(approximate="tanh"), nn.SiLU (nn.Identity
+        and nested nn.Sequential are skipped through); every hidden layer's activation must
+        be the same. The parameters are copied (dtype and device kept). Anything else is a
+        TypeError or ValueError naming the module."""
+        if not isinstance(seq, nn.Sequential):
+            raise TypeError(f"FusedMLP.from_sequential: expected an nn.Sequential, got {type(seq).__name__}")
+        mods = list(_flatten(seq))
+        linears, acts = [], []
+        for i, m in enumerate(mods):
+            if isinstance(m, nn.Linear):
+                linears.append(m)
+                acts.append("none")
+            elif type(m) in _ACT_MODULES:
+                if isinstance(m, nn.GELU) and m.approximate != "tanh":
+                    raise ValueError(f"FusedMLP.from_sequential: module {i} is nn.GELU(approximate="
+                                     f"{m.approximate!r}); fused_mlp computes the tanh form only "
+                                     "(nn.GELU(approximate='tanh'))")
+                if not linears or acts[-1] != "none":
+                    raise ValueError(f"FusedMLP.from_sequential: module {i} ({type(m).__name__}) does not "
+                                     "follow an nn.Linear directly")
+                acts[-1] = _ACT_MODULES[type(m)]
+            else:
+                raise TypeError(f"FusedMLP.from_sequential: module {i} is {type(m).__name__}; supported: nn.Linear, "
+                                "nn.ReLU, nn.Sigmoid, nn.GELU(approximate='tanh'), nn.SiLU, nn.Identity")
+        if not linears:
+            raise ValueError("FusedMLP.from_sequential: the Sequential has no nn.Linear")
+        hidden = set(acts[:-1])
+        if len(hidden) > 1:
+            raise ValueError(f"FusedMLP.from_sequential: hidden layers use different activations {acts[:-1]}; "
+                             "fused_mlp takes one activation for all layers but the last")
+        bias = {lin.bias is not None for lin in linears}
+        if len(bias) > 1:
+            raise ValueError("FusedMLP.from_sequential: some nn.Linear layers have a bias and some do not")
+        for a, b in zip(linears, linears[1:]):
+            if b.in_features != a.out_features:
+                raise ValueError(f"FusedMLP.from_sequential: nn.Linear({a.in_features}, {a.out_features}) feeds "
+                                 f"nn.Linear({b.in_features}, {b.out_features})")
+        w = linears[0].weight
+        widths = [linears[0].in_features] + [lin.out_features for lin in linears]
+        out = cls(widths, hidden.pop() if hidden else "none", acts[-1], bias=bias.pop(), dtype=w.dtype,
+                  device=w.device)
+        with torch.no_grad():
+            for i, lin in enumerate(linears):
+                out.weights[i].copy_(lin.weight)
+                if lin.bias is not None:
+                    out.biases[i].copy_(lin.bias)
+        return out
+
+    def to_sequential(self) -> nn.Sequential:
+        """The same network as an nn.Sequential of nn.Linear and activation modules."""
+        layers = []
+        L = len(self.weights)
+        for i, w in enumerate(self.weights):
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=self.biases is not None, dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+                if self.biases is not None:
+                    lin.bias.copy_(self.biases[i])
+            layers.append(lin)
+            a = self.last_activation if i == L - 1 else self.activation
+            if a != "none":
+                layers.append(_ACT_BUILDERS[a]())
+        return nn.Sequential(*layers)
+
+
+def _flatten(seq):
+    for m in seq:
+        if isinstance(m, nn.Sequential):
+            yield from _flatten(m)
+        elif not isinstance(m, nn.Identity):
+            yield m

@@ -1,0 +1,289 @@
+"""fused_mlp as an op: which implementation runs (dispatch per (widths, B bucket, dtype),
+`using`), the tuning hooks, the torch.library ops (forward and backward, with fake impls
+and autograd), the public `fused_mlp`, and the golden numerics `kgen verify` runs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from kgen.families.fused_mlp import launch
+from kgen.families.fused_mlp.checks import check_inputs
+from kgen.families.fused_mlp.reference import eager, reference
+from kgen.families.fused_mlp.schema import ACTIVATIONS, fits, widths_of
+from kgen.runtime.op import MISSING, Kernels, define, error_ratio, poisoned
+
+FAMILY = "fused_mlp"
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: the exact widths (a flag: only the same widths compare) and B rounded up to a
+# power of two. The activations are not in the bucket: they are pointwise work in registers.
+TUNE_DIMS = ("B", "widths")
+DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
+TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last}
+                    for w, last in ((DLRM_TOP, "sigmoid"), (DLRM_BOTTOM, "relu"))
+                    for b in (128, 2048, 16384, 65536))
+
+
+def tune_bucket(B: int, widths, **_) -> str:
+    w = "-".join(map(str, widths_of(widths)))
+    return f"w{w}.B<={1 << max(0, (B - 1).bit_length())}"
+
+
+KERNELS = Kernels(FAMILY, tune_bucket)
+
+
+def make_inputs(device, dtype, B: int, widths, seed: int = 0, bias=True):
+    """x ~ N(0, 1) and nn.Linear's initialisation U(-1/sqrt(in), 1/sqrt(in)) for weights and
+    biases; `bias`: True, False or a per-layer list."""
+    widths = widths_of(widths)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, widths[0], generator=g)
+    ws, bs = [], []
+    for i in range(len(widths) - 1):
+        k = widths[i] ** -0.5
+        ws.append((torch.rand(widths[i + 1], widths[i], generator=g) * 2 - 1) * k)
+        on = bias[i] if isinstance(bias, (list, tuple)) else bias
+        bs.append((torch.rand(widths[i + 1], generator=g) * 2 - 1) * k if on else None)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return to(x), [to(w) for w in ws], [to(b) for b in bs]
+
+
+def tune_inputs(device, dtype: str, B: int, widths, activation: str = "relu", last_activation: str = "none") -> dict:
+    x, ws, bs = make_inputs(device, getattr(torch, dtype), B, widths)
+    return {"x": x, "weights": ws, "biases": bs, "activation": activation, "last_activation": last_activation}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One inference forward of `kernel` (None: the eager composition)."""
+    x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
+    a, last = inputs["activation"], inputs["last_activation"]
+    if kernel is None:
+        return lambda: eager(x, ws, bs, a, last)
+    widths = (x.shape[1], *(w.shape[0] for w in ws))
+    if not fits(kernel.params, widths):
+        raise ValueError(f"{kernel.name} does not take widths {widths}")
+    mod = kernel.module
+    return lambda: launch.forward(mod, x, ws, bs, a, last)
+
+
+# --------------------------------------------------------------------------- kernel choice
+
+_FORCED = threading.local()
+
+
+@contextlib.contextmanager
+def using(mod):
+    """Run the op with this implementation (a loaded variant's `.module`, or None: the eager
+    composition) instead of dispatch's choice, in this thread. For tests and benchmarks."""
+    saved = getattr(_FORCED, "mod", _FORCED)
+    _FORCED.mod = mod
+    try:
+        yield
+    finally:
+        if saved is _FORCED:
+            del _FORCED.mod
+        else:
+            _FORCED.mod = saved
+
+
+def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
+    """The rendered module of the variant dispatch chose for (widths, B bucket, dtype), or
+    None for the eager composition (CPU tensors, nothing fits or builds, or eager won)."""
+    forced = getattr(_FORCED, "mod", _FORCED)
+    if forced is not _FORCED:
+        return forced
+    if device.type != "cuda":
+        return None
+    key = (device.index, dtype, widths, B.bit_length())
+    kernel = KERNELS.lookup(key)
+    if kernel is MISSING:
+        kernel = KERNELS.choose(key, device, dtype, {"B": max(B, 1), "widths": "-".join(map(str, widths))})
+        if kernel is not None and not fits(kernel.params, widths):  # a forced variant of other widths
+            raise ValueError(f"fused_mlp: KGEN_VARIANT={kernel.name} does not take widths {widths}")
+    return kernel.module if kernel is not None else None
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+def _per_layer(biases, bias_mask: int, L: int) -> list:
+    it = iter(biases)
+    return [next(it) if (bias_mask >> i) & 1 else None for i in range(L)]
+
+
+def _flat(x, widths):
+    x2 = x.reshape(-1, widths[0])
+    return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def _contig(ts):
+    return [t if t is None or t.is_contiguous() else t.contiguous() for t in ts]
+
+
+def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], bias_mask: int,
+                  activation: str, last_activation: str) -> torch.Tensor:
+    """The forward op: `biases` holds the present biases, layer i having one when bit i of
+    `bias_mask` is set (a Tensor[] without holes autograd handles per element)."""
+    bl = _per_layer(biases, bias_mask, len(weights))
+    widths = check_inputs(x, weights, bl, activation, last_activation)
+    x2 = _flat(x, widths)
+    mod = module_for(x.device, x.dtype, widths, x2.shape[0])
+    if mod is None:
+        out = eager(x2, weights, bl, activation, last_activation)[0]
+    else:
+        out = launch.forward(mod, x2, _contig(weights), _contig(bl), activation, last_activation)[0]
+    return out.reshape(*x.shape[:-1], widths[-1])
+
+
+def _forward_fake(x, weights, biases, bias_mask, activation, last_activation):
+    widths = check_inputs(x, weights, _per_layer(biases, bias_mask, len(weights)), activation, last_activation)
+    return x.new_empty((*x.shape[:-1], widths[-1]))
+
+
+def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
+                   bias_mask: int, activation: str, last_activation: str, need_x: bool) -> list[torch.Tensor]:
+    """[grad_x (empty when not need_x), grad_w per layer, grad_b per present bias]."""
+    bl = _per_layer(biases, bias_mask, len(weights))
+    widths = (x.shape[-1], *(w.shape[0] for w in weights))
+    x2, g2 = _flat(x, widths), _flat(grad, widths[-1:])
+    mod = module_for(x.device, x.dtype, widths, x2.shape[0])
+    ws = _contig(weights)
+    if x2.shape[0] == 0:
+        gx, gws = x2.clone(), [torch.zeros_like(w) for w in ws]
+        gbs = [None if b is None else torch.zeros_like(b) for b in bl]
+    else:
+        gx, gws, gbs = launch.backward(mod, g2.to(x.dtype), x2, ws, _contig(bl), activation, last_activation, need_x)
+    gx = gx.reshape(x.shape) if need_x else x.new_empty(0)
+    return [gx, *gws, *(g for g in gbs if g is not None)]
+
+
+def _backward_fake(grad, x, weights, biases, bias_mask, activation, last_activation, need_x):
+    gx = x.new_empty(x.shape) if need_x else x.new_empty(0)
+    return [gx, *(w.new_empty(w.shape) for w in weights), *(b.new_empty(b.shape) for b in biases)]
+
+
+def _setup_context(ctx, inputs, output):
+    x, weights, biases, bias_mask, activation, last_activation = inputs
+    ctx.save_for_backward(x, *weights, *biases)
+    ctx.L, ctx.mask, ctx.acts = len(weights), bias_mask, (activation, last_activation)
+
+
+def _backward(ctx, grad):
+    saved = ctx.saved_tensors
+    x, L = saved[0], ctx.L
+    ws, bs = list(saved[1:1 + L]), list(saved[1 + L:])
+    need_x = bool(ctx.needs_input_grad[0])
+    res = _backward_op(grad, x, ws, bs, ctx.mask, *ctx.acts, need_x)
+    return (res[0] if need_x else None), list(res[1:1 + L]), list(res[1 + L:]), None, None, None
+
+
+_backward_op = define("fused_mlp_backward", _backward_impl, fake=_backward_fake)
+_op = define("fused_mlp", _forward_impl, fake=_forward_fake, backward=_backward, setup_context=_setup_context)
+
+
+def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu",
+              last_activation: str = "none") -> torch.Tensor:
+    """A whole MLP in one launch: h = x; for each layer i, h = act_i(h @ weights[i].T + biases[i]).
+
+    x `[..., w0]` (bfloat16, float16 or float32); `weights[i]` `[w(i+1), w(i)]` (nn.Linear's
+    layout) in x's dtype; `biases[i]` `[w(i+1)]` or None (`biases=None`: no biases);
+    `activation` after every layer but the last, `last_activation` after the last, each one
+    of none, relu, sigmoid, gelu (tanh form), silu. 1 to 8 layers, widths 1 to 4096.
+
+    Rounding, as eager PyTorch's `F.linear` + activation composition: each layer
+    accumulates in float32 and adds its bias in float32, rounds that (z) to x's dtype,
+    takes the activation of z in float32 and rounds it to x's dtype. Against a float64
+    forward the error after L layers is ~2L roundings of the activations' size (bf16 ~3e-2
+    for 4 layers of O(1) activations, fp16 ~4e-3; float32 uses TF32 dots where
+    torch.backends.cuda.matmul.allow_tf32 is set, ~1e-3 per layer, else ~1e-6): the
+    tolerances in kgen/specs/fused_mlp.yaml.
+
+    Differentiable in x, every weight and every bias (the backward recomputes the forward,
+    saving each layer's z, then per-layer GEMMs; deterministic). On CUDA tensors the variant
+    dispatch chose for (widths, B bucket, dtype) runs on the current stream (or the eager
+    composition where no variant fits or it won the tuning); CPU tensors run the eager
+    composition. Also `torch.ops.kgen.fused_mlp` (biases as the present ones plus a bit
+    mask)."""
+    if not isinstance(weights, (list, tuple)):
+        raise TypeError("fused_mlp: weights must be a list of tensors")
+    if biases is None:
+        biases = [None] * len(weights)
+    if not isinstance(biases, (list, tuple)):
+        raise TypeError("fused_mlp: biases must be a list (tensors or None per layer) or None")
+    if len(biases) != len(weights):
+        raise ValueError(f"fused_mlp: {len(biases)} biases for {len(weights)} weights; give one per layer")
+    mask, present = 0, []
+    for i, b in enumerate(biases):
+        if b is not None:
+            mask |= 1 << i
+            present.append(b)
+    return _op(x, list(weights), present, mask, activation, last_activation)
+
+
+OPS = {"fused_mlp": fused_mlp}
+
+
+# --------------------------------------------------------------------------- golden numerics
+
+# Widths the generic variants are checked at: awkward ones (not multiples of any chunk),
+# one-wide layers, a 1000-wide one, 5 layers.
+GOLDEN_GENERIC_WIDTHS = ((13, 1), (1, 37, 3), (367, 1000, 129, 1), (13, 100, 64, 17, 300, 5))
+GOLDEN_B = (1, 3, 129)
+# (activation, last_activation, biases): every activation in both places, biases on and off
+GOLDEN_CASES = (("relu", "none", True), ("sigmoid", "sigmoid", False), ("gelu", "relu", True),
+                ("silu", "gelu", False), ("none", "silu", True))
+
+
+def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
+    """Forward of one loaded variant at its widths (exact) or GOLDEN_GENERIC_WIDTHS (generic,
+    those within its bound), B in GOLDEN_B, GOLDEN_CASES (each activation in both places, biases on every
+    layer and on none), against float64, into a NaN-poisoned output (an element never written fails)."""
+    t = getattr(torch, dtype)
+    p = kernel.params
+    all_widths = [tuple(p["widths"])] if p["widths"] else [w for w in GOLDEN_GENERIC_WIDTHS if fits(p, w)]
+    out = []
+    for widths in all_widths:
+        for B in GOLDEN_B:
+            for k, (a, last, bias) in enumerate(GOLDEN_CASES):
+                x, ws, bs = make_inputs(device, t, B, widths, seed=B * 31 + k, bias=bias)
+                got = poisoned((B, widths[-1]), t, device)
+                launch.forward(kernel.module, x, ws, bs, a, last, out=got)
+                ref = reference(x, ws, bs, a, last)
+                name = f"{'-'.join(map(str, widths))} B={B} {a}/{last}{'' if bias else ' no-bias'}"
+                out.append((name, error_ratio(got, ref, tol)))
+    return out
+
+
+def grad_check(mod, device, dtype, B, widths, activation, last_activation, bias=True, tol=None):
+    """Each gradient's worst error against float64 autograd, as a ratio of `tol`, beside
+    the same ratio for eager PyTorch's autograd in `dtype` (used by the tests; in 16-bit
+    dtypes ReLU's mask flips where a rounded z changes sign, an error eager has too):
+    [(name, ratio, eager ratio)]. Errors are relative to each gradient's largest element
+    (gradients are sums over B rows)."""
+    x, ws, bs = make_inputs(device, dtype, B, widths, bias=bias)
+    g = torch.randn(B, widths_of(widths)[-1], generator=torch.Generator().manual_seed(7)).to(device=device, dtype=dtype)
+    gx, gws, gbs = launch.backward(mod, g, x, ws, bs, activation, last_activation)
+    got = [gx, *gws, *(b for b in gbs if b is not None)]
+
+    def grads(dt):
+        leaves = [t.to(dt).requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
+        it = iter(leaves[1 + len(ws):])
+        bl = [next(it) if b is not None else None for b in bs]
+        if dt == torch.float64:
+            out = reference(leaves[0], leaves[1:1 + len(ws)], bl, activation, last_activation)
+        else:
+            out = eager(leaves[0], leaves[1:1 + len(ws)], bl, activation, last_activation)[0]
+        out.backward(g.to(dt))
+        return [t.grad for t in leaves]
+
+    ref, eg = grads(torch.float64), grads(dtype)
+    names = ["x", *(f"w{i}" for i in range(len(ws))), *(f"b{i}" for i, b in enumerate(bs) if b is not None)]
+    res = []
+    for n, a, e, r in zip(names, got, eg, ref):
+        scale = float(r.abs().max()) or 1.0
+        res.append((n, error_ratio(a / scale, r / scale, tol), error_ratio(e / scale, r / scale, tol)))
+    return res

@@ -1,0 +1,96 @@
+"""int8_gemm's launches: `gemm` runs one call on an `Impl` (a Triton variant's module, or
+a CUDA variant with the Triton module that takes the inputs it cannot), into an output the
+caller allocated. Inputs are checked and contiguous; a / x is 2-D [M, K].
+
+Triton: one GEMM launch writes the finished output; a split-K launch (small M) writes
+`splits` partial planes (int32, or float32 for W8A16) to a workspace and the combine
+kernel sums them in a fixed order and applies the epilogue. No atomics: deterministic.
+CUDA (sm_80 mma.sync, int8 only): one launch, epilogue fused; it needs K % 16 == 0 and
+16-byte aligned a and b (cp.async moves 16-byte pieces), else the Triton module runs."""
+
+from __future__ import annotations
+
+import torch
+
+from kgen.families.int8_gemm import plans
+from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
+from kgen.runtime.streams import current_raw_stream
+
+# Output / bias dtype codes the CUDA launcher reads.
+_OUT_CODE = {torch.int32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+def _empty(shape, dtype, device) -> torch.Tensor:
+    """Every workspace a launch reads back comes from here (tests poison it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+class Impl:
+    """What a call runs: `triton`, a rendered Triton module (always set), and `cuda`, a
+    loaded CUDA variant (or None)."""
+
+    def __init__(self, triton_mod, cuda=None):
+        self.triton, self.cuda = triton_mod, cuda
+        self.name = cuda.name if cuda is not None else getattr(triton_mod, "VARIANT", "triton")
+
+    def cuda_takes(self, a, b) -> bool:
+        return (self.cuda is not None and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0
+                and b.data_ptr() % 16 == 0)
+
+
+def gemm(impl: Impl, mode: int, a, b, out, scale_a=None, scale_b=None, bias=None,
+         group_size: int | None = None, n_splits: int | None = None) -> torch.Tensor:
+    """out [M, N] = the op of `mode` on a [M, K], b [N, K]; `n_splits` forces the number of
+    K splits of a Triton launch (tests)."""
+    M, K = a.shape
+    N = b.shape[0]
+    if M == 0 or N == 0:
+        return out
+    if mode != MODE_W8A16 and impl.cuda_takes(a, b):
+        _cuda(impl.cuda, mode, a, b, out, scale_a, scale_b, bias)
+    else:
+        _triton(impl.triton, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits)
+    return out
+
+
+def _cuda(kernel, mode, a, b, out, scale_a, scale_b, bias) -> None:
+    dev = a.get_device()
+    rc = kernel.raw(kernel.ptr, dev, mode, bias is not None, a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                    scale_a.data_ptr() if scale_a is not None else 0, scale_b.data_ptr() if scale_b is not None else 0,
+                    bias.data_ptr() if bias is not None else 0, a.shape[0], b.shape[0], a.shape[1],
+                    _OUT_CODE[out.dtype], _OUT_CODE[bias.dtype] if bias is not None else 0, current_raw_stream(dev))
+    if rc:
+        kernel.fail(rc)
+
+
+def _triton(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) -> None:
+    M, K = a.shape
+    N = b.shape[0]
+    bk = plans.block_k(mod, group_size)
+    if n_splits is None:
+        n_splits, k_split = plans.splits(mod, M, N, K, bk, plans.sm_count(a.device))
+    else:
+        k_split = plans.cdiv(plans.cdiv(K, bk), n_splits) * bk
+        n_splits = plans.cdiv(K, k_split)
+    group = group_size or 0
+    dummy = b
+    sa = scale_a if scale_a is not None else dummy
+    sb = scale_b if scale_b is not None else dummy
+    bi = bias if bias is not None else dummy
+    consts = dict(MODE=mode, HAS_BIAS=bias is not None, GROUP=group)
+    tiles = dict(EVEN_K=K % bk == 0, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, BLOCK_K=bk, GROUP_M=mod.GROUP_M,
+                 num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+    n_groups = K // group if group else 1
+    grid = plans.gemm_grid(mod, M, N, n_splits)
+    if n_splits == 1:
+        mod.int8_gemm_kernel[grid](a, b, out, sa, sb, bi, M, N, K, k_split, n_groups,
+                                   PARTIAL=False, **consts, **tiles)
+        return
+    part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)
+    mod.int8_gemm_kernel[grid](a, b, part, sa, sb, bi, M, N, K, k_split, n_groups,
+                               PARTIAL=True, **consts, **tiles)
+    mod.int8_gemm_combine_kernel[plans.combine_grid(mod, M, N)](
+        part, out, sa, sb, bi, M, N, n_splits, **consts, COMBINE_M=mod.COMBINE_M, COMBINE_N=mod.COMBINE_N)
+
+
+__all__ = ["Impl", "gemm", "MODE_MM", "MODE_LINEAR", "MODE_W8A16"]

@@ -1,0 +1,267 @@
+"""int8_gemm as ops: which implementation runs (dispatch, with the family's shape
+preference where nothing is tuned), the tuning hooks, the three torch.library ops, the
+public functions, and the golden numerics `kgen verify` runs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional
+
+import torch
+
+from kgen.families.int8_gemm import checks, plans, reference
+from kgen.families.int8_gemm.launch import Impl, gemm
+from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
+from kgen.runtime.op import define, error_ratio, poisoned
+
+FAMILY = "int8_gemm"
+_FORCED = threading.local()
+_IMPLS: dict = {}
+
+# --------------------------------------------------------------------------- kernel choice
+
+
+def implementation(kernel, companion=None) -> Impl | None:
+    """What the op runs for a loaded variant (None: the reference). A CUDA variant gets a
+    Triton companion for inputs it cannot take (default: the one spec order picks)."""
+    if kernel is None:
+        return None
+    if kernel.backend == "triton":
+        return Impl(kernel.module)
+    if companion is None:
+        from kgen.runtime import dispatch
+
+        companion = dispatch.select(FAMILY, torch.device("cuda", torch.cuda.current_device()),
+                                    kernel.variant.dtype, backend="triton")
+        if companion is None:
+            raise RuntimeError(f"int8_gemm: no Triton variant could be built beside {kernel.name}")
+    return Impl(companion.module, kernel)
+
+
+@contextlib.contextmanager
+def using(impl):
+    """Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
+    reference) instead of dispatch's choice, in this thread. For tests and benchmarks."""
+    saved = getattr(_FORCED, "impl", _FORCED)
+    _FORCED.impl = impl
+    try:
+        yield
+    finally:
+        if saved is _FORCED:
+            del _FORCED.impl
+        else:
+            _FORCED.impl = saved
+
+
+def _impl(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, grouped: bool):
+    forced = getattr(_FORCED, "impl", _FORCED)
+    if forced is not _FORCED:
+        return forced
+    if device.type != "cuda":
+        return None
+    key = (device.index, dtype, (M - 1).bit_length(), N, K, grouped)  # tune_bucket's classes
+    impl = _IMPLS.get(key, _FORCED)
+    if impl is _FORCED:
+        impl = _IMPLS[key] = _choose(device, dtype, M, N, K, grouped)
+    return impl
+
+
+def _choose(device, dtype, M, N, K, grouped):
+    """Dispatch's choice for the bucket; where it fell to spec order (nothing tuned), the
+    family's shape preference (plans.preference) among the same candidates instead."""
+    from kgen.errors import KgenError
+    from kgen.runtime import dispatch
+
+    name = str(dtype).removeprefix("torch.")
+    shape = {"M": M, "N": N, "K": K, "group_size": 128 if grouped else 0}
+    bucket = tune_bucket(**shape)
+    kernel, why = dispatch.choose(FAMILY, device, name, bucket, shape)
+    cap = torch.cuda.get_device_capability(device)
+    triton = sorted(dispatch.candidates(FAMILY, name, cap, backend="triton"), key=lambda v: plans.preference(v, M))
+    if why == "spec order":
+        kernel, why = None, "fallback"
+        for v in sorted(dispatch.candidates(FAMILY, name, cap), key=lambda v: plans.preference(v, M)):
+            try:
+                kernel, why = dispatch.load(v), "spec order, by shape"
+                break
+            except KgenError as e:
+                dispatch.log.warning("kgen: %s unavailable, trying the next variant: %s", v.qualname,
+                                     str(e).splitlines()[0])
+    dispatch.log_choice(FAMILY, device, name, bucket, kernel, why)
+    if kernel is None or kernel.backend == "triton":
+        return implementation(kernel)
+    companion = next((k for k in map(_try_load, triton) if k is not None), None)
+    return implementation(kernel, companion) if companion is not None else None
+
+
+def _try_load(v):
+    from kgen.errors import KgenError
+    from kgen.runtime import dispatch
+
+    try:
+        return dispatch.load(v)
+    except KgenError:
+        return None
+
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: M rounded up to a power of two, N and K exact (a model has a handful of weight
+# shapes, and the best tile and split differ between them), grouped W8A16 scales apart.
+TUNE_DIMS = ("M", "N", "K")
+TUNE_SHAPES = tuple({"M": m, "N": n, "K": k}
+                    for n, k in ((4096, 11008), (12288, 4096), (22016, 4096), (4096, 4096), (65536, 4096))
+                    for m in (1, 16, 64, 256, 1024, 4096))
+
+
+def tune_bucket(M: int, N: int, K: int, group_size: int = 0) -> str:
+    return f"M<={1 << (M - 1).bit_length()}.N={N}.K={K}" + (".grouped" if group_size else "")
+
+
+def tune_inputs(device, dtype: str, M: int, N: int, K: int, group_size: int = 0) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    b = torch.randint(-128, 128, (N, K), dtype=torch.int8, device=device, generator=g)
+    if dtype == "int8":
+        a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device=device, generator=g)
+        return {"a": a, "b": b, "out": torch.empty(M, N, dtype=torch.int32, device=device)}
+    t = getattr(torch, dtype)
+    x = torch.randn(M, K, device=device, generator=g).to(t)
+    s = torch.rand(N, K // group_size if group_size else 1, device=device, generator=g) / 127
+    return {"x": x, "b": b, "scale_b": s.squeeze(1) if not group_size else s, "group_size": group_size or None,
+            "out": torch.empty(M, N, dtype=t, device=device)}
+
+
+def tune_runner(kernel, inputs: dict):
+    """int8: one int8_mm (the epilogue costs every variant alike); 16-bit: one w8a16_linear.
+    None: the reference (torch._int_mm where it is allowed; the PyTorch W8A16 expression)."""
+    if "a" in inputs:
+        a, b, out = inputs["a"], inputs["b"], inputs["out"]
+        if kernel is None:
+            return lambda: reference.int8_mm(a, b)
+        impl = implementation(kernel)
+        return lambda: gemm(impl, MODE_MM, a, b, out)
+    x, b, s, gs, out = inputs["x"], inputs["b"], inputs["scale_b"], inputs["group_size"], inputs["out"]
+    if kernel is None:
+        return lambda: reference.w8a16_pytorch(x, b, s, None, gs)
+    impl = implementation(kernel)
+    return lambda: gemm(impl, MODE_W8A16, x, b, out, scale_b=s, group_size=gs)
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    M, N, K = checks.check_int8_mm(a, b)
+    a, b = a.contiguous(), b.contiguous()
+    impl = _impl(a.device, torch.int8, M, N, K, False) if M and N and K else None
+    if impl is None:
+        return reference.int8_mm(a, b)
+    return gemm(impl, MODE_MM, a, b, torch.empty(M, N, dtype=torch.int32, device=a.device))
+
+
+def _mm_fake(a, b):
+    M, N, _ = checks.check_int8_mm(a, b)
+    return a.new_empty((M, N), dtype=torch.int32)
+
+
+def _linear_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    M, N, K = checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
+    a, b = a.contiguous(), b.contiguous()
+    scale_a, scale_b = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
+    bias = bias.reshape(-1).contiguous() if bias is not None else None
+    impl = _impl(a.device, torch.int8, M, N, K, False) if M and N and K else None
+    if impl is None:
+        return reference.int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
+    out = torch.empty(M, N, dtype=out_dtype, device=a.device)
+    return gemm(impl, MODE_LINEAR, a, b, out, scale_a, scale_b, bias)
+
+
+def _linear_fake(a, b, scale_a, scale_b, bias, out_dtype):
+    M, N, _ = checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
+    return a.new_empty((M, N), dtype=out_dtype)
+
+
+def _w8a16_impl(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
+                group_size: Optional[int]) -> torch.Tensor:
+    M, N, K = checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
+    x, b = x.contiguous(), b.contiguous()
+    scale_b = scale_b.contiguous() if group_size else scale_b.reshape(-1).contiguous()
+    bias = bias.reshape(-1).contiguous() if bias is not None else None
+    impl = _impl(x.device, x.dtype, M, N, K, group_size is not None) if M and N and K else None
+    if impl is None:
+        if x.is_cuda and M and N and K:
+            return reference.w8a16_pytorch(x, b, scale_b, bias, group_size)
+        return reference.w8a16_linear(x, b, scale_b, bias, group_size)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    return gemm(impl, MODE_W8A16, x, b, out, scale_b=scale_b, bias=bias, group_size=group_size)
+
+
+def _w8a16_fake(x, b, scale_b, bias, group_size):
+    M, N, _ = checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
+    return x.new_empty((M, N))
+
+
+def _w8a16_setup(ctx, inputs, output):
+    x, b, scale_b, bias, group_size = inputs
+    ctx.save_for_backward(b, scale_b)
+    ctx.group_size, ctx.x_dtype, ctx.has_bias = group_size, x.dtype, bias is not None
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _w8a16_backward(ctx, grad):
+    """d x = grad @ dequantized(b) (float32, rounded to x's dtype); d bias = column sums.
+    The int8 weight and its scales take no gradient."""
+    b, scale_b = ctx.saved_tensors
+    gx = gbias = None
+    if ctx.needs_input_grad[0]:
+        w = reference.dequantized(b, scale_b, ctx.group_size, torch.float32)
+        gx = (grad.float() @ w).to(ctx.x_dtype)
+    if ctx.has_bias and ctx.needs_input_grad[3]:
+        gbias = grad.float().sum(0).to(ctx.bias_dtype)
+    return gx, None, None, gbias, None
+
+
+_mm_op = define("int8_mm", _mm_impl, fake=_mm_fake)
+_linear_op = define("int8_linear", _linear_impl, fake=_linear_fake)
+_w8a16_op = define("w8a16_linear", _w8a16_impl, fake=_w8a16_fake, backward=_w8a16_backward,
+                   setup_context=_w8a16_setup)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact int32 a @ b.T: a int8 [..., K], b int8 [N, K] (nn.Linear's weight layout) ->
+    int32 [..., N], equal to the int64 product (K <= 131071 so that it fits). Any M >= 1,
+    unlike torch._int_mm (M > 16). Also torch.ops.kgen.int8_mm (2-D a)."""
+    checks.check_int8_mm(a, b)
+    return _mm_op(_flat(a), b).reshape(*a.shape[:-1], b.shape[0])
+
+
+def int8_linear(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """W8A8: (a @ b.T) * scale_a[:, None] * scale_b[None, :] + bias in float32, rounded once
+    to out_dtype (bfloat16, float16 or float32), the dequantisation fused into the GEMM's
+    epilogue. a int8 [..., K], b int8 [N, K], scale_a float32 (one per row of a), scale_b
+    float32 [N], bias [N] (float32 or out_dtype). Also torch.ops.kgen.int8_linear (2-D a)."""
+    checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
+    out = _linear_op(_flat(a), b, scale_a.reshape(-1), scale_b.reshape(-1), bias, out_dtype)
+    return out.reshape(*a.shape[:-1], b.shape[0])
+
+
+def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 group_size: Optional[int] = None) -> torch.Tensor:
+    """Weight-only int8: x @ (b * scale_b).T + bias in x's dtype (bfloat16 or float16), b
+    int8 [N, K] widened in registers (never materialised), float32 accumulation. scale_b:
+    [N] per output channel, or [N, K / group_size] per group of K when group_size (a multiple
+    of 16 dividing K) is given; float32 or 16-bit. Differentiable for x and bias. Also
+    torch.ops.kgen.w8a16_linear (2-D x)."""
+    checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
+    out = _w8a16_op(_flat(x), b, scale_b, bias, group_size)
+    return out.reshape(*x.shape[:-1], b.shape[0])
+
+
+OPS = {"int8_mm": int8_mm, "int8_linear": int8_linear, "w8a16_linear": w8a16_linear}

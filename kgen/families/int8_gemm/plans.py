@@ -1,0 +1,80 @@
+"""How one int8_gemm call is laid out: the K splits, the K step for grouped scales, the
+grids, and which variant a shape prefers when nothing is tuned. Decisions only: nothing
+here allocates or launches."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+MODE_MM, MODE_LINEAR, MODE_W8A16 = 0, 1, 2
+# A split-K call aims for this many programs per SM: the small-M kernels stream b and are
+# bound by memory, which needs several loads in flight per SM; 4-warp programs with a few
+# stages of 64-row tiles take ~30-70 KB of shared memory, so 2-3 fit on an SM at once.
+CTAS_PER_SM = 2
+# Each split streams at least this many K steps (fewer: the partials cost more than they save).
+MIN_STEPS_PER_SPLIT = 4
+# Streaming multiprocessors assumed off a GPU (the interpreter), so that splits happen there too.
+_CPU_SMS = 8
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    return _sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else _CPU_SMS
+
+
+def block_k(mod, group_size: int | None) -> int:
+    """The module's BLOCK_K, halved until it divides group_size (a K block must lie within
+    one scale group); checks guarantee group_size % 16 == 0, so it stays >= 16."""
+    bk = mod.BLOCK_K
+    while group_size and group_size % bk:
+        bk //= 2
+    return bk
+
+
+def splits(mod, M: int, N: int, K: int, bk: int, sms: int) -> tuple[int, int]:
+    """(splits, k_split): how many K ranges of k_split (a multiple of bk) elements the call
+    uses: up to mod.SPLIT_K, as many as bring the grid to CTAS_PER_SM programs per SM,
+    each at least MIN_STEPS_PER_SPLIT steps long."""
+    steps = cdiv(K, bk)
+    s = 1
+    if mod.SPLIT_K > 1:
+        tiles = cdiv(M, mod.BLOCK_M) * cdiv(N, mod.BLOCK_N)
+        s = max(1, min(mod.SPLIT_K, cdiv(CTAS_PER_SM * sms, tiles), steps // MIN_STEPS_PER_SPLIT))
+    k_split = cdiv(steps, s) * bk
+    return cdiv(K, k_split) if K else 1, k_split
+
+
+def gemm_grid(mod, M: int, N: int, n_splits: int) -> tuple[int, int]:
+    return cdiv(M, mod.BLOCK_M) * cdiv(N, mod.BLOCK_N), n_splits
+
+
+def combine_grid(mod, M: int, N: int) -> tuple[int, int]:
+    return cdiv(M, mod.COMBINE_M), cdiv(N, mod.COMBINE_N)
+
+
+def preference(variant, M: int) -> tuple:
+    """Sort key of a variant for a call with M rows when the tuning table has nothing for
+    its bucket (smaller first): at M <= 32 the split-K streaming variants (b read once,
+    spread over all SMs), then the row tile that wastes least of M (a 128-row tile at
+    M = 64 computes half zeros), then the largest tiles. Ties keep spec order
+    (sorted is stable). Above M = 128 Triton comes before the CUDA mma.sync kernel: on
+    Hopper Triton's int8 dot is WGMMA, which mma.sync cannot match; the tuning table
+    decides per bucket where the CUDA kernel wins."""
+    p = variant.params
+    split = p.get("split_k", 1)
+    if M <= 32:
+        return (split == 1, p["block_m"])
+    if M <= 128:
+        return (abs(p["block_m"] - 64), split != 1)
+    return (split != 1, -p["block_m"], variant.backend == "cuda")

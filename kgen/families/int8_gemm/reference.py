@@ -1,0 +1,71 @@
+"""int8_gemm's math in PyTorch: the op's path for CPU tensors (and a tuning candidate on
+CUDA: torch._int_mm where it is allowed, the PyTorch W8A16 expression), and the tests'
+oracle (`compute=torch.float64`).
+
+An int8 x int8 product sums K terms of at most 2^14 in magnitude: exact in int64 (CPU) and
+in float64 (below 2^53), and it fits int32 for K <= MAX_K (checks refuse larger K)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+MAX_K = (2**31 - 1) // (128 * 128)  # 131071: K x (-128 x -128) still fits int32
+
+
+def int_mm_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch._int_mm takes a [M, K] @ b[N, K].T on CUDA: M > 16 and K, N multiples
+    of 8 (its documented requirements), both contiguous."""
+    M, K = a.shape
+    return a.is_cuda and M > 16 and K % 8 == 0 and b.shape[0] % 8 == 0 and a.is_contiguous() and b.is_contiguous()
+
+
+def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Exact int32 a [M, K] @ b [N, K].T."""
+    if a.shape[1] == 0:
+        return torch.zeros(a.shape[0], b.shape[0], dtype=torch.int32, device=a.device)
+    if int_mm_allowed(a, b):
+        return torch._int_mm(a, b.t())
+    if a.is_cuda:  # float64 is exact here (|sum| < 2^31 < 2^53); CUDA has no integer matmul
+        return (a.double() @ b.double().t()).to(torch.int32)
+    return (a.long() @ b.long().t()).to(torch.int32)
+
+
+def int8_linear(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, compute=torch.float32):
+    """(a @ b.T) * scale_a[:, None] * scale_b[None, :] + bias, in `compute` precision, rounded
+    once to out_dtype (compute=float64: the oracle, returned in float64)."""
+    c = int8_mm(a, b).to(compute)
+    c = c * scale_a.reshape(-1, 1).to(compute) * scale_b.reshape(1, -1).to(compute)
+    if bias is not None:
+        c = c + bias.to(compute)
+    return c if compute == torch.float64 else c.to(out_dtype)
+
+
+def dequantized(b: torch.Tensor, scale_b: torch.Tensor, group_size: Optional[int], dtype) -> torch.Tensor:
+    """b [N, K] int8 times its per-channel [N] or per-group [N, K / group_size] scales."""
+    if group_size is None:
+        return b.to(dtype) * scale_b.reshape(-1, 1).to(dtype)
+    return b.to(dtype) * scale_b.to(dtype).repeat_interleave(group_size, dim=1)
+
+
+def w8a16_linear(x, b, scale_b, bias=None, group_size=None, compute=torch.float32):
+    """x [M, K] @ dequantized(b).T + bias in `compute` precision (float64: the oracle,
+    returned in float64), else rounded to x's dtype."""
+    if group_size is None:  # scale after the product, as the kernels do
+        c = (x.to(compute) @ b.to(compute).t()) * scale_b.reshape(1, -1).to(compute)
+    else:
+        c = x.to(compute) @ dequantized(b, scale_b, group_size, compute).t()
+    if bias is not None:
+        c = c + bias.to(compute)
+    return c if compute == torch.float64 else c.to(x.dtype)
+
+
+def w8a16_pytorch(x, b, scale_b, bias=None, group_size=None):
+    """What a PyTorch user writes on a GPU: the weight widened to x's dtype, a library GEMM,
+    then the scale (per channel) or the dequantized weight (per group)."""
+    if group_size is None:
+        c = torch.nn.functional.linear(x, b.to(x.dtype)) * scale_b.to(x.dtype)
+    else:
+        c = torch.nn.functional.linear(x, dequantized(b, scale_b, group_size, torch.float32).to(x.dtype))
+    return c + bias.to(x.dtype) if bias is not None else c

@@ -1,0 +1,120 @@
+"""int8_gemm's knobs, the rules a variant must obey (instruction shapes, shared memory),
+the template context, and what `kgen build` compiles ahead of time.
+
+A variant's dtype is its A operand: `int8` variants serve int8_mm and int8_linear (int8 x
+int8, int32 accumulation, the W8A8 epilogue in the same kernel); `bfloat16` / `float16`
+variants serve w8a16_linear (16-bit x, int8 weight widened in registers, float32
+accumulation). B is always int8 stored N x K."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kgen.spec import Knob, Schema
+
+# Opt-in shared memory per block (bytes) by arch.
+_SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 232448, "sm_90a": 232448}
+
+
+def _triton_smem(dtype: str, k: Mapping[str, Any]) -> int:
+    a_size = 1 if dtype == "int8" else 2
+    return k["num_stages"] * (k["block_m"] * a_size + k["block_n"]) * k["block_k"]
+
+
+def cuda_smem(k: Mapping[str, Any]) -> int:
+    """The sm_80 template's cp.async ring: `stages` x (block_m + block_n) rows of block_k bytes."""
+    return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"]
+
+
+def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
+    problems = []
+    if backend == "triton":
+        # tl.dot needs K >= 16 per step; int8 MMAs take K = 32 per instruction.
+        if dtype == "int8" and k["block_k"] < 32:
+            problems.append(("block_k", f"block_k={k['block_k']}: int8 tensor-core steps are 32 deep"))
+        smem = _triton_smem(dtype, k)
+        if smem > _SMEM_LIMIT["sm_90a"]:
+            problems.append(("num_stages", f"{k['num_stages']} stages of ({k['block_m']} + {k['block_n']}) x "
+                                           f"{k['block_k']} tiles need {smem} bytes of shared memory"))
+        return problems
+    if dtype != "int8":
+        problems.append(("dtypes", f"the CUDA kernels are int8 x int8 (int8_mm, int8_linear), not {dtype}; "
+                                   "w8a16_linear uses the Triton variants"))
+    # mma.sync m16n8k32 with warps tiled warps_m x warps_n: each warp owns
+    # block_m / warps_m rows (16-row A fragments) and block_n / warps_n columns (8-column B
+    # fragments, loaded 16 at a time); each row of a tile is block_k bytes of whole 16-byte chunks.
+    wm, wn = k["warps_m"], k["warps_n"]
+    if k["block_m"] % (16 * wm):
+        problems.append(("block_m", f"block_m={k['block_m']} must be a multiple of {16 * wm} "
+                                    f"({wm} warps of 16-row MMA tiles)"))
+    if k["block_n"] % (16 * wn):
+        problems.append(("block_n", f"block_n={k['block_n']} must be a multiple of {16 * wn} "
+                                    f"({wn} warps of 16-column ldmatrix pieces)"))
+    if k["block_k"] not in (32, 64, 128):
+        problems.append(("block_k", f"block_k={k['block_k']} must be 32, 64 or 128 bytes "
+                                    "(whole 16-byte chunks, at most one 128-byte swizzle line)"))
+    acc = (k["block_m"] // wm) * (k["block_n"] // wn) // 32
+    if acc > 128:
+        problems.append(("block_n", f"{acc} int32 accumulators per thread (at most 128)"))
+    threads = 32 * wm * wn
+    if (k["block_m"] + k["block_n"]) * k["block_k"] // 16 % threads:
+        problems.append(("block_k", f"a stage's {(k['block_m'] + k['block_n']) * k['block_k'] // 16} 16-byte "
+                                    f"chunks do not split evenly over {threads} threads"))
+    if cuda_smem(k) > _SMEM_LIMIT[arch]:
+        problems.append(("stages", f"{k['stages']} stages need {cuda_smem(k)} bytes of shared memory, above "
+                                   f"{arch}'s {_SMEM_LIMIT[arch]}"))
+    return problems
+
+
+SCHEMA = Schema(
+    dtypes=("int8", "bfloat16", "float16"),
+    knobs={
+        "cuda": (
+            Knob("block_m", "m", lo=16, hi=256, pow2=True),
+            Knob("block_n", "n", lo=16, hi=256, pow2=True),
+            Knob("block_k", "k", lo=32, hi=128, pow2=True),  # bytes of K per stage
+            Knob("stages", "s", lo=2, hi=8),
+            Knob("warps_m", "wm", lo=1, hi=8, pow2=True),
+            Knob("warps_n", "wn", lo=1, hi=8, pow2=True),
+        ),
+        "triton": (
+            Knob("block_m", "m", lo=16, hi=256, pow2=True),
+            Knob("block_n", "n", lo=16, hi=256, pow2=True),
+            Knob("block_k", "k", lo=16, hi=512, pow2=True),
+            # the most K splits one call may use (chosen per call to fill the SMs; 1: none)
+            Knob("split_k", "sk", lo=1, hi=64, default=1),
+            Knob("num_warps", "w", lo=1, hi=16, pow2=True),
+            Knob("num_stages", "s", lo=1, hi=8),
+        ),
+    },
+    check=_check_variant,
+    archs=("sm_80", "sm_86", "sm_89", "sm_90"),
+)
+_SM80 = "int8_gemm/cuda_sm80.cu.j2"
+TEMPLATES = {"triton": "int8_gemm/triton.py.j2",
+             "cuda": {"sm_80": _SM80, "sm_86": _SM80, "sm_89": _SM80, "sm_90": _SM80}}
+
+
+def template_context(variant) -> dict:
+    p = variant.params
+    if variant.backend == "cuda":
+        return {"BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
+                "WARPS_M": p["warps_m"], "WARPS_N": p["warps_n"],
+                "WM": p["block_m"] // p["warps_m"], "WN": p["block_n"] // p["warps_n"],
+                "THREADS": 32 * p["warps_m"] * p["warps_n"], "SMEM": cuda_smem(p)}
+    return {"BLOCK_M": p["block_m"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "SPLIT_K": p["split_k"],
+            "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"]}
+
+
+def triton_aot(variant, mod) -> list:
+    """What `kgen build` compiles ahead of time: the GEMM in its main mode (int8: the W8A8
+    epilogue with bias into bf16; 16-bit: W8A16 per channel), K a multiple of BLOCK_K."""
+    int8 = variant.dtype == "int8"
+    t = {"int8": "i8", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
+    out = "bf16" if int8 else t
+    sig = {"a_ptr": f"*{t}", "b_ptr": "*i8", "out_ptr": f"*{out}", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
+           "bias_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "n_groups": "i32"}
+    const = {"MODE": 1 if int8 else 2, "PARTIAL": False, "HAS_BIAS": True, "GROUP": 0, "EVEN_K": True,
+             "BLOCK_M": mod.BLOCK_M, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "GROUP_M": mod.GROUP_M}
+    sig.update({k: "constexpr" for k in const})
+    return [(mod.int8_gemm_kernel, sig, const, {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})]

@@ -1,0 +1,20 @@
+"""logmatmul: out[b, n] = log sum_k w[n, k] exp(x[b, k]), the sum layer of probabilistic
+circuits and HMMs, dense and block-sparse, with both gradient flows.
+
+Modules: `schema` (knobs, variant rules, template context, ahead-of-time builds),
+`reference` (the math in PyTorch: the CPU path and the float64 oracle), `checks`
+(arguments), `plans` (rows per program, K splits, grids), `launch` (the kernels and how
+they run; its docstring and the Triton template's header describe the algorithms), `op`
+(kernel choice, tuning hooks, the torch.library ops and autograd, the public functions)
+and `numerics` (golden numerics for `kgen verify` and the tests).
+"""
+
+from kgen.families.logmatmul.numerics import GRAD_TOL, golden, make_inputs
+from kgen.families.logmatmul.launch import CudaForward, backward, bsl_backward, bsl_forward, forward
+from kgen.families.logmatmul.op import (
+    OPS, TUNE_DIMS, TUNE_SHAPES, block_sparse_logmatmul, dense_from_blocks, implementation, logmatmul,
+    tune_bucket, tune_inputs, tune_runner, using)
+from kgen.families.logmatmul.reference import reference, reference_backward
+from kgen.families.logmatmul.schema import SCHEMA, TEMPLATES, template_context, triton_aot
+
+BENCHMARK = "kgen.benchmarks.logmatmul"

@@ -1,0 +1,265 @@
+"""logmatmul as ops: which implementation runs (dispatch, `using`), the tuning hooks, the
+torch.library ops with fake impls and autograd, the public functions, golden numerics."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+
+from kgen.families.logmatmul.checks import check_block_sparse, check_dense
+from kgen.families.logmatmul.launch import CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward
+from kgen.families.logmatmul.reference import reference, reference_backward
+from kgen.runtime.op import define
+
+FAMILY = "logmatmul"
+_FORCED = threading.local()
+_MODULES: dict = {}
+
+
+def implementation(kernel, companion=None):
+    """What the op runs for a loaded variant: a Triton variant's module, or a CUDA variant
+    wrapped with a Triton companion (default: dispatch's first Triton choice)."""
+    if kernel is None or kernel.backend == "triton":
+        return kernel.module if kernel is not None else None
+    if companion is None:
+        from kgen.runtime import dispatch
+
+        companion = dispatch.select(FAMILY, torch.device("cuda", torch.cuda.current_device()),
+                                    kernel.variant.dtype, backend="triton")
+        if companion is None:
+            raise RuntimeError(f"logmatmul: no Triton variant for {kernel.variant.dtype} could be built "
+                               f"to serve the backward of {kernel.name}")
+    return CudaForward(kernel, companion.module)
+
+
+@contextlib.contextmanager
+def using(mod):
+    """Run the ops with this implementation (`implementation(kernel)`, a Triton module, or
+    None: the PyTorch reference) instead of dispatch's choice, in this thread."""
+    saved = getattr(_FORCED, "mod", _FORCED)
+    _FORCED.mod = mod
+    try:
+        yield
+    finally:
+        if saved is _FORCED:
+            del _FORCED.mod
+        else:
+            _FORCED.mod = saved
+
+
+def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
+    forced = getattr(_FORCED, "mod", _FORCED)
+    if forced is not _FORCED:
+        return forced
+    if device.type != "cuda":
+        return None
+    key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length())
+    mod = _MODULES.get(key, _FORCED)
+    if mod is _FORCED:
+        mod = _MODULES[key] = _choose(device, dtype, B, N, K)
+    return mod
+
+
+def _choose(device, dtype, B, N, K):
+    from kgen.runtime import dispatch
+
+    name = str(dtype).removeprefix("torch.")
+    dims = {"B": B, "N": N, "K": K}
+    kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
+    if why == "spec order" and B >= 16:
+        kernel = _by_batch(device, name, B) or kernel
+    if kernel is not None and kernel.backend == "cuda":
+        companion = dispatch.select(FAMILY, device, name, backend="triton")
+        return CudaForward(kernel, companion.module) if companion is not None else None
+    return implementation(kernel)
+
+
+def _by_batch(device, name: str, B: int):
+    """Where nothing is tuned, B >= 16 runs the first tl.dot variant whose rows per program
+    match the batch (16 up to B = 32, else 64) instead of spec order's small-batch form:
+    on an H100 at N = K = 4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and
+    89 us against 287 us at B = 64."""
+    from kgen.runtime import dispatch
+
+    rows = 16 if B <= 32 else 64
+    for v in dispatch.candidates(FAMILY, name, torch.cuda.get_device_capability(device), "triton"):
+        if v.params["dot"] != "none" and v.params["block_b"] == rows:
+            try:
+                return dispatch.load(v)
+            except Exception:  # noqa: BLE001 - a variant that fails to build: spec order serves
+                return None
+    return None
+
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: B, N and K each rounded up to a power of two (B decides the tiling: the
+# small-batch forms up to 16, tl.dot tiles beyond).
+TUNE_DIMS = ("B", "N", "K")
+TUNE_SHAPES = tuple({"B": b, "N": n, "K": k} for n, k in ((4096, 4096), (1024, 1024), (512, 512))
+                    for b in (1, 2, 4, 8, 16, 64, 256))
+_REFERENCE_TUNE_BYTES = 256 << 20
+
+
+def tune_bucket(B: int, N: int, K: int) -> str:
+    return ".".join(f"{k}<={1 << (n - 1).bit_length()}" for k, n in zip(TUNE_DIMS, (B, N, K)))
+
+
+def tune_inputs(device, dtype: str, B: int, N: int, K: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    return {"x": (torch.randn(B, K, device=device, generator=g) * 2).to(getattr(torch, dtype)),
+            "w": torch.rand(N, K, device=device, generator=g)}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One forward of `kernel` (None: the reference) into a fresh output: nothing a caller
+    holds is written."""
+    x, w = inputs["x"], inputs["w"]
+    if kernel is None:
+        if x.shape[0] * w.numel() * 4 > _REFERENCE_TUNE_BYTES:
+            raise ValueError("the reference's [B, K] x [K, N] product would take too much memory")
+        return lambda: reference(x, w)
+    mod = implementation(kernel)
+    return lambda: forward(mod, x, w)
+
+
+# --------------------------------------------------------------------------- dense op
+
+
+def _fwd_impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    check_dense(x, w)
+    mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(w.shape[0], 1), max(x.shape[1], 1))
+    if mod is None:
+        return reference(x, w).contiguous()
+    return forward(mod, x.contiguous(), w.contiguous())
+
+
+def _fwd_fake(x, w):
+    check_dense(x, w)
+    return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+
+
+def _bwd_impl(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(w.shape[0], 1), max(x.shape[1], 1))
+    grad = grad.to(torch.float32).contiguous()
+    if mod is None:
+        return reference_backward(x, w, out, grad)
+    return backward(mod, x.contiguous(), w.contiguous(), out.contiguous(), grad)
+
+
+def _bwd_fake(x, w, out, grad):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _setup(ctx, inputs, output):
+    x, w = inputs
+    ctx.save_for_backward(x, w, output)
+    ctx.forced = getattr(_FORCED, "mod", _FORCED)
+
+
+def _backward(ctx, grad):
+    x, w, out = ctx.saved_tensors
+    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+        dx, dw = _bwd_op(x, w, out, grad)
+    return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None)
+
+
+_bwd_op = define("logmatmul_backward", _bwd_impl, fake=_bwd_fake)
+_op = define("logmatmul", _fwd_impl, fake=_fwd_fake, backward=_backward, setup_context=_setup)
+
+
+def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out[b, n] = log sum_k w[n, k] exp(x[b, k]), float32 [B, N].
+
+    x [B, K] log-values (float32, bfloat16 or float16; -inf allowed), w [N, K] non-negative
+    weights (float32 or x's dtype). Each row of x is shifted by its maximum (per K slice,
+    merged exactly), so nothing overflows; an all -inf row or a zero weight row gives -inf,
+    never NaN. A node whose weighted inputs all lie more than ~87 below its row's maximum
+    underflows to -inf (the price of one shift per row instead of one per output).
+    Differentiable in x and w: dx[b,k] = sum_n g w[n,k] exp(x[b,k] - out[b,n]),
+    dw[n,k] = sum_b g exp(x[b,k] - out[b,n]); outputs of -inf contribute nothing. On CUDA the
+    variant the tuning table names for (B, N, K) runs on the current stream; CPU tensors
+    use the float32 reference. Also torch.ops.kgen.logmatmul."""
+    return _op(x, w)
+
+
+# --------------------------------------------------------------------------- block-sparse
+
+
+def dense_from_blocks(blocks, row_ptr, col_idx, block_size: int, K: int) -> torch.Tensor:
+    """The [N, K] weight a block-CSR pattern stands for (zeros outside its blocks)."""
+    bs, nnz = block_size, blocks.shape[0]
+    R, C = row_ptr.shape[0] - 1, K // bs
+    w4 = blocks.new_zeros((R, C, bs, bs))
+    w4[block_rows(row_ptr, nnz), col_idx.long()] = blocks
+    return w4.permute(0, 2, 1, 3).reshape(R * bs, K)
+
+
+def _bsl_impl(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor,
+              block_size: int) -> torch.Tensor:
+    check_block_sparse(x, blocks, row_ptr, col_idx, block_size)
+    N = (row_ptr.shape[0] - 1) * block_size
+    mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(N, 1), max(x.shape[1], 1))
+    if mod is None:
+        return reference(x, dense_from_blocks(blocks, row_ptr, col_idx, block_size, x.shape[1])).contiguous()
+    return bsl_forward(mod, x.contiguous(), blocks.contiguous(), row_ptr.contiguous(), col_idx.contiguous(),
+                       block_size)
+
+
+def _bsl_fake(x, blocks, row_ptr, col_idx, block_size):
+    check_block_sparse(x, blocks, row_ptr, col_idx, block_size)
+    return x.new_empty((x.shape[0], (row_ptr.shape[0] - 1) * block_size), dtype=torch.float32)
+
+
+def _bsl_bwd_impl(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor,
+                  block_size: int, out: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    N = (row_ptr.shape[0] - 1) * block_size
+    mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(N, 1), max(x.shape[1], 1))
+    grad = grad.to(torch.float32).contiguous()
+    if mod is None:
+        w = dense_from_blocks(blocks, row_ptr, col_idx, block_size, x.shape[1])
+        dx, dw = reference_backward(x, w, out, grad)
+        R, bs = row_ptr.shape[0] - 1, block_size
+        dw4 = dw.reshape(R, bs, -1, bs).permute(0, 2, 1, 3)
+        return dx, dw4[block_rows(row_ptr, blocks.shape[0]), col_idx.long()].contiguous()
+    return bsl_backward(mod, x.contiguous(), blocks.contiguous(), row_ptr.contiguous(), col_idx.contiguous(),
+                        block_size, out.contiguous(), grad)
+
+
+def _bsl_bwd_fake(x, blocks, row_ptr, col_idx, block_size, out, grad):
+    return torch.empty_like(x), torch.empty_like(blocks)
+
+
+def _bsl_setup(ctx, inputs, output):
+    x, blocks, row_ptr, col_idx, block_size = inputs
+    ctx.save_for_backward(x, blocks, row_ptr, col_idx, output)
+    ctx.block_size = block_size
+    ctx.forced = getattr(_FORCED, "mod", _FORCED)
+
+
+def _bsl_backward(ctx, grad):
+    x, blocks, row_ptr, col_idx, out = ctx.saved_tensors
+    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+        dx, db = _bsl_bwd_op(x, blocks, row_ptr, col_idx, ctx.block_size, out, grad)
+    return (dx if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None), None, None, None
+
+
+_bsl_bwd_op = define("block_sparse_logmatmul_backward", _bsl_bwd_impl, fake=_bsl_bwd_fake)
+_bsl_op = define("block_sparse_logmatmul", _bsl_impl, fake=_bsl_fake, backward=_bsl_backward,
+                 setup_context=_bsl_setup)
+
+
+def block_sparse_logmatmul(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor,
+                           block_size: int) -> torch.Tensor:
+    """logmatmul with w [N, K] stored as block_size x block_size blocks in block-CSR order:
+    blocks [nnz, bs, bs], row_ptr [N/bs + 1] (nondecreasing, from 0 to nnz), col_idx [nnz]
+    (child block indices in [0, K/bs), no repeats within a block row). The index values are
+    not checked (that would wait on the device); the kernels read only blocks row_ptr
+    names. Differentiable in x and blocks. Also torch.ops.kgen.block_sparse_logmatmul."""
+    return _bsl_op(x, blocks, row_ptr, col_idx, int(block_size))
+
+
+OPS = {"logmatmul": logmatmul, "block_sparse_logmatmul": block_sparse_logmatmul}

@@ -1,0 +1,67 @@
+"""How one call of logmatmul is laid out: the rows of x per program, the K split that
+fills the SMs, the grids. Decisions only: nothing here allocates or launches."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+# Elements per program of the combine and dx-reduce kernels.
+REDUCE_BLOCK = 1024
+# Fewest reduction steps per K split the launch heuristic makes.
+MIN_SPLIT_STEPS = 4
+# SMs assumed off the GPU (the interpreter): small, so that tests see several K splits.
+_CPU_SMS = 2
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    return _sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else _CPU_SMS
+
+
+def block_b(mod, B: int) -> int:
+    """Rows of x per forward program: the variant's block_b for tl.dot (its M, at least 16);
+    for the FMA form the smallest power of two holding B, at most block_b, so that B = 1
+    does no padded work. The tiles over N and K never change with B."""
+    if mod.DOT != "none":
+        return mod.BLOCK_B
+    return min(mod.BLOCK_B, pow2_at_least(B))
+
+
+def k_split(B: int, N: int, K: int, bb: int, block_n: int, block_k: int, waves: int, sms: int,
+            splits: int | None = None) -> tuple[int, int]:
+    """(splits, k_slice): the fewest K splits that give about `waves` programs per SM,
+    each at least MIN_SPLIT_STEPS block_k steps (a small problem stays one launch) and a
+    whole number of them (`splits` forces a count). At B = 1, N = K = 4096, block_n = 16
+    on a 132-SM H100 with waves = 4: 256 n tiles x 3 splits = 768 programs."""
+    tiles = cdiv(B, bb) * cdiv(N, block_n)
+    steps = cdiv(K, block_k)
+    if splits is None:
+        splits = min(cdiv(waves * sms, tiles), max(1, steps // MIN_SPLIT_STEPS))
+    splits = max(1, min(splits, steps))
+    k_slice = cdiv(steps, splits) * block_k
+    return cdiv(K, k_slice), k_slice
+
+
+def bwd_rows(mod, B: int) -> int:
+    """Rows of x per step of the backward: at most BWD_B, no padding for small B."""
+    return min(mod.BWD_B, pow2_at_least(B))
+
+
+def bsl_tiles(mod, block_size: int) -> tuple[int, int]:
+    """(block_n, block_k) of the block-sparse forward: the variant's, within one block."""
+    return min(mod.BLOCK_N, block_size), min(mod.BLOCK_K, block_size)

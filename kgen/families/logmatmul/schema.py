@@ -1,0 +1,109 @@
+"""logmatmul's knobs, the rules a variant must obey (instruction shapes, registers), the
+template context, and what `kgen build` compiles ahead of time."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from kgen.spec import DTYPES, Knob, Schema
+
+# tl.dot's input precisions for float32 operands; "none" sums with float32 FMAs instead.
+DOT_CHOICES = ("none", "ieee", "tf32x3", "tf32")
+# float32 registers per thread a register tile may take (beside addresses, x, exps).
+_REG_BUDGET = 128
+# Rows of x (the batch) the CUDA kernel holds accumulators for (instantiations 1, 2, 4, ...
+# up to this), and the accumulators per thread it allows: rows x nodes <= 64.
+CUDA_MAX_B = 16
+_CUDA_ACCUMULATORS = 64
+
+
+def cuda_max_b(nodes: int) -> int:
+    return min(CUDA_MAX_B, _CUDA_ACCUMULATORS // nodes)
+
+
+def _check_triton(dtype: str, k: Mapping[str, Any]):
+    problems = []
+    threads = 32 * k["num_warps"]
+    if k["dot"] != "none":
+        for knob in ("block_b", "block_n", "block_k"):
+            if k[knob] < 16:
+                problems.append((knob, f"{knob}={k[knob]}: tl.dot needs tiles of at least 16 on each side"))
+    elif k["block_b"] * k["block_n"] * k["block_k"] > _REG_BUDGET * threads:
+        problems.append(("block_k", f"the FMA product tile block_b x block_n x block_k = {k['block_b']} x "
+                                    f"{k['block_n']} x {k['block_k']} needs more than {_REG_BUDGET} float32 "
+                                    f"registers per thread at num_warps={k['num_warps']}"))
+    if k["bwd_b"] * k["bwd_n"] * k["bwd_k"] > _REG_BUDGET * 32 * k["bwd_warps"]:
+        problems.append(("bwd_k", f"the backward tile bwd_b x bwd_n x bwd_k = {k['bwd_b']} x {k['bwd_n']} x "
+                                  f"{k['bwd_k']} needs more than {_REG_BUDGET} float32 registers per thread "
+                                  f"at bwd_warps={k['bwd_warps']}"))
+    return problems
+
+
+def _check_cuda(dtype: str, k: Mapping[str, Any]):
+    size = DTYPES[dtype][0]
+    problems = []
+    if k["vec"] * size != 16:
+        problems.append(("vec", f"vec={k['vec']} x {size}-byte {dtype} is {k['vec'] * size} bytes; the weight "
+                                "loads are 16-byte vectors"))
+    return problems
+
+
+def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
+    return _check_cuda(dtype, k) if backend == "cuda" else _check_triton(dtype, k)
+
+
+SCHEMA = Schema(
+    dtypes=("float32", "bfloat16", "float16"),
+    knobs={
+        "cuda": (
+            Knob("warps", "w", lo=1, hi=16, pow2=True),  # warps per CTA, splitting the CTA's K slice
+            Knob("nodes", "n", lo=1, hi=8),  # nodes (rows of w) per CTA, each lane loads all of them
+            Knob("vec", "v", lo=4, hi=8, pow2=True),  # elements per 16-byte weight load
+            Knob("waves", "q", lo=1, hi=32, default=4),  # CTAs per SM the K split aims for
+        ),
+        "triton": (
+            Knob("block_b", "b", lo=1, hi=128, pow2=True),  # rows of x per program (FMA: at most)
+            Knob("block_n", "n", lo=4, hi=256, pow2=True),  # rows of w per program
+            Knob("block_k", "k", lo=16, hi=512, pow2=True),  # reduction step
+            Knob("dot", "d", kind=str, choices=DOT_CHOICES, default="none"),
+            Knob("num_warps", "w", lo=1, hi=16, pow2=True),
+            Knob("num_stages", "s", lo=1, hi=8, default=2),
+            Knob("waves", "q", lo=1, hi=32, default=4),  # programs per SM the K split aims for
+            Knob("bwd_b", "bb", lo=1, hi=16, pow2=True, default=4),  # backward: rows of x per step
+            Knob("bwd_n", "bn", lo=4, hi=256, pow2=True, default=64),  # backward: w tile rows
+            Knob("bwd_k", "bk", lo=8, hi=256, pow2=True, default=32),  # backward: w tile columns
+            Knob("bwd_warps", "bw", lo=1, hi=16, pow2=True, default=8),
+        ),
+    },
+    check=_check_variant,
+    archs=("sm_80", "sm_86", "sm_89", "sm_90"),
+)
+TEMPLATES = {"triton": "logmatmul/triton.py.j2", "cuda": "logmatmul/cuda.cu.j2"}
+
+
+def template_context(variant) -> dict:
+    p = variant.params
+    if variant.backend == "cuda":
+        max_b = cuda_max_b(p["nodes"])
+        return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "MAX_B": max_b,
+                "batch_instances": [1 << i for i in range(max_b.bit_length())]}
+    return {"BLOCK_B": p["block_b"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "DOT": p["dot"],
+            "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "WAVES": p["waves"],
+            "BWD_B": p["bwd_b"], "BWD_N": p["bwd_n"], "BWD_K": p["bwd_k"], "BWD_WARPS": p["bwd_warps"]}
+
+
+def triton_aot(variant, mod) -> list:
+    """What `kgen build` compiles ahead of time: the forward (partials form) and the fused
+    backward in the variant's dtype, with float32 weights."""
+    t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
+    fwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32", "part_s_ptr": "*fp32",
+               "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32", "n_tiles": "i32"}
+    fwd_const = {"DIRECT": False, "DOT": mod.DOT, "BLOCK_B": mod.BLOCK_B, "BLOCK_N": mod.BLOCK_N,
+                 "BLOCK_K": mod.BLOCK_K}
+    fwd_sig.update({k: "constexpr" for k in fwd_const})
+    bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "dw_ptr": "*fp32",
+               "dxp_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_tiles": "i32"}
+    bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K}
+    bwd_sig.update({k: "constexpr" for k in bwd_const})
+    return [(mod.logmatmul_fwd_kernel, fwd_sig, fwd_const, {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}),
+            (mod.logmatmul_bwd_kernel, bwd_sig, bwd_const, {"num_warps": mod.BWD_WARPS})]

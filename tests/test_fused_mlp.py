@@ -1,0 +1,287 @@
+"""fused_mlp: the Triton kernels under the interpreter on CPU (forward and every gradient
+against float64 at awkward widths and B), the op and its autograd, kgen.nn.FusedMLP, bad
+inputs; the `gpu` tests run every variant, dispatch, CUDA graphs and torch.compile."""
+
+import pytest
+import torch
+from torch import nn
+
+import kgen.ops as ops
+from kgen.families import fused_mlp as fm
+from kgen.nn import FusedMLP
+from kgen.runtime import dispatch
+
+SPEC = dispatch.shipped_spec("fused_mlp")
+TOL = SPEC.numerics
+ACT_PAIRS = (("relu", "none"), ("sigmoid", "sigmoid"), ("gelu", "relu"), ("silu", "gelu"), ("none", "silu"))
+
+
+def _module(name):
+    return dispatch.load(SPEC.variant(name)).module
+
+
+# ------------------------------------------------------------------ CPU: kernels under the interpreter
+
+# one variant of each kind (exact top, exact bottom, generic) per dtype
+CPU_VARIANTS = ("triton_367x512x256x1_m32_k64_w4_bf16", "triton_13x512x256x64x16_m64_k64_w4_f32",
+                "triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_f32", "triton_13x512x256x64x16_m32_k64_w4_f16")
+
+
+@pytest.mark.parametrize("name", CPU_VARIANTS)
+def test_golden_forward(name):
+    """Forward against float64 at B 1, 3, 129, every activation pair, biases on and off
+    (generic variants at awkward widths with one-wide layers, 1000 and 5 layers), into a
+    NaN-poisoned output."""
+    v = SPEC.variant(name)
+    k = dispatch.load(v)
+    if not v.params["widths"]:  # the interpreter is slow: the generic widths at B 1 and 129 only
+        fm.op.GOLDEN_B, saved = (1, 129), fm.op.GOLDEN_B
+    try:
+        res = fm.golden(k, "cpu", v.dtype, TOL[v.dtype])
+    finally:
+        if not v.params["widths"]:
+            fm.op.GOLDEN_B = saved
+    assert res and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+
+
+@pytest.mark.parametrize("name,widths", [("triton_367x512x256x1_m32_k64_w4_bf16", (367, 512, 256, 1)),
+                                         ("triton_13x512x256x64x16_m64_k64_w4_f32", (13, 512, 256, 64, 16)),
+                                         ("triton_mw4096_m32_k64_w4_f32", (13, 1000, 1)),
+                                         ("triton_mw4096_m32_k64_w4_bf16", (1, 37, 3))])
+@pytest.mark.parametrize("acts", ACT_PAIRS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradients_vs_float64(name, widths, acts, bias):
+    v = SPEC.variant(name)
+    B = 3 if acts[0] != "relu" else 129
+    res = fm.grad_check(_module(name), "cpu", getattr(torch, v.dtype), B, widths, *acts, bias=bias, tol=TOL[v.dtype])
+    # Within the tolerance, or within a multiple of eager PyTorch's own error in the dtype:
+    # in 16-bit dtypes ReLU's mask flips wherever a rounded z lands on the other side of 0
+    # (each flip moves a weight gradient by one row's whole contribution), and the
+    # interpreter truncates float32 -> bfloat16 where a GPU rounds to nearest, a bias that
+    # compounds through the layers: 4x here, 2x in the GPU test.
+    k = 4 if v.dtype != "float32" else 2
+    assert all(r <= max(1.0, k * e) for _, r, e in res), res
+
+
+def test_generic_partial_biases_and_save():
+    """Layers with and without a bias in one call; the saved z equal the eager composition's."""
+    mod = _module("triton_mw4096_m32_k64_w4_f32")
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 5, (13, 33, 7, 2), bias=[True, False, True])
+    out, zs = fm.forward(mod, x, ws, bs, "gelu", "sigmoid", save=True)
+    ref_out, ref_zs = fm.eager(x, ws, bs, "gelu", "sigmoid", save=True)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    for z, r in zip(zs, ref_zs):
+        torch.testing.assert_close(z, r, rtol=1e-5, atol=1e-6)
+
+
+def test_op_uses_variant_and_autograd():
+    """The op through a forced Triton module: forward and gradients equal the eager path's."""
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 3, (13, 512, 256, 64, 16))
+    leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
+    with fm.using(_module("triton_13x512x256x64x16_m64_k64_w4_f32")):
+        out = ops.fused_mlp(leaves[0], leaves[1:5], leaves[5:], activation="silu", last_activation="sigmoid")
+        out.sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
+    ref = fm.eager(ref_leaves[0], ref_leaves[1:5], ref_leaves[5:], "silu", "sigmoid")[0]
+    ref.sum().backward()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(leaves, ref_leaves):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------ CPU: the op (eager composition)
+
+
+def test_fused_mlp_module_matches_sequential_and_round_trip():
+    seq = nn.Sequential(nn.Linear(13, 20), nn.GELU(approximate="tanh"), nn.Identity(), nn.Linear(20, 7),
+                        nn.GELU(approximate="tanh"), nn.Sequential(nn.Linear(7, 1), nn.Sigmoid()))
+    m = FusedMLP.from_sequential(seq)
+    assert m.widths == (13, 20, 7, 1) and m.activation == "gelu" and m.last_activation == "sigmoid"
+    x = torch.randn(4, 2, 13)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = m(x1), seq(x2)
+    assert y1.shape == (4, 2, 1)
+    torch.testing.assert_close(y1, y2)
+    y1.square().sum().backward()
+    y2.square().sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+    torch.testing.assert_close(m.weights[1].grad, seq[3].weight.grad)
+    torch.testing.assert_close(m.biases[2].grad, seq[5][0].bias.grad)
+    back = m.to_sequential()
+    torch.testing.assert_close(back(x), y2.detach())
+    m2 = FusedMLP.from_sequential(back)
+    torch.testing.assert_close(m2(x), y2.detach())
+
+
+def test_fused_mlp_module_no_bias_and_dtype():
+    m = FusedMLP([5, 6, 3], activation="relu", bias=False, dtype=torch.bfloat16)
+    assert m.biases is None and m.weights[0].dtype == torch.bfloat16
+    seq = m.to_sequential()
+    assert seq[0].bias is None
+    x = torch.randn(3, 5, dtype=torch.bfloat16)
+    torch.testing.assert_close(m(x), seq(x))
+
+
+@pytest.mark.parametrize("seq,err,match", [
+    (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), TypeError, "Tanh"),
+    (nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)), ValueError, "tanh form"),
+    (nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2), nn.SiLU(), nn.Linear(2, 2)), ValueError, "different"),
+    (nn.Sequential(nn.ReLU(), nn.Linear(3, 4)), ValueError, "does not follow"),
+    (nn.Sequential(nn.Linear(3, 4), nn.Linear(5, 2)), ValueError, "feeds"),
+    (nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2, bias=False)), ValueError, "bias"),
+    (nn.Sequential(), ValueError, "no nn.Linear"),
+])
+def test_from_sequential_errors(seq, err, match):
+    with pytest.raises(err, match=match):
+        FusedMLP.from_sequential(seq)
+
+
+def test_from_sequential_not_sequential():
+    with pytest.raises(TypeError, match="nn.Sequential"):
+        FusedMLP.from_sequential(nn.Linear(3, 4))
+
+
+def test_partial_biases_gradients_and_empty_batch():
+    w = [torch.randn(4, 3, requires_grad=True), torch.randn(2, 4, requires_grad=True)]
+    b = [None, torch.randn(2, requires_grad=True)]
+    x = torch.randn(3, 3, requires_grad=True)
+    ops.fused_mlp(x, w, b, activation="silu").sum().backward()
+    assert w[0].grad.shape == (4, 3) and b[1].grad.shape == (2,) and x.grad.shape == (3, 3)
+    assert ops.fused_mlp(torch.randn(0, 3), [w[0].detach()], None).shape == (0, 4)
+
+
+def test_opcheck_fake_and_compile():
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 3, (5, 7, 2))
+    torch.library.opcheck(torch.ops.kgen.fused_mlp.default, (x, ws, bs, 3, "gelu", "sigmoid"))
+    meta = torch.ops.kgen.fused_mlp(x.to("meta"), [w.to("meta") for w in ws], [b.to("meta") for b in bs], 3,
+                                    "relu", "none")
+    assert meta.shape == (3, 2) and meta.device.type == "meta"
+    m = FusedMLP([5, 7, 2], last_activation="sigmoid")
+    xg = torch.randn(4, 5, requires_grad=True)
+    f = torch.compile(lambda t: m(t).sum(), fullgraph=True, backend="aot_eager")
+    f(xg).backward()
+    xr = xg.detach().clone().requires_grad_()
+    m.to_sequential()(xr).sum().backward()
+    torch.testing.assert_close(xg.grad, xr.grad)
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda x, w, b: ops.fused_mlp(x.double(), w, b), TypeError, "dtype"),
+    (lambda x, w, b: ops.fused_mlp(x, w[0], b), TypeError, "list"),
+    (lambda x, w, b: ops.fused_mlp(x, w, b[:1]), ValueError, "biases"),
+    (lambda x, w, b: ops.fused_mlp(x, w, b, activation="tanh"), ValueError, "activation"),
+    (lambda x, w, b: ops.fused_mlp(x, w, b, last_activation="softmax"), ValueError, "last_activation"),
+    (lambda x, w, b: ops.fused_mlp(x, [w[1], w[0]], b), ValueError, "shape"),
+    (lambda x, w, b: ops.fused_mlp(x, [w[0].half(), w[1]], b), TypeError, "weights\\[0\\] dtype"),
+    (lambda x, w, b: ops.fused_mlp(x, w, [b[0][:2], b[1]]), ValueError, "biases\\[0\\]"),
+    (lambda x, w, b: ops.fused_mlp(x, w * 5, b * 5), ValueError, "shape|layers"),
+    (lambda x, w, b: ops.fused_mlp(x, [], []), ValueError, "layers"),
+    (lambda x, w, b: ops.fused_mlp(x, [torch.randn(4097, 5)], None), ValueError, "width"),
+    (lambda x, w, b: ops.fused_mlp(x.sum(), w, b), ValueError, "dimension"),
+])
+def test_bad_inputs(call, err, match):
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 3, (5, 7, 2))
+    with pytest.raises(err, match=match):
+        call(x, ws, bs)
+
+
+def test_nine_layers_rejected():
+    ws = [torch.randn(4, 4) for _ in range(9)]
+    with pytest.raises(ValueError, match="1 to 8"):
+        ops.fused_mlp(torch.randn(2, 4), ws, None)
+
+
+def test_spec_variants_and_fits():
+    names = {v.name for v in SPEC.variants}
+    assert "triton_367x512x256x1_m32_k64_w4_bf16" in names and "triton_mw4096_m32_k64_w4_f32" in names
+    top = SPEC.variant("triton_367x512x256x1_m32_k64_w4_bf16")
+    gen = SPEC.variant("triton_mw4096_m32_k64_w4_bf16")
+    assert top.params["widths"] == (367, 512, 256, 1)
+    assert fm.variant_fits(top, {"widths": "367-512-256-1"}) and not fm.variant_fits(top, {"widths": (367, 512, 1)})
+    assert fm.variant_fits(gen, {"widths": (1, 4096, 1)}) and not fm.variant_fits(gen, {"widths": (1,) * 10})
+    assert fm.tune_bucket(B=2000, widths="13-512-256-64-16") == "w13-512-256-64-16.B<=2048"
+
+
+def test_spec_widths_knob_errors():
+    from kgen import spec
+    from kgen.errors import SpecError
+
+    with pytest.raises(SpecError, match="max_width"):
+        spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    block_m: 16\n    block_k: 64\n"
+                   "    num_warps: 4\n")
+    with pytest.raises(SpecError, match="above the maximum"):
+        spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    widths: [5, 5000]\n    block_m: 16\n"
+                   "    block_k: 64\n    num_warps: 4\n")
+    s = spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    widths: [[5, 6], [7, 8, 9]]\n"
+                   "    block_m: 16\n    block_k: 64\n    num_warps: 4\n    dtypes: [float32]\n")
+    assert [v.name for v in s.variants] == ["triton_5x6_m16_k64_w4_f32", "triton_7x8x9_m16_k64_w4_f32"]
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [v for v in SPEC.variants if v.dtype == "bfloat16" or v.params["block_m"] == 64],
+                         ids=lambda v: v.name)
+def test_gpu_golden_every_variant(v):
+    res = fm.golden(dispatch.load(v), "cuda", v.dtype, TOL[v.dtype])
+    assert all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths,acts", [((367, 512, 256, 1), ("relu", "sigmoid")),
+                                         ((13, 512, 256, 64, 16), ("relu", "relu")),
+                                         ((13, 1000, 1), ("gelu", "none")), ((1, 37, 3), ("silu", "silu"))])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B", [3, 5000])
+def test_gpu_op_dispatch_and_gradients(widths, acts, dtype, B):
+    x, ws, bs = fm.make_inputs("cuda", dtype, B, widths)
+    tol = TOL[str(dtype).removeprefix("torch.")]
+    out = ops.fused_mlp(x, ws, bs, activation=acts[0], last_activation=acts[1])
+    from kgen.runtime.op import error_ratio
+
+    assert error_ratio(out, fm.reference(x, ws, bs, *acts), tol) <= 1
+    mod = fm.module_for(x.device, dtype, widths, B)
+    res = fm.grad_check(mod, "cuda", dtype, B, widths, *acts, tol=tol)
+    assert all(r <= max(1.0, 2 * e) for _, r, e in res), res
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay():
+    m = FusedMLP([367, 512, 256, 1], last_activation="sigmoid", dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(2048, 367, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        m(x)  # build outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(x)
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_dlrm_forward_backward():
+    class DLRMish(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bot = FusedMLP([13, 512, 256, 64, 16], last_activation="relu", dtype=torch.bfloat16, device="cuda")
+            self.top = FusedMLP([16 + 351, 512, 256, 1], last_activation="sigmoid", dtype=torch.bfloat16,
+                                device="cuda")
+
+        def forward(self, dense, sparse):
+            return self.top(torch.cat([self.bot(dense), sparse], dim=1))
+
+    model = DLRMish()
+    dense = torch.randn(1000, 13, device="cuda", dtype=torch.bfloat16)
+    sparse = torch.randn(1000, 351, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(dense, sparse)
+    out.float().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(dense, sparse)
+    ref.float().sum().backward()
+    torch.testing.assert_close(out, ref)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad)

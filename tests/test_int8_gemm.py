@@ -1,0 +1,239 @@
+"""int8_gemm: every Triton variant under the interpreter (CPU) or on the GPU against the
+exact int64 product and float64 at awkward sizes, split and unsplit; input checks; the ops
+through dispatch; compile-only SASS of the CUDA variants; on a GPU also the CUDA variants,
+CUDA graph replay and torch.compile(fullgraph=True)."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from kgen import ops, spec
+from kgen.families import int8_gemm as ig
+from kgen.families.int8_gemm import launch as ig_launch
+from kgen.runtime import build, dispatch, toolchain
+from tests.conftest import HAS_GPU, requires_nvcc
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = spec.load(ROOT / "kgen" / "specs" / "int8_gemm.yaml")
+TRITON = [v.name for v in SPEC.variants if v.backend == "triton"]
+CUDA = [v.name for v in SPEC.variants if v.backend == "cuda"]
+DEV = torch.device("cuda" if HAS_GPU else "cpu")
+_LOADED: dict = {}
+
+
+def _kernel(name):
+    if name not in _LOADED:
+        _LOADED[name] = dispatch.load(SPEC.variant(name))
+    return _LOADED[name]
+
+
+@pytest.fixture
+def poisoned_workspace(monkeypatch):
+    """Split-K partial planes start as garbage: every element must be written before it is read."""
+    def empty(shape, dtype, device):
+        return torch.full(shape, 12345 if not dtype.is_floating_point else float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(ig_launch, "_empty", empty)
+
+
+# M in {1, 3, 17, 64}, N not a multiple of any tile, K the smallest step (16: the CUDA
+# unit, the grouped-scale unit) and ragged (48, 100: masked K tails).
+SHAPES = ((1, 37, 64), (3, 70, 48), (17, 33, 100), (64, 130, 16))
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_triton_variant_golden(name, poisoned_workspace):
+    """int8: int8_mm equal to the int64 product; int8_linear (bf16 out) within the spec's
+    tolerance of float64; 16-bit: w8a16_linear per channel and per group of 16 against
+    float64. Each unsplit and with 3 K splits (partials + combine)."""
+    v = SPEC.variant(name)
+    results = ig.golden(_kernel(name), DEV, v.dtype, SPEC.numerics[v.dtype], shapes=SHAPES)
+    assert len(results) >= 14
+    bad = [(case, r) for case, r in results if not r <= 1.0]
+    assert not bad, bad
+
+
+def test_split_k_is_deterministic_and_spreads_at_m1():
+    """At M = 1, N = 4096 the small-M variant's grid covers every SM of an H100 (132) at
+    least twice, and split results equal unsplit ones bit for bit."""
+    mod = _kernel(next(n for n in TRITON if SPEC.variant(n).params["split_k"] > 1)).module
+    for K in (4096, 11008):
+        s, k_split = ig.plans.splits(mod, 1, 4096, K, mod.BLOCK_K, 132)
+        grid = ig.plans.gemm_grid(mod, 1, 4096, s)
+        assert grid[0] * grid[1] >= 2 * 132, (K, grid)
+        assert k_split % mod.BLOCK_K == 0 and (s - 1) * k_split < K
+    name = next(n for n in TRITON if SPEC.variant(n).params["split_k"] > 1 and SPEC.variant(n).dtype == "bfloat16")
+    impl = ig.implementation(_kernel(name))
+    x = torch.randn(2, 96, device=DEV).to(torch.bfloat16)
+    b = torch.randint(-128, 128, (40, 96), dtype=torch.int8, device=DEV)
+    s = torch.rand(40, device=DEV)
+    outs = [ig.gemm(impl, ig.MODE_W8A16, x, b, torch.empty(2, 40, dtype=x.dtype, device=DEV), scale_b=s, n_splits=n)
+            for n in (None, 2, 2)]
+    assert torch.equal(outs[1], outs[2])
+
+
+def _ints(*shape, device=DEV):
+    return torch.randint(-128, 128, shape, dtype=torch.int8, device=device)
+
+
+def test_ops_reference_path_cpu_exact_and_batched():
+    """CPU tensors run the PyTorch reference: int8_mm exact (int64 product; all -128 at the
+    largest K fits int32), leading batch dims flattened, int8_linear and w8a16 vs float64."""
+    a, b = _ints(2, 3, 40, device="cpu"), _ints(5, 40, device="cpu")
+    got = ops.int8_mm(a, b)
+    assert got.dtype == torch.int32 and got.shape == (2, 3, 5)
+    assert torch.equal(got.long(), a.long() @ b.long().t())
+    worst = torch.full((1, 2048), -128, dtype=torch.int8)
+    assert int(ops.int8_mm(worst, worst)[0, 0]) == 2048 * 16384
+    # scales ~1/127 as a quantiser gives: |a @ b.T| reaches 127^2 * 40 = 645k, past float16's 65504
+    sa, sb, bias = torch.rand(2, 3) / 127, torch.rand(5) / 127, torch.randn(5)
+    out = ops.int8_linear(a, b, sa, sb, bias, out_dtype=torch.float16)
+    ref = ig.reference.int8_linear(a.reshape(6, 40), b, sa.reshape(-1), sb, bias, compute=torch.float64)
+    assert out.dtype == torch.float16 and out.shape == (2, 3, 5)
+    torch.testing.assert_close(out.reshape(6, 5).double(), ref, rtol=1e-3, atol=1e-6)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    b2, s2 = _ints(7, 64, device="cpu"), torch.rand(7, 4) / 127
+    out = ops.w8a16_linear(x, b2, s2, group_size=16)
+    ref = ig.reference.w8a16_linear(x, b2, s2, None, 16, compute=torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (lambda: ops.int8_mm(torch.zeros(2, 4), _ints(3, 4, device="cpu")), TypeError, "a has dtype"),
+    (lambda: ops.int8_mm(_ints(2, 4, device="cpu"), torch.zeros(3, 4)), TypeError, "b has dtype"),
+    (lambda: ops.int8_mm(_ints(2, 4, device="cpu"), _ints(3, 5, device="cpu")), ValueError, "must be \\[N, K\\]"),
+    (lambda: ops.int8_mm(_ints(2, 4, device="cpu"), _ints(3, 4, 1, device="cpu")), ValueError, "2-D"),
+    (lambda: ops.int8_mm(_ints(1, 131072, device="cpu"), _ints(1, 131072, device="cpu")), ValueError, "overflow"),
+    (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), _ints(3, 4, device="cpu"), torch.ones(3), torch.ones(3)),
+     ValueError, "scale_a"),
+    (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), _ints(3, 4, device="cpu"), torch.ones(2),
+                             torch.ones(3, dtype=torch.float64)), TypeError, "scale_b"),
+    (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), _ints(3, 4, device="cpu"), torch.ones(2), torch.ones(3),
+                             out_dtype=torch.int32), TypeError, "out_dtype"),
+    (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), _ints(3, 4, device="cpu"), torch.ones(2), torch.ones(3),
+                             torch.ones(4)), ValueError, "bias"),
+    (lambda: ops.w8a16_linear(torch.zeros(2, 32), _ints(3, 32, device="cpu"), torch.ones(3)), TypeError, "x has dtype"),
+    (lambda: ops.w8a16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), _ints(3, 32, device="cpu"), torch.ones(3),
+                              group_size=12), ValueError, "group_size"),
+    (lambda: ops.w8a16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), _ints(3, 32, device="cpu"), torch.ones(3),
+                              group_size=16), ValueError, "scale_b has shape"),
+])
+def test_bad_inputs(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_fake_impls_and_compile_on_cpu():
+    """The registered ops' fake impls give shapes and dtypes; torch.compile(fullgraph=True)
+    traces all three without a graph break."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a, b = torch.empty(5, 32, dtype=torch.int8), torch.empty(7, 32, dtype=torch.int8)
+        assert torch.ops.kgen.int8_mm(a, b).shape == (5, 7)
+        out = torch.ops.kgen.int8_linear(a, b, torch.empty(5), torch.empty(7), None, torch.float16)
+        assert out.dtype == torch.float16 and out.shape == (5, 7)
+    a, b = _ints(3, 32, device="cpu"), _ints(7, 32, device="cpu")
+    x = torch.randn(3, 32).to(torch.bfloat16)
+
+    def f(a, b, x):
+        return ops.int8_mm(a, b), ops.int8_linear(a, b, torch.ones(3), torch.ones(7)), ops.w8a16_linear(x, b, torch.ones(7))
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, b, x)
+    for g, w in zip(got, f(a, b, x)):
+        assert torch.equal(g, w)
+
+
+def test_w8a16_gradient_of_x():
+    x = torch.randn(3, 32, dtype=torch.float64).to(torch.bfloat16).requires_grad_()
+    b, s = _ints(5, 32, device="cpu"), torch.rand(5)
+    ops.w8a16_linear(x, b, s).float().sum().backward()
+    want = (torch.ones(3, 5) @ (b.float() * s[:, None])).to(torch.bfloat16)
+    torch.testing.assert_close(x.grad, want)
+
+
+# --------------------------------------------------------------------------- compile only
+
+@pytest.fixture(scope="module")
+def cuda_builds():
+    return {r.variant.name: r for r in build.build_cuda([SPEC.variant(n) for n in CUDA])}
+
+
+@requires_nvcc
+@pytest.mark.parametrize("name", CUDA)
+def test_cuda_variant_sass(cuda_builds, name):
+    """mma.sync m16n8k32 s8 (SASS IMMA.16832.S8.S8) from ldmatrix (LDSM) over a cp.async
+    ring (LDGSTS); no local memory in any of the six epilogue instances."""
+    r = cuda_builds[name]
+    assert r.status in ("built", "cached"), r.error
+    lib = r.entry.file(build.CUDA_LIB)
+    sass = toolchain.sass(lib)
+    assert f"arch = {r.variant.arch}" in sass
+    for op in ("IMMA.16832.S8.S8", "LDSM", "LDGSTS"):
+        assert op in sass, op
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    res = toolchain.resource_usage(lib)
+    assert len(res) == 6
+    assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CUDA)
+def test_cuda_variant_golden(name, poisoned_workspace):
+    v = SPEC.variant(name)
+    if not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} does not run here")
+    impl = ig.implementation(_kernel(name))
+    results = ig.golden(_kernel(name), DEV, v.dtype, SPEC.numerics[v.dtype], split_options=(None,))
+    bad = [(case, r) for case, r in results if not r <= 1.0]
+    assert not bad, bad
+    # inputs the kernel cannot take (K % 16, a misaligned) go to the Triton companion
+    a, b = _ints(33, 40), _ints(50, 40)
+    assert not impl.cuda_takes(a, b)
+    out = ig.gemm(impl, ig.MODE_MM, a, b, torch.empty(33, 50, dtype=torch.int32, device=DEV))
+    assert torch.equal(out.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 300])
+def test_ops_dispatch_on_gpu(M):
+    """The ops as dispatch runs them, at a Llama-like width: exact / within tolerance."""
+    N, K = 4096, 4096
+    a, b = _ints(M, K), _ints(N, K)
+    assert torch.equal(ops.int8_mm(a, b).cpu().long(), a.cpu().long() @ b.cpu().long().t())
+    sa, sb = torch.rand(M, device=DEV) / 127, torch.rand(N, device=DEV) / 127
+    got = ops.int8_linear(a, b, sa, sb, torch.randn(N, device=DEV))
+    assert got.dtype == torch.bfloat16
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    s = (torch.rand(N, device=DEV) + 0.5) / (127 * K ** 0.5)
+    got = ops.w8a16_linear(x, b, s)
+    ref = ig.reference.w8a16_linear(x, b, s, compute=torch.float64)
+    torch.testing.assert_close(got.double(), ref, rtol=8e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_and_compile():
+    M, N, K = 4, 1000, 512
+    a, b = _ints(M, K), _ints(N, K)
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    s = torch.rand(N, device=DEV) / 127
+    ops.int8_mm(a, b), ops.w8a16_linear(x, b, s)  # build and choose outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        c = ops.int8_mm(a, b)
+        y = ops.w8a16_linear(x, b, s)
+    a.copy_(_ints(M, K))
+    x.copy_(torch.randn(M, K, device=DEV))
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(c.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+    torch.testing.assert_close(y.double(), ig.reference.w8a16_linear(x, b, s, compute=torch.float64),
+                               rtol=8e-3, atol=1e-4)
+    f = torch.compile(lambda a, b, x: (ops.int8_mm(a, b), ops.w8a16_linear(x, b, s)), fullgraph=True)
+    c2, y2 = f(a, b, x)
+    assert torch.equal(c2, c) and torch.equal(y2, y)

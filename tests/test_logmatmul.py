@@ -1,0 +1,344 @@
+"""logmatmul: reference math, every Triton variant under the interpreter (forward and both
+gradients against float64, -inf rules, K-split invariance), block-sparse against its dense
+equivalent, argument checks, the op under torch.compile, compile-only checks of the CUDA
+variants; `gpu` tests: the same on a GPU, dispatch, graph replay and torch.compile."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import requires_nvcc
+from kgen import spec
+from kgen.families import logmatmul as lmm
+from kgen.families.logmatmul import launch, numerics
+from kgen.runtime import dispatch
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = spec.load(ROOT / "kgen" / "specs" / "logmatmul.yaml")
+TRITON = [v.name for v in SPEC.variants if v.backend == "triton" and v.dtype == "float32"]
+TRITON_16 = [v.name for v in SPEC.variants if v.backend == "triton" and v.dtype != "float32"][:1]
+CUDA = [v.name for v in SPEC.variants if v.backend == "cuda"]
+CPU = torch.device("cpu")
+_MODS: dict = {}
+
+
+def _mod(name):
+    if name not in _MODS:
+        _MODS[name] = lmm.implementation(dispatch.load(SPEC.variant(name)))
+    return _MODS[name]
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(launch, "_empty", poisoned)
+
+
+def _assert_ok(results):
+    bad = [(case, r) for case, r in results if not r <= 1.0]
+    assert not bad, bad
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def test_reference_is_the_math():
+    x, w = numerics.make_inputs(3, 9, 20, torch.float64, CPU, torch.float64, holes=False)
+    naive = torch.log((w[None] * torch.exp(x[:, None, :])).sum(-1))
+    torch.testing.assert_close(lmm.reference(x, w, torch.float64), naive, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_minus_inf_rules_and_gradients():
+    """-inf entries, an all -inf row (out -inf), a zero weight row (out -inf); autograd of
+    the float64 reference and the written-out backward agree and hold no NaN."""
+    x, w = numerics.make_inputs(4, 6, 11, torch.float64, CPU, torch.float64)
+    x.requires_grad_(), w.requires_grad_()
+    out = lmm.reference(x, w, torch.float64)
+    assert torch.isneginf(out[1]).all() and torch.isneginf(out[:, 2]).all()
+    assert torch.isfinite(out[0, :2]).all()
+    g = torch.randn(out.shape, dtype=torch.float64)
+    out.backward(g)
+    dx, dw = lmm.reference_backward(x.detach(), w.detach(), out.detach(), g, torch.float64)
+    assert not torch.isnan(x.grad).any() and not torch.isnan(w.grad).any()
+    torch.testing.assert_close(dx, x.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dw, w.grad, rtol=1e-10, atol=1e-12)
+    assert (x.grad[1] == 0).all() and (w.grad[2] == 0).all()
+
+
+def test_large_values_do_not_overflow():
+    x = torch.tensor([[1000.0, 999.0, -1000.0]])
+    w = torch.tensor([[1.0, 2.0, 3.0]])
+    out = lmm.logmatmul(x, w)
+    want = 1000.0 + math.log(1.0 + 2.0 * math.exp(-1.0))
+    assert abs(float(out) - want) < 1e-3
+
+
+# --------------------------------------------------------------------------- Triton, interpreter
+
+
+@pytest.mark.parametrize("name", TRITON)
+@pytest.mark.parametrize("B,N,K", [(1, 37, 100), (3, 130, 257), (16, 67, 300)])
+def test_triton_forward_and_gradients(poison, name, B, N, K):
+    tol = SPEC.numerics["float32"]
+    _assert_ok(numerics.check_case(_mod(name), B, N, K, torch.float32, torch.float32, CPU, tol, seed=B + K))
+
+
+@pytest.mark.parametrize("name", TRITON_16)
+@pytest.mark.parametrize("w_dtype", ["float32", "same"])
+def test_triton_16_bit_inputs(poison, name, w_dtype):
+    v = SPEC.variant(name)
+    t = getattr(torch, v.dtype)
+    wt = torch.float32 if w_dtype == "float32" else t
+    _assert_ok(numerics.check_case(_mod(name), 3, 45, 130, t, wt, CPU, SPEC.numerics[v.dtype], seed=5))
+
+
+@pytest.mark.parametrize("name", TRITON)
+def test_k_split_invariance(poison, name):
+    """Any number of K splits (more than there are K steps too) gives the same result up to
+    float32 rounding; the same split count twice is bit-identical."""
+    x, w = numerics.make_inputs(3, 50, 700, torch.float32, CPU)
+    mod = _mod(name)
+    outs = [launch.forward(mod, x, w, splits=s) for s in (1, 2, 3, 100)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(launch.forward(mod, x, w, splits=3), outs[2])
+    assert torch.isneginf(outs[0][1]).all() and torch.isneginf(outs[0][:, 2]).all()
+
+
+def test_everything_minus_inf(poison):
+    """All of x -inf: out is all -inf and both gradients are exactly zero (no NaN)."""
+    mod = _mod(TRITON[0])
+    x = torch.full((2, 40), float("-inf"), requires_grad=True)
+    w = torch.rand(5, 40, requires_grad=True)
+    with lmm.using(mod):
+        out = lmm.logmatmul(x, w)
+        out.sum().backward()
+    assert torch.isneginf(out).all()
+    assert (x.grad == 0).all() and (w.grad == 0).all()
+
+
+# --------------------------------------------------------------------------- block-sparse
+
+
+def _pattern(R, C, density, bs, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(R, C, generator=g) < density
+    keep[0, 0] = True
+    if R > 1:
+        keep[1] = False  # a block row with no blocks: its outputs are -inf
+    rows, cols = keep.nonzero(as_tuple=True)
+    row_ptr = torch.zeros(R + 1, dtype=torch.int32)
+    row_ptr[1:] = torch.cumsum(keep.sum(1), 0).to(torch.int32)
+    blocks = torch.rand(rows.shape[0], bs, bs, generator=g).to(dtype)
+    return blocks, row_ptr, cols.to(torch.int32)
+
+
+@pytest.mark.parametrize("impl", ["reference", TRITON[0], TRITON[1]])
+def test_block_sparse_matches_dense(poison, impl):
+    bs, R, C, B = 32, 3, 4, 3
+    blocks, row_ptr, col_idx = _pattern(R, C, 0.5, bs, seed=1)
+    x, _ = numerics.make_inputs(B, 1, C * bs, torch.float32, CPU)
+    mod = None if impl == "reference" else _mod(impl)
+    xs, bl = x.clone().requires_grad_(), blocks.clone().requires_grad_()
+    with lmm.using(mod):
+        out = lmm.block_sparse_logmatmul(xs, bl, row_ptr, col_idx, bs)
+    g = torch.randn(out.shape)
+    out.backward(g)
+    w = lmm.dense_from_blocks(blocks.double(), row_ptr, col_idx, bs, C * bs).requires_grad_()
+    xd = x.double().requires_grad_()
+    ref = lmm.reference(xd, w, torch.float64)
+    ref.backward(g.double())
+    assert torch.isneginf(out[:, bs:2 * bs]).all()
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(out[finite].double(), ref[finite].detach(), rtol=1e-5, atol=3e-5)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    dw_blocks = w.grad.reshape(R, bs, C, bs).permute(0, 2, 1, 3)[launch.block_rows(row_ptr, blocks.shape[0]),
+                                                                   col_idx.long()]
+    scale = max(1.0, float(xd.grad.abs().max()))
+    torch.testing.assert_close(xs.grad.double(), xd.grad, rtol=0, atol=2e-5 * scale)
+    scale = max(1.0, float(dw_blocks.abs().max()))
+    torch.testing.assert_close(bl.grad.double(), dw_blocks, rtol=0, atol=2e-5 * scale)
+
+
+# --------------------------------------------------------------------------- the op
+
+
+def test_cpu_op_against_float64():
+    """CPU tensors run the float32 reference (forward and the written-out backward)."""
+    _assert_ok(numerics.check_case(None, 3, 20, 33, torch.float32, torch.float32, CPU, SPEC.numerics["float32"]))
+
+
+@pytest.mark.parametrize("args,err", [
+    ((torch.zeros(2, 3, dtype=torch.int32), torch.zeros(4, 3)), TypeError),
+    ((torch.zeros(2, 3), torch.zeros(4, 3, dtype=torch.float64)), TypeError),
+    ((torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.float16)), TypeError),
+    ((torch.zeros(2, 3), torch.zeros(4, 5)), ValueError),
+    ((torch.zeros(3), torch.zeros(4, 3)), ValueError),
+    ((torch.zeros(2, 3), "w"), TypeError),
+])
+def test_bad_inputs_raise(args, err):
+    with pytest.raises(err):
+        lmm.logmatmul(*args)
+
+
+def test_bad_block_sparse_inputs_raise():
+    blocks, row_ptr, col_idx = _pattern(2, 2, 1.0, 32, seed=0)
+    x = torch.zeros(2, 64)
+    with pytest.raises(ValueError, match="power of two"):
+        lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, 48)
+    with pytest.raises(ValueError, match="multiple"):
+        lmm.block_sparse_logmatmul(torch.zeros(2, 70), blocks, row_ptr, col_idx, 32)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        lmm.block_sparse_logmatmul(x, blocks, row_ptr.float(), col_idx, 32)
+
+
+def test_fake_impl_and_opcheck():
+    x, w = torch.randn(3, 8, device="meta"), torch.rand(5, 8, device="meta")
+    assert torch.ops.kgen.logmatmul(x, w).shape == (3, 5)
+    xr, wr = torch.randn(3, 8), torch.rand(5, 8)
+    torch.library.opcheck(torch.ops.kgen.logmatmul.default, (xr, wr))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    x, w = torch.randn(3, 17, requires_grad=True), torch.rand(6, 17, requires_grad=True)
+    f = torch.compile(lambda a, b: lmm.logmatmul(a, b).exp().sum(), fullgraph=True, backend="aot_eager")
+    f(x, w).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    lmm.reference(x, w).exp().sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_tune_hooks():
+    assert lmm.tune_bucket(1, 4096, 4096) == "B<=1.N<=4096.K<=4096"
+    assert lmm.tune_bucket(9, 4000, 3000) == "B<=16.N<=4096.K<=4096"
+    shapes = {(s["B"], s["N"], s["K"]) for s in lmm.TUNE_SHAPES}
+    assert {(b, 4096, 4096) for b in (1, 2, 4, 8, 16, 64, 256)} <= shapes
+    inputs = lmm.tune_inputs(CPU, "float32", B=2, N=8, K=16)
+    assert lmm.tune_runner(None, inputs)().shape == (2, 8)
+
+
+# --------------------------------------------------------------------------- CUDA, compile only
+
+
+@pytest.fixture(scope="module")
+def cuda_builds():
+    from kgen.runtime import build
+
+    return {r.variant.name: r for r in build.build([SPEC.variant(n) for n in CUDA])}
+
+
+@requires_nvcc
+@pytest.mark.parametrize("name", CUDA)
+def test_cuda_variant_compiles_with_16_byte_loads_and_no_local_memory(cuda_builds, name):
+    from kgen.runtime import build, toolchain
+
+    r = cuda_builds[name]
+    assert r.status in ("built", "cached"), r.error
+    lib = r.entry.file(build.CUDA_LIB)
+    sass = toolchain.sass(lib)
+    assert f"arch = {r.variant.arch}" in sass
+    assert "LDG.E.128" in sass, "no 16-byte weight loads"
+    assert "LDL" not in sass and "STL" not in sass  # no local memory
+    res = toolchain.resource_usage(lib)
+    assert res and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+
+
+# --------------------------------------------------------------------------- GPU
+
+gpu = pytest.mark.gpu
+ALL_GPU = [v.name for v in SPEC.variants]
+
+
+def _gpu_mod(name):
+    v = SPEC.variant(name)
+    if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} code does not run here")
+    return _mod(name)
+
+
+@gpu
+@pytest.mark.parametrize("name", ALL_GPU)
+def test_gpu_golden(poison, name):
+    v = SPEC.variant(name)
+    _gpu_mod(name)  # skips an arch this GPU cannot run
+    _assert_ok(lmm.golden(dispatch.load(v), torch.device("cuda"), v.dtype, SPEC.numerics[v.dtype]))
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in ALL_GPU if "f32" in n])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_gpu_awkward_sizes(poison, name, B):
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    for N, K in ((1000, 4100), (77, 333)):
+        _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev, SPEC.numerics["float32"]))
+
+
+@gpu
+def test_gpu_dispatch_deterministic_graph_replay_bit_identical():
+    dev = torch.device("cuda")
+    for B in (1, 8, 64):
+        x, w = numerics.make_inputs(B, 4096, 4096, torch.float32, dev)
+        g = torch.randn(B, 4096, device=dev)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+        def step():
+            xl.grad = wl.grad = None
+            out = lmm.logmatmul(xl, wl)
+            out.backward(g)
+            return out.detach().clone(), xl.grad.clone(), wl.grad.clone()
+
+        eager = step()
+        again = step()
+        for a, b in zip(eager, again):  # no atomics: bit-identical run to run
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+        static_out = torch.empty_like(eager[0])
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lmm.logmatmul(x, w)  # built and chosen outside the capture
+            with torch.cuda.graph(graph):
+                static_out.copy_(lmm.logmatmul(x, w))
+        torch.cuda.current_stream().wait_stream(s)
+        static_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out.nan_to_num(), eager[0].nan_to_num())
+
+
+@gpu
+def test_gpu_torch_compile_fullgraph():
+    dev = torch.device("cuda")
+    x, w = numerics.make_inputs(4, 300, 512, torch.float32, dev)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    f = torch.compile(lambda a, b: torch.where(torch.isfinite(lmm.logmatmul(a, b)), lmm.logmatmul(a, b), 0).sum(),
+                      fullgraph=True)
+    f(xl, wl).backward()
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = lmm.reference(xr, wr, torch.float64)
+    torch.where(torch.isfinite(ref), ref, 0).sum().backward()
+    torch.testing.assert_close(xl.grad.double(), xr.grad, rtol=0, atol=2e-5 * max(1.0, float(xr.grad.abs().max())))
+    torch.testing.assert_close(wl.grad.double(), wr.grad, rtol=0, atol=2e-5 * max(1.0, float(wr.grad.abs().max())))
+
+
+@gpu
+@pytest.mark.parametrize("name", TRITON)
+def test_gpu_block_sparse(poison, name):
+    mod = _gpu_mod(name)
+    bs, R, C, B = 128, 8, 8, 5
+    blocks, row_ptr, col_idx = _pattern(R, C, 0.25, bs, seed=3)
+    blocks, row_ptr, col_idx = blocks.cuda(), row_ptr.cuda(), col_idx.cuda()
+    x, _ = numerics.make_inputs(B, 1, C * bs, torch.float32, torch.device("cuda"))
+    with lmm.using(mod):
+        out = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
+        dense = lmm.logmatmul(x, lmm.dense_from_blocks(blocks, row_ptr, col_idx, bs, C * bs))
+    assert torch.equal(torch.isneginf(out), torch.isneginf(dense))
+    f = torch.isfinite(dense)
+    torch.testing.assert_close(out[f], dense[f], rtol=1e-5, atol=3e-5)
