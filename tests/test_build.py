@@ -20,9 +20,10 @@ FBA = spec.load(ROOT / "kgen" / "specs" / "fused_bias_act.yaml")
 SHIPPED = [spec.load(p) for p in sorted((ROOT / "kgen" / "specs").glob("*.yaml"))]
 TRITON = [v for s in SHIPPED for v in s.variants if v.backend == "triton"]
 # Families whose shipped Triton variants compile without a per-thread stack (arrays the
-# compiler keeps in local memory, LDL/STL like spills; `kgen build` reports it). The newer
-# families' variants still carry 8-2000 B stacks with Triton 3.9 on sm_90 (issues 16, 17, 22).
-STACK_FREE = {"fused_bias_act", "linear_logp"}
+# compiler keeps in local memory, LDL/STL like spills; `kgen build` reports it). fused_mlp's
+# exact-width variants keep whole layers in registers and carry 240-1260 B stacks with
+# Triton 3.9 on sm_90 (issue 22).
+STACK_FREE = {"fused_bias_act", "linear_logp", "int8_gemm", "logmatmul"}
 # In CI a missing compiler is a failure, not a skip.
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("CI"),
                                 reason="nvcc not installed")

@@ -202,6 +202,20 @@ def select(family: str, device, dtype: str, backend: str | None = None,
     return None
 
 
+def triton_companion(family: str, kernel: loader.Kernel, purpose: str) -> loader.Kernel:
+    """The Triton variant that works beside a CUDA variant (for the inputs or the kernels it
+    lacks): spec order's first for the current device and the variant's dtype. Raises
+    RuntimeError, naming `purpose`, when none can be built."""
+    import torch
+
+    companion = select(family, torch.device("cuda", torch.cuda.current_device()), kernel.variant.dtype,
+                       backend="triton")
+    if companion is None:
+        raise RuntimeError(f"{family}: no Triton variant for {kernel.variant.dtype} could be built "
+                           f"to {purpose} of {kernel.name}")
+    return companion
+
+
 def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = None):
     """The loaded variant an op runs for one shape bucket (None: the family's reference),
     and why: "forced", "tuned", "autotuned", "tuned nearby (<bucket>)" (the closest tuned

@@ -11,12 +11,18 @@ the golden-numerics comparison.
   `autograd.Function` when a gradient is needed — because a torch.library op's first call
   imports torch._dynamo (seconds) and every call pays the dispatcher (~15 us); under
   torch.compile, or on tensor subclasses (fake, functional), it calls the registered op.
+- `Override()`: a per-thread "run this instead of dispatch's choice" (`with
+  OVERRIDE.using(impl):`), for tests and benchmarks that pin one variant or the reference.
+- `sm_count(device, off_gpu)`: the device's SM count (cached), for launch plans.
 - `error_ratio(out, ref, tol)`: the worst |out - ref| / (atol + rtol |ref|), inf for NaN.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -25,6 +31,47 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 MISSING = object()
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device, off_gpu: int) -> int:
+    """Streaming multiprocessors of a CUDA device (read once per device: launch plans ask on
+    every call); `off_gpu` for any other device (the Triton interpreter), which a family
+    picks small so that its tests see several splits there too."""
+    if device.type != "cuda":
+        return off_gpu
+    return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class Override:
+    """What a family's op runs instead of dispatch's choice, per thread: inside `with
+    override.using(impl):` `override.get()` is `impl` (whatever the family runs: a loaded
+    variant's module, its own wrapper, or None for the reference), outside it MISSING.
+    Nested uses restore the outer one. For tests and benchmarks that pin an implementation."""
+
+    __slots__ = ("_local",)
+
+    def __init__(self):
+        self._local = threading.local()
+
+    def get(self):
+        return getattr(self._local, "impl", MISSING)
+
+    @contextlib.contextmanager
+    def using(self, impl):
+        saved = self.get()
+        self._local.impl = impl
+        try:
+            yield
+        finally:
+            if saved is MISSING:
+                del self._local.impl
+            else:
+                self._local.impl = saved
 
 
 class Kernels:

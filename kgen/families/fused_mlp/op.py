@@ -4,8 +4,6 @@ and autograd), the public `fused_mlp`, and the golden numerics `kgen verify` run
 
 from __future__ import annotations
 
-import contextlib
-import threading
 
 import torch
 
@@ -13,7 +11,7 @@ from kgen.families.fused_mlp import launch
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import ACTIVATIONS, fits, widths_of
-from kgen.runtime.op import MISSING, Kernels, define, error_ratio, poisoned
+from kgen.runtime.op import Kernels, MISSING, Override, define, error_ratio, poisoned
 
 FAMILY = "fused_mlp"
 
@@ -72,29 +70,19 @@ def tune_runner(kernel, inputs: dict):
 
 # --------------------------------------------------------------------------- kernel choice
 
-_FORCED = threading.local()
+_FORCED = Override()
 
 
-@contextlib.contextmanager
-def using(mod):
-    """Run the op with this implementation (a loaded variant's `.module`, or None: the eager
-    composition) instead of dispatch's choice, in this thread. For tests and benchmarks."""
-    saved = getattr(_FORCED, "mod", _FORCED)
-    _FORCED.mod = mod
-    try:
-        yield
-    finally:
-        if saved is _FORCED:
-            del _FORCED.mod
-        else:
-            _FORCED.mod = saved
+# Run the op with this implementation (a loaded variant's `.module`, or None: the eager
+# composition) instead of dispatch's choice, in this thread. For tests and benchmarks.
+using = _FORCED.using
 
 
 def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
     """The rendered module of the variant dispatch chose for (widths, B bucket, dtype), or
     None for the eager composition (CPU tensors, nothing fits or builds, or eager won)."""
-    forced = getattr(_FORCED, "mod", _FORCED)
-    if forced is not _FORCED:
+    forced = _FORCED.get()
+    if forced is not MISSING:
         return forced
     if device.type != "cuda":
         return None

@@ -4,8 +4,6 @@ public functions, and the golden numerics `kgen verify` runs."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Optional
 
 import torch
@@ -13,10 +11,10 @@ import torch
 from kgen.families.int8_gemm import checks, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import define, error_ratio, poisoned
+from kgen.runtime.op import MISSING, Override, define, error_ratio, poisoned
 
 FAMILY = "int8_gemm"
-_FORCED = threading.local()
+_FORCED = Override()
 _IMPLS: dict = {}
 
 # --------------------------------------------------------------------------- kernel choice
@@ -32,37 +30,24 @@ def implementation(kernel, companion=None) -> Impl | None:
     if companion is None:
         from kgen.runtime import dispatch
 
-        companion = dispatch.select(FAMILY, torch.device("cuda", torch.cuda.current_device()),
-                                    kernel.variant.dtype, backend="triton")
-        if companion is None:
-            raise RuntimeError(f"int8_gemm: no Triton variant could be built beside {kernel.name}")
+        companion = dispatch.triton_companion(FAMILY, kernel, "take the inputs")
     return Impl(companion.module, kernel)
 
 
-@contextlib.contextmanager
-def using(impl):
-    """Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
-    reference) instead of dispatch's choice, in this thread. For tests and benchmarks."""
-    saved = getattr(_FORCED, "impl", _FORCED)
-    _FORCED.impl = impl
-    try:
-        yield
-    finally:
-        if saved is _FORCED:
-            del _FORCED.impl
-        else:
-            _FORCED.impl = saved
+# Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
+# reference) instead of dispatch's choice, in this thread. For tests and benchmarks.
+using = _FORCED.using
 
 
 def _impl(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, grouped: bool):
-    forced = getattr(_FORCED, "impl", _FORCED)
-    if forced is not _FORCED:
+    forced = _FORCED.get()
+    if forced is not MISSING:
         return forced
     if device.type != "cuda":
         return None
     key = (device.index, dtype, (M - 1).bit_length(), N, K, grouped)  # tune_bucket's classes
-    impl = _IMPLS.get(key, _FORCED)
-    if impl is _FORCED:
+    impl = _IMPLS.get(key, MISSING)
+    if impl is MISSING:
         impl = _IMPLS[key] = _choose(device, dtype, M, N, K, grouped)
     return impl
 

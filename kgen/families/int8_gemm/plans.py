@@ -4,9 +4,9 @@ here allocates or launches."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from kgen.runtime.op import sm_count as _sm_count
 
 MODE_MM, MODE_LINEAR, MODE_W8A16 = 0, 1, 2
 # A split-K call aims for this many programs per SM: the small-M kernels stream b and are
@@ -23,14 +23,8 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
-    return _sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else _CPU_SMS
+    return _sm_count(device, _CPU_SMS)
 
 
 def block_k(mod, group_size: int | None) -> int:

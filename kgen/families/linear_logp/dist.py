@@ -64,7 +64,7 @@ import torch.distributed as dist
 from kgen.families.linear_logp.checks import check_inputs
 from kgen.families.linear_logp.launch import LN2, LOG2E, backward, forward
 from kgen.families.linear_logp.op import _FORCED, _module, using
-from kgen.runtime.op import define
+from kgen.runtime.op import MISSING, define
 
 # ---------------------------------------------------------------------------- layout
 
@@ -329,12 +329,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
     ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
     ctx.has_bias, ctx.group_name = bias is not None, group_name
-    ctx.forced = getattr(_FORCED, "mod", _FORCED)  # `using(mod)` holds for the backward too
+    ctx.forced = _FORCED.get()  # `using(mod)` holds for the backward too
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
     hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
-    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+    with using(ctx.forced) if ctx.forced is not MISSING else contextlib.nullcontext():
         gh, gw, gb = _bwd_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
                              grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index,
                              ctx.group_name)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 from typing import Optional
 
 import torch
@@ -15,12 +14,12 @@ import torch
 from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.launch import CudaForward, backward, forward
 from kgen.families.linear_logp.reference import reference, reference_backward
-from kgen.runtime.op import define
+from kgen.runtime.op import MISSING, Override, define
 
 # --------------------------------------------------------------------------- kernel choice
 
 
-_FORCED = threading.local()
+_FORCED = Override()
 _MODULES: dict = {}
 
 
@@ -33,28 +32,14 @@ def implementation(kernel, companion=None):
     if companion is None:
         from kgen.runtime import dispatch
 
-        companion = dispatch.select("linear_logp", torch.device("cuda", torch.cuda.current_device()),
-                                    kernel.variant.dtype, backend="triton")
-        if companion is None:
-            raise RuntimeError(f"linear_logp: no Triton variant for {kernel.variant.dtype} could be built "
-                               f"to combine the partials of {kernel.name}")
+        companion = dispatch.triton_companion("linear_logp", kernel, "combine the partials")
     return CudaForward(kernel, companion.module)
 
 
-@contextlib.contextmanager
-def using(mod):
-    """Run the op with this implementation (`implementation(kernel)`, a Triton variant's
-    `.module`, or None: the PyTorch reference) instead of dispatch's choice, in this
-    thread. For tests and benchmarks."""
-    saved = getattr(_FORCED, "mod", _FORCED)
-    _FORCED.mod = mod
-    try:
-        yield
-    finally:
-        if saved is _FORCED:
-            del _FORCED.mod
-        else:
-            _FORCED.mod = saved
+# Run the op with this implementation (`implementation(kernel)`, a Triton variant's
+# `.module`, or None: the PyTorch reference) instead of dispatch's choice, in this thread
+# (its backward too). For tests and benchmarks.
+using = _FORCED.using
 
 
 def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int, int, int]] = None):
@@ -62,8 +47,8 @@ def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int,
     shape bucket (the tuning table's winner there, else spec order); without a shape, spec
     order (the backward: its Triton kernels are not tuned). None means the PyTorch
     reference (CPU tensors, no variant could be built, or the reference won the tuning)."""
-    forced = getattr(_FORCED, "mod", _FORCED)
-    if forced is not _FORCED:
+    forced = _FORCED.get()
+    if forced is not MISSING:
         return forced
     if device.type != "cuda":
         return None
@@ -72,8 +57,8 @@ def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int,
     else:  # tune_bucket's classes as plain integers (a generator here cost every call)
         N, D, V = shape
         key = (device.index, dtype, (N - 1).bit_length(), (D - 1).bit_length(), (V - 1).bit_length())
-    mod = _MODULES.get(key, _FORCED)
-    if mod is _FORCED:
+    mod = _MODULES.get(key, MISSING)
+    if mod is MISSING:
         mod = _MODULES[key] = _choose(device, dtype, shape)
     return mod
 
@@ -199,12 +184,12 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
     ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
     ctx.has_bias = bias is not None
-    ctx.forced = getattr(_FORCED, "mod", _FORCED)  # `using(mod)` holds for the backward too
+    ctx.forced = _FORCED.get()  # `using(mod)` holds for the backward too
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
     hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
-    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+    with using(ctx.forced) if ctx.forced is not MISSING else contextlib.nullcontext():
         gh, gw, gb = _bwd_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
                              grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
     return gh, gw, None, gb if ctx.has_bias else None, None, None, None, None

@@ -4,17 +4,16 @@ torch.library ops with fake impls and autograd, the public functions, golden num
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 
 from kgen.families.logmatmul.checks import check_block_sparse, check_dense
 from kgen.families.logmatmul.launch import CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward
 from kgen.families.logmatmul.reference import reference, reference_backward
-from kgen.runtime.op import define
+from kgen.runtime.op import MISSING, Override, define
 
 FAMILY = "logmatmul"
-_FORCED = threading.local()
+_FORCED = Override()
 _MODULES: dict = {}
 
 
@@ -26,38 +25,24 @@ def implementation(kernel, companion=None):
     if companion is None:
         from kgen.runtime import dispatch
 
-        companion = dispatch.select(FAMILY, torch.device("cuda", torch.cuda.current_device()),
-                                    kernel.variant.dtype, backend="triton")
-        if companion is None:
-            raise RuntimeError(f"logmatmul: no Triton variant for {kernel.variant.dtype} could be built "
-                               f"to serve the backward of {kernel.name}")
+        companion = dispatch.triton_companion(FAMILY, kernel, "serve the backward")
     return CudaForward(kernel, companion.module)
 
 
-@contextlib.contextmanager
-def using(mod):
-    """Run the ops with this implementation (`implementation(kernel)`, a Triton module, or
-    None: the PyTorch reference) instead of dispatch's choice, in this thread."""
-    saved = getattr(_FORCED, "mod", _FORCED)
-    _FORCED.mod = mod
-    try:
-        yield
-    finally:
-        if saved is _FORCED:
-            del _FORCED.mod
-        else:
-            _FORCED.mod = saved
+# Run the ops with this implementation (`implementation(kernel)`, a Triton module, or
+# None: the PyTorch reference) instead of dispatch's choice, in this thread.
+using = _FORCED.using
 
 
 def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
-    forced = getattr(_FORCED, "mod", _FORCED)
-    if forced is not _FORCED:
+    forced = _FORCED.get()
+    if forced is not MISSING:
         return forced
     if device.type != "cuda":
         return None
     key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length())
-    mod = _MODULES.get(key, _FORCED)
-    if mod is _FORCED:
+    mod = _MODULES.get(key, MISSING)
+    if mod is MISSING:
         mod = _MODULES[key] = _choose(device, dtype, B, N, K)
     return mod
 
@@ -157,12 +142,12 @@ def _bwd_fake(x, w, out, grad):
 def _setup(ctx, inputs, output):
     x, w = inputs
     ctx.save_for_backward(x, w, output)
-    ctx.forced = getattr(_FORCED, "mod", _FORCED)
+    ctx.forced = _FORCED.get()
 
 
 def _backward(ctx, grad):
     x, w, out = ctx.saved_tensors
-    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+    with using(ctx.forced) if ctx.forced is not MISSING else contextlib.nullcontext():
         dx, dw = _bwd_op(x, w, out, grad)
     return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None)
 
@@ -237,12 +222,12 @@ def _bsl_setup(ctx, inputs, output):
     x, blocks, row_ptr, col_idx, block_size = inputs
     ctx.save_for_backward(x, blocks, row_ptr, col_idx, output)
     ctx.block_size = block_size
-    ctx.forced = getattr(_FORCED, "mod", _FORCED)
+    ctx.forced = _FORCED.get()
 
 
 def _bsl_backward(ctx, grad):
     x, blocks, row_ptr, col_idx, out = ctx.saved_tensors
-    with using(ctx.forced) if ctx.forced is not _FORCED else contextlib.nullcontext():
+    with using(ctx.forced) if ctx.forced is not MISSING else contextlib.nullcontext():
         dx, db = _bsl_bwd_op(x, blocks, row_ptr, col_idx, ctx.block_size, out, grad)
     return (dx if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None), None, None, None
 

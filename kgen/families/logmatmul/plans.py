@@ -3,9 +3,9 @@ fills the SMs, the grids. Decisions only: nothing here allocates or launches."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from kgen.runtime.op import sm_count as _sm_count
 
 # Elements per program of the combine and dx-reduce kernels.
 REDUCE_BLOCK = 1024
@@ -23,14 +23,8 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def sm_count(device: torch.device) -> int:
-    return _sms(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else _CPU_SMS
+    return _sm_count(device, _CPU_SMS)
 
 
 def block_b(mod, B: int) -> int:
