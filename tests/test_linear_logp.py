@@ -170,17 +170,21 @@ def test_split_v_invariance(split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale, msg=name)
 
 
+def backward_args(mod, N, dtype, seed):
+    """llp.backward's arguments after a forward at (N, V = 257, D = 40), temperature 0.7,
+    with entropy and random upstream gradients for both outputs."""
+    hidden, weight, target, bias = make_inputs(N, 257, 40, dtype=dtype)
+    logp, ent, lse2, ez2 = llp.forward(mod, hidden, weight, target, bias, 0.7, -100, True)
+    g = torch.Generator().manual_seed(seed)
+    g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    return mod, hidden, weight, target, bias, lse2, ez2, g_logp, g_ent, 0.7, -100
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_chunks_and_borrowed_accumulator(dtype):
     """Several V chunks (a 1-tile workspace) and, for bf16, the accumulator in grad_weight's
     tail, give the same gradients as one chunk."""
-    mod = variant()
-    hidden, weight, target, bias = make_inputs(7, 257, 40, dtype=dtype)
-    N = hidden.shape[0]
-    logp, ent, lse2, ez2 = llp.forward(mod, hidden, weight, target, bias, 0.7, -100, True)
-    g = torch.Generator().manual_seed(3)
-    g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
-    args = (mod, hidden, weight, target, bias, lse2, ez2, g_logp, g_ent, 0.7, -100)
+    args = backward_args(variant(), 7, dtype, seed=3)
     one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
     many = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
     # Same float32 sums, different chunk boundaries for grad_hidden's accumulation order;
@@ -188,6 +192,26 @@ def test_backward_chunks_and_borrowed_accumulator(dtype):
     tol = 2e-6 if dtype == torch.float32 else 8e-3
     for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, many):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+
+
+def test_backward_by_row_blocks(monkeypatch):
+    """bf16 with many rows for its vocabulary (grad_weight's tail too short to lend the
+    float32 grad_hidden accumulator) and a small accumulator budget: grad_hidden is made in
+    blocks of rows (the last one partial) and matches the one-chunk backward."""
+    mod = variant()
+    args = backward_args(mod, 4 * mod.BLOCK_N + 5, torch.bfloat16, seed=5)
+    one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
+    rows = []
+    real = launch.dh_grid
+    monkeypatch.setattr(launch, "dh_grid", lambda m, n, d: rows.append(n) or real(m, n, d))
+    # buffers start as NaN: every element of the outputs is written, no workspace read early
+    monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
+    blocks = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
+    assert set(rows) == {mod.BLOCK_N, 5}  # blocks of BLOCK_N rows, then the 5 left
+    assert all(torch.isfinite(t).all() for t in blocks)
+    # As test_backward_chunks_and_borrowed_accumulator: one bf16 unit of the last place.
+    for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, blocks):
+        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=8e-3, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -37,10 +37,13 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   N*D*4 <= accumulator_bytes; otherwise it borrows the last ceil(4N/elsize) rows of the
   still-unwritten grad_weight, whose dz is recomputed once more after grad_hidden is done
   (2N/V of one logits GEMM: 5% at 4096 x 151936, 13% at 8192 x 128256); if even that does
-  not fit (V < 4N) it falls back to a separate N*D*4-byte buffer, over budget.
+  not fit (V < ~4N) grad_hidden is made by blocks of accumulator_bytes / (4D) rows, each
+  recomputing its logits chunk by chunk, before grad_weight's pass over all rows (one more
+  logits GEMM; the float32 accumulator stays within the budget).
   Extra memory: N*chunk*elsize (workspace, chunk = workspace_bytes / (N*elsize) rounded to
   the tile) + cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) [+ N*D*4 when
-  the accumulator is a separate buffer]. Defaults: < 64 MiB at the target shapes.
+  the accumulator is a separate buffer, or a row block's]. Defaults: < 64 MiB at every shape
+  (N = 16384, D = 4096, V = 32000 bf16: 40 MiB workspace + 16 MiB accumulator + O(N)).
 """
 
 from __future__ import annotations
@@ -222,8 +225,9 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
 
     # The float32 grad_hidden accumulator and `alias_from`, the first vocab row whose
-    # grad_weight waits until the accumulator is done with the memory it borrows.
-    alias_from = V
+    # grad_weight waits until the accumulator is done with the memory it borrows; or
+    # `row_block`: grad_hidden by blocks of rows, each with its own small accumulator.
+    alias_from, row_block = V, None
     if dtype == torch.float32:
         acc = grad_h
     elif N * D * 4 <= accumulator_bytes:
@@ -234,7 +238,8 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             alias_from = start
             acc = grad_w.view(-1)[start * D:start * D + N * D * 4 // esize].view(torch.float32).view(N, D)
         else:
-            acc = _empty((N, D), torch.float32, dev)
+            row_block = max(mod.BLOCK_N, accumulator_bytes // (D * 4) // mod.BLOCK_N * mod.BLOCK_N)
+            acc = _empty((min(row_block, N), D), torch.float32, dev)
 
     dz = _empty((N, chunk), dtype, dev)
     bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
@@ -243,11 +248,13 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
 
     h_src, w_src, tma = _tile_sources(mod, hidden, weight)
 
-    def dz_pass(v0, v1, write_bpart):
-        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, v1 - v0)](
-            h_src, w_src, bias if bias is not None else weight, target, lse2,
-            ez2 if with_entropy else lse2, ca, cb, dz, bpart,
-            N, V, D, v0, v1, chunk, LOG2E / temperature,
+    def dz_pass(v0, v1, write_bpart, rows=None):
+        r0, r1 = rows or (0, N)
+        h = h_src if rows is None else _tile_sources(mod, hidden[r0:r1], weight)[0]
+        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, r1 - r0, v1 - v0)](
+            h, w_src, bias if bias is not None else weight, target[r0:r1], lse2[r0:r1],
+            (ez2 if with_entropy else lse2)[r0:r1], ca[r0:r1], cb[r0:r1], dz, bpart,
+            r1 - r0, V, D, v0, v1, chunk, LOG2E / temperature,
             HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy, TMA=tma, **common)
         if write_bpart:
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
@@ -256,14 +263,35 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
             dz, hidden, grad_w, N, D, v0, v1, chunk, **common)
 
+    def dh_pass(i, last, v0, v1, r0, r1):
+        mod.linear_logp_bwd_dh_kernel[dh_grid(mod, r1 - r0, D)](
+            dz, weight, acc, grad_h[r0:r1], r1 - r0, D, v0, v1, chunk,
+            ACCUMULATE=i > 0, FINAL=i == last, **common)
+
+    if row_block is not None:
+        # grad_hidden's float32 sums over V would need N*D*4 bytes and grad_weight's tail is
+        # too short to lend them (V < ~4N): grad_hidden block by block of rows, each block
+        # recomputing its logits chunk by chunk, then grad_weight and grad_bias over all
+        # rows. One more logits GEMM than the other paths; extra memory stays in budget.
+        chunks = _chunks(0, V, chunk)
+        for r0 in range(0, N, row_block):
+            r1 = min(N, r0 + row_block)
+            for i, (v0, v1) in enumerate(chunks):
+                dz_pass(v0, v1, False, (r0, r1))
+                dh_pass(i, len(chunks) - 1, v0, v1, r0, r1)
+        if on_grad_hidden is not None:
+            on_grad_hidden(grad_h)
+        for v0, v1 in chunks:
+            dz_pass(v0, v1, bias is not None)
+            dw_pass(v0, v1)
+        return grad_h, grad_w, grad_b
+
     chunks = _chunks(0, alias_from, chunk) + _chunks(alias_from, V, chunk)
     for i, (v0, v1) in enumerate(chunks):
         dz_pass(v0, v1, bias is not None)
         if v1 <= alias_from:
             dw_pass(v0, v1)
-        mod.linear_logp_bwd_dh_kernel[dh_grid(mod, N, D)](
-            dz, weight, acc, grad_h, N, D, v0, v1, chunk,
-            ACCUMULATE=i > 0, FINAL=i == len(chunks) - 1, **common)
+        dh_pass(i, len(chunks) - 1, v0, v1, 0, N)
     if on_grad_hidden is not None:
         on_grad_hidden(grad_h)
     for v0, v1 in _chunks(alias_from, V, chunk):  # grad_hidden is final: the tail is free
