@@ -285,3 +285,20 @@ def test_gpu_compile_dlrm_forward_backward():
     torch.testing.assert_close(out, ref)
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad)
+
+
+def test_autocast_takes_fp32_parameters_like_nn_linear():
+    """Under torch.autocast (CPU: bfloat16), bf16 activations with float32 weights and
+    biases work as nn.Linear's layers do: the op sees them in bf16 (equal to casting by
+    hand) and the float32 parameters get float32 gradients."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 13, generator=g).bfloat16().requires_grad_()
+    ws = [(torch.randn(9, 13, generator=g) / 4).requires_grad_(), (torch.randn(3, 9, generator=g) / 3).requires_grad_()]
+    bs = [torch.randn(9, generator=g).requires_grad_(), None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.fused_mlp(x, ws, bs, activation="relu")
+    out.float().sum().backward()
+    want = ops.fused_mlp(x.detach(), [w.detach().bfloat16() for w in ws], [bs[0].detach().bfloat16(), None])
+    assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), want)
+    assert all(w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all() for w in ws)
+    assert bs[0].grad.dtype == torch.float32

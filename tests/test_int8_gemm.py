@@ -237,3 +237,15 @@ def test_cuda_graph_replay_and_compile():
     f = torch.compile(lambda a, b, x: (ops.int8_mm(a, b), ops.w8a16_linear(x, b, s)), fullgraph=True)
     c2, y2 = f(a, b, x)
     assert torch.equal(c2, c) and torch.equal(y2, y)
+
+
+def test_w8a16_under_autocast_takes_an_fp32_bias():
+    """Under torch.autocast (CPU: bfloat16) an fp32 bias (a master parameter) is cast to
+    the autocast dtype, as F.linear's is: the same as casting it by hand."""
+    x = torch.randn(3, 32).bfloat16()
+    b, s = _ints(5, 32, device="cpu"), torch.rand(5) / 127
+    bias = torch.randn(5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ops.w8a16_linear(x, b, s, bias)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ops.w8a16_linear(x, b, s, bias.bfloat16()))

@@ -430,3 +430,21 @@ def test_splits_fill_whole_waves(monkeypatch):
     assert llp.triton_splits(mod, 8192, 128256, torch.device("cpu")) == 4
     # sm_90a, cluster 2: 32 / 16 row groups of 256 rows, split_v 33 -> 1056 / 528 clusters
     assert llp.wave_splits(32, 33, 501, 66) == 33 and llp.wave_splits(16, 33, 594, 66) == 33
+
+
+def test_autocast_takes_an_fp32_master_weight_like_f_linear():
+    """Under torch.autocast (CPU here: bfloat16), bf16 activations with a float32 weight and
+    bias work as with F.linear: the op sees both in bf16, equal to casting them by hand, and
+    the float32 leaves get float32 gradients (through the cast)."""
+    hidden, weight, target, bias = make_inputs(9, 50, 24)
+    h = hidden.bfloat16().requires_grad_()
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = ops.linear_logp(h, w, target, b)
+    logp.sum().backward()
+    want = ops.linear_logp(h.detach(), weight.bfloat16(), target, bias.bfloat16())
+    assert torch.equal(logp.detach(), want)
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+    assert torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
+    with pytest.raises(TypeError):  # outside autocast the dtypes must agree, as before
+        ops.linear_logp(h.detach(), weight, target, bias)

@@ -14,6 +14,9 @@ the golden-numerics comparison.
 - `Override()`: a per-thread "run this instead of dispatch's choice" (`with
   OVERRIDE.using(impl):`), for tests and benchmarks that pin one variant or the reference.
 - `sm_count(device, off_gpu)`: the device's SM count (cached), for launch plans.
+- `autocast(*tensors)`: under torch.autocast, the floating-point tensors in the autocast
+  dtype, as F.linear's inputs are (for ops with linear layers: bf16 activations with an
+  fp32 master weight work, its gradient arrives in float32 through the cast).
 - `error_ratio(out, ref, tol)`: the worst |out - ref| / (atol + rtol |ref|), inf for NaN.
 """
 
@@ -45,6 +48,18 @@ def sm_count(device: torch.device, off_gpu: int) -> int:
     if device.type != "cuda":
         return off_gpu
     return _sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def autocast(*tensors):
+    """`tensors` (None passes through) unchanged, or, where torch.autocast is on for their
+    device, each floating-point one cast to the autocast dtype — what F.linear does with its
+    input, weight and bias. Call it first in an op whose math is a linear layer."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+                 for t in tensors)
 
 
 class Override:
@@ -128,6 +143,11 @@ def _needs_grad(args) -> bool:
     return False
 
 
+# Whether torch.autocast is on for any device (one C call; the public form asks per device).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+
+
 def _has_tensor_lists(op) -> bool:
     from torch._library.utils import is_tensorlist_like_type
 
@@ -164,12 +184,18 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
             _Eager = supports_tensorlist(_Eager)
         eager_grad = _Eager.apply
 
-    def call(*args):
-        if torch.compiler.is_compiling() or not _plain(args):
-            return op(*args)
+    def eager(args):
         if eager_grad is not None and _needs_grad(args):
             return eager_grad(*args)
         return impl(*args)
+
+    def call(*args):
+        if torch.compiler.is_compiling() or not _plain(args):
+            return op(*args)
+        if _any_autocast():  # the op's own math (kernels, references) is not autocast's to change
+            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                return eager(args)
+        return eager(args)
 
     call.op = op
     call.__name__ = call.__qualname__ = name

@@ -11,7 +11,7 @@ from kgen.families.fused_mlp import launch
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import ACTIVATIONS, fits, widths_of
-from kgen.runtime.op import Kernels, MISSING, Override, define, error_ratio, poisoned
+from kgen.runtime.op import Kernels, MISSING, Override, autocast, define, error_ratio, poisoned
 
 FAMILY = "fused_mlp"
 
@@ -194,7 +194,8 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     saving each layer's z, then per-layer GEMMs; deterministic). On CUDA tensors the variant
     dispatch chose for (widths, B bucket, dtype) runs on the current stream (or the eager
     composition where no variant fits or it won the tuning); CPU tensors run the eager
-    composition. Also `torch.ops.kgen.fused_mlp` (biases as the present ones plus a bit
+    composition. Under torch.autocast, x, the weights and biases are cast to its dtype, as
+    nn.Linear's are. Also `torch.ops.kgen.fused_mlp` (biases as the present ones plus a bit
     mask)."""
     if not isinstance(weights, (list, tuple)):
         raise TypeError("fused_mlp: weights must be a list of tensors")
@@ -204,6 +205,8 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
         raise TypeError("fused_mlp: biases must be a list (tensors or None per layer) or None")
     if len(biases) != len(weights):
         raise ValueError(f"fused_mlp: {len(biases)} biases for {len(weights)} weights; give one per layer")
+    x, *cast = autocast(x, *weights, *biases)  # under torch.autocast, as nn.Linear's layers
+    weights, biases = cast[:len(weights)], cast[len(weights):]
     mask, present = 0, []
     for i, b in enumerate(biases):
         if b is not None:

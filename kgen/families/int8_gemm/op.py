@@ -11,7 +11,7 @@ import torch
 from kgen.families.int8_gemm import checks, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import MISSING, Override, define, error_ratio, poisoned
+from kgen.runtime.op import MISSING, Override, autocast, define, error_ratio, poisoned
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
@@ -243,7 +243,9 @@ def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: 
     int8 [N, K] widened in registers (never materialised), float32 accumulation. scale_b:
     [N] per output channel, or [N, K / group_size] per group of K when group_size (a multiple
     of 16 dividing K) is given; float32 or 16-bit. Differentiable for x and bias. Also
-    torch.ops.kgen.w8a16_linear (2-D x)."""
+    torch.ops.kgen.w8a16_linear (2-D x). Under torch.autocast, x and bias are cast to its
+    dtype, as F.linear's are."""
+    x, bias = autocast(x, bias)
     checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
     out = _w8a16_op(_flat(x), b, scale_b, bias, group_size)
     return out.reshape(*x.shape[:-1], b.shape[0])

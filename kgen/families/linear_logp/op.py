@@ -14,7 +14,7 @@ import torch
 from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.launch import CudaForward, backward, forward
 from kgen.families.linear_logp.reference import reference, reference_backward
-from kgen.runtime.op import MISSING, Override, define
+from kgen.runtime.op import MISSING, Override, autocast, define
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -231,7 +231,9 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     from running ahead of the GPU (and is illegal during CUDA graph capture), so it is
     opt-in: `check_targets=True` or KGEN_CHECK_TARGETS=1 raises ValueError naming the first
     bad value (one device reduction queued before the kernels, waited for after them;
-    skipped during graph capture). Also registered as torch.ops.kgen.linear_logp (2-D
+    skipped during graph capture). Under torch.autocast, hidden, weight and bias are cast to
+    its dtype, as F.linear's are (bf16 activations with an fp32 master weight: the weight's
+    gradient arrives in float32). Also registered as torch.ops.kgen.linear_logp (2-D
     hidden, 1-D target, four outputs).
 
     `group`: a torch.distributed process group over which the vocabulary is split. Then
@@ -241,6 +243,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     weight's and bias's of the local slice. Forward: one all-gather of O(N) floats;
     backward: one all-reduce of grad_hidden. See kgen.families.linear_logp.dist.
     """
+    hidden, weight, bias = autocast(hidden, weight, bias)  # under torch.autocast, as F.linear
     if group is not None:
         from kgen.families.linear_logp.dist import linear_logp_group
 
