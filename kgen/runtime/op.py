@@ -54,6 +54,8 @@ def autocast(*tensors):
     """`tensors` (None passes through) unchanged, or, where torch.autocast is on for their
     device, each floating-point one cast to the autocast dtype — what F.linear does with its
     input, weight and bias. Call it first in an op whose math is a linear layer."""
+    if not _any_autocast():  # the common case: one C call on the op's hot path
+        return tensors
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None or not torch.is_autocast_enabled(first.device.type):
         return tensors

@@ -10,7 +10,7 @@ import torch
 from kgen.families.fused_mlp import launch
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
-from kgen.families.fused_mlp.schema import ACTIVATIONS, fits, widths_of
+from kgen.families.fused_mlp.schema import fits, widths_of
 from kgen.runtime.op import Kernels, MISSING, Override, autocast, define, error_ratio, poisoned
 
 FAMILY = "fused_mlp"

@@ -11,7 +11,7 @@ import torch
 from kgen.families.int8_gemm import checks, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import MISSING, Override, autocast, define, error_ratio, poisoned
+from kgen.runtime.op import MISSING, Override, autocast, define
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
