@@ -180,38 +180,70 @@ def backward_args(mod, N, dtype, seed):
     return mod, hidden, weight, target, bias, lse2, ez2, g_logp, g_ent, 0.7, -100
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_chunks_and_borrowed_accumulator(dtype):
-    """Several V chunks (a 1-tile workspace) and, for bf16, the accumulator in grad_weight's
-    tail, give the same gradients as one chunk."""
-    args = backward_args(variant(), 7, dtype, seed=3)
+@pytest.mark.parametrize("N, D, V, dtype, want", [
+    (8192, 4096, 128256, torch.bfloat16, ("tail", 4096, 128256 - 8192)),  # alias_from rounded down to 256
+    (4096, 2048, 151936, torch.bfloat16, ("separate", 2048, 151936)),  # the other 2048 rows: 16 MiB
+    (512, 1024, 32000, torch.float16, ("separate", 0, 32000)),  # 2 MiB: all rows in one buffer
+    (16384, 4096, 32000, torch.bfloat16, ("tail", 8192, 15616)),  # 16384 tail rows of 32000
+    (65536, 1024, 32000, torch.bfloat16, ("rows", 0, 32000)),  # 65536 tail rows > V
+    (1000, 512, 5000, torch.float32, ("output", 0, 5000)),
+])
+def test_accumulator_plan(N, D, V, dtype, want):
+    plan = plans.accumulator_plan(N, D, V, dtype, 256, launch.ACCUMULATOR_BYTES, launch.WORKSPACE_BYTES)
+    assert (plan.home, plan.own_rows, plan.alias_from) == want
+    assert plan.alias_from % 256 == 0 or plan.alias_from == V
+    if plan.home == "tail":  # the rows past own_rows fit in grad_weight's rows from alias_from on
+        assert (N - plan.own_rows) * D * 4 <= (V - plan.alias_from) * D * 2
+    if plan.home == "rows":  # the whole vocabulary for 896 rows a block in the workspace: no sums kept
+        assert (plan.row_block, plan.block_width, plan.separate_bytes) == (896, V, 0)
+        assert plan.row_block * V * 2 <= launch.WORKSPACE_BYTES
+    assert plan.separate_bytes <= launch.ACCUMULATOR_BYTES
+
+
+# Budgets that send bf16 gradients at D = 40, V = 257 (granule 32) to each home of the float32
+# sums: (N, workspace_bytes, accumulator_bytes, expected plan).
+HOMES = {
+    "separate, all rows": (7, 1, 1 << 30, ("separate", 0)),
+    "own buffer + separate": (7, 1, 700, ("separate", 3)),
+    # sums of rows 3..6 in grad_weight rows 224..256: two tail chunks, the last one's dz reused
+    "own buffer + grad_weight tail": (7, 1, 0, ("tail", 3)),
+    # 64-row blocks with float32 sums over 192-column chunks
+    "row blocks, chunked": (300, 300 * 2 * 64, 64 * 40 * 4, ("rows", 0)),
+    # 128-row blocks holding all 257 columns: grad_hidden written by one GEMM a block
+    "row blocks, whole vocabulary": (300, 128 * 264 * 2, 64 * 40 * 4, ("rows", 0)),
+}
+
+
+@pytest.mark.parametrize("home", HOMES)
+def test_backward_accumulator_homes(monkeypatch, home):
+    """Each home of grad_hidden's float32 sums (several chunks; sums converted in place in
+    grad_hidden's buffer, one row at a time at a zero budget; grad_weight's tail computed
+    after grad_hidden; row blocks with a partial last one), every buffer poisoned with NaN,
+    gives the gradients of a one-chunk backward with a separate accumulator."""
+    N, workspace, budget, (kind, own) = HOMES[home]
+    mod = variant()
+    plan = plans.accumulator_plan(N, 40, 257, torch.bfloat16, 32, budget, workspace)
+    assert (plan.home, plan.own_rows) == (kind, own)
+    if home.startswith("row blocks"):
+        assert (plan.row_block, plan.block_width) == ((128, 257) if "whole" in home else (64, 192))
+    args = backward_args(mod, N, torch.bfloat16, seed=3)
+    one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
+    monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
+    many = llp.backward(*args, workspace_bytes=workspace, accumulator_bytes=budget)
+    assert all(torch.isfinite(t).all() for t in many)
+    # Same float32 sums, different chunk boundaries for grad_hidden's accumulation order;
+    # outputs rounded to bf16 once, so at most one unit of its last place apart.
+    for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, many):
+        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=8e-3, msg=name)
+
+
+def test_float32_backward_chunks():
+    """float32 (TF32 off: the Triton dW and dH kernels) over several chunks equals one chunk."""
+    args = backward_args(variant(), 7, torch.float32, seed=3)
     one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
     many = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
-    # Same float32 sums, different chunk boundaries for grad_hidden's accumulation order;
-    # outputs rounded to the dtype once, so at most one unit of its last place apart.
-    tol = 2e-6 if dtype == torch.float32 else 8e-3
     for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, many):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
-
-
-def test_backward_by_row_blocks(monkeypatch):
-    """bf16 with many rows for its vocabulary (grad_weight's tail too short to lend the
-    float32 grad_hidden accumulator) and a small accumulator budget: grad_hidden is made in
-    blocks of rows (the last one partial) and matches the one-chunk backward."""
-    mod = variant()
-    args = backward_args(mod, 4 * mod.BLOCK_N + 5, torch.bfloat16, seed=5)
-    one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
-    rows = []
-    real = launch.dh_grid
-    monkeypatch.setattr(launch, "dh_grid", lambda m, n, d: rows.append(n) or real(m, n, d))
-    # buffers start as NaN: every element of the outputs is written, no workspace read early
-    monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
-    blocks = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
-    assert set(rows) == {mod.BLOCK_N, 5}  # blocks of BLOCK_N rows, then the 5 left
-    assert all(torch.isfinite(t).all() for t in blocks)
-    # As test_backward_chunks_and_borrowed_accumulator: one bf16 unit of the last place.
-    for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, blocks):
-        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=8e-3, msg=name)
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -52,8 +52,11 @@ def _path(monkeypatch, path, dtype):
 
 @pytest.mark.parametrize("path", ["dispatch", "triton-tma", "triton-pointers"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# The backward's float32 sums (plans.accumulator_plan, bf16/fp16): (4099, 151936, 4096) and
+# (4099, 50257, 2048) half in grad_hidden's buffer, half in grad_weight's tail; (5001, 32000,
+# 1024) half in grad_hidden's buffer, half in a separate one; (12001, 8000, 1024) row blocks.
 @pytest.mark.parametrize("N,V,D", [(1, 50257, 2048), (4099, 151936, 4096), (4099, 50257, 2048),
-                                   (1, 151936, 4096)])
+                                   (1, 151936, 4096), (5001, 32000, 1024), (12001, 8000, 1024)])
 def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
     """The issue's sizes: bias, ignored rows, temperature 0.8, entropy, random upstream
     gradients; every buffer the op allocates starts as NaN."""

@@ -29,6 +29,15 @@ def main():
             tg = do_bench(lambda: F.linear(h, w), warmup=50, rep=300)
             print(f"f32 N={N} D={D} V={V} tf32={tf32}: kgen {tk:.3f} ms, compile {tc:.3f} ms, GEMM {tg:.3f} ms, "
                   f"kgen/compile {tk / tc:.2f}, max|err| {err:.2e}", flush=True)
+            hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
+            g = torch.randn(N, device="cuda")
+
+            def step(fn):
+                hk.grad = wk.grad = None
+                fn(hk, wk, t).backward(g)
+            bk = do_bench(lambda: step(ops.linear_logp), warmup=10, rep=200)
+            bc = do_bench(lambda: step(compiled), warmup=10, rep=200)
+            print(f"   fwd+bwd: kgen {bk:.3f} ms, compile {bc:.3f} ms, kgen/compile {bk / bc:.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ Columns:
     fwd ms is the median of its PAIRED_ROUNDS paired timings (below).
   TFLOP/s: 2*N*V*D / fwd time; 6*N*V*D / fwd+bwd time (the useful flops of the three GEMMs,
     whatever an implementation recomputes).
+  f+b / fwd GEMM: fwd+bwd time / the forward GEMM's time (issue 19's measure: recomputing
+    the logits with O(N) memory, the floor is 4.0).
   x GEMM: fwd: paired, the median over PAIRED_ROUNDS rounds of (its time / the GEMM's time),
     the two timed back to back in each round. At a power cap the clock drifts with the
     card's temperature over a run by more than the differences that matter here (an H100
@@ -48,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import sys
 import time
 
@@ -55,12 +58,22 @@ import torch
 import triton
 
 SHAPES = [(4096, 2048, 151936), (8192, 4096, 128256)]
+# Environment: KGEN_BENCH_LLP_SHAPES="N,D,V;N,D,V" replaces SHAPES; KGEN_BENCH_LLP_VARIANTS=0
+# leaves out the rows of the individual kgen variants (dispatch's choice stays).
+
+
+def _shapes() -> list[tuple[int, int, int]]:
+    text = os.environ.get("KGEN_BENCH_LLP_SHAPES", "").strip()
+    if not text:
+        return SHAPES
+    return [tuple(int(x) for x in item.split(",")) for item in text.split(";") if item.strip()]
+
 CHECK_ROWS = 64
 DEVICE = "cuda"
 # Past this many seconds into the run, the individual kgen variants are timed forward only.
 VARIANT_BWD_DEADLINE_S = 240.0
 COLS = ["impl", "fwd ms", "fwd TFLOP/s", "fwd x GEMM", "fwd MiB", "fwd+bwd ms", "f+b TFLOP/s",
-        "f+b x GEMM", "f+b MiB", "logp err", "dH err", "dW err", "note"]
+        "f+b x GEMM", "f+b / fwd GEMM", "f+b MiB", "logp err", "dH err", "dW err", "note"]
 
 _T0 = time.perf_counter()
 
@@ -258,7 +271,8 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
         fb()
         r["f+b MiB"] = _peak_extra(fb, True) >> 20
         gemm_fb_ms = _bench(fb, quick, True)
-        r.update({"fwd+bwd ms": gemm_fb_ms, "f+b TFLOP/s": fb_flop / gemm_fb_ms / 1e9, "f+b x GEMM": 1.0})
+        r.update({"fwd+bwd ms": gemm_fb_ms, "f+b TFLOP/s": fb_flop / gemm_fb_ms / 1e9, "f+b x GEMM": 1.0,
+                  "f+b / fwd GEMM": gemm_fb_ms / gemm_ms})
         del dlogits
     except Exception as e:  # noqa: BLE001 - one failed impl must not end the run
         r["note"] = _short(e)
@@ -276,7 +290,7 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
     from kgen.runtime import dispatch
 
     capability = torch.cuda.get_device_capability()
-    for v in spec.variants:
+    for v in spec.variants if os.environ.get("KGEN_BENCH_LLP_VARIANTS", "1") != "0" else ():
         if v.dtype == "bfloat16" and (v.backend == "triton" or dispatch.arch_runs_on(v.arch, capability)):
             impls.append((f"kgen {v.name}", lambda v=v: _kgen_variant(v), None))
 
@@ -319,7 +333,8 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
                 del gh, gw
                 r["f+b MiB"] = _peak_extra(fb, True) >> 20
                 ms = _bench(fb, quick, True)
-                r.update({"fwd+bwd ms": ms, "f+b TFLOP/s": fb_flop / ms / 1e9, "f+b x GEMM": ms / gemm_fb_ms})
+                r.update({"fwd+bwd ms": ms, "f+b TFLOP/s": fb_flop / ms / 1e9, "f+b x GEMM": ms / gemm_fb_ms,
+                          "f+b / fwd GEMM": ms / gemm_ms})
             except Exception as e:  # noqa: BLE001
                 r["note"] = (r["note"] + "; " if r["note"] else "") + "fwd+bwd: " + _short(e)
         fn = fwd = fb = None
@@ -351,7 +366,7 @@ def run(spec, quick) -> dict:
     global _T0
     _T0 = time.perf_counter()
     out = {}
-    for N, D, V in SHAPES[:1] if quick else SHAPES:
+    for N, D, V in _shapes()[:1] if quick else _shapes():
         title = f"linear_logp bf16, N x D x V = {N} x {D} x {V}"
         rows = out[title] = []
         try:

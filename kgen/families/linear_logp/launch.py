@@ -23,27 +23,32 @@ Forward (O(N) extra memory, the N x V logits never exist):
 Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
   dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] and
               float32 column sums per row tile (for grad_bias);
-  dW kernel:  grad_weight[v0:v1] = dz^T @ hidden, the whole N reduction in registers,
-              each output tile written once in the output dtype;
-  dH kernel:  acc += dz @ weight[v0:v1] into a float32 [N, D] accumulator; the last chunk
-              writes grad_hidden in its dtype.
-  Why not one fused kernel with atomics: grad_weight would need a float32 [V, D] buffer
-  (1.2-2 GiB at the target shapes) and grad_hidden one of N*D*4 bytes; atomics into the
-  16-bit outputs would not accumulate in float32. The price of separate passes is that dz
-  makes one round trip through the workspace (N*V*elsize written once, read twice: about
-  6 GB at 8192 x 128256 bf16) and the float32 accumulator is re-read once per chunk; all
-  three kernels stay compute bound at chunk >= ~1000 columns.
-  The float32 accumulator: grad_hidden itself when it is float32; a separate buffer when
-  N*D*4 <= accumulator_bytes; otherwise it borrows the last ceil(4N/elsize) rows of the
-  still-unwritten grad_weight, whose dz is recomputed once more after grad_hidden is done
-  (2N/V of one logits GEMM: 5% at 4096 x 151936, 13% at 8192 x 128256); if even that does
-  not fit (V < ~4N) grad_hidden is made by blocks of accumulator_bytes / (4D) rows, each
-  recomputing its logits chunk by chunk, before grad_weight's pass over all rows (one more
-  logits GEMM; the float32 accumulator stays within the budget).
-  Extra memory: N*chunk*elsize (workspace, chunk = workspace_bytes / (N*elsize) rounded to
-  the tile) + cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) [+ N*D*4 when
-  the accumulator is a separate buffer, or a row block's]. Defaults: < 64 MiB at every shape
-  (N = 16384, D = 4096, V = 32000 bf16: 40 MiB workspace + 16 MiB accumulator + O(N)).
+  dW:         grad_weight[v0:v1] = dz^T @ hidden, the whole N reduction in one GEMM, each
+              output element written once in the output dtype;
+  dH:         acc += dz @ weight[v0:v1] into float32 sums of grad_hidden; grad_hidden is
+              written in its dtype after the last chunk.
+  dW and dH are cuBLAS GEMMs through torch (dH with addmm's float32 out_dtype), except
+  float32 with TF32 off, where the Triton kernels (tl.dot "tf32x3") run them: cuBLAS's
+  float32 GEMM has no tensor cores. Why not one fused kernel with atomics: grad_weight would
+  need a float32 [V, D] buffer (1.2-2 GiB at the target shapes) and grad_hidden one of
+  N*D*4 bytes; atomics into the 16-bit outputs would not accumulate in float32. The price
+  of separate passes is that dz makes one round trip through the workspace (N*V*elsize
+  written once, read twice; a chunk of up to 56 MiB mostly stays in a 50 MiB L2) and the
+  float32 sums are read and written once per chunk (8*N*D bytes: dH runs at ~1.2x a
+  same-sized GEMM at 2560 columns, 8192 x 4096).
+  The float32 sums (plans.accumulator_plan): grad_hidden itself when it is float32; a
+  separate buffer when N*D*4 <= accumulator_bytes; otherwise the first N*elsize/4 rows'
+  sums in grad_hidden's own buffer (converted in place at the end, CONVERT_BYTES at a
+  time) and the other rows' in a separate buffer if they fit the budget, or else in the
+  last ~2N rows of the still-unwritten grad_weight, whose dz (but for the last chunk's,
+  still in the workspace) is recomputed after grad_hidden is done (N/V of one logits GEMM
+  at most: 3.6% at 8192 x 128256 with 3584-column chunks); if even that does not fit
+  (V < ~N) grad_hidden is made by blocks of accumulator_bytes / (4D) rows, each recomputing
+  its logits chunk by chunk, before grad_weight's pass over all rows (one more logits GEMM).
+  Extra memory: N*chunk*elsize (workspace, chunk = the budget / (N*elsize) rounded to the
+  tile; the default budget, WORKSPACE_BYTES, also pays for a separate accumulator) +
+  cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) + CONVERT_BYTES at the end:
+  < 64 MiB at every shape.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import torch
 
 from kgen.families.linear_logp.plans import (
     COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _cdiv, _device_props, _precision,
+    accumulator_plan,
     _target_in_tile, _tile_sources, _tiles, combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits,
     wave_splits)
 from kgen.families.linear_logp.schema import _cuda_smem
@@ -61,10 +67,13 @@ from kgen.runtime.streams import current_raw_stream
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-# Backward budgets (bytes): the dz chunk workspace, and the largest float32 grad_hidden
-# accumulator allocated separately before borrowing grad_weight's tail instead.
-WORKSPACE_BYTES = 40 << 20
+# Backward budgets (bytes): the dz chunk workspace (by default together with a separate
+# accumulator, if any), and the largest float32 grad_hidden accumulator allocated
+# separately before borrowing grad_hidden's and grad_weight's own memory instead.
+WORKSPACE_BYTES = 56 << 20
 ACCUMULATOR_BYTES = 16 << 20
+# The copy through which sums kept in grad_hidden's own buffer become its values.
+CONVERT_BYTES = 4 << 20
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -198,6 +207,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     there)."""
     if isinstance(mod, CudaForward):
         mod = mod.triton
+    workspace_bytes_default = workspace_bytes is None
     workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
     N, D = hidden.shape
@@ -220,65 +230,105 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     cb = torch.where(valid, grad_entropy.float() * (LN2 / temperature), zero) if with_entropy else ca
 
     esize = hidden.element_size()
-    granule = max(mod.BLOCK_V, mod.BLOCK_D)
-    chunk = workspace_bytes // (N * esize) // granule * granule
-    chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
-
-    # The float32 grad_hidden accumulator and `alias_from`, the first vocab row whose
-    # grad_weight waits until the accumulator is done with the memory it borrows; or
-    # `row_block`: grad_hidden by blocks of rows, each with its own small accumulator.
-    alias_from, row_block = V, None
-    if dtype == torch.float32:
-        acc = grad_h
-    elif N * D * 4 <= accumulator_bytes:
-        acc = _empty((N, D), torch.float32, dev)
-    else:
-        start = (V - _cdiv(4 * N, esize)) // granule * granule
-        if 2 * start >= V:
-            alias_from = start
-            acc = grad_w.view(-1)[start * D:start * D + N * D * 4 // esize].view(torch.float32).view(N, D)
-        else:
-            row_block = max(mod.BLOCK_N, accumulator_bytes // (D * 4) // mod.BLOCK_N * mod.BLOCK_N)
-            acc = _empty((min(row_block, N), D), torch.float32, dev)
-
-    dz = _empty((N, chunk), dtype, dev)
-    bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
     prec = _precision(dtype)
+    # dW and dH are plain GEMMs on the dz chunk: cuBLAS through torch (at or above the
+    # Triton kernels' speed: 0.92-1.09x vs 1.32-1.72x a same-sized GEMM, H100, BENCHMARKS.md),
+    # except float32 with TF32 off, where cuBLAS's float32 GEMM runs without tensor cores and
+    # the Triton kernels' "tf32x3" dots keep float32 accuracy at ~3x its speed.
+    blas = prec != "tf32x3"
+    granule = max(mod.BLOCK_V, mod.BLOCK_D)
+
+    # The float32 grad_hidden accumulator as pieces (r0, r1, acc) for rows [r0, r1): see
+    # plans.accumulator_plan. The default workspace budget also pays for a separate one.
+    plan = accumulator_plan(N, D, V, dtype, granule, accumulator_bytes, workspace_bytes)
+    alias_from, separate = plan.alias_from, plan.separate_bytes
+    if plan.home == "output":
+        pieces = [(0, N, grad_h)]
+    elif plan.home == "rows":
+        pieces = [(0, N, _empty((min(plan.row_block, N), D), torch.float32, dev) if separate else None)]
+    else:
+        own = plan.own_rows
+        pieces = [(0, own, grad_h.view(-1)[:own * D * 4 // esize].view(torch.float32).view(own, D))] if own else []
+        if plan.home == "separate":
+            pieces.append((own, N, _empty((N - own, D), torch.float32, dev)))
+        else:  # "tail"
+            home = grad_w.view(-1)[alias_from * D:alias_from * D + (N - own) * D * 4 // esize]
+            pieces.append((own, N, home.view(torch.float32).view(N - own, D)))
+
+    budget = workspace_bytes - separate if workspace_bytes_default else workspace_bytes
+    chunk = max(budget, 0) // (N * esize) // granule * granule
+    chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
+    # One workspace, viewed as [N, chunk] and, for row blocks, as [row_block, block_width].
+    # (Rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)
+    rows_view = (min(plan.row_block, N), _cdiv(plan.block_width, 8) * 8) if plan.home == "rows" else (0, 0)
+    space = _empty((max(N * chunk, rows_view[0] * rows_view[1]),), dtype, dev)
+    dz = space[:N * chunk].view(N, chunk)
+    bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
     common = dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod))
 
     h_src, w_src, tma = _tile_sources(mod, hidden, weight)
 
-    def dz_pass(v0, v1, write_bpart, rows=None):
+    def dz_pass(v0, v1, write_bpart, rows=None, dz=dz):
         r0, r1 = rows or (0, N)
         h = h_src if rows is None else _tile_sources(mod, hidden[r0:r1], weight)[0]
         mod.linear_logp_bwd_dz_kernel[dz_grid(mod, r1 - r0, v1 - v0)](
             h, w_src, bias if bias is not None else weight, target[r0:r1], lse2[r0:r1],
             (ez2 if with_entropy else lse2)[r0:r1], ca[r0:r1], cb[r0:r1], dz, bpart,
-            r1 - r0, V, D, v0, v1, chunk, LOG2E / temperature,
+            r1 - r0, V, D, v0, v1, dz.stride(0), LOG2E / temperature,
             HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy, TMA=tma, **common)
         if write_bpart:
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
     def dw_pass(v0, v1):
-        mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
-            dz, hidden, grad_w, N, D, v0, v1, chunk, **common)
+        if blas:
+            torch.mm(dz[:, :v1 - v0].T, hidden, out=grad_w[v0:v1])
+        else:
+            mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
+                dz, hidden, grad_w, N, D, v0, v1, chunk, **common)
 
-    def dh_pass(i, last, v0, v1, r0, r1):
-        mod.linear_logp_bwd_dh_kernel[dh_grid(mod, r1 - r0, D)](
-            dz, weight, acc, grad_h[r0:r1], r1 - r0, D, v0, v1, chunk,
-            ACCUMULATE=i > 0, FINAL=i == last, **common)
+    def dh_pass(first, v0, v1, pieces, dz=dz, dz_row0=0):
+        """acc (+)= dz @ weight[v0:v1] for each piece; dz's row r0 is dz_row0."""
+        for r0, r1, acc in pieces:
+            if blas:
+                _accumulate(acc, dz[r0 - dz_row0:r1 - dz_row0, :v1 - v0], weight[v0:v1], first)
+            else:  # float32: acc is grad_h itself
+                mod.linear_logp_bwd_dh_kernel[dh_grid(mod, r1 - r0, D)](
+                    dz[r0 - dz_row0:], weight, acc, acc, r1 - r0, D, v0, v1, dz.stride(0),
+                    ACCUMULATE=not first, FINAL=False, **common)
 
-    if row_block is not None:
-        # grad_hidden's float32 sums over V would need N*D*4 bytes and grad_weight's tail is
-        # too short to lend them (V < ~4N): grad_hidden block by block of rows, each block
-        # recomputing its logits chunk by chunk, then grad_weight and grad_bias over all
-        # rows. One more logits GEMM than the other paths; extra memory stays in budget.
-        chunks = _chunks(0, V, chunk)
-        for r0 in range(0, N, row_block):
-            r1 = min(N, r0 + row_block)
-            for i, (v0, v1) in enumerate(chunks):
-                dz_pass(v0, v1, False, (r0, r1))
-                dh_pass(i, len(chunks) - 1, v0, v1, r0, r1)
+    def finish(pieces):
+        """grad_hidden from the float32 sums (pieces in row order)."""
+        for r0, r1, acc in pieces:
+            if acc.dtype == dtype:
+                continue  # grad_hidden itself
+            if acc.data_ptr() == grad_h.data_ptr():
+                # The sums of rows [0, r1) fill grad_hidden's own buffer: convert them in
+                # blocks of at most CONVERT_BYTES, each through a copy, in row order: the
+                # outputs of rows [b0, b1) end at byte b1 * D * esize, below the sums still
+                # unread (from b1 * D * 4 on).
+                step = max(1, min(CONVERT_BYTES, accumulator_bytes) // (D * esize))
+                for b0 in range(r0, r1, step):
+                    grad_h[b0:min(r1, b0 + step)] = acc[b0:min(r1, b0 + step)].to(dtype)
+            else:
+                grad_h[r0:r1] = acc
+
+    chunks = _chunks(0, alias_from, chunk) + _chunks(alias_from, V, chunk)
+    if plan.home == "rows":
+        # grad_hidden's float32 sums over V would need N*D*4 bytes and grad_weight is too
+        # short to lend them (V < ~N): grad_hidden block by block of rows, each block
+        # recomputing its logits (the whole vocabulary at once, or chunk by chunk into a
+        # block's float32 sums), then grad_weight and grad_bias over all rows.
+        R, width = rows_view
+        block_dz = space[:R * width].view(R, width)
+        acc = pieces[0][2]
+        for r0 in range(0, N, R):
+            r1 = min(N, r0 + R)
+            # no sums kept: the block's grad_hidden is one GEMM into its rows
+            block = [(r0, r1, acc[:r1 - r0] if acc is not None else grad_h[r0:r1])]
+            for i, (v0, v1) in enumerate(_chunks(0, V, plan.block_width)):
+                dz_pass(v0, v1, False, (r0, r1), dz=block_dz)
+                dh_pass(i == 0, v0, v1, block, dz=block_dz, dz_row0=r0)
+            finish(block)
         if on_grad_hidden is not None:
             on_grad_hidden(grad_h)
         for v0, v1 in chunks:
@@ -286,15 +336,32 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             dw_pass(v0, v1)
         return grad_h, grad_w, grad_b
 
-    chunks = _chunks(0, alias_from, chunk) + _chunks(alias_from, V, chunk)
     for i, (v0, v1) in enumerate(chunks):
         dz_pass(v0, v1, bias is not None)
         if v1 <= alias_from:
             dw_pass(v0, v1)
-        dh_pass(i, len(chunks) - 1, v0, v1, 0, N)
+        dh_pass(i == 0, v0, v1, pieces)
+    finish(pieces)
     if on_grad_hidden is not None:
         on_grad_hidden(grad_h)
-    for v0, v1 in _chunks(alias_from, V, chunk):  # grad_hidden is final: the tail is free
-        dz_pass(v0, v1, False)
-        dw_pass(v0, v1)
+    if alias_from < V:
+        # grad_hidden is final: grad_weight's tail is free. The last chunk's dz is still in
+        # the workspace; the tail's other chunks are recomputed.
+        dw_pass(*chunks[-1])
+        for v0, v1 in _chunks(alias_from, V, chunk)[:-1]:
+            dz_pass(v0, v1, False)
+            dw_pass(v0, v1)
     return grad_h, grad_w, grad_b
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc = (acc if not first) + a @ b, with float32 sums for 16-bit a and b (cuBLAS's
+    out_dtype path on CUDA; on the CPU, where tests run the backward, in float32 math)."""
+    if acc.dtype == a.dtype:
+        torch.addmm(acc, a, b, beta=0 if first else 1, out=acc)
+    elif acc.is_cuda:
+        torch.addmm(acc, a, b, beta=0 if first else 1, out_dtype=torch.float32, out=acc)
+    elif first:
+        torch.mm(a.float(), b.float(), out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())

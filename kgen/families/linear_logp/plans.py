@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -135,3 +135,55 @@ def dh_grid(mod, N: int, D: int) -> tuple[int]:
 def _tiles(mod) -> dict:
     return dict(BLOCK_N=mod.BLOCK_N, BLOCK_V=mod.BLOCK_V, BLOCK_D=mod.BLOCK_D,
                 num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+
+
+class AccumulatorPlan(NamedTuple):
+    """Where the backward keeps grad_hidden's float32 sums over V (see accumulator_plan)."""
+    home: str  # "output", "separate", "tail" or "rows"
+    own_rows: int  # rows [0, own_rows) summed in grad_hidden's own buffer ("separate", "tail")
+    alias_from: int  # "tail": grad_weight rows [alias_from, V) hold the other rows' sums; else V
+    row_block: int  # "rows": rows per block; else 0
+    block_width: int  # "rows": vocabulary columns per dz chunk of a row block (V: no sums kept)
+    separate_bytes: int  # the separate float32 buffer's size (0 if none)
+
+
+# "rows" with the whole vocabulary in one chunk: at least this many rows a block (a GEMM
+# with fewer rows than this runs well below cuBLAS's rate).
+MIN_ROW_BLOCK = 128
+
+
+def accumulator_plan(N: int, D: int, V: int, dtype: torch.dtype, granule: int, budget: int,
+                     workspace: int = 0) -> AccumulatorPlan:
+    """The backward sums grad_hidden = dz @ weight over V chunks in float32 (N*D*4 bytes):
+    - "output": grad_hidden itself is float32;
+    - "separate": a buffer of its own when N*D*4 <= budget (own_rows 0); else the first
+      own_rows = N*esize/4 rows are summed in grad_hidden's own (still unwritten) buffer and
+      converted in place at the end, and the other rows in a separate buffer if they fit
+      the budget;
+    - "tail": else in grad_weight's last rows, from alias_from (a chunk edge) on, if V has
+      that many (V >~ N): their grad_weight waits until grad_hidden is done and their dz
+      is recomputed then (except the last chunk's, still in the workspace): about
+      N*esize/(2V) of one logits GEMM more;
+    - "rows": else, grad_hidden by blocks of `row_block` rows, each recomputing its logits,
+      before grad_weight over all rows (one logits GEMM more). A block holds dz for the
+      whole vocabulary if the workspace (`workspace` bytes) has room for MIN_ROW_BLOCK
+      such rows: no sums kept, each block's grad_hidden is one GEMM; else blocks of a
+      budget's worth of rows with float32 sums, by chunks of block_width columns."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    if dtype == torch.float32:
+        return AccumulatorPlan("output", 0, V, 0, 0, 0)
+    if N * D * 4 <= budget:
+        return AccumulatorPlan("separate", 0, V, 0, 0, N * D * 4)
+    own = N * esize // 4
+    rest = N - own
+    if rest * D * 4 <= budget:
+        return AccumulatorPlan("separate", own, V, 0, 0, rest * D * 4)
+    tail = _cdiv(rest * 4, esize)  # grad_weight rows that hold the other rows' sums
+    if tail <= V - granule:
+        return AccumulatorPlan("tail", own, (V - tail) // granule * granule, 0, 0, 0)
+    full = workspace // (V * esize)
+    if full >= MIN_ROW_BLOCK:
+        return AccumulatorPlan("rows", 0, V, full // 64 * 64, V, 0)
+    row_block = max(granule, budget // (D * 4) // granule * granule)
+    width = max(granule, (workspace - min(row_block, N) * D * 4) // (row_block * esize) // granule * granule)
+    return AccumulatorPlan("rows", 0, V, row_block, min(width, _cdiv(V, granule) * granule), min(row_block, N) * D * 4)
