@@ -217,7 +217,7 @@ HOMES = {
 @pytest.mark.parametrize("home", HOMES)
 def test_backward_accumulator_homes(monkeypatch, home):
     """Each home of grad_hidden's float32 sums (several chunks; sums converted in place in
-    grad_hidden's buffer, one row at a time at a zero budget; grad_weight's tail computed
+    grad_hidden's buffer, one row at a time; grad_weight's tail computed
     after grad_hidden; row blocks with a partial last one), every buffer poisoned with NaN,
     gives the gradients of a one-chunk backward with a separate accumulator."""
     N, workspace, budget, (kind, own) = HOMES[home]
@@ -229,6 +229,7 @@ def test_backward_accumulator_homes(monkeypatch, home):
     args = backward_args(mod, N, torch.bfloat16, seed=3)
     one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
     monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
+    monkeypatch.setattr(launch, "CONVERT_BYTES", 1)  # sums in grad_hidden's buffer converted row by row
     many = llp.backward(*args, workspace_bytes=workspace, accumulator_bytes=budget)
     assert all(torch.isfinite(t).all() for t in many)
     # Same float32 sums, different chunk boundaries for grad_hidden's accumulation order;

@@ -23,7 +23,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["4096,2048,151936", "8192,4096,128256", "16384,4096,32000",
                                                    "2048,8192,128256"])
+    p.add_argument("--tiles", action="store_true",
+                   help="instead: the dz kernel of every bf16 Triton variant, and the backward alone "
+                        "under several workspace / accumulator budgets")
     args = p.parse_args()
+    if args.tiles:
+        return tiles(args.shapes)
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     dev = torch.device("cuda")
     # addmm with a float32 out_dtype accumulating bf16 products in place
@@ -95,6 +100,66 @@ def main():
             print(f"  {name:40s} {ms * 1e3:8.1f} us  {f / ms / 1e9:6.0f} TFLOP/s  x{ms / rows[1][1]:.2f} of the bf16 GEMM",
                   flush=True)
         del h, w, hr, wr, dz, gw, acc, gh
+        torch.cuda.empty_cache()
+
+
+def tiles(shapes):
+    """Per shape: the dz kernel's time per chunk with each bf16 Triton variant's tiles, and
+    launch.backward alone (after one forward) under several budgets."""
+    from kgen import spec as spec_mod
+    from kgen.runtime import dispatch
+
+    print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    dev = torch.device("cuda")
+    variants = [v for v in spec_mod.load("kgen/specs/linear_logp.yaml").variants
+                if v.backend == "triton" and v.dtype == "bfloat16"]
+    for shape in shapes:
+        N, D, V = map(int, shape.split(","))
+        dt = torch.bfloat16
+        h = (torch.randn(N, D, device=dev) * 0.5).to(dt)
+        w = (torch.randn(V, D, device=dev) * D ** -0.5).to(dt)
+        t = torch.randint(0, V, (N,), device=dev)
+        g = torch.randn(N, device=dev)
+        gemm = bench(lambda: h @ w.T)
+        print(f"\n(N, D, V) = ({N}, {D}, {V}) bf16: forward GEMM {gemm:.3f} ms", flush=True)
+        chunk = launch.WORKSPACE_BYTES // (N * 2) // 256 * 256
+        lse2 = torch.zeros(N, device=dev)
+        ca = torch.randn(N, device=dev) * 1e-3
+        dz = torch.empty(N, chunk, device=dev, dtype=dt)
+        ref = bench(lambda: torch.mm(h, w[:chunk].T))
+        for v in variants:
+            mod = dispatch.load(v).module
+            hs, ws, tma = _tile_sources(mod, h, w)
+            common = dict(PRECISION=_precision(dt), GROUP=GROUP, **_tiles(mod))
+
+            def dz_k():
+                mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, chunk)](
+                    hs, ws, w, t, lse2, lse2, ca, ca, dz, dz, N, V, D, 0, chunk, chunk, 1.4426950408889634,
+                    HAS_BIAS=False, WRITE_BPART=False, WITH_ENTROPY=False, TMA=tma, **common)
+            ms = bench(dz_k)
+            print(f"  dz {v.name:40s} {ms * 1e3:8.1f} us per {chunk}-column chunk, x{ms / ref:.2f} of the GEMM",
+                  flush=True)
+        del dz
+        mod = op._module(dev, dt)
+        logp, ent, lse2, ez2 = launch.forward(mod, h, w, t, None, 1.0, -100, False)
+        for ws_mib, acc_mib in ((56, 16), (56, 32), (40, 16), (56, 0), (72, 16)):
+            def bwd():
+                return launch.backward(mod, h, w, t, None, lse2, ez2, g, None, 1.0, -100)
+            launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES = ws_mib << 20, acc_mib << 20
+            bwd()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            out = bwd()
+            torch.cuda.synchronize()
+            extra = (torch.cuda.max_memory_allocated() - before - sum(x.numel() * x.element_size()
+                                                                      for x in out if x is not None)) >> 20
+            del out
+            ms = bench(bwd)
+            print(f"  backward, budgets workspace {ws_mib} MiB (incl. separate sums) / sums {acc_mib} MiB: "
+                  f"{ms:.3f} ms = {ms / gemm:.2f}x the GEMM, {extra} MiB extra", flush=True)
+        launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES = 56 << 20, 16 << 20
+        del h, w
         torch.cuda.empty_cache()
 
 

@@ -3,13 +3,15 @@
 // variant: fused_bias_act/sm80_t256_v4_r4_f32
 // backend: cuda, arch: sm_80
 // dtype:   float32
-// knobs:   threads=256, vec=4, rows=4
+// knobs:   threads=256, vec=4, rows=4, order=down
 //
 // out[r, c] = act(x[r, c] + alpha * y[r, c] + bias[c]) over a row-major [rows, cols] tensor.
 // Block (i, j) covers rows [i*ROWS, i*ROWS + ROWS) and columns [j*THREADS*V, (j+1)*THREADS*V);
 // each thread keeps its V bias values in registers and reuses them across its ROWS rows.
 // Vector path (V = VEC): 16-byte loads/stores, needs cols % VEC == 0 and 16-byte-aligned
 // pointers. Tail path (V = 1): any size or alignment, one element per thread.
+// Order "down": grid (row blocks, column blocks), row blocks fastest: the CTAs resident at
+// once share column blocks across many rows.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -113,13 +115,16 @@ using T = float;
 constexpr int THREADS = 256;
 constexpr int VEC = 4;
 constexpr int ROWS = 4;
+constexpr bool ACROSS = false;
 
 template <int ACT, bool HAS_Y, int V>
 __global__ void __launch_bounds__(THREADS)
 fused_bias_act_kernel(const T* x, const T* y, const T* __restrict__ bias, T* out, float alpha,
-                      int64_t rows, int64_t cols) {
-  const int64_t col = ((int64_t)blockIdx.y * THREADS + threadIdx.x) * V;
-  const int64_t row0 = (int64_t)blockIdx.x * ROWS;
+                      int64_t rows, int64_t cols, unsigned colblocks) {
+  const unsigned bx = ACROSS ? blockIdx.x % colblocks : blockIdx.y;
+  const unsigned by = ACROSS ? blockIdx.x / colblocks : blockIdx.x;
+  const int64_t col = ((int64_t)bx * THREADS + threadIdx.x) * V;
+  const int64_t row0 = (int64_t)by * ROWS;
   if (col >= cols) return;  // V divides cols, so a vector is either whole or absent
 
   float b[V];
@@ -159,11 +164,15 @@ cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, fl
   const bool vec = cols % VEC == 0 && kgen::aligned_to(x, 16) && kgen::aligned_to(bias, 16) &&
                    kgen::aligned_to(out, 16) && (!has_y || kgen::aligned_to(y, 16));
   const int64_t per_block = (int64_t)THREADS * (vec ? VEC : 1);
-  const dim3 grid((unsigned)kgen::cdiv(rows, ROWS), (unsigned)kgen::cdiv(cols, per_block));
-  if (vec && has_y) fused_bias_act_kernel<ACT, true, VEC><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols);
-  else if (vec) fused_bias_act_kernel<ACT, false, VEC><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols);
-  else if (has_y) fused_bias_act_kernel<ACT, true, 1><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols);
-  else fused_bias_act_kernel<ACT, false, 1><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols);
+  const int64_t rowblocks = kgen::cdiv(rows, ROWS), colblocks = kgen::cdiv(cols, per_block);
+  if (ACROSS ? rowblocks * colblocks > INT32_MAX : colblocks > 65535 || rowblocks > INT32_MAX)
+    return cudaErrorInvalidConfiguration;  // the caller checks this first
+  const dim3 grid = ACROSS ? dim3((unsigned)(rowblocks * colblocks)) : dim3((unsigned)rowblocks, (unsigned)colblocks);
+  const unsigned cb = (unsigned)colblocks;
+  if (vec && has_y) fused_bias_act_kernel<ACT, true, VEC><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
+  else if (vec) fused_bias_act_kernel<ACT, false, VEC><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
+  else if (has_y) fused_bias_act_kernel<ACT, true, 1><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
+  else fused_bias_act_kernel<ACT, false, 1><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
   return cudaGetLastError();
 }
 

@@ -17,7 +17,7 @@ from kgen.spec import DTYPES, Knob, Schema
 ACTIVATIONS = ("none", "relu", "sigmoid", "gelu", "silu")
 _ACT_CODE = {name: i for i, name in enumerate(ACTIVATIONS)}
 _TORCH_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# The CUDA grid puts column blocks on grid.y, whose limit is 65535.
+# The CUDA grid of order "down" puts column blocks on grid.y, whose limit is 65535.
 _MAX_GRID_Y = 65535
 
 
@@ -42,6 +42,8 @@ SCHEMA = Schema(
             Knob("threads", "t", lo=32, hi=1024, pow2=True),
             Knob("vec", "v", lo=1, hi=16, pow2=True),
             Knob("rows", "r", lo=1, hi=16),
+            # grid order: "down" (row blocks fastest) or "across" (column blocks fastest, 1-D)
+            Knob("order", "o", kind=str, choices=("down", "across"), default="down"),
         ),
         "triton": (
             Knob("block_cols", "c", lo=16, hi=16384, pow2=True),
@@ -206,7 +208,7 @@ TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shape
 # Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
 # ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner.
 TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
-                    for r in (1, 8, 64, 512, 2048, 8192, 32768)
+                    for r in (1, 8, 64, 512, 2048, 4096, 8192, 16384, 32768)
                     for c in (1001, 1024, 4096, 12288, 12345, 65536, 786432) if r * c <= 1 << 27
                     for y in (True, False))
 
@@ -243,7 +245,11 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
     has_y = y is not None
     if kernel.backend == "cuda":
         # the tail path (one element per thread) has the widest grid: cols / threads blocks
-        if cols > _MAX_GRID_Y * kernel.params["threads"]:
+        threads = kernel.params["threads"]
+        if kernel.params.get("order") == "across":
+            if -(-rows // kernel.params["rows"]) * -(-cols // threads) > 2**31 - 1:
+                raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the CUDA grid of variant {kernel.name}")
+        elif cols > _MAX_GRID_Y * threads:
             raise ValueError(f"fused_bias_act: {cols} columns exceed the CUDA grid of variant "
                              f"{kernel.name} (at most {_MAX_GRID_Y * kernel.params['threads']})")
         dev = x.get_device()

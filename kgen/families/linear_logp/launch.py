@@ -306,7 +306,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
                 # blocks of at most CONVERT_BYTES, each through a copy, in row order: the
                 # outputs of rows [b0, b1) end at byte b1 * D * esize, below the sums still
                 # unread (from b1 * D * 4 on).
-                step = max(1, min(CONVERT_BYTES, accumulator_bytes) // (D * esize))
+                step = max(1, CONVERT_BYTES // (D * esize))
                 for b0 in range(r0, r1, step):
                     grad_h[b0:min(r1, b0 + step)] = acc[b0:min(r1, b0 + step)].to(dtype)
             else:
