@@ -34,7 +34,6 @@ for dt in ("bfloat16", "float32"):
             for _ in range(3):
                 for n, f in fns.items(): res.setdefault(n, []).append(cuda_timer(f))
             best = {n: min(v) for n, v in res.items()}
-            fastest = min(v for n, v in best.items() if not n.startswith("copy"))
             line = "  ".join(f"{n} {v:.1f}" for n, v in best.items())
             print(f"{dt} {rows}x{cols} y={int(has_y)}: {line}", flush=True)
             del x, y, b, out, src, big, want
