@@ -246,7 +246,7 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
     if kernel.backend == "cuda":
         # the tail path (one element per thread) has the widest grid: cols / threads blocks
         threads = kernel.params["threads"]
-        if kernel.params.get("order") == "across":
+        if kernel.params["order"] == "across":
             if -(-rows // kernel.params["rows"]) * -(-cols // threads) > 2**31 - 1:
                 raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the CUDA grid of variant {kernel.name}")
         elif cols > _MAX_GRID_Y * threads:

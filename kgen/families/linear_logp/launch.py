@@ -46,7 +46,7 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   (V < ~N) grad_hidden is made by blocks of accumulator_bytes / (4D) rows, each recomputing
   its logits chunk by chunk, before grad_weight's pass over all rows (one more logits GEMM).
   Extra memory: N*chunk*elsize (workspace, chunk = the budget / (N*elsize) rounded to the
-  tile; the default budget, WORKSPACE_BYTES, also pays for a separate accumulator) +
+  tile; the budget, WORKSPACE_BYTES by default, also pays for a separate accumulator) +
   cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) + CONVERT_BYTES at the end:
   < 64 MiB at every shape.
 """
@@ -59,9 +59,8 @@ import torch
 
 from kgen.families.linear_logp.plans import (
     COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _cdiv, _device_props, _precision,
-    accumulator_plan,
-    _target_in_tile, _tile_sources, _tiles, combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits,
-    wave_splits)
+    _target_in_tile, _tile_sources, _tiles, accumulator_plan, combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid,
+    triton_splits, wave_splits)
 from kgen.families.linear_logp.schema import _cuda_smem
 from kgen.runtime.streams import current_raw_stream
 
@@ -207,7 +206,6 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     there)."""
     if isinstance(mod, CudaForward):
         mod = mod.triton
-    workspace_bytes_default = workspace_bytes is None
     workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
     N, D = hidden.shape
@@ -239,7 +237,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     granule = max(mod.BLOCK_V, mod.BLOCK_D)
 
     # The float32 grad_hidden accumulator as pieces (r0, r1, acc) for rows [r0, r1): see
-    # plans.accumulator_plan. The default workspace budget also pays for a separate one.
+    # plans.accumulator_plan. The workspace budget also pays for a separate one.
     plan = accumulator_plan(N, D, V, dtype, granule, accumulator_bytes, workspace_bytes)
     alias_from, separate = plan.alias_from, plan.separate_bytes
     if plan.home == "output":
@@ -255,8 +253,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             home = grad_w.view(-1)[alias_from * D:alias_from * D + (N - own) * D * 4 // esize]
             pieces.append((own, N, home.view(torch.float32).view(N - own, D)))
 
-    budget = workspace_bytes - separate if workspace_bytes_default else workspace_bytes
-    chunk = max(budget, 0) // (N * esize) // granule * granule
+    chunk = max(workspace_bytes - separate, 0) // (N * esize) // granule * granule
     chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
     # One workspace, viewed as [N, chunk] and, for row blocks, as [row_block, block_width].
     # (Rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)

@@ -169,7 +169,7 @@ def accumulator_plan(N: int, D: int, V: int, dtype: torch.dtype, granule: int, b
       whole vocabulary if the workspace (`workspace` bytes) has room for MIN_ROW_BLOCK
       such rows: no sums kept, each block's grad_hidden is one GEMM; else blocks of a
       budget's worth of rows with float32 sums, by chunks of block_width columns."""
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     if dtype == torch.float32:
         return AccumulatorPlan("output", 0, V, 0, 0, 0)
     if N * D * 4 <= budget:
