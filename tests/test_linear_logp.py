@@ -146,6 +146,26 @@ def test_no_bias_no_entropy_temperature_one():
                             entropy=False)
 
 
+@pytest.mark.parametrize("used", ["entropy", "logp"])
+def test_gradient_of_one_output_only(used):
+    """A loss of one output: the other's gradient arrives as None (no zeros materialised),
+    and the kernels give the float64 reference's gradients for it alone."""
+    hidden, weight, target, bias = make_inputs(7, 257, 40)
+    g = torch.randn(7, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for mod, compute in ((variant(), None), (None, torch.float64)):
+        leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        if compute is None:
+            logp, ent = call(mod, *leaves[:2], target, leaves[2], temperature=0.7, return_entropy=True)
+        else:
+            logp, ent = llp.reference(*leaves[:2], target, leaves[2], temperature=0.7, compute=compute)
+        ((ent if used == "entropy" else logp) * g).sum().backward()
+        grads.append([x.grad for x in leaves])
+    for name, a, b in zip(("grad_h", "grad_w", "grad_b"), *grads):
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.double(), b.double(), rtol=2e-5, atol=2e-5 * scale, msg=name)
+
+
 def test_leading_dims_and_int32_target():
     hidden, weight, target, bias = make_inputs(12, 50, 16)
     logp, ent = call(variant(), hidden.reshape(3, 4, 16), weight, target.int().reshape(3, 4),
@@ -183,7 +203,8 @@ def backward_args(mod, N, dtype, seed):
 @pytest.mark.parametrize("N, D, V, dtype, want", [
     (8192, 4096, 128256, torch.bfloat16, ("tail", 4096, 128256 - 8192)),  # alias_from rounded down to 256
     (4096, 2048, 151936, torch.bfloat16, ("separate", 2048, 151936)),  # the other 2048 rows: 16 MiB
-    (512, 1024, 32000, torch.float16, ("separate", 0, 32000)),  # 2 MiB: all rows in one buffer
+    (512, 1024, 32000, torch.float16, ("direct", 0, 32000)),  # dz of all V in 31 MiB: one GEMM, no sums
+    (1024, 1024, 32000, torch.float16, ("separate", 0, 32000)),  # 4 MiB of sums: all rows in one buffer
     (16384, 4096, 32000, torch.bfloat16, ("tail", 8192, 15616)),  # 16384 tail rows of 32000
     (65536, 1024, 32000, torch.bfloat16, ("rows", 0, 32000)),  # 65536 tail rows > V
     (1000, 512, 5000, torch.float32, ("output", 0, 5000)),
@@ -203,6 +224,8 @@ def test_accumulator_plan(N, D, V, dtype, want):
 # Budgets that send bf16 gradients at D = 40, V = 257 (granule 32) to each home of the float32
 # sums: (N, workspace_bytes, accumulator_bytes, expected plan).
 HOMES = {
+    # the whole vocabulary's dz in the workspace: grad_hidden by one GEMM in bf16, no sums
+    "direct": (7, 7 * 288 * 2, 0, ("direct", 0)),
     "separate, all rows": (7, 1, 1 << 30, ("separate", 0)),
     "own buffer + separate": (7, 1, 700, ("separate", 3)),
     # sums of rows 3..6 in grad_weight rows 224..256: two tail chunks, the last one's dz reused

@@ -1,7 +1,8 @@
 """linear_logp's CUDA forward kernels (sm_90a WGMMA, mma.sync) on a GPU: each variant that
 runs on the device against float64 at the issue's sizes with poisoned buffers, split
 invariance, the fallback for inputs the kernels cannot take, CUDA graph replay, and that
-dispatch picks them. (The backward and combine are the Triton path's: test_linear_logp_gpu.)"""
+dispatch picks them. (The combine is the CUDA kernels' own, in the same launcher call;
+the backward is the Triton path's: test_linear_logp_gpu.)"""
 
 import math
 from pathlib import Path

@@ -9,6 +9,10 @@ of N floats forward, one of grad_hidden backward), forward and forward + backwar
 gradients of hidden and weight), each rank's peak memory above its inputs, and the two
 collectives kgen makes, timed alone at the same sizes. Times: median of CUDA-event times
 per iteration, the slowest rank's.
+
+With verl's kernel files in .peers/verl (issue 23: copied there for the device run, never
+committed; see .peers/verl/README), also verl's `linear_cross_entropy` on the same group
+and inputs, and its logp's and entropy's largest difference from kgen's.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,6 +29,7 @@ import torch.distributed as dist
 from kgen import ops
 
 SHAPES = ((8192, 4096, 128256), (16384, 4096, 151936))
+PEERS = Path(__file__).resolve().parents[1] / ".peers"
 
 
 def timed(fn, iters: int, group) -> float:
@@ -90,6 +97,68 @@ class MegatronStyle(torch.autograd.Function):
         return gh, grad.T @ h, None, None, None
 
 
+def load_verl():
+    """verl's linear_cross_entropy from .peers/verl, or a line saying why not."""
+    if not (PEERS / "verl").is_dir():
+        return None, f"verl: skipped, no {PEERS / 'verl'}"
+    sys.path.insert(0, str(PEERS / "verl"))
+    try:
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+    except Exception as e:  # a peer that does not import must not stop the other rows
+        return None, f"verl: skipped, its import failed: {type(e).__name__}: {e}"
+    return linear_cross_entropy, None
+
+
+class AllReduceGrad(torch.autograd.Function):
+    """Identity forward, gradient summed over the group backward: Megatron's
+    copy_to_tensor_model_parallel_region, which verl's kernel leaves to its caller (its
+    d_hidden is this rank's part), as kgen and MegatronStyle do inside theirs."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def verl_logp(lce, h, w, t, group):
+    """logp of verl's kernel (it computes the entropy too, always). Its vocab slices must be
+    equal: it places rank r's slice at r * V_local."""
+    logp, _ = lce(AllReduceGrad.apply(h, group), w, t, 1.0, "none", group)
+    if logp.requires_grad:
+        logp.register_hook(torch.Tensor.contiguous)  # verl asserts it; sum()'s gradient is expanded
+    return logp
+
+
+@torch.no_grad()
+def verl_vs_kgen(lce, h, w, t, group) -> list[float]:
+    """Largest |difference| of logp and of entropy, verl's against kgen's, over the group."""
+    logp, entropy = ops.linear_logp(h, w, t, return_entropy=True, group=group)
+    v_logp, v_entropy = lce(h, w, t, 1.0, "none", group)
+    diff = torch.stack([(v_logp - logp).abs().max(), (v_entropy - entropy).abs().max()])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+    return diff.tolist()
+
+
+def verl_row(lce, h, w, t, group, world, both) -> str:
+    """Checks verl's kernel against kgen's, then times it through both(); returns the line to
+    print. An error (the same on every rank: it raises before its first collective) becomes
+    that line, not the end of the run."""
+    try:
+        d_logp, d_entropy = verl_vs_kgen(lce, h, w, t, group)
+        both(f"verl linear_cross_entropy, {world} GPUs", lambda *x: verl_logp(lce, *(x or (h, w)), t, group),
+             (h, w), group)
+    except Exception as e:
+        return f"verl: failed: {type(e).__name__}: {str(e)[:300]}"
+    return (f"verl (computes the entropy too) vs kgen: max |logp difference| {d_logp:.3g}, "
+            f"max |entropy difference| {d_entropy:.3g}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES])
@@ -102,6 +171,9 @@ def main():
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"# {torch.cuda.get_device_name()} x {world}, torch {torch.__version__}, bf16, no bias; "
         f"ms: median of {args.iters}, slowest rank; MiB: peak above inputs, largest rank")
+    lce, why_not = load_verl()
+    if why_not:
+        say(why_not)
     for shape in args.shapes:
         N, D, V = map(int, shape.split(","))
         g = torch.Generator(device="cuda").manual_seed(0)
@@ -140,6 +212,11 @@ def main():
              group)
         both(f"Megatron-style eager, {world} GPUs",
              lambda *x: MegatronStyle.apply(*(x or (h, w)), t, offset, group), (h, w), group)
+        verl_line = None
+        if lce is not None and len(set(lengths)) > 1:
+            verl_line = f"verl: skipped, its slices must be equal and V={V} splits as {lengths}"
+        elif lce is not None:
+            verl_line = verl_row(lce, h, w, t, group, world, both)
 
         # kgen's collectives alone: the forward's all-gather of 2N + 1 floats (3N + 1 with
         # entropy), the backward's all-reduce of N x D bf16.
@@ -157,6 +234,8 @@ def main():
         for name, f_ms, b_ms, f_mem, b_mem in rows:
             say(f"{name:36s} {f_ms:8.2f} {f_ms / base_f:7.2f} {b_ms:11.2f} {b_ms / base_b:7.2f} "
                 f"{f_mem:8.0f} {b_mem:8.0f}")
+        if verl_line:
+            say(verl_line)
         say(f"communication alone: forward all-gather of {world} x {(2 * N + 1) * 4 / 1024:.0f} KiB {ag:.3f} ms; "
             f"backward all-reduce of {N * D * 2 / 2**20:.0f} MiB bf16 {ar:.3f} ms")
         del h, w, t, part, every, gh

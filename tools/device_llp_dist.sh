@@ -2,7 +2,10 @@
 # Issue 23 on a 2-GPU machine (nvidia-h200-x2), from the repo root: the vocab-parallel
 # linear_logp's GPU tests (NCCL, bf16, CUDA graph replay, torch.compile) -> $OUT/pytest.txt,
 # then its benchmark (1 GPU vs 2 GPUs, communication alone, a Megatron-style eager peer,
-# peak memory) -> $OUT/bench.txt. The kernels build on first use into KGEN_CACHE_DIR.
+# verl's linear_cross_entropy when .peers/verl is there, peak memory) -> $OUT/bench.txt.
+# The kernels build on first use into KGEN_CACHE_DIR. .peers/ is git-ignored: run with the
+# device tool's carry [".peers"] for the verl row (without it the benchmark says so, and
+# goes on).
 # Usage: bash tools/device_llp_dist.sh [bench args, e.g. --iters 5]
 set -uo pipefail
 OUT="${OUT:-/tmp/kgen-out}"; mkdir -p "$OUT"

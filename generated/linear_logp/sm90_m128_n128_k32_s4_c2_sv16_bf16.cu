@@ -537,6 +537,67 @@ cudaError_t launch(const T* hidden, const T* weight, const T* bias, const int64_
   return cudaGetLastError();
 }
 
+// The combine of the forward partials part[4][splits][N] (row max m, sum of exp2(z - m),
+// target logit, sum of exp2(z - m) * (z - m); base 2, z = logit * log2(e) / temperature),
+// launched by kgen_launch right after the partials kernel on the same stream: one launch
+// for the whole forward on the host (the Triton combine, linear_logp_combine_kernel with
+// TARGET_DOT off, is the same contract and arithmetic). One thread a row, the splits
+// merged in order: no atomics, the same bits every run.
+//   logp = (z_t - lse) * ln 2 (0 on ignored rows, NaN where the target is outside [0, V)),
+//   lse2 = m + log2(s); with entropy: entropy = (log2(s) - E) * ln 2 and ez2 = m + E,
+//   E = sum exp2(z - m) (z - m) / s.
+constexpr int COMBINE_THREADS = 128;
+
+template <bool ENTROPY>
+__global__ void __launch_bounds__(COMBINE_THREADS)
+linear_logp_combine(const float* __restrict__ part, const int64_t* __restrict__ target, float* __restrict__ logp,
+                    float* __restrict__ entropy, float* __restrict__ lse2, float* __restrict__ ez2, int N, int V,
+                    int splits, long long ignore_index) {
+  const int row = blockIdx.x * COMBINE_THREADS + threadIdx.x;
+  if (row >= N) return;
+  const int64_t plane = (int64_t)splits * N;
+  float m = -INFINITY;
+  for (int k = 0; k < splits; ++k) m = fmaxf(m, part[(int64_t)k * N + row]);
+  float s = 0.f, ent = 0.f, zt = 0.f;
+  for (int k = 0; k < splits; ++k) {
+    const float* at = part + (int64_t)k * N + row;
+    const float m_k = at[0], s_k = at[plane];
+    zt += at[2 * plane];
+    const bool live = m_k > -INFINITY;  // an empty slice (no V tiles) contributes nothing
+    const float delta = live ? m_k - m : 0.f;
+    const float alpha = live ? exp2f(delta) : 0.f;
+    s += alpha * s_k;
+    if (ENTROPY) ent += alpha * (at[3 * plane] + delta * s_k);
+  }
+  constexpr float LN2_F = 0.6931471805599453f;
+  const float log_s = log2f(s), lse = m + log_s;
+  const long long t = target[row];
+  const bool valid = t != ignore_index, bad = valid && (t < 0 || t >= V);
+  const float nan = __int_as_float(0x7fc00000);
+  logp[row] = bad ? nan : (valid ? (zt - lse) * LN2_F : 0.f);
+  lse2[row] = lse;
+  if (ENTROPY) {
+    const float mean = ent / s;
+    entropy[row] = bad ? nan : (valid ? (log_s - mean) * LN2_F : 0.f);
+    ez2[row] = m + mean;
+  }
+}
+
+// Queue the combine when the caller passed its outputs (logp != nullptr).
+inline cudaError_t launch_combine(const float* part, const int64_t* target, float* logp, float* entropy, float* lse2,
+                                  float* ez2, int N, int V, int splits, long long ignore_index, bool with_entropy,
+                                  cudaStream_t stream) {
+  if (logp == nullptr) return cudaSuccess;
+  const unsigned grid = (unsigned)kgen::cdiv(N, COMBINE_THREADS);
+  if (with_entropy)
+    linear_logp_combine<true><<<grid, COMBINE_THREADS, 0, stream>>>(part, target, logp, entropy, lse2, ez2, N, V,
+                                                                    splits, ignore_index);
+  else
+    linear_logp_combine<false><<<grid, COMBINE_THREADS, 0, stream>>>(part, target, logp, entropy, lse2, ez2, N, V,
+                                                                     splits, ignore_index);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
@@ -544,7 +605,9 @@ cudaError_t launch(const T* hidden, const T* weight, const T* bias, const int64_
 // aligned hidden and weight (cp.async moves 16-byte chunks); this re-checks what would
 // fault or overflow the kernel's 32-bit row, column and grid arithmetic.
 //   ints:   device, hidden, weight, bias (0 = none), target (int64), part, N, V, D, splits,
-//           group (row blocks per group), with_entropy, stream
+//           group (row blocks per group), with_entropy, stream,
+//           then the combine's logp, entropy, lse2, ez2 (float32 [N]; logp 0: partials only,
+//           the caller combines) and ignore_index
 //   floats: scale = log2(e) / temperature
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const int device = (int)ints[0];
@@ -557,6 +620,8 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const bool entropy = ints[11] != 0;
   cudaStream_t stream = (cudaStream_t)ints[12];
   const float scale = (float)floats[0];
+  float *logp = (float*)ints[13], *ent = (float*)ints[14], *lse2 = (float*)ints[15], *ez2 = (float*)ints[16];
+  const long long ignore_index = ints[17];
   // 256: room for one tile past the end in int arithmetic.
   constexpr long long MAX_DIM = INT32_MAX - 256;
   if (N <= 0 || V < 0 || D < 0 || splits <= 0 || group <= 0 || group * splits > INT32_MAX || D % 8 || N > MAX_DIM || V > MAX_DIM || D > MAX_DIM ||
@@ -569,11 +634,15 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
     if (e != cudaSuccess) return (int)e;
   }
   const int n = (int)N, v = (int)V, d = (int)D, s = (int)splits, gr = (int)group;
+  cudaError_t rc;
   if (bias != nullptr)
-    return (int)(entropy ? launch<true, true>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream)
-                         : launch<true, false>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream));
-  return (int)(entropy ? launch<false, true>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream)
-                       : launch<false, false>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream));
+    rc = (entropy ? launch<true, true>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream)
+              : launch<true, false>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream));
+  else
+    rc = (entropy ? launch<false, true>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream)
+              : launch<false, false>(hidden, weight, bias, target, part, n, v, d, s, gr, scale, device, stream));
+  if (rc != cudaSuccess) return (int)rc;
+  return (int)launch_combine(part, target, logp, ent, lse2, ez2, n, v, s, ignore_index, entropy, stream);
 }
 
 extern "C" const char* kgen_error_string(int code) {

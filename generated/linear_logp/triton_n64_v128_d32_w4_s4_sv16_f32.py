@@ -251,17 +251,19 @@ def linear_logp_target_check_kernel(t_ptr, flag_ptr, N, V, ignore_index, BLOCK: 
 
 @triton.jit
 def linear_logp_bwd_dz_kernel(
-    h_src, w_src, b_ptr, t_ptr, lse_ptr, ez_ptr, ca_ptr, cb_ptr, dz_ptr, bpart_ptr,
-    N, V, D, v_begin, v_end, dz_stride, scale,
-    HAS_BIAS: tl.constexpr, WRITE_BPART: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    h_src, w_src, b_ptr, t_ptr, lse_ptr, ez_ptr, glogp_ptr, gent_ptr, dz_ptr, bpart_ptr,
+    N, V, D, v_begin, v_end, dz_stride, scale, inv_t, ignore_index,
+    HAS_BIAS: tl.constexpr, WRITE_BPART: tl.constexpr, WITH_ENTROPY: tl.constexpr, HAS_GLOGP: tl.constexpr,
     PRECISION: tl.constexpr, TMA: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Recompute a logit tile of the chunk [v_begin, v_end) and write the gradient of the
     pre-temperature logits, dz = ca * (onehot - p) - cb * p * (z - E[z]) with
-    ca = g_logp / T and cb = g_ent * ln2 / T (both 0 on ignored rows), to the chunk
-    workspace dz[N, dz_stride] in the input dtype, plus per-row-tile column sums in float32
-    to bpart[tiles_n, dz_stride] for grad_bias. Grid: cdiv(N, BLOCK_N) * cdiv(chunk, BLOCK_V)."""
+    ca = g_logp / T and cb = g_ent * ln2 / T (both 0 on rows whose target is ignore_index;
+    ca 0 without HAS_GLOGP; inv_t = 1 / T), read from the upstream gradients here rather
+    than prepared by launches of their own, to the chunk workspace dz[N, dz_stride] in the
+    input dtype, plus per-row-tile column sums in float32 to bpart[tiles_n, dz_stride] for
+    grad_bias. Grid: cdiv(N, BLOCK_N) * cdiv(chunk, BLOCK_V)."""
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_v = tl.cdiv(v_end - v_begin, BLOCK_V)
     tile_n, tile_v = _grouped_tile(tl.program_id(0), tiles_n, tiles_v, GROUP)
@@ -278,15 +280,19 @@ def linear_logp_bwd_dz_kernel(
     z = acc * scale
     ok = row_ok[:, None] & col_ok[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
-    ca = tl.load(ca_ptr + rows, mask=row_ok, other=0.0)
+    target = tl.load(t_ptr + rows, mask=row_ok, other=ignore_index)
+    valid = row_ok & (target != ignore_index)
+    if HAS_GLOGP:
+        ca = tl.where(valid, tl.load(glogp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) * inv_t, 0.0)
+    else:
+        ca = tl.zeros((BLOCK_N,), tl.float32)
     p = tl.where(ok, tl.exp2(z - lse[:, None]), 0.0)
     if WITH_ENTROPY:
         ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
-        cb = tl.load(cb_ptr + rows, mask=row_ok, other=0.0)
+        cb = tl.where(valid, tl.load(gent_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) * (inv_t * LN2), 0.0)
         coef = ca[:, None] + cb[:, None] * (z - ez[:, None])
     else:
         coef = ca[:, None]
-    target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
     hit = (cols[None, :] == target[:, None]) & ok
     dz = tl.where(hit, ca[:, None], 0.0) - p * coef
     dz_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * dz_stride + offs[None, :]

@@ -16,8 +16,9 @@ Forward (O(N) extra memory, the N x V logits never exist):
      scale per non-ignored row (2 * D * elsize bytes a row). Exception: float32 inputs
      under TF32 keep the target logit in the fwd fold (a fourth partial, summed by the
      combine), so that it is rounded like the logits; see _target_in_tile.
-  The CUDA forwards write all four partials, target logit included; their combine sums
-  them (grid cdiv(N, 128)).
+  The CUDA forwards write all four partials, target logit included; their own combine
+  (combine.cuh.j2, the same contract) runs in the same launcher call, after them on the
+  stream: one host call for the forward.
   Extra memory: 16 * splits * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
 
 Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
@@ -36,7 +37,8 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   written once, read twice; a chunk of up to 56 MiB mostly stays in a 50 MiB L2) and the
   float32 sums are read and written once per chunk (8*N*D bytes: dH runs at ~1.2x a
   same-sized GEMM at 2560 columns, 8192 x 4096).
-  The float32 sums (plans.accumulator_plan): grad_hidden itself when it is float32; a
+  The float32 sums (plans.accumulator_plan): none when the whole vocabulary is one chunk
+  (grad_hidden = dz @ weight, one GEMM in its dtype); grad_hidden itself when it is float32; a
   separate buffer when N*D*4 <= accumulator_bytes; otherwise the first N*elsize/4 rows'
   sums in grad_hidden's own buffer (converted in place at the end, CONVERT_BYTES at a
   time) and the other rows' in a separate buffer if they fit the budget, or else in the
@@ -81,8 +83,8 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 class CudaForward:
-    """A CUDA variant (sm_90a WGMMA or sm_80 mma.sync): its kernel writes the forward
-    partials; the Triton module `triton` supplies the combine, the backward, and the whole
+    """A CUDA variant (sm_90a WGMMA or sm_80 mma.sync): its kernels write the forward
+    partials and combine them; the Triton module `triton` supplies the backward and the whole
     forward for inputs the CUDA kernel cannot take (`takes`): D not a multiple of 8 or a
     pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
 
@@ -130,16 +132,21 @@ class CudaForward:
         work-order comment)."""
         return max(1, min(_cdiv(N, self.rows), GROUP_BYTES // (self.rows * D * 2)))
 
-    def partials(self, hidden, weight, target, bias, temperature: float, with_entropy: bool, splits: int):
+    def partials(self, hidden, weight, target, bias, temperature: float, with_entropy: bool, splits: int,
+                 outputs=None, ignore_index: int = -100):
+        """The partials part[4, splits, N]; given `outputs` (logp, entropy, lse2, ez2: float32,
+        entropy and ez2 [0] without entropy), the kernel's combine fills them in the same
+        launcher call (one host call for the whole forward)."""
         N, D = hidden.shape
         V = weight.shape[0]
         dev = hidden.device
         part = _empty((4, splits, N), torch.float32, dev)
         target = target if target.dtype == torch.int64 else target.long()
+        outs = tuple(t.data_ptr() for t in outputs) if outputs is not None else (0, 0, 0, 0)
         k = self.kernel
         rc = k.raw(k.ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
                    target.data_ptr(), part.data_ptr(), N, V, D, splits, self.group(N, D), with_entropy,
-                   current_raw_stream(dev.index), LOG2E / temperature)
+                   current_raw_stream(dev.index), *outs, ignore_index, LOG2E / temperature)
         if rc:
             k.fail(rc)
         return part
@@ -165,23 +172,21 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
         if not mod.takes(hidden, weight, bias):
             return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy)
         splits = splits or mod.splits(N, V, dev)
-        part = mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits)
-        combine = mod.triton.linear_logp_combine_kernel
-        target_dot = False  # the CUDA kernels write the target logit partials
-    else:
-        splits = splits or triton_splits(mod, N, V, dev)
-        prec = _precision(hidden.dtype)
-        target_dot = not _target_in_tile(hidden.dtype, prec)
-        part = _empty((4, splits, N), f32, dev)  # plane 2 unwritten when target_dot
-        h_src, w_src, tma = _tile_sources(mod, hidden, weight)
-        mod.linear_logp_fwd_kernel[fwd_grid(mod, N, splits)](
-            h_src, w_src, bias if bias is not None else weight, target, part,
-            N, V, D, splits, scale,
-            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
-            PRECISION=prec, TMA=tma, **_tiles(mod))
-        combine = mod.linear_logp_combine_kernel
+        mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits,
+                     (logp, entropy, lse2, ez2), ignore_index)  # partials and their combine
+        return logp, entropy, lse2, ez2
+    splits = splits or triton_splits(mod, N, V, dev)
+    prec = _precision(hidden.dtype)
+    target_dot = not _target_in_tile(hidden.dtype, prec)
+    part = _empty((4, splits, N), f32, dev)  # plane 2 unwritten when target_dot
+    h_src, w_src, tma = _tile_sources(mod, hidden, weight)
+    mod.linear_logp_fwd_kernel[fwd_grid(mod, N, splits)](
+        h_src, w_src, bias if bias is not None else weight, target, part,
+        N, V, D, splits, scale,
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
+        PRECISION=prec, TMA=tma, **_tiles(mod))
     block = COMBINE_DOT_BLOCK if target_dot else COMBINE_BLOCK
-    combine[combine_grid(N, block)](
+    mod.linear_logp_combine_kernel[combine_grid(N, block)](
         part, target, hidden, weight, bias if bias is not None else weight,
         logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
         N, V, D, splits, ignore_index, scale,
@@ -221,11 +226,9 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         return grad_h, grad_w, grad_b
 
     with_entropy = grad_entropy is not None
-    valid = target != ignore_index
-    zero = torch.zeros((), dtype=torch.float32, device=dev)
-    ca = torch.where(valid, grad_logp.float() / temperature, zero) if grad_logp is not None else \
-        torch.zeros((N,), dtype=torch.float32, device=dev)
-    cb = torch.where(valid, grad_entropy.float() * (LN2 / temperature), zero) if with_entropy else ca
+    # the dz kernel reads the upstream gradients itself (no launches to prepare them)
+    g_logp = grad_logp if grad_logp is not None else lse2
+    g_ent = grad_entropy if with_entropy else g_logp
 
     esize = hidden.element_size()
     prec = _precision(dtype)
@@ -240,7 +243,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     # plans.accumulator_plan. The workspace budget also pays for a separate one.
     plan = accumulator_plan(N, D, V, dtype, granule, accumulator_bytes, workspace_bytes)
     alias_from, separate = plan.alias_from, plan.separate_bytes
-    if plan.home == "output":
+    if plan.home in ("output", "direct"):
         pieces = [(0, N, grad_h)]
     elif plan.home == "rows":
         pieces = [(0, N, _empty((min(plan.row_block, N), D), torch.float32, dev) if separate else None)]
@@ -265,14 +268,20 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
 
     h_src, w_src, tma = _tile_sources(mod, hidden, weight)
 
+    row_inputs = (target, lse2, ez2 if with_entropy else lse2, g_logp, g_ent)
+
     def dz_pass(v0, v1, write_bpart, rows=None, dz=dz):
-        r0, r1 = rows or (0, N)
-        h = h_src if rows is None else _tile_sources(mod, hidden[r0:r1], weight)[0]
-        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, r1 - r0, v1 - v0)](
-            h, w_src, bias if bias is not None else weight, target[r0:r1], lse2[r0:r1],
-            (ez2 if with_entropy else lse2)[r0:r1], ca[r0:r1], cb[r0:r1], dz, bpart,
-            r1 - r0, V, D, v0, v1, dz.stride(0), LOG2E / temperature,
-            HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy, TMA=tma, **common)
+        if rows is None:
+            n, h, per_row = N, h_src, row_inputs
+        else:
+            r0, r1 = rows
+            n, h = r1 - r0, _tile_sources(mod, hidden[r0:r1], weight)[0]
+            per_row = tuple(x[r0:r1] for x in row_inputs)
+        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, n, v1 - v0)](
+            h, w_src, bias if bias is not None else weight, *per_row, dz, bpart,
+            n, V, D, v0, v1, dz.stride(0), LOG2E / temperature, 1.0 / temperature, ignore_index,
+            HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy,
+            HAS_GLOGP=grad_logp is not None, TMA=tma, **common)
         if write_bpart:
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
@@ -354,8 +363,11 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
     """acc = (acc if not first) + a @ b, with float32 sums for 16-bit a and b (cuBLAS's
     out_dtype path on CUDA; on the CPU, where tests run the backward, in float32 math)."""
-    if acc.dtype == a.dtype:
-        torch.addmm(acc, a, b, beta=0 if first else 1, out=acc)
+    if acc.dtype == a.dtype:  # grad_hidden itself: float32, or one chunk ("direct")
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            torch.addmm(acc, a, b, out=acc)
     elif acc.is_cuda:
         torch.addmm(acc, a, b, beta=0 if first else 1, out_dtype=torch.float32, out=acc)
     elif first:

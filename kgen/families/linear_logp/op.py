@@ -32,7 +32,7 @@ def implementation(kernel, companion=None):
     if companion is None:
         from kgen.runtime import dispatch
 
-        companion = dispatch.triton_companion("linear_logp", kernel, "combine the partials")
+        companion = dispatch.triton_companion("linear_logp", kernel, "run the backward")
     return CudaForward(kernel, companion.module)
 
 
@@ -185,10 +185,15 @@ def _setup_context(ctx, inputs, output):
     ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
     ctx.has_bias = bias is not None
     ctx.forced = _FORCED.get()  # `using(mod)` holds for the backward too
+    # No zero tensors made for outputs without a gradient (lse2, ez2, an unused entropy):
+    # they arrive as None (host time: three allocations and fills a call).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
     hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
+    if grad_logp is None:  # only the entropy has a gradient
+        grad_logp = torch.zeros_like(lse2)
     with using(ctx.forced) if ctx.forced is not MISSING else contextlib.nullcontext():
         gh, gw, gb = _bwd_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
                              grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index)
@@ -250,13 +255,13 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
         return linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, return_entropy,
                                  checked_mode(check_targets), group)
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
-    D = weight.shape[1]
-    shape = hidden.shape[:-1]
-    args = (hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature), int(ignore_index),
-            bool(return_entropy), checked_mode(check_targets))
+    flat = hidden.dim() == 2 and target.dim() == 1  # the common case: no reshapes (host time)
+    args = (hidden if flat else hidden.reshape(-1, weight.shape[1]), weight, target if flat else target.reshape(-1),
+            bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets))
     logp, entropy, _, _ = _op(*args)
-    logp = logp.reshape(shape)
-    return (logp, entropy.reshape(shape)) if return_entropy else logp
+    if not flat:
+        logp, entropy = logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1]) if return_entropy else entropy
+    return (logp, entropy) if return_entropy else logp
 
 
 OPS = {"linear_logp": linear_logp}

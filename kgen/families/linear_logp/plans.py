@@ -139,7 +139,7 @@ def _tiles(mod) -> dict:
 
 class AccumulatorPlan(NamedTuple):
     """Where the backward keeps grad_hidden's float32 sums over V (see accumulator_plan)."""
-    home: str  # "output", "separate", "tail" or "rows"
+    home: str  # "output", "direct", "separate", "tail" or "rows"
     own_rows: int  # rows [0, own_rows) summed in grad_hidden's own buffer ("separate", "tail")
     alias_from: int  # "tail": grad_weight rows [alias_from, V) hold the other rows' sums; else V
     row_block: int  # "rows": rows per block; else 0
@@ -156,6 +156,8 @@ def accumulator_plan(N: int, D: int, V: int, dtype: torch.dtype, granule: int, b
                      workspace: int = 0) -> AccumulatorPlan:
     """The backward sums grad_hidden = dz @ weight over V chunks in float32 (N*D*4 bytes):
     - "output": grad_hidden itself is float32;
+    - "direct": no sums: the whole vocabulary's dz fits the workspace (`workspace` bytes),
+      so grad_hidden is one GEMM over V, written in its dtype;
     - "separate": a buffer of its own when N*D*4 <= budget (own_rows 0); else the first
       own_rows = N*esize/4 rows are summed in grad_hidden's own (still unwritten) buffer and
       converted in place at the end, and the other rows in a separate buffer if they fit
@@ -172,6 +174,8 @@ def accumulator_plan(N: int, D: int, V: int, dtype: torch.dtype, granule: int, b
     esize = dtype.itemsize
     if dtype == torch.float32:
         return AccumulatorPlan("output", 0, V, 0, 0, 0)
+    if N * _cdiv(V, granule) * granule * esize <= workspace:
+        return AccumulatorPlan("direct", 0, V, 0, 0, 0)
     if N * D * 4 <= budget:
         return AccumulatorPlan("separate", 0, V, 0, 0, N * D * 4)
     own = N * esize // 4
