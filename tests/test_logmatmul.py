@@ -121,6 +121,28 @@ def test_everything_minus_inf(poison):
     assert (x.grad == 0).all() and (w.grad == 0).all()
 
 
+@pytest.mark.parametrize("scale", [1e30, 1e-30])
+@pytest.mark.parametrize("B", [3, 12])  # the one-pass kernel (B <= bwd_b) and the GEMM form
+def test_backward_extreme_weight_scales(poison, scale, B):
+    """The backward's factors e' = exp(x - m) 2^S and c' = g exp(m - out) 2^-S stay in
+    float32's range when the forward's sums s = exp(out - m) are ~2^100 or ~2^-100 (with
+    S = 64 fixed, c' would underflow to 0 at the first). Each gradient is judged against its
+    own largest element (float32 sums of ~N terms: 1e-5 of it)."""
+    mod = _mod(TRITON[0])
+    x, w = numerics.make_inputs(B, 70, 200, torch.float32, CPU, seed=7)
+    w = w * scale
+    g = torch.randn(B, 70, generator=torch.Generator().manual_seed(8))
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with lmm.using(mod):
+        lmm.logmatmul(xl, wl).backward(g)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    lmm.reference(xr, wr, torch.float64).backward(g.double())
+    for got, want in ((xl.grad, xr.grad), (wl.grad, wr.grad)):
+        big = float(want.abs().max())
+        assert big > 0 and torch.isfinite(got).all()
+        assert float((got.double() - want).abs().max()) <= 1e-5 * big
+
+
 # --------------------------------------------------------------------------- block-sparse
 
 
@@ -342,3 +364,22 @@ def test_gpu_block_sparse(poison, name):
     assert torch.equal(torch.isneginf(out), torch.isneginf(dense))
     f = torch.isfinite(dense)
     torch.testing.assert_close(out[f], dense[f], rtol=1e-5, atol=3e-5)
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in CUDA if n.endswith("f32")])
+def test_gpu_cuda_wide_range_and_splits(poison, name):
+    """x spread over ~+-100 (each thread's own shift differs: the merge rescales exactly),
+    -inf holes; any K split gives the same result to float32 rounding."""
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    for B in (1, 3, mod.max_b):
+        x, w = numerics.make_inputs(B, 300, 4096, torch.float32, dev, seed=B)
+        x = x * 15
+        want = lmm.reference(x.double(), w.double(), torch.float64)
+        outs = [launch.forward(mod, x, w, splits=s) for s in (None, 1, 3)]
+        for out in outs:
+            assert torch.equal(torch.isneginf(out), torch.isneginf(want))
+            f = torch.isfinite(want)
+            # out up to ~100: 1e-5 relative (exp2/log to a few ulp, 4096-term sums) + 3e-5
+            torch.testing.assert_close(out[f].double(), want[f], rtol=1e-5, atol=3e-5)

@@ -3,24 +3,25 @@
 // variant: logmatmul/sm90_w4_n4_v8_bf16
 // backend: cuda, arch: sm_90
 // dtype:   bfloat16
-// knobs:   warps=4, nodes=4, vec=8, waves=4
+// knobs:   warps=4, nodes=4, vec=8, unroll=1, waves=4
 //
-// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16.
+// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 8.
 //
-// Up to three launches on the caller's stream:
-//  1. lmm_row_max, grid (splits, B): m[split, b] = max of x[b, k] over the split's K slice
-//     (small problems, `fused_max`: each CTA takes its slice's maximum itself instead,
-//     which saves a launch where re-reading x per node group costs little).
-//  2. lmm_partials, grid (cdiv(N, NODES), splits), WARPS warps: a CTA owns NODES rows of w
-//     (the node group) and one K slice; its warps interleave over the slice, each lane
-//     loading 16 bytes of every node's row per step (coalesced: a warp reads 512
-//     contiguous bytes per node) and the matching V elements of each x row, exponentiated
-//     once (shifted by m) and reused for all NODES nodes. Float32 accumulators per
-//     (row, node) in registers, reduced over lanes by shuffles and over warps in shared
-//     memory in a fixed order. One split writes out directly; several write s[split, b, n].
-//  3. lmm_combine (several splits only): out = M + log sum_j s_j exp(m_j - M) over the
+// One launch on the caller's stream (two with several K splits):
+//  1. lmm_partials, grid (cdiv(N, NODES), splits), WARPS warps: a CTA owns NODES rows of w
+//     (the node group) and one K slice; its threads interleave over the slice, each loading
+//     16 bytes of every node's row per step (coalesced: a warp reads 512 contiguous bytes
+//     per node), UNROLL steps of loads issued before any is used. The weights bypass L1
+//     (read once); x stays in L1, where every CTA on the SM reads the same rows.
+//     Each thread first takes the maximum of its own x elements per row (its shift: no
+//     separate row-maximum launch, no barrier before the weights stream), exponentiates
+//     each x element once and reuses it for all NODES nodes. The (max, sum) pairs of the
+//     threads merge exactly: over lanes by shuffles, over warps in shared memory in a fixed
+//     order. One split writes out directly; several write m[split, b], s[split, b, n].
+//  2. lmm_combine (several splits only): out = M + log sum_j s_j exp(m_j - M) over the
 //     splits in order. No atomics: the result is bit-identical run to run.
-// An all -inf slice shifts by 0 (every exp is 0); an empty sum gives -inf, never NaN.
+// A thread whose elements are all -inf shifts by 0 and adds nothing; an empty sum gives
+// -inf, never NaN.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -48,7 +49,8 @@ using TX = __nv_bfloat16;
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int NODES = 4;
-constexpr int MAX_B = 16;
+constexpr int UNROLL = 1;
+constexpr int MAX_B = 8;
 constexpr float LOG2E = 1.4426950408889634f;
 
 __device__ __forceinline__ float fast_exp2(float v) {
@@ -69,25 +71,41 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// 16 bytes of weights as floats.
-template <typename TW> struct WLoad;
-template <> struct WLoad<float> {
-  static constexpr int V = 4;
-  __device__ __forceinline__ static void get(const float* p, float (&f)[V]) {
-    const float4 r = __ldg(reinterpret_cast<const float4*>(p));
-    f[0] = r.x; f[1] = r.y; f[2] = r.z; f[3] = r.w;
-  }
-};
-// 16-bit weights are unpacked with bit operations: taking the address of the loaded
-// vector would put it on the stack (local memory).
+// exp(v - m) where m is finite, 0 for v = -inf; scale of a partial with maximum m against
+// the merged maximum big (m = -inf: the partial is empty, 0).
+__device__ __forceinline__ float rescale(float m, float big) {
+  return m == -INFINITY ? 0.f : fast_exp2((m - big) * LOG2E);
+}
+
+// Weights: 16 bytes, read once, so not kept in L1 (x is, beside them).
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+
+// 16-bit values are unpacked with bit operations: taking the address of a loaded vector
+// would put it on the stack (local memory).
 __device__ __forceinline__ float lo_float(unsigned u, __nv_bfloat16*) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float hi_float(unsigned u, __nv_bfloat16*) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ float lo_float(unsigned u, __half*) { return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu))); }
 __device__ __forceinline__ float hi_float(unsigned u, __half*) { return __half2float(__ushort_as_half((unsigned short)(u >> 16))); }
-template <typename H> struct WLoad16 {
-  static constexpr int V = 8;
-  __device__ __forceinline__ static void get(const H* p, float (&f)[V]) {
-    const uint4 r = __ldg(reinterpret_cast<const uint4*>(p));
+
+// V consecutive values as floats: weights (16 bytes, streamed) and x (V elements, cached).
+template <typename T, int V> struct Vec;
+template <> struct Vec<float, 4> {
+  __device__ __forceinline__ static void weights(const float* p, float (&f)[4]) {
+    const uint4 r = ld_stream(p);
+    f[0] = __uint_as_float(r.x); f[1] = __uint_as_float(r.y); f[2] = __uint_as_float(r.z); f[3] = __uint_as_float(r.w);
+  }
+  __device__ __forceinline__ static void cached(const float* p, float (&f)[4]) {
+    const float4 r = __ldg(reinterpret_cast<const float4*>(p));
+    f[0] = r.x; f[1] = r.y; f[2] = r.z; f[3] = r.w;
+  }
+};
+template <typename H> struct Vec16x8 {
+  __device__ __forceinline__ static void unpack(const uint4 r, float (&f)[8]) {
     const unsigned u[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -95,60 +113,69 @@ template <typename H> struct WLoad16 {
       f[2 * i + 1] = hi_float(u[i], (H*)nullptr);
     }
   }
-};
-template <> struct WLoad<__nv_bfloat16> : WLoad16<__nv_bfloat16> {};
-template <> struct WLoad<__half> : WLoad16<__half> {};
-
-__global__ void __launch_bounds__(256)
-lmm_row_max(const TX* __restrict__ x, float* __restrict__ part_m, int B, int K, int k_slice) {
-  const int split = blockIdx.x, b = blockIdx.y;
-  const int k_lo = split * k_slice, k_hi = min(k_lo + k_slice, K);
-  float m = -INFINITY;
-  for (int k = k_lo + threadIdx.x; k < k_hi; k += 256) m = fmaxf(m, kgen::to_float(x[(int64_t)b * K + k]));
-  m = warp_max(m);
-  __shared__ float red[8];
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float r = red[0];
-#pragma unroll
-    for (int i = 1; i < 8; ++i) r = fmaxf(r, red[i]);
-    part_m[(int64_t)split * B + b] = r;
+  __device__ __forceinline__ static void weights(const H* p, float (&f)[8]) { unpack(ld_stream(p), f); }
+  __device__ __forceinline__ static void cached(const H* p, float (&f)[8]) {
+    unpack(__ldg(reinterpret_cast<const uint4*>(p)), f);
   }
-}
+};
+template <> struct Vec<__nv_bfloat16, 8> : Vec16x8<__nv_bfloat16> {};
+template <> struct Vec<__half, 8> : Vec16x8<__half> {};
+template <typename H> struct Vec16x4 {  // 16-bit x beside float32 weights: 8 bytes
+  __device__ __forceinline__ static void cached(const H* p, float (&f)[4]) {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(p));
+    f[0] = lo_float(r.x, (H*)nullptr); f[1] = hi_float(r.x, (H*)nullptr);
+    f[2] = lo_float(r.y, (H*)nullptr); f[3] = hi_float(r.y, (H*)nullptr);
+  }
+};
+template <> struct Vec<__nv_bfloat16, 4> : Vec16x4<__nv_bfloat16> {};
+template <> struct Vec<__half, 4> : Vec16x4<__half> {};
 
-// At least 4 CTAs per SM (128 registers a thread): without the bound ptxas kept the
-// register count lower and spilled hoisted x-row pointers to the stack (bf16 x, B <= 8).
+// CTAs per SM the register cap allows: 8 (64 registers a thread) where the accumulators,
+// the weights in flight and the shifts leave room (then N = 4096 at 4 nodes per CTA is one
+// wave), else 6 or 4 (128 registers). Estimated, then checked: the build must show no stack.
+template <int BB, int V>
+struct Occupancy {
+  static constexpr int need = BB * NODES + UNROLL * NODES * V + BB + 40;
+  static constexpr int value = THREADS != 128 ? 4 : need <= 64 ? 8 : need <= 80 ? 6 : 4;
+};
+
 template <int BB, typename TW>
-__global__ void __launch_bounds__(THREADS, 4)
+__global__ void __launch_bounds__(THREADS, (Occupancy<BB, 16 / sizeof(TW)>::value))
 lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restrict__ part_m,
-             float* __restrict__ part_s, float* __restrict__ out, int B, int N, int K, int k_slice, bool direct,
-             bool fused_max) {
-  constexpr int V = WLoad<TW>::V;
+             float* __restrict__ part_s, float* __restrict__ out, int B, int N, int K, int k_slice, bool direct) {
+  constexpr int V = 16 / sizeof(TW);
+  constexpr int STRIDE = THREADS * V;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n0 = blockIdx.x * NODES;
   const int split = blockIdx.y;
   const int k_lo = split * k_slice, k_hi = min(k_lo + k_slice, K);
+  const int k_first = k_lo + threadIdx.x * V;
 
-  __shared__ float row_m[MAX_B];
-  if (fused_max) {  // warp i takes rows i, i + WARPS, ...
-    for (int b = warp; b < B; b += WARPS) {
-      float m = -INFINITY;
-      for (int k = k_lo + lane; k < k_hi; k += 32) m = fmaxf(m, kgen::to_float(x[(int64_t)b * K + k]));
-      m = warp_max(m);
-      if (lane == 0) {
-        row_m[b] = m;
-        if (!direct && blockIdx.x == 0) part_m[(int64_t)split * B + b] = m;
+  // this thread's maximum of each row over its own elements (its shift)
+  float m[BB];
+#pragma unroll
+  for (int b = 0; b < BB; ++b) m[b] = -INFINITY;
+  for (int k = k_first; k < k_hi; k += STRIDE) {
+#pragma unroll
+    for (int b = 0; b < BB; ++b) {
+      if (b < B) {
+        float xv[V];
+        Vec<TX, V>::cached(x + (int64_t)b * K + k, xv);
+#pragma unroll
+        for (int v = 0; v < V; ++v) m[b] = fmaxf(m[b], xv[v]);
       }
     }
-    __syncthreads();
   }
-  float shift[BB], m_raw[BB];
+  // the shift (0 for a row whose elements here are all -inf: each exp is then 0) and which
+  // rows are empty here, as bits: one register instead of BB
+  float shift[BB];
+  unsigned empty = 0;
 #pragma unroll
   for (int b = 0; b < BB; ++b) {
-    m_raw[b] = b < B ? (fused_max ? row_m[b] : part_m[(int64_t)split * B + b]) : -INFINITY;
-    shift[b] = m_raw[b] == -INFINITY ? 0.f : m_raw[b] * LOG2E;  // base 2: exp(x - m) = exp2(x log2e - m log2e)
+    empty |= (m[b] == -INFINITY ? 1u : 0u) << b;
+    shift[b] = m[b] == -INFINITY ? 0.f : m[b];
   }
+
   float acc[BB][NODES];
 #pragma unroll
   for (int b = 0; b < BB; ++b)
@@ -156,53 +183,72 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
     for (int n = 0; n < NODES; ++n) acc[b][n] = 0.f;
 
   const TW* wrow = w + (int64_t)n0 * K;
-  for (int k = k_lo + (warp * 32 + lane) * V; k < k_hi; k += THREADS * V) {
-    float wv[NODES][V];
+  for (int k = k_first; k < k_hi; k += UNROLL * STRIDE) {
+    float wv[UNROLL][NODES][V];
 #pragma unroll
-    for (int n = 0; n < NODES; ++n) {
-      if (n0 + n < N) {
-        WLoad<TW>::get(wrow + (int64_t)n * K + k, wv[n]);
-      } else {
+    for (int u = 0; u < UNROLL; ++u) {
+      const int kk = k + u * STRIDE;
 #pragma unroll
-        for (int v = 0; v < V; ++v) wv[n][v] = 0.f;
+      for (int n = 0; n < NODES; ++n) {
+        if (kk < k_hi && n0 + n < N) {
+          Vec<TW, V>::weights(wrow + (int64_t)n * K + kk, wv[u][n]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < V; ++v) wv[u][n][v] = 0.f;
+        }
       }
     }
 #pragma unroll
-    for (int b = 0; b < BB; ++b) {
-      if (b < B) {
-        const TX* xr = x + (int64_t)b * K + k;
-        float e[V];
+    for (int u = 0; u < UNROLL; ++u) {
+      const int kk = k + u * STRIDE;
+      if (kk >= k_hi) break;
 #pragma unroll
-        for (int v = 0; v < V; ++v) e[v] = fast_exp2(fmaf(kgen::to_float(xr[v]), LOG2E, -shift[b]));
+      for (int b = 0; b < BB; ++b) {
+        if (b < B) {
+          float e[V];
+          Vec<TX, V>::cached(x + (int64_t)b * K + kk, e);
 #pragma unroll
-        for (int n = 0; n < NODES; ++n)
+          for (int v = 0; v < V; ++v) e[v] = fast_exp2((e[v] - shift[b]) * LOG2E);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[b][n] = fmaf(wv[n][v], e[v], acc[b][n]);
+          for (int n = 0; n < NODES; ++n)
+#pragma unroll
+            for (int v = 0; v < V; ++v) acc[b][n] = fmaf(wv[u][n][v], e[v], acc[b][n]);
+        }
       }
     }
   }
 
-  __shared__ float red[WARPS][MAX_B][NODES];
+  // merge the threads' (m, s): the CTA's maximum per row, each sum rescaled to it
+  __shared__ float red_s[WARPS][BB][NODES];
+  __shared__ float red_m[WARPS][BB];
 #pragma unroll
-  for (int b = 0; b < BB; ++b)
+  for (int b = 0; b < BB; ++b) {
+    const float mine = (empty >> b) & 1u ? -INFINITY : shift[b];
+    const float big = warp_max(mine);
+    const float scale = rescale(mine, big);
 #pragma unroll
     for (int n = 0; n < NODES; ++n) {
-      const float s = warp_sum(acc[b][n]);
-      if (lane == 0) red[warp][b][n] = s;
+      const float s = warp_sum(acc[b][n] * scale);
+      if (lane == 0) red_s[warp][b][n] = s;
     }
+    if (lane == 0) red_m[warp][b] = big;
+  }
   __syncthreads();
   for (int t = threadIdx.x; t < BB * NODES; t += THREADS) {
     const int b = t / NODES, n = t % NODES;
     if (b >= B || n0 + n >= N) continue;
+    float big = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < WARPS; ++i) big = fmaxf(big, red_m[i][b]);
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < WARPS; ++i) s += red[i][b][n];
+    for (int i = 0; i < WARPS; ++i) s += red_s[i][b][n] * rescale(red_m[i][b], big);
     const int64_t o = (int64_t)b * N + n0 + n;
     if (direct) {
-      const float m = fused_max ? row_m[b] : part_m[b];
-      out[o] = s > 0.f ? logf(s) + (m == -INFINITY ? 0.f : m) : -INFINITY;
+      out[o] = s > 0.f ? logf(s) + big : -INFINITY;  // s > 0: big is finite
     } else {
       part_s[(int64_t)split * B * N + o] = s;
+      if (blockIdx.x == 0 && n == 0) part_m[(int64_t)split * B + b] = big;  // the same in every CTA
     }
   }
 }
@@ -215,20 +261,16 @@ lmm_combine(const float* __restrict__ part_m, const float* __restrict__ part_s, 
   const int b = (int)(i / N);
   float big = -INFINITY;
   for (int j = 0; j < splits; ++j) big = fmaxf(big, part_m[(int64_t)j * B + b]);
-  const float shift = big == -INFINITY ? 0.f : big;
   float total = 0.f;
-  for (int j = 0; j < splits; ++j)
-    total += part_s[(int64_t)j * B * N + i] * expf(part_m[(int64_t)j * B + b] - shift);
-  out[i] = total > 0.f ? logf(total) + shift : -INFINITY;
+  for (int j = 0; j < splits; ++j) total += part_s[(int64_t)j * B * N + i] * rescale(part_m[(int64_t)j * B + b], big);
+  out[i] = total > 0.f ? logf(total) + big : -INFINITY;
 }
 
 template <int BB, typename TW>
 cudaError_t run(const TX* x, const TW* w, float* part_m, float* part_s, float* out, int B, int N, int K,
-                int splits, int k_slice, bool fused_max, cudaStream_t stream) {
-  if (!fused_max) lmm_row_max<<<dim3(splits, B), 256, 0, stream>>>(x, part_m, B, K, k_slice);
+                int splits, int k_slice, cudaStream_t stream) {
   const dim3 grid((unsigned)kgen::cdiv(N, NODES), splits);
-  lmm_partials<BB, TW><<<grid, THREADS, 0, stream>>>(x, w, part_m, part_s, out, B, N, K, k_slice, splits == 1,
-                                                     fused_max);
+  lmm_partials<BB, TW><<<grid, THREADS, 0, stream>>>(x, w, part_m, part_s, out, B, N, K, k_slice, splits == 1);
   if (splits > 1)
     lmm_combine<<<(unsigned)kgen::cdiv((int64_t)B * N, 256), 256, 0, stream>>>(part_m, part_s, out, B, N, splits);
   return cudaGetLastError();
@@ -236,24 +278,22 @@ cudaError_t run(const TX* x, const TW* w, float* part_m, float* part_s, float* o
 
 template <typename TW>
 cudaError_t dispatch_b(const TX* x, const void* w, float* pm, float* ps, float* out, int B, int N, int K,
-                       int splits, int k_slice, bool fused, cudaStream_t s) {
+                       int splits, int k_slice, cudaStream_t s) {
   const TW* wt = static_cast<const TW*>(w);
-  if (B <= 1) return run<1, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, fused, s);
-  if (B <= 2) return run<2, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, fused, s);
-  if (B <= 4) return run<4, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, fused, s);
-  if (B <= 8) return run<8, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, fused, s);
-  if (B <= 16) return run<16, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, fused, s);
+  if (B <= 1) return run<1, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
+  if (B <= 2) return run<2, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
+  if (B <= 4) return run<4, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
+  if (B <= 8) return run<8, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
-// checked B <= MAX_B, K * sizeof(w) % 16 == 0, a 16-byte aligned w and k_slice a multiple
-// of THREADS * 16 bytes of w; it launches on the caller's stream.
+// checked B <= MAX_B, K * sizeof(w) % 16 == 0, 16-byte aligned x and w and k_slice a
+// multiple of THREADS * 16 bytes of w; it launches on the caller's stream.
 //   ints: device, x, w, w_is_float32, part_m [splits, B], part_s [splits, B, N], out [B, N],
-//         B, N, K, splits, k_slice, fused_max, stream (part_m unused with fused_max and one
-//         split, part_s with one split)
+//         B, N, K, splits, k_slice, stream (part_m, part_s unused with one split)
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
@@ -264,16 +304,15 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   float* ps = reinterpret_cast<float*>(ints[5]);
   float* out = reinterpret_cast<float*>(ints[6]);
   const int B = (int)ints[7], N = (int)ints[8], K = (int)ints[9], splits = (int)ints[10], k_slice = (int)ints[11];
-  const bool fused = ints[12] != 0;
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(ints[13]);
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(ints[12]);
   if (B < 1 || B > MAX_B || splits < 1 || splits > 65535) return (int)cudaErrorInvalidValue;
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != device) {
     const cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess) return (int)e;
   }
-  if (w_f32) return (int)dispatch_b<float>(x, w, pm, ps, out, B, N, K, splits, k_slice, fused, stream);
-  return (int)dispatch_b<TX>(x, w, pm, ps, out, B, N, K, splits, k_slice, fused, stream);
+  if (w_f32) return (int)dispatch_b<float>(x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
+  return (int)dispatch_b<TX>(x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
 }
 
 extern "C" const char* kgen_error_string(int code) {

@@ -3,25 +3,34 @@
 # variant: logmatmul/triton_b4_n16_k128_w4_bf16
 # backend: triton
 # dtype:   bfloat16
-# knobs:   block_b=4, block_n=16, block_k=128, dot=none, num_warps=4, num_stages=2, waves=4, bwd_b=4, bwd_n=64, bwd_k=32, bwd_warps=8
+# knobs:   block_b=4, block_n=16, block_k=128, dot=none, num_warps=4, num_stages=2, waves=4, bwd_b=4, bwd_n=8, bwd_k=128, bwd_warps=4
 #
 # out[b, n] = log sum_k w[n, k] exp(x[b, k]) and its two gradient flows.
 #
-# Forward (logmatmul_fwd_kernel): program = (n tile, b tile, K split). Each program first
-# takes its rows' maximum of x over its K slice (m; a -inf maximum shifts by 0), then sums
-# w[n, k] exp(x[b, k] - m) over the slice: DOT = "none" as float32 FMAs on a
-# [BLOCK_B, BLOCK_N, BLOCK_K] register product reduced once at the end, otherwise
-# tl.dot(exp(x - m), w^T) at that input precision. One split writes out directly;
-# several write (m, s) partials that logmatmul_combine_kernel merges in a fixed order
-# (no atomics). The tiles over N and the K split do not depend on B: at B = 1 every SM
-# streams its share of w.
+# Forward (logmatmul_fwd_kernel): program = (n tile, b tile, K split). DOT = "none": each
+# program first takes its rows' maximum of x over its K slice (m; a -inf maximum shifts by
+# 0), then sums w[n, k] exp(x[b, k] - m) over the slice as float32 FMAs on a
+# [BLOCK_B, BLOCK_N, BLOCK_K] register product reduced once at the end. tl.dot forms
+# (PRE): logmatmul_exp_kernel first writes e = exp(x - m) with each row's maximum m once,
+# so that the tile loop is a plain tl.dot(e, w^T) at that input precision, with no exp
+# and no maximum per n tile. One split writes out directly; several write (m, s)
+# partials that logmatmul_combine_kernel merges in a fixed order (no atomics). The tiles
+# over N and the K split do not depend on B: at B = 1 every SM streams its share of w.
 #
-# Backward (logmatmul_bwd_kernel): program = (n tile, k tile) of w, all rows of x in
-# chunks of BB: e = exp(x[b, k] - out[b, n]) (clamped to the largest float, and 0 where
-# out is -inf), dw[n, k] = sum_b g e and the n tile's share of dx, sum_n g w e, written to
-# partials that logmatmul_dx_reduce_kernel sums over the n tiles in order.
+# Backward, as passes over w with no exp per (b, n, k): with per-row m_b and S_b
+# (logmatmul_bwd_stats_kernel), e'[b, k] = exp(x[b, k] - m_b) 2^S_b and c'[b, n] =
+# g[b, n] exp(m_b - out[b, n]) 2^-S_b (0 where out is -inf), so that
+# g exp(x[b, k] - out[b, n]) = e' c' up to rounding. S_b (an integer) keeps both in range:
+# c' = g / s 2^-S with s the forward's own shifted sum (2^-149 <= s < 2^128), e' <= 2^S.
+#   dw[n, k] = sum_b c'[b, n] e'[b, k]        dx[b, k] = e'[b, k] sum_n c'[b, n] w[n, k]
+# logmatmul_bwd_kernel (B <= BWD_B): program = (k tile, chunk of N); reads its w tile once,
+# writes the dw tile, and keeps the chunk's share of sum_n c' w in registers (e' once per
+# program, c' per BN x BK tile of w: BB x BN exps); logmatmul_dx_kernel sums the chunks
+# in order and multiplies by e' (0 where e' is 0: no inf * 0). Larger B: two GEMMs on e'
+# and c' (logmatmul_bwd_factors_kernel, launch.py).
 #
-# Block-sparse (bsl_*): the same per block of a block-CSR weight.
+# Block-sparse (bsl_*): the forward per block of a block-CSR weight; its backward takes
+# exp(x - out) per element (_bwd_tile).
 import triton
 import triton.language as tl
 
@@ -33,10 +42,11 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 WAVES = 4
 BWD_B = 4
-BWD_N = 64
-BWD_K = 32
-BWD_WARPS = 8
+BWD_N = 8
+BWD_K = 128
+BWD_WARPS = 4
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest float32
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -56,15 +66,20 @@ def _row_max_tile(x_ptr, offs_b, b_ok, k_lo, k_hi, K, mt, BLOCK_K: tl.constexpr)
 @triton.jit
 def _shifted_sum(x_ptr, w_ptr, w_row, shift, offs_b, b_ok, offs_n, n_ok, x_lo, x_hi, w_col0, w_stride, K,
                  acc, acc3, DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, PRE: tl.constexpr = False):
     """acc (DOT) or acc3 (FMA) plus sum over k in [x_lo, x_hi) of exp(x[b, k] - shift[b]) *
-    w[n, k], w[n, k] read at w_ptr + w_row[n] * w_stride + w_col0 + (k - x_lo)."""
+    w[n, k] (PRE: x_ptr holds those exps already), w[n, k] read at
+    w_ptr + w_row[n] * w_stride + w_col0 + (k - x_lo)."""
     for k0 in range(x_lo, x_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < x_hi
-        xs = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * K + offs_k[None, :],
-                     mask=b_ok[:, None] & k_ok[None, :], other=float("-inf")).to(tl.float32)
-        e = tl.exp(xs - shift[:, None])
+        if PRE:
+            e = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * K + offs_k[None, :],
+                        mask=b_ok[:, None] & k_ok[None, :], other=0.0)
+        else:
+            xs = tl.load(x_ptr + offs_b[:, None].to(tl.int64) * K + offs_k[None, :],
+                         mask=b_ok[:, None] & k_ok[None, :], other=float("-inf")).to(tl.float32)
+            e = tl.exp(xs - shift[:, None])
         wt = tl.load(w_ptr + w_row[:, None] * w_stride + (w_col0 + offs_k - x_lo)[None, :],
                      mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if DOT == "none":
@@ -84,7 +99,9 @@ def _finish(acc, acc3, DOT: tl.constexpr):
 @triton.jit
 def logmatmul_fwd_kernel(x_ptr, w_ptr, part_m_ptr, part_s_ptr, out_ptr, B, N, K, k_slice, n_tiles,
                          DIRECT: tl.constexpr, DOT: tl.constexpr, BLOCK_B: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr = False,
+                         m_ptr=None):
+    """PRE: x_ptr holds e = exp(x - m) and m_ptr each row's m (logmatmul_exp_kernel)."""
     pid = tl.program_id(0)
     pid_n = pid % n_tiles
     rest = pid // n_tiles
@@ -96,16 +113,20 @@ def logmatmul_fwd_kernel(x_ptr, w_ptr, part_m_ptr, part_s_ptr, out_ptr, B, N, K,
     b_ok, n_ok = offs_b < B, offs_n < N
     k_lo = split * k_slice
     k_hi = tl.minimum(k_lo + k_slice, K)
-    mt = tl.full([BLOCK_B, BLOCK_K], float("-inf"), tl.float32)
-    m = tl.max(_row_max_tile(x_ptr, offs_b, b_ok, k_lo, k_hi, K, mt, BLOCK_K), axis=1)
-    shift = tl.where(m == float("-inf"), 0.0, m)
+    if PRE:
+        m = tl.load(m_ptr + offs_b, mask=b_ok, other=0.0)
+        shift = m
+    else:
+        mt = tl.full([BLOCK_B, BLOCK_K], float("-inf"), tl.float32)
+        m = tl.max(_row_max_tile(x_ptr, offs_b, b_ok, k_lo, k_hi, K, mt, BLOCK_K), axis=1)
+        shift = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros([BLOCK_B, BLOCK_N], tl.float32)
     if DOT == "none":
         acc3 = tl.zeros([BLOCK_B, BLOCK_N, BLOCK_K], tl.float32)
     else:  # unused
         acc3 = tl.zeros([1, 1, 1], tl.float32)
     acc, acc3 = _shifted_sum(x_ptr, w_ptr, offs_n.to(tl.int64), shift, offs_b, b_ok, offs_n, n_ok, k_lo, k_hi,
-                             k_lo, K, K, acc, acc3, DOT, BLOCK_B, BLOCK_N, BLOCK_K)
+                             k_lo, K, K, acc, acc3, DOT, BLOCK_B, BLOCK_N, BLOCK_K, PRE)
     s = _finish(acc, acc3, DOT)
     ok = b_ok[:, None] & n_ok[None, :]
     if DIRECT:
@@ -139,6 +160,128 @@ def logmatmul_combine_kernel(part_m_ptr, part_s_ptr, out_ptr, B, N, splits, BLOC
 
 
 @triton.jit
+def logmatmul_exp_kernel(x_ptr, e_ptr, m_ptr, K, BLOCK: tl.constexpr):
+    """Program b: m[b] = max_k x[b, k] (0 where that is -inf), e[b, k] = exp(x[b, k] - m[b])."""
+    b = tl.program_id(0).to(tl.int64)
+    mt = tl.full([BLOCK], float("-inf"), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        mt = tl.maximum(mt, tl.load(x_ptr + b * K + offs, mask=offs < K, other=float("-inf")).to(tl.float32))
+    m = tl.max(mt, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        xs = tl.load(x_ptr + b * K + offs, mask=offs < K, other=float("-inf")).to(tl.float32)
+        tl.store(e_ptr + b * K + offs, tl.exp(xs - m), mask=offs < K)
+    tl.store(m_ptr + b, m)
+
+
+@triton.jit
+def logmatmul_bwd_stats_kernel(x_ptr, out_ptr, stats_ptr, N, K, BLOCK: tl.constexpr):
+    """Program b: stats[b] = (m, S) of the header: m = the row's maximum of x (0 if -inf);
+    L = log2 of the largest live s = exp(out - m); S = min(64, floor(100 - L)): c' of the
+    largest s is g 2^-100 (far from underflow), of the smallest (2^-149, one denormal)
+    g 2^(149 - S) < 2^128 unless one row's sums span more than ~2^230; e' <= 2^64."""
+    b = tl.program_id(0).to(tl.int64)
+    mt = tl.full([BLOCK], float("-inf"), tl.float32)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        mt = tl.maximum(mt, tl.load(x_ptr + b * K + offs, mask=offs < K, other=float("-inf")).to(tl.float32))
+    m = tl.max(mt, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    lt = tl.full([BLOCK], float("-inf"), tl.float32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        lt = tl.maximum(lt, tl.load(out_ptr + b * N + offs, mask=offs < N, other=float("-inf")))
+    L = (tl.max(lt, axis=0) - m) * LOG2E
+    S = tl.where(L == float("-inf"), 0.0, tl.minimum(64.0, tl.floor(100.0 - L)))
+    tl.store(stats_ptr + 2 * b, m)
+    tl.store(stats_ptr + 2 * b + 1, S)
+
+
+@triton.jit
+def _e_scaled(x_ptr, m, S, offs_b, offs_k, mask, K):
+    """e'[b, k] = exp(x - m) 2^S: 0 for x = -inf."""
+    xs = tl.load(x_ptr + offs_b[:, None] * K + offs_k[None, :], mask=mask, other=float("-inf")).to(tl.float32)
+    return tl.exp2((xs - m[:, None]) * LOG2E + S[:, None])
+
+
+@triton.jit
+def logmatmul_bwd_kernel(x_ptr, w_ptr, out_ptr, g_ptr, stats_ptr, dw_ptr, dxp_ptr, B, N, K, n_chunk,
+                         BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRECT: tl.constexpr):
+    """Program = (k tile, chunk of n_chunk rows of w): e' of its k tile once, c' of each n
+    step (BB x BN exps per BN x BK tile of w), dw over the chunk's rows, and
+    sum_n c'[b, n] w[n, k] over them into dxp[chunk, b, k] (DIRECT, one chunk: dx itself,
+    times e', in dxp's dtype)."""
+    pid_k = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    k_ok = offs_k < K
+    offs_b = tl.arange(0, BB)
+    b_ok = offs_b < B
+    bk = b_ok[:, None] & k_ok[None, :]
+    m = tl.load(stats_ptr + 2 * offs_b, mask=b_ok, other=0.0)
+    S = tl.load(stats_ptr + 2 * offs_b + 1, mask=b_ok, other=0.0)
+    e = _e_scaled(x_ptr, m, S, offs_b, offs_k, bk, K)
+    dx = tl.zeros([BB, BK], tl.float32)
+    n_lo = chunk * n_chunk
+    n_hi = tl.minimum(n_lo + n_chunk, N)
+    for n0 in range(n_lo, n_hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        n_ok = offs_n < n_hi
+        ok = n_ok[:, None] & k_ok[None, :]
+        w_off = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
+        wt = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
+        bn = b_ok[:, None] & n_ok[None, :]
+        o = tl.load(out_ptr + offs_b[:, None] * N + offs_n[None, :], mask=bn, other=float("-inf"))
+        g = tl.load(g_ptr + offs_b[:, None] * N + offs_n[None, :], mask=bn, other=0.0)
+        live = o > float("-inf")  # an output of -inf contributes nothing
+        c = tl.where(live, g * tl.exp2((m[:, None] - tl.where(live, o, 0.0)) * LOG2E - S[:, None]), 0.0)
+        dw = tl.sum(c[:, :, None] * e[:, None, :], axis=0)
+        tl.store(dw_ptr + w_off, dw.to(dw_ptr.dtype.element_ty), mask=ok)
+        dx += tl.sum(c[:, :, None] * wt[None, :, :], axis=1)
+    if DIRECT:
+        dx = tl.where(e > 0, e * dx, 0.0)
+    tl.store(dxp_ptr + chunk.to(tl.int64) * B * K + offs_b[:, None] * K + offs_k[None, :],
+             dx.to(dxp_ptr.dtype.element_ty), mask=bk)
+
+
+@triton.jit
+def logmatmul_dx_kernel(dxp_ptr, x_ptr, stats_ptr, dx_ptr, B, K, parts, BLOCK: tl.constexpr):
+    """dx = e' * (sum over the chunks' partials [parts, B, K], in order); 0 where e' is 0."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    total = B * K
+    ok = offs < total
+    acc = tl.zeros([BLOCK], tl.float32)
+    for p in range(0, parts):
+        acc += tl.load(dxp_ptr + p * total + offs, mask=ok, other=0.0)
+    b = offs // K
+    m = tl.load(stats_ptr + 2 * b, mask=ok, other=0.0)
+    S = tl.load(stats_ptr + 2 * b + 1, mask=ok, other=0.0)
+    xs = tl.load(x_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    e = tl.exp2((xs - m) * LOG2E + S)
+    tl.store(dx_ptr + offs, tl.where(e > 0, e * acc, 0.0).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def logmatmul_bwd_factors_kernel(x_ptr, out_ptr, g_ptr, stats_ptr, e_ptr, c_ptr, N, K, BLOCK: tl.constexpr):
+    """The GEMM form's factors: program (b, block): e'[b, :] and c'[b, :] over one BLOCK."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.load(stats_ptr + 2 * b)
+    S = tl.load(stats_ptr + 2 * b + 1)
+    ok = offs < K
+    xs = tl.load(x_ptr + b * K + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    tl.store(e_ptr + b * K + offs, tl.exp2((xs - m) * LOG2E + S), mask=ok)
+    ok = offs < N
+    o = tl.load(out_ptr + b * N + offs, mask=ok, other=float("-inf"))
+    g = tl.load(g_ptr + b * N + offs, mask=ok, other=0.0)
+    live = o > float("-inf")
+    c = tl.where(live, g * tl.exp2((m - tl.where(live, o, 0.0)) * LOG2E - S), 0.0)
+    tl.store(c_ptr + b * N + offs, c, mask=ok)
+
+
+@triton.jit
 def _bwd_tile(x_ptr, out_ptr, g_ptr, wt, dxp_ptr, offs_n, n_ok, offs_k, k_ok, k_loc, dx_len, B, N, K,
               BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """For one [BN, BK] tile of w (wt, float32): returns sum_b g e (dw's tile) and stores the
@@ -163,34 +306,6 @@ def _bwd_tile(x_ptr, out_ptr, g_ptr, wt, dxp_ptr, offs_n, n_ok, offs_k, k_ok, k_
         dx = tl.sum(ge * wt[None, :, :], axis=1)
         tl.store(dxp_ptr + rows * dx_len + k_loc[None, :], dx, mask=b_ok[:, None] & k_ok[None, :])
     return dw
-
-
-@triton.jit
-def logmatmul_bwd_kernel(x_ptr, w_ptr, out_ptr, g_ptr, dw_ptr, dxp_ptr, B, N, K, k_tiles,
-                         BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid = tl.program_id(0)
-    pid_k = pid % k_tiles
-    pid_n = pid // k_tiles
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    offs_k = pid_k * BK + tl.arange(0, BK)
-    n_ok, k_ok = offs_n < N, offs_k < K
-    ok = n_ok[:, None] & k_ok[None, :]
-    w_off = offs_n[:, None].to(tl.int64) * K + offs_k[None, :]
-    wt = tl.load(w_ptr + w_off, mask=ok, other=0.0).to(tl.float32)
-    dxp = dxp_ptr + pid_n.to(tl.int64) * B * K  # this n tile's [B, K] share of dx
-    dw = _bwd_tile(x_ptr, out_ptr, g_ptr, wt, dxp, offs_n, n_ok, offs_k, k_ok, offs_k, K, B, N, K, BB, BN, BK)
-    tl.store(dw_ptr + w_off, dw.to(dw_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def logmatmul_dx_reduce_kernel(dxp_ptr, dx_ptr, total, parts, BLOCK: tl.constexpr):
-    """dx = sum over the n tiles' partials [parts, total], in order."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    acc = tl.zeros([BLOCK], tl.float32)
-    for p in range(0, parts):
-        acc += tl.load(dxp_ptr + p * total + offs, mask=ok, other=0.0)
-    tl.store(dx_ptr + offs, acc.to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------- block-sparse

@@ -5,6 +5,8 @@ torch.add launch; block-sparse at 25 % density, block_size 128, against the dens
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -39,11 +41,23 @@ def _copy_floor(w, quick) -> tuple[float, float]:
     return bw, w.numel() * w.element_size() / bw / 1e3
 
 
+def _compile(fn, table: str):
+    """torch.compile(fn), or None with KGEN_BENCH_NO_COMPILE=1 or =<table> (a short device
+    session: each batch size compiles anew)."""
+    if os.environ.get("KGEN_BENCH_NO_COMPILE") in ("1", table):
+        return None
+    return torch.compile(fn, dynamic=False)
+
+
 def _variants(spec):
+    """The float32 variants; of the CUDA ones only the device's own arch (sm_90 code on an
+    H100: dispatch prefers it to the sm_80 build of the same kernel)."""
     cap = torch.cuda.get_device_capability()
+    archs = {v.arch for v in spec.variants if v.backend == "cuda" and dispatch.arch_runs_on(v.arch, cap)}
+    best = max(archs, key=lambda a: int(a[3:5]), default=None)
     out = []
     for v in spec.variants:
-        if v.dtype != "float32" or (v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, cap)):
+        if v.dtype != "float32" or (v.backend == "cuda" and v.arch != best):
             continue
         out.append((v.name, lmm.implementation(dispatch.load(v))))
     return out
@@ -53,7 +67,7 @@ def forward_table(spec, quick) -> list[dict]:
     dev = torch.device("cuda")
     w = torch.rand(N, K, device=dev)
     bw, floor = _copy_floor(w, quick)
-    compiled = torch.compile(expression, dynamic=False)
+    compiled = _compile(expression, "forward")
     impls = _variants(spec)
     rows = []
     for B in BATCHES:
@@ -61,7 +75,7 @@ def forward_table(spec, quick) -> list[dict]:
         ref = lmm.reference(x.double(), w.double(), torch.float64)
         row = {"B": B, "copy GB/s": bw, "floor us": floor,
                "eager us": _bench(lambda: expression(x, w), quick),
-               "compile us": _bench(lambda: compiled(x, w), quick),
+               "compile us": _bench(lambda: compiled(x, w), quick) if compiled else float("nan"),
                "kgen.ops us": _bench(lambda: ops.logmatmul(x, w), quick)}
         best, best_name = float("inf"), "-"
         for name, mod in impls:
@@ -87,7 +101,7 @@ def backward_table(spec, quick) -> list[dict]:
     dev = torch.device("cuda")
     w0 = torch.rand(N, K, device=dev)
     _, floor = _copy_floor(w0, quick)
-    compiled = torch.compile(expression, dynamic=False)
+    compiled = _compile(expression, "backward")
     rows = []
     for B in (1, 2, 4, 8):
         x = (torch.randn(B, K, device=dev) * 2).requires_grad_()
@@ -98,9 +112,11 @@ def backward_table(spec, quick) -> list[dict]:
             x.grad = w.grad = None
             f(x, w).backward(g)
 
-        row = {"B": B, "floor x3 us": 3 * floor}
+        row = {"B": B, "floor us": floor, "floor x3 us": 3 * floor}
         for name, f in (("eager", expression), ("compile", compiled), ("kgen.ops", ops.logmatmul)):
-            row[f"{name} us"] = _bench(lambda f=f: step(f), quick)
+            row[f"{name} us"] = _bench(lambda f=f: step(f), quick) if f is not None else float("nan")
+        # the issue's bar: <= 3.6x the floor (three passes over w at 1.2x each)
+        row["kgen/floor"] = row["kgen.ops us"] / floor
         row["kgen/floor x3"] = row["kgen.ops us"] / (3 * floor)
         row["compile/kgen"] = row["compile us"] / row["kgen.ops us"]
         rows.append(row)

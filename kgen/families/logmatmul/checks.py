@@ -10,9 +10,16 @@ X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+# (x dtype, w dtype) pairs the dense op takes: one set lookup on the common path
+_DENSE_PAIRS = frozenset((t, u) for t in X_DTYPES for u in (torch.float32, t))
+
+
 def check_dense(x, w, name: str = "logmatmul") -> None:
     """x [B, K] log-values (float32, bfloat16, float16), w [N, K] non-negative weights
     (float32 or x's dtype), one device."""
+    if (type(x) is torch.Tensor and type(w) is torch.Tensor and (x.dtype, w.dtype) in _DENSE_PAIRS
+            and x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1] and x.device == w.device):
+        return  # the common case, checked in one expression (host cost of small calls)
     for arg, t in (("x", x), ("w", w)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a tensor, got {type(t).__name__}")

@@ -14,7 +14,8 @@ from kgen.runtime.op import MISSING, Override, define
 
 FAMILY = "logmatmul"
 _FORCED = Override()
-_MODULES: dict = {}
+_MODULES: dict = {}  # per shape bucket
+_BY_SHAPE: dict = {}  # per exact shape, in front of _MODULES
 
 
 def implementation(kernel, companion=None):
@@ -40,10 +41,17 @@ def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
         return forced
     if device.type != "cuda":
         return None
+    exact = (device.index, dtype, B, N, K)  # small calls repeat shapes: one lookup, no bucket arithmetic
+    mod = _BY_SHAPE.get(exact, MISSING)
+    if mod is not MISSING:
+        return mod
     key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length())
     mod = _MODULES.get(key, MISSING)
     if mod is MISSING:
         mod = _MODULES[key] = _choose(device, dtype, B, N, K)
+    if len(_BY_SHAPE) > 4096:  # many shapes: keep the memo small
+        _BY_SHAPE.clear()
+    _BY_SHAPE[exact] = mod
     return mod
 
 
@@ -63,12 +71,13 @@ def _choose(device, dtype, B, N, K):
 
 def _by_batch(device, name: str, B: int):
     """Where nothing is tuned, B >= 16 runs the first tl.dot variant whose rows per program
-    match the batch (16 up to B = 32, else 64) instead of spec order's small-batch form:
+    match the batch (16 up to B = 32, 64 below 128, else 128) instead of spec order's
+    small-batch form:
     on an H100 at N = K = 4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and
     89 us against 287 us at B = 64."""
     from kgen.runtime import dispatch
 
-    rows = 16 if B <= 32 else 64
+    rows = 16 if B <= 32 else 64 if B < 128 else 128
     for v in dispatch.candidates(FAMILY, name, torch.cuda.get_device_capability(device), "triton"):
         if v.params["dot"] != "none" and v.params["block_b"] == rows:
             try:
@@ -115,10 +124,15 @@ def tune_runner(kernel, inputs: dict):
 
 def _fwd_impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     check_dense(x, w)
-    mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(w.shape[0], 1), max(x.shape[1], 1))
+    B, K = x.shape
+    mod = _module(x.device, x.dtype, B or 1, w.shape[0] or 1, K or 1)
     if mod is None:
         return reference(x, w).contiguous()
-    return forward(mod, x.contiguous(), w.contiguous())
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not w.is_contiguous():
+        w = w.contiguous()
+    return forward(mod, x, w)
 
 
 def _fwd_fake(x, w):

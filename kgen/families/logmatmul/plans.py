@@ -9,6 +9,9 @@ from kgen.runtime.op import sm_count as _sm_count
 
 # Elements per program of the combine and dx-reduce kernels.
 REDUCE_BLOCK = 1024
+# Elements per step of the backward's per-row statistics (one program per row: K = 4096
+# in one step, not a chain of dependent loads).
+STATS_BLOCK = 4096
 # Fewest reduction steps per K split the launch heuristic makes.
 MIN_SPLIT_STEPS = 4
 # SMs assumed off the GPU (the interpreter): small, so that tests see several K splits.
@@ -49,6 +52,16 @@ def k_split(B: int, N: int, K: int, bb: int, block_n: int, block_k: int, waves: 
     splits = max(1, min(splits, steps))
     k_slice = cdiv(steps, splits) * block_k
     return cdiv(K, k_slice), k_slice
+
+
+def bwd_chunks(mod, N: int, K: int, sms: int) -> tuple[int, int]:
+    """(chunks, rows per chunk) of the backward's N: about `WAVES` programs per SM over
+    (k tiles x chunks), each chunk at least 4 BWD_N rows (a multiple of BWD_N). At N = K =
+    4096, BWD_K = 128 on a 132-SM H100 with WAVES = 4: 32 k tiles x 17 chunks of 248 rows."""
+    k_tiles = cdiv(K, mod.BWD_K)
+    want = max(1, min(cdiv(mod.WAVES * sms, k_tiles), N // (4 * mod.BWD_N)))
+    rows = cdiv(cdiv(N, want), mod.BWD_N) * mod.BWD_N
+    return cdiv(N, rows), rows
 
 
 def bwd_rows(mod, B: int) -> int:

@@ -12,13 +12,21 @@ DOT_CHOICES = ("none", "ieee", "tf32x3", "tf32")
 # float32 registers per thread a register tile may take (beside addresses, x, exps).
 _REG_BUDGET = 128
 # Rows of x (the batch) the CUDA kernel holds accumulators for (instantiations 1, 2, 4, ...
-# up to this), and the accumulators per thread it allows: rows x nodes <= 64.
+# up to its max_b): accumulators (rows x nodes) plus weights in flight (unroll x nodes x
+# vec) within a register budget that ptxas met without a stack at 128 registers a thread
+# (checked per instantiation with cuobjdump: e.g. 4 nodes, unroll 2 held 8 rows, not 16);
+# 16-bit x unpacks beside them, so at most 32 accumulators.
 CUDA_MAX_B = 16
-_CUDA_ACCUMULATORS = 64
+_CUDA_REGS = 96
 
 
-def cuda_max_b(nodes: int) -> int:
-    return min(CUDA_MAX_B, _CUDA_ACCUMULATORS // nodes)
+def cuda_max_b(nodes: int, vec: int = 4, unroll: int = 1, dtype: str = "float32") -> int:
+    budget = _CUDA_REGS - 8 * (unroll - 1) - unroll * nodes * vec
+    acc = min(budget, 32 if dtype != "float32" else 64)
+    b = 1
+    while 2 * b <= CUDA_MAX_B and 2 * b * nodes <= acc:
+        b *= 2
+    return b
 
 
 def _check_triton(dtype: str, k: Mapping[str, Any]):
@@ -59,6 +67,7 @@ SCHEMA = Schema(
             Knob("warps", "w", lo=1, hi=16, pow2=True),  # warps per CTA, splitting the CTA's K slice
             Knob("nodes", "n", lo=1, hi=8),  # nodes (rows of w) per CTA, each lane loads all of them
             Knob("vec", "v", lo=4, hi=8, pow2=True),  # elements per 16-byte weight load
+            Knob("unroll", "u", lo=1, hi=4, default=1),  # steps of weight loads issued before any is used
             Knob("waves", "q", lo=1, hi=32, default=4),  # CTAs per SM the K split aims for
         ),
         "triton": (
@@ -69,10 +78,13 @@ SCHEMA = Schema(
             Knob("num_warps", "w", lo=1, hi=16, pow2=True),
             Knob("num_stages", "s", lo=1, hi=8, default=2),
             Knob("waves", "q", lo=1, hi=32, default=4),  # programs per SM the K split aims for
-            Knob("bwd_b", "bb", lo=1, hi=16, pow2=True, default=4),  # backward: rows of x per step
-            Knob("bwd_n", "bn", lo=4, hi=256, pow2=True, default=64),  # backward: w tile rows
-            Knob("bwd_k", "bk", lo=8, hi=256, pow2=True, default=32),  # backward: w tile columns
-            Knob("bwd_warps", "bw", lo=1, hi=16, pow2=True, default=8),
+            # backward: the largest B the one-pass kernel holds in registers (beyond: GEMMs);
+            # block-sparse backward: rows of x per step
+            # (on an H200 at N = K = 4096: 96 us against 123 us at B = 4; 222 against 105 at B = 8)
+            Knob("bwd_b", "bb", lo=1, hi=16, pow2=True, default=4),
+            Knob("bwd_n", "bn", lo=4, hi=256, pow2=True, default=8),  # backward: w tile rows
+            Knob("bwd_k", "bk", lo=8, hi=256, pow2=True, default=128),  # backward: w tile columns
+            Knob("bwd_warps", "bw", lo=1, hi=16, pow2=True, default=4),
         ),
     },
     check=_check_variant,
@@ -84,8 +96,9 @@ TEMPLATES = {"triton": "logmatmul/triton.py.j2", "cuda": "logmatmul/cuda.cu.j2"}
 def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda":
-        max_b = cuda_max_b(p["nodes"])
-        return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "MAX_B": max_b,
+        max_b = cuda_max_b(p["nodes"], p["vec"], p["unroll"], variant.dtype)
+        return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "UNROLL": p["unroll"],
+                "MAX_B": max_b,
                 "batch_instances": [1 << i for i in range(max_b.bit_length())]}
     return {"BLOCK_B": p["block_b"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "DOT": p["dot"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "WAVES": p["waves"],
@@ -97,13 +110,19 @@ def triton_aot(variant, mod) -> list:
     backward in the variant's dtype, with float32 weights."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     fwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32", "part_s_ptr": "*fp32",
-               "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32", "n_tiles": "i32"}
+               "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32", "n_tiles": "i32",
+               "m_ptr": "*fp32"}
+    pre = mod.DOT != "none"  # tl.dot forms read exp(x - m) as float32
+    if pre:
+        fwd_sig["x_ptr"] = "*fp32"
     fwd_const = {"DIRECT": False, "DOT": mod.DOT, "BLOCK_B": mod.BLOCK_B, "BLOCK_N": mod.BLOCK_N,
-                 "BLOCK_K": mod.BLOCK_K}
+                 "BLOCK_K": mod.BLOCK_K, "PRE": pre}
     fwd_sig.update({k: "constexpr" for k in fwd_const})
-    bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "dw_ptr": "*fp32",
-               "dxp_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_tiles": "i32"}
-    bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K}
+    fwd_sig = {k: fwd_sig[k] for k in ("x_ptr", "w_ptr", "part_m_ptr", "part_s_ptr", "out_ptr", "B", "N", "K", "k_slice",
+                                       "n_tiles", *fwd_const, "m_ptr")}  # the kernel's argument order
+    bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "stats_ptr": "*fp32",
+               "dw_ptr": "*fp32", "dxp_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "n_chunk": "i32"}
+    bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K, "DIRECT": False}
     bwd_sig.update({k: "constexpr" for k in bwd_const})
     # K and the K slice multiples of 16 (the issue's and most models' widths): what the JIT
     # specializes at such calls, and so what the build's resource report should show
