@@ -12,13 +12,15 @@ import torch
 from kgen import ops, spec
 from kgen.families import int8_gemm as ig
 from kgen.families.int8_gemm import launch as ig_launch
-from kgen.runtime import build, dispatch, toolchain
+from kgen.runtime import build, dispatch, toolchain, tune
+from kgen.runtime.op import error_ratio
 from tests.conftest import HAS_GPU, requires_nvcc
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = spec.load(ROOT / "kgen" / "specs" / "int8_gemm.yaml")
 TRITON = [v.name for v in SPEC.variants if v.backend == "triton"]
-CUDA = [v.name for v in SPEC.variants if v.backend == "cuda"]
+CUDA = [v.name for v in SPEC.variants if v.backend == "cuda" and not ig.plans.is_gemv(v)]
+GEMV = [v.name for v in SPEC.variants if ig.plans.is_gemv(v)]
 DEV = torch.device("cuda" if HAS_GPU else "cpu")
 _LOADED: dict = {}
 
@@ -158,7 +160,7 @@ def test_w8a16_gradient_of_x():
 
 @pytest.fixture(scope="module")
 def cuda_builds():
-    return {r.variant.name: r for r in build.build_cuda([SPEC.variant(n) for n in CUDA])}
+    return {r.variant.name: r for r in build.build_cuda([SPEC.variant(n) for n in CUDA + GEMV])}
 
 
 @requires_nvcc
@@ -177,6 +179,42 @@ def test_cuda_variant_sass(cuda_builds, name):
     res = toolchain.resource_usage(lib)
     assert len(res) == 6
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+
+
+@requires_nvcc
+@pytest.mark.parametrize("name", GEMV)
+def test_gemv_variant_sass(cuda_builds, name):
+    """The small-M kernel: int8 mma.sync (IMMA.16832.S8.S8) or bf16 / fp16 (HMMA.16816.F32)
+    fed by 16-byte no-L1-allocate loads of the weight (LDG.E.NA...128); no shared memory, no
+    local memory in any of its six kernels (4 GEMV instances, 2 combines)."""
+    r = cuda_builds[name]
+    assert r.status in ("built", "cached"), r.error
+    lib = r.entry.file(build.CUDA_LIB)
+    sass = toolchain.sass(lib)
+    assert f"arch = {r.variant.arch}" in sass
+    mma = "IMMA.16832.S8.S8" if r.variant.dtype == "int8" else "HMMA.16816.F32"
+    assert mma in sass
+    assert re.search(r"LDG\.E\.NA\S*\.128", sass), "no 16-byte L1::no_allocate weight loads"
+    assert not re.search(r"\b(LDL|STL|LDGSTS)\b", sass)
+    res = toolchain.resource_usage(lib)
+    assert len(res) == 6
+    assert all(k["local"] == 0 and k["stack"] == 0 and k["shared"] == 0 for k in res.values()), res
+
+
+def test_gemv_plans():
+    """Spec order without a table entry puts the gemv variants first at M <= 16 and last
+    above; the K split fills an H100 at N = 4096 and keeps the partials small at M = 16."""
+    for M, first in ((1, True), (16, True), (17, False), (64, False), (1024, False)):
+        for dtype in ("int8", "bfloat16"):
+            vs = [v for v in SPEC.variants if v.dtype == dtype]
+            best = sorted(vs, key=lambda v: ig.plans.preference(v, M))[0]
+            assert ig.plans.is_gemv(best) == first, (M, dtype, best.name)
+            assert not ig.plans.is_gemv(sorted(vs, key=lambda v: ig.plans.preference(v, M))[-1]) or M > 16
+    assert ig.plans.gemv_splits(64, 1, 4096, 4096, 132) * 64 >= 4 * 132  # 64 CTAs x splits
+    assert ig.plans.gemv_splits(64, 1, 65536, 4096, 132) == 1
+    s = ig.plans.gemv_splits(64, 16, 4096, 11008, 132)
+    assert 1 < s and 2 * s * 16 * 4096 * 4 <= 4096 * 11008 / 8 + 1
+    assert ig.plans.gemv_splits(64, 1, 100, 16, 132) == 1  # K = 16: one step
 
 
 # --------------------------------------------------------------------------- GPU
@@ -249,3 +287,112 @@ def test_w8a16_under_autocast_takes_an_fp32_bias():
         out = ops.w8a16_linear(x, b, s, bias)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, ops.w8a16_linear(x, b, s, bias.bfloat16()))
+
+
+# gemv: M in {1, 3, 9, 16} (one and two 8-token groups, ragged), N not a multiple of the 64 /
+# 128-row CTA (37, 200), K the smallest (16: one partial step), ragged steps (48, 272) and
+# long (1040 = 16 full steps + 16); grouped scales need K % 64 == 0 (192, 1024).
+GEMV_SHAPES = ((1, 37, 16), (3, 200, 48), (9, 37, 272), (16, 200, 1040), (1, 4096, 4096))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GEMV)
+def test_gemv_variant_golden(name, poisoned_workspace):
+    """The small-M kernel itself (cuda_takes is asserted, so no fallback hides it), unsplit,
+    with the call's own split and with 3 forced splits (partials + combine), into poisoned
+    outputs and workspaces: int8_mm equal to the int64 product; int8_linear (bf16, fp16,
+    f32 out, float32 or out-dtype bias) and w8a16_linear (per channel with float32 / 16-bit
+    scales, per group of 64 and 128, bias or not) within the spec's tolerance of float64."""
+    v = SPEC.variant(name)
+    if not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} does not run here")
+    impl = ig.implementation(_kernel(name))
+    tol = SPEC.numerics[v.dtype]
+    poison = ig.launch._empty  # the fixture's: NaN / 12345 everywhere
+    g = torch.Generator(device=DEV).manual_seed(1)
+    bad = []
+    for M, N, K in GEMV_SHAPES:
+        b = torch.randint(-128, 128, (N, K), dtype=torch.int8, device=DEV, generator=g)
+        for n_splits in (1, None, 3):
+            tag = f"{M}x{N}x{K} splits={n_splits}"
+            if v.dtype == "int8":
+                a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device=DEV, generator=g)
+                assert impl.cuda_takes(a, b, ig.MODE_MM)
+                want = a.cpu().long() @ b.cpu().long().t()
+                out = ig.gemm(impl, ig.MODE_MM, a, b, poison((M, N), torch.int32, DEV), n_splits=n_splits)
+                if not torch.equal(out.cpu().long(), want):
+                    bad.append(f"int8_mm {tag}")
+                sa = torch.rand(M, device=DEV, generator=g) / 64
+                sb = torch.rand(N, device=DEV, generator=g) / 64
+                for out_dtype, bias_dtype in ((torch.bfloat16, torch.float32), (torch.float16, torch.float16),
+                                              (torch.float32, None)):
+                    bias = torch.randn(N, device=DEV, generator=g).to(bias_dtype) if bias_dtype else None
+                    ref = ig.reference.int8_linear(a, b, sa, sb, bias, compute=torch.float64)
+                    out = ig.gemm(impl, ig.MODE_LINEAR, a, b, poison((M, N), out_dtype, DEV), sa, sb, bias,
+                                  n_splits=n_splits)
+                    r = error_ratio(out, ref, tol)
+                    if not r <= 1.0:
+                        bad.append((f"int8_linear {out_dtype} {tag}", r))
+            else:
+                t = getattr(torch, v.dtype)
+                x = torch.randn(M, K, device=DEV, generator=g).to(t)
+                assert impl.cuda_takes(x, b, ig.MODE_W8A16)
+                for group in (None, 64, 128):
+                    if group and K % group:
+                        continue
+                    for sdt in (torch.float32, t):
+                        cols = K // group if group else 1
+                        s = ((torch.rand(N, cols, device=DEV, generator=g) + 0.5) / (127 * K ** 0.5)).to(sdt)
+                        s = s.squeeze(1) if group is None else s
+                        bias = torch.randn(N, device=DEV, generator=g).to(t) if sdt == t else None
+                        ref = ig.reference.w8a16_linear(x, b, s, bias, group, compute=torch.float64)
+                        out = ig.gemm(impl, ig.MODE_W8A16, x, b, poison((M, N), t, DEV), scale_b=s, bias=bias,
+                                      group_size=group, n_splits=n_splits)
+                        r = error_ratio(out, ref, tol)
+                        if not r <= 1.0:
+                            bad.append((f"w8a16 group={group} scale {sdt} {tag}", r))
+    assert not bad, bad
+    # what it cannot take goes to the Triton companion: M > 16, K % 16, groups of 16
+    a, b = _ints(17, 64), _ints(50, 64)
+    if v.dtype == "int8":
+        assert not impl.cuda_takes(a, b) and not impl.cuda_takes(_ints(2, 40), _ints(5, 40))
+        out = ig.gemm(impl, ig.MODE_MM, a, b, torch.empty(17, 50, dtype=torch.int32, device=DEV))
+        assert torch.equal(out.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+    else:
+        x = torch.randn(2, 64, device=DEV).to(getattr(torch, v.dtype))
+        assert not impl.cuda_takes(x, b, ig.MODE_W8A16, 16) and impl.cuda_takes(x, b, ig.MODE_W8A16, 64)
+
+
+@pytest.mark.gpu
+def test_gemv_graph_replay_and_dispatch(monkeypatch):
+    """The gemv kernels under CUDA graph capture (split: workspace and combine inside the
+    graph); and dispatch at M <= 16 with nothing tuned for the bucket runs a gemv variant."""
+    runs = [n for n in GEMV if dispatch.arch_runs_on(SPEC.variant(n).arch, torch.cuda.get_device_capability())]
+    if not runs:
+        pytest.skip("no gemv variant runs here")
+    i8 = ig.implementation(_kernel(next(n for n in runs if SPEC.variant(n).dtype == "int8")))
+    bf = ig.implementation(_kernel(next(n for n in runs if SPEC.variant(n).dtype == "bfloat16")))
+    M, N, K = 5, 1000, 2048
+    a, b = _ints(M, K), _ints(N, K)
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    s = (torch.rand(N, device=DEV) + 0.5) / (127 * K ** 0.5)
+    c = torch.empty(M, N, dtype=torch.int32, device=DEV)
+    y = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
+    run = lambda: (ig.gemm(i8, ig.MODE_MM, a, b, c, n_splits=4), ig.gemm(bf, ig.MODE_W8A16, x, b, y, scale_b=s))  # noqa: E731
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    a.copy_(_ints(M, K))
+    x.copy_(torch.randn(M, K, device=DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(c.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+    torch.testing.assert_close(y.double(), ig.reference.w8a16_linear(x, b, s, compute=torch.float64),
+                               rtol=8e-3, atol=1e-4)
+    monkeypatch.setattr(tune, "lookup", lambda k: None)  # nothing tuned, nothing nearby
+    monkeypatch.setattr(tune, "nearest", lambda k: None)
+    monkeypatch.delenv("KGEN_AUTOTUNE", raising=False)
+    impl = ig.op._choose(DEV, torch.int8, 3, 777, 512, False)
+    assert impl is not None and impl.gemv, impl and impl.name

@@ -20,6 +20,15 @@ def eager(h, w, t):
     return torch.log_softmax(F.linear(h, w).float(), -1).gather(1, t[:, None]).squeeze(1)
 
 
+def inputs(N, D, V):
+    """bf16 hidden and weight, targets, an upstream gradient, and leaf copies that need grad."""
+    h = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(V, D, device="cuda") * D ** -0.5).to(torch.bfloat16)
+    t = torch.randint(0, V, (N,), device="cuda")
+    g = torch.randn(N, device="cuda")
+    return h, w, t, g, h.clone().requires_grad_(), w.clone().requires_grad_()
+
+
 def per_call_us(fn, calls=2000, rounds=5):
     for _ in range(50):
         fn()
@@ -37,11 +46,7 @@ def per_call_us(fn, calls=2000, rounds=5):
 def main():
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for N, D, V in ((8, 512, 1024), (64, 1024, 4096), (1, 4096, 32000)):
-        h = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(V, D, device="cuda") * D ** -0.5).to(torch.bfloat16)
-        t = torch.randint(0, V, (N,), device="cuda")
-        g = torch.randn(N, device="cuda")
-        hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+        h, w, t, g, hr, wr = inputs(N, D, V)
         choice = llp_op._module(h.device, h.dtype, (N, D, V))
         name = "reference" if choice is None else getattr(choice, "name", None) or getattr(choice, "__name__", "triton")
         print(f"\nN={N} D={D} V={V}: dispatch's forward choice: {name}", flush=True)
@@ -129,11 +134,7 @@ def breakdown(N=8, D=512, V=1024):
     from kgen.runtime import dispatch
 
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    h = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
-    w = (torch.randn(V, D, device="cuda") * D ** -0.5).to(torch.bfloat16)
-    t = torch.randint(0, V, (N,), device="cuda")
-    g = torch.randn(N, device="cuda")
-    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    h, w, t, g, hr, wr = inputs(N, D, V)
     mod = llp_op._module(h.device, h.dtype, (N, D, V))
     tri = llp_op.implementation(dispatch.select("linear_logp", h.device, "bfloat16", backend="triton"))
     bmod = llp_op._module(h.device, h.dtype)

@@ -6,7 +6,11 @@ Triton: one GEMM launch writes the finished output; a split-K launch (small M) w
 `splits` partial planes (int32, or float32 for W8A16) to a workspace and the combine
 kernel sums them in a fixed order and applies the epilogue. No atomics: deterministic.
 CUDA (sm_80 mma.sync, int8 only): one launch, epilogue fused; it needs K % 16 == 0 and
-16-byte aligned a and b (cp.async moves 16-byte pieces), else the Triton module runs."""
+16-byte aligned a and b (cp.async moves 16-byte pieces), else the Triton module runs.
+CUDA gemv (M <= 16, all three ops): one launch, or with K splits (plans.gemv_splits) a
+partial workspace [splits, M, N] and the combine kernel, both in one launcher call; it needs
+K % 16 == 0, 16-byte aligned a / x and b, and group_size % 64 == 0 (a 64-k step within one
+scale group), else the Triton module runs."""
 
 from __future__ import annotations
 
@@ -27,15 +31,19 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 class Impl:
     """What a call runs: `triton`, a rendered Triton module (always set), and `cuda`, a
-    loaded CUDA variant (or None)."""
+    loaded CUDA variant (or None; `gemv` says it is the small-M kernel)."""
 
     def __init__(self, triton_mod, cuda=None):
         self.triton, self.cuda = triton_mod, cuda
         self.name = cuda.name if cuda is not None else getattr(triton_mod, "VARIANT", "triton")
+        self.gemv = cuda is not None and plans.is_gemv(cuda.variant)
 
-    def cuda_takes(self, a, b) -> bool:
-        return (self.cuda is not None and a.shape[1] % 16 == 0 and a.data_ptr() % 16 == 0
-                and b.data_ptr() % 16 == 0)
+    def cuda_takes(self, a, b, mode: int = MODE_MM, group_size: int | None = None) -> bool:
+        if self.cuda is None or a.shape[1] % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
+            return False
+        if self.gemv:
+            return a.shape[0] <= plans.GEMV_MAX_M and (group_size or 0) % plans.GEMV_STEP == 0
+        return mode != MODE_W8A16
 
 
 def gemm(impl: Impl, mode: int, a, b, out, scale_a=None, scale_b=None, bias=None,
@@ -46,8 +54,11 @@ def gemm(impl: Impl, mode: int, a, b, out, scale_a=None, scale_b=None, bias=None
     N = b.shape[0]
     if M == 0 or N == 0:
         return out
-    if mode != MODE_W8A16 and impl.cuda_takes(a, b):
-        _cuda(impl.cuda, mode, a, b, out, scale_a, scale_b, bias)
+    if impl.cuda_takes(a, b, mode, group_size):
+        if impl.gemv:
+            _gemv(impl.cuda, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits)
+        else:
+            _cuda(impl.cuda, mode, a, b, out, scale_a, scale_b, bias)
     else:
         _triton(impl.triton, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits)
     return out
@@ -59,6 +70,27 @@ def _cuda(kernel, mode, a, b, out, scale_a, scale_b, bias) -> None:
                     scale_a.data_ptr() if scale_a is not None else 0, scale_b.data_ptr() if scale_b is not None else 0,
                     bias.data_ptr() if bias is not None else 0, a.shape[0], b.shape[0], a.shape[1],
                     _OUT_CODE[out.dtype], _OUT_CODE[bias.dtype] if bias is not None else 0, current_raw_stream(dev))
+    if rc:
+        kernel.fail(rc)
+
+
+def _gemv(kernel, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) -> None:
+    M, K = a.shape
+    N = b.shape[0]
+    steps = plans.cdiv(K, plans.GEMV_STEP)
+    if n_splits is None:
+        n_splits = plans.gemv_splits(kernel.params["block_n"], M, N, K, plans.sm_count(a.device))
+    n_splits = max(1, min(n_splits, steps))
+    part = None
+    if n_splits > 1:
+        part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)
+    dev = a.get_device()
+    rc = kernel.raw(kernel.ptr, dev, mode, bias is not None, a.data_ptr(), b.data_ptr(), out.data_ptr(),
+                    part.data_ptr() if part is not None else 0, scale_a.data_ptr() if scale_a is not None else 0,
+                    scale_b.data_ptr() if scale_b is not None else 0, bias.data_ptr() if bias is not None else 0,
+                    M, N, K, n_splits, group_size or 0, _OUT_CODE[out.dtype],
+                    _OUT_CODE[scale_b.dtype] if scale_b is not None else 0,
+                    _OUT_CODE[bias.dtype] if bias is not None else 0, current_raw_stream(dev))
     if rc:
         kernel.fail(rc)
 

@@ -57,16 +57,42 @@ def combine_grid(mod, M: int, N: int) -> tuple[int, int]:
     return cdiv(M, mod.COMBINE_M), cdiv(N, mod.COMBINE_N)
 
 
+# The gemv kernel (small M): 64-k steps; a grid of at least GEMV_CTAS_PER_SM CTAs per SM
+# (4-warp CTAs, no shared memory: 16 warps of loads in flight per SM); each split at least
+# GEMV_MIN_STEPS steps; the partial planes (written and read back) at most 1/8 of the weight.
+GEMV_STEP = 64
+GEMV_MAX_M = 16
+GEMV_CTAS_PER_SM = 4
+GEMV_MIN_STEPS = 4
+GEMV_MAX_SPLITS = 64
+
+
+def is_gemv(variant) -> bool:
+    return variant.backend == "cuda" and variant.params.get("kernel") == "gemv"
+
+
+def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int) -> int:
+    """K splits of a gemv call: enough CTAs to fill the SMs, each split >= GEMV_MIN_STEPS
+    steps, and the int32 / float32 partials (M x N x 4 bytes a split, twice) <= 1/8 of N x K."""
+    steps = cdiv(K, GEMV_STEP)
+    row_ctas = cdiv(N, rows_per_cta)
+    s = min(cdiv(GEMV_CTAS_PER_SM * sms, row_ctas), steps // GEMV_MIN_STEPS, K // (64 * M), GEMV_MAX_SPLITS)
+    return max(1, s)
+
+
 def preference(variant, M: int) -> tuple:
     """Sort key of a variant for a call with M rows when the tuning table has nothing for
-    its bucket (smaller first): at M <= 32 the split-K streaming variants (b read once,
-    spread over all SMs), then the row tile that wastes least of M (a 128-row tile at
+    its bucket (smaller first): at M <= 16 the CUDA gemv variants (weight rows streamed
+    straight into mma.sync registers; spec order among them; last at larger M), at M <= 32
+    the split-K streaming variants (b read once, spread over all SMs), then the row tile that wastes least of M (a 128-row tile at
     M = 64 computes half zeros), then the largest tiles. Ties keep spec order
     (sorted is stable). Above M = 128 Triton comes before the CUDA mma.sync kernel: on
     Hopper Triton's int8 dot is WGMMA, which mma.sync cannot match; the tuning table
     decides per bucket where the CUDA kernel wins."""
     p = variant.params
     split = p.get("split_k", 1)
+    if is_gemv(variant):  # first where it takes M, last elsewhere
+        return (-1,) if M <= GEMV_MAX_M else (float("inf"),)
     if M <= 32:
         return (split == 1, p["block_m"])
     if M <= 128:

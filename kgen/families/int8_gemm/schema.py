@@ -4,7 +4,14 @@ the template context, and what `kgen build` compiles ahead of time.
 A variant's dtype is its A operand: `int8` variants serve int8_mm and int8_linear (int8 x
 int8, int32 accumulation, the W8A8 epilogue in the same kernel); `bfloat16` / `float16`
 variants serve w8a16_linear (16-bit x, int8 weight widened in registers, float32
-accumulation). B is always int8 stored N x K."""
+accumulation). B is always int8 stored N x K.
+
+CUDA variants are of two kernels (knob `kernel`): `mma` (the default, cuda_sm80.cu.j2: the
+tiled cp.async + ldmatrix + mma.sync GEMM, int8 only) and `gemv` (cuda_gemv.cu.j2: the
+small-M streaming kernel for M <= 16, every dtype), which reads the shared knobs as:
+block_m = the most rows of a / x it takes (16), block_n = weight rows per CTA (16-row groups
+per warp x 16 x warps_n), block_k = k per step (64: 4 lanes x 16 bytes), stages = steps of
+loads in flight per loop trip, warps_m = 1."""
 
 from __future__ import annotations
 
@@ -26,8 +33,33 @@ def cuda_smem(k: Mapping[str, Any]) -> int:
     return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"]
 
 
+def gemv_row_groups(k: Mapping[str, Any]) -> int:
+    """16-row groups per warp of a gemv variant."""
+    return k["block_n"] // (16 * k["warps_n"])
+
+
+def _check_gemv(k: Mapping[str, Any]) -> list:
+    problems = []
+    if k["block_m"] != 16:
+        problems.append(("block_m", f"block_m={k['block_m']}: the gemv kernel takes M <= 16 (two 8-token MMA "
+                                    "column groups); larger M is the tiled kernels' work"))
+    if k["block_k"] != 64:
+        problems.append(("block_k", f"block_k={k['block_k']}: a gemv step is 64 k (4 lanes x 16 bytes of a row)"))
+    if k["warps_m"] != 1:
+        problems.append(("warps_m", "gemv warps split the rows only: warps_m must be 1"))
+    rg = gemv_row_groups(k)
+    if k["block_n"] % (16 * k["warps_n"]) or rg not in (1, 2, 4):
+        problems.append(("block_n", f"block_n={k['block_n']} must be 16 x warps_n x (1, 2 or 4 row groups per "
+                                    "warp)"))
+    elif rg * k["stages"] > 8:
+        problems.append(("stages", f"{k['stages']} steps x {rg} row groups: at most 8 in flight (registers)"))
+    return problems
+
+
 def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
     problems = []
+    if backend == "cuda" and k["kernel"] == "gemv":
+        return _check_gemv(k)
     if backend == "triton":
         # tl.dot needs K >= 16 per step; int8 MMAs take K = 32 per instruction.
         if dtype == "int8" and k["block_k"] < 32:
@@ -70,6 +102,8 @@ SCHEMA = Schema(
     dtypes=("int8", "bfloat16", "float16"),
     knobs={
         "cuda": (
+            # which kernel (kgen/templates/int8_gemm/cuda.cu.j2); the default stays out of names
+            Knob("kernel", "", kind=str, choices=("mma", "gemv"), default="mma"),
             Knob("block_m", "m", lo=16, hi=256, pow2=True),
             Knob("block_n", "n", lo=16, hi=256, pow2=True),
             Knob("block_k", "k", lo=32, hi=128, pow2=True),  # bytes of K per stage
@@ -90,15 +124,23 @@ SCHEMA = Schema(
     check=_check_variant,
     archs=("sm_80", "sm_86", "sm_89", "sm_90"),
 )
-_SM80 = "int8_gemm/cuda_sm80.cu.j2"
+_CUDA = "int8_gemm/cuda.cu.j2"  # includes cuda_sm80.cu.j2 or cuda_gemv.cu.j2 by the `kernel` knob
 TEMPLATES = {"triton": "int8_gemm/triton.py.j2",
-             "cuda": {"sm_80": _SM80, "sm_86": _SM80, "sm_89": _SM80, "sm_90": _SM80}}
+             "cuda": {"sm_80": _CUDA, "sm_86": _CUDA, "sm_89": _CUDA, "sm_90": _CUDA}}
+# Storage codes of the CUDA launchers: 0 int32, 1 bf16, 2 fp16, 3 float32.
+_DTYPE_CODE = {"bfloat16": 1, "float16": 2}
 
 
 def template_context(variant) -> dict:
     p = variant.params
+    if variant.backend == "cuda" and p["kernel"] == "gemv":
+        int8 = variant.dtype == "int8"
+        return {"KERNEL": "gemv", "INT8": int8, "WARPS": p["warps_n"], "RG": gemv_row_groups(p),
+                "UNROLL": p["stages"], "ROWS": p["block_n"],
+                "XTYPE": "" if int8 else {"bfloat16": "__nv_bfloat16", "float16": "__half"}[variant.dtype],
+                "OUT_CODE": 0 if int8 else _DTYPE_CODE[variant.dtype]}
     if variant.backend == "cuda":
-        return {"BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
+        return {"KERNEL": "mma", "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
                 "WARPS_M": p["warps_m"], "WARPS_N": p["warps_n"],
                 "WM": p["block_m"] // p["warps_m"], "WN": p["block_n"] // p["warps_n"],
                 "THREADS": 32 * p["warps_m"] * p["warps_n"], "SMEM": cuda_smem(p)}
