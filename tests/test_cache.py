@@ -80,6 +80,28 @@ def test_template_change_rebuilds(fresh_cache, counting_nvcc, monkeypatch):
     assert len(counting_nvcc()) == 2
 
 
+def test_triton_aot_options_change_the_key(fresh_cache, tmp_path, monkeypatch):
+    """An ahead-of-time Triton build's signatures and options (num_warps, num_stages) come
+    from the family's `triton_aot`, not the rendered text: a change to the file holding it
+    is a new cache key, never a hit on the old build's resource report. (The key is read
+    where the build looks its entry up, before any compile.)"""
+    from kgen.families import module_of
+
+    looked_up = []
+    real_lookup = cache.lookup
+    monkeypatch.setattr(cache, "lookup", lambda path: looked_up.append(path) or real_lookup(path))
+    build.build_triton(TRITON_V, "sm_90")
+    build.build_triton(TRITON_V, "sm_90")
+    fam = module_of(TRITON_V.family)
+    edited = tmp_path / "schema_copy.py"
+    edited.write_text(Path(build.inspect.getsourcefile(fam.triton_aot)).read_text() + "\n# num_stages changed\n")
+    real = build.inspect.getsourcefile
+    monkeypatch.setattr(build.inspect, "getsourcefile",
+                        lambda obj: str(edited) if obj is fam.triton_aot else real(obj))
+    build.build_triton(TRITON_V, "sm_90")
+    assert looked_up[0] == looked_up[1] != looked_up[2]
+
+
 def test_truncated_artifact_is_rebuilt(fresh_cache, counting_nvcc):
     (r1,) = build.build_cuda([CUDA_V])
     lib = r1.entry.file(build.CUDA_LIB)

@@ -23,8 +23,8 @@ def _module(name):
 # ------------------------------------------------------------------ CPU: kernels under the interpreter
 
 # one variant of each kind (exact top, exact bottom, generic) per dtype
-CPU_VARIANTS = ("triton_367x512x256x1_m32_k64_w4_bf16", "triton_13x512x256x64x16_m64_k64_w4_f32",
-                "triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_f32", "triton_13x512x256x64x16_m32_k64_w4_f16")
+CPU_VARIANTS = ("triton_367x512x256x1_m32_k64_w8_bf16", "triton_13x512x256x64x16_m64_k64_w8_f32",
+                "triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_f32", "triton_13x512x256x64x16_m32_k64_w8_f16")
 
 
 @pytest.mark.parametrize("name", CPU_VARIANTS)
@@ -44,8 +44,8 @@ def test_golden_forward(name):
     assert res and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
 
 
-@pytest.mark.parametrize("name,widths", [("triton_367x512x256x1_m32_k64_w4_bf16", (367, 512, 256, 1)),
-                                         ("triton_13x512x256x64x16_m64_k64_w4_f32", (13, 512, 256, 64, 16)),
+@pytest.mark.parametrize("name,widths", [("triton_367x512x256x1_m32_k64_w8_bf16", (367, 512, 256, 1)),
+                                         ("triton_13x512x256x64x16_m64_k64_w8_f32", (13, 512, 256, 64, 16)),
                                          ("triton_mw4096_m32_k64_w4_f32", (13, 1000, 1)),
                                          ("triton_mw4096_m32_k64_w4_bf16", (1, 37, 3))])
 @pytest.mark.parametrize("acts", ACT_PAIRS)
@@ -63,6 +63,177 @@ def test_gradients_vs_float64(name, widths, acts, bias):
     assert all(r <= max(1.0, k * e) for _, r, e in res), res
 
 
+# User-spec exact widths whose plans take every path (schema.plan): a layer too wide for
+# registers feeding another (scratch, twice in a row: the two buffers alternate), a wide
+# layer absorbed by the next, a chunked layer on a register input, one whole dot, a
+# one-layer MLP, one-wide layers.
+PLAN_CASES = {
+    (13, 300, 290, 270, 5): [("chunked", "x", "scratch"), ("chunked", "scratch", "scratch"),
+                             ("chunked", "scratch", "absorb")],
+    (20, 300, 100, 600, 3): [("chunked", "x", "absorb"), ("chunked", "reg", "absorb")],
+    (5, 20, 30, 600): [("chunked", "x", "absorb"), ("chunked", "reg", "out")],
+    (5, 20, 30, 7): [("chunked", "x", "absorb"), ("whole", "reg", None)],
+    (1, 5): [("chunked", "x", "out")],
+}
+
+
+def _user_variant(widths, dtype="float32"):
+    from kgen import spec
+
+    s = spec.parse(f"family: fused_mlp\nvariants:\n  - backend: triton\n    widths: {list(widths)}\n"
+                   f"    block_m: 16\n    block_k: 64\n    num_warps: 4\n    dtypes: [{dtype}]\n")
+    (v,) = s.variants
+    return v
+
+
+@pytest.mark.parametrize("widths", list(PLAN_CASES), ids=lambda w: "x".join(map(str, w)))
+@pytest.mark.parametrize("tf32", [True, False])
+def test_exact_plans_golden(widths, tf32):
+    """Every kind of step an exact variant's plan has, against float64 (every activation
+    pair, biases on and off, B 1, 3, 129, poisoned outputs), and the plan is the one named;
+    float32 with TF32 on runs the variant's main kernel, with it off its "tf32x3" one (its
+    own plan: 32-column chunks, 128-column register tiles)."""
+    v = _user_variant(widths)
+    main, x3 = fm.schema.kernels(widths, 64, "float32")
+    assert [(s["kind"], s["src"], s.get("sink")) for s in main["steps"]] == PLAN_CASES[widths]
+    assert x3["name"] == "fused_mlp_fwd_kernel_x3"
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        assert fm.launch.precision(torch.float32) == ("tf32" if tf32 else "tf32x3")
+        res = fm.golden(dispatch.load(v), "cpu", "float32", TOL["float32"])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert len(res) == 15 and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+
+
+def test_exact_plan_bf16_scratch_and_save():
+    """bfloat16 through the scratch and absorb paths: the output and every saved z equal
+    the eager composition's (the same roundings; the interpreter's dots are float32 sums,
+    so up to one bf16 ulp where a sum's order differs)."""
+    widths = (13, 300, 290, 270, 5)
+    mod = dispatch.load(_user_variant(widths, "bfloat16")).module
+    assert mod.SCRATCH_WIDTH == 300  # layers 0 and 1 go to scratch
+    x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 37, widths, bias=[True, False, True, True])
+    out, zs = fm.forward(mod, x, ws, bs, "silu", "gelu", save=True)
+    ref_out, ref_zs = fm.eager(x, ws, bs, "silu", "gelu", save=True)
+    torch.testing.assert_close(out, ref_out, rtol=2 ** -7, atol=2 ** -7)
+    assert len(zs) == len(ref_zs) == 4
+    for z, r in zip(zs, ref_zs):
+        torch.testing.assert_close(z, r, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_dlrm_plans():
+    """The shipped DLRM variants: the 512-wide layer streamed into the 256-wide one's
+    accumulator, then whole register tiles, no scratch (the SCRATCH_WIDTH of float32
+    variants is their TF32-off kernel's). float32 with TF32 off (128-column
+    register tiles at most): the 512-wide layer through the scratch, the 256-wide one
+    streamed into the next."""
+    top = fm.schema.plan((367, 512, 256, 1), 64, 2)
+    assert [(s["kind"], s["src"], s.get("sink")) for s in top] == [("chunked", "x", "absorb"), ("whole", "reg", None)]
+    bottom = fm.schema.plan((13, 512, 256, 64, 16), 64, 2)
+    assert [(s["kind"], s["src"], s.get("sink")) for s in bottom] == [
+        ("chunked", "x", "absorb"), ("whole", "reg", None), ("whole", "reg", None)]
+    # the input row tile loaded once (bf16: 384 columns x 2 B) before the column loop, its
+    # K chunks unrolled; float32 (1536 B a row) keeps the K loop
+    assert top[0]["unroll"] and len(top[0]["k_chunks"]) == 6
+    top32, top_x3 = fm.schema.kernels((367, 512, 256, 1), 64, "float32")
+    assert [(s["kind"], s["src"], s.get("sink")) for s in top32["steps"]] == [("chunked", "x", "absorb"),
+                                                                               ("whole", "reg", None)]
+    assert not top32["steps"][0]["unroll"]
+    assert [(s["kind"], s["src"], s.get("sink")) for s in top_x3["steps"]] == [
+        ("chunked", "x", "scratch"), ("chunked", "scratch", "absorb")]
+    for v in SPEC.variants:
+        if v.params["widths"]:
+            assert _module(v.name).SCRATCH_WIDTH == (512 if v.dtype == "float32" else 0), v.name
+
+
+def _kernels(mod):
+    return [getattr(mod, n) for n in ("fused_mlp_fwd_kernel", "fused_mlp_fwd_kernel_x3") if hasattr(mod, n)]
+
+
+def _kernel_signature(f):
+    import inspect
+
+    fn = getattr(f, "fn", f)
+    constexprs = [n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)]
+    dns = f.do_not_specialize if hasattr(f, "do_not_specialize") else f.kwargs.get("do_not_specialize")
+    return constexprs, list(dns or [])
+
+
+@pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.dtype != "float16"])
+def test_one_compile_serves_every_call(name):
+    """What Triton compiles a kernel for: activations, biases, `save` and B are runtime
+    values it does not specialise on (B = 1, multiples of 16 and each activation pair were
+    each one more 5-25 s JIT compile); only the precision, the tile and (generic) the widths
+    are constexprs. float32 exact variants: two kernels (TF32 on, off)."""
+    kernels = _kernels(_module(name))
+    exact = bool(SPEC.variant(name).params["widths"])
+    assert len(kernels) == (2 if exact and name.endswith("_f32") else 1)
+    for f in kernels:
+        constexprs, dns = _kernel_signature(f)
+        assert set(dns) == {"B", "bias_mask", "act", "last_act", "save"}
+        if exact:
+            assert constexprs == ["PRECISION", "BLOCK_M"]
+        else:
+            assert set(constexprs) == {*(f"D{i}" for i in range(fm.MAX_LAYERS + 1)), "NUM_LAYERS", "PRECISION",
+                                       "BLOCK_M", "BLOCK_K", "NUM_STAGES"}
+
+
+_AOT_SCRIPT = """
+import json, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kgen import config, spec
+from kgen.families.fused_mlp import schema
+from kgen.runtime import build, dispatch, toolchain
+
+config.pin_triton_defaults()
+variants = [v for v in dispatch.shipped_spec("fused_mlp").variants if v.params["widths"]]
+for w in json.loads(sys.argv[1]):
+    variants += spec.parse("family: fused_mlp\\nvariants:\\n  - backend: triton\\n    widths: %s\\n    block_m: 16\\n"
+                           "    block_k: 64\\n    num_warps: 4\\n    dtypes: [float32]\\n" % w).variants
+tmp = Path(tempfile.mkdtemp())
+for v in variants:
+    for fn, sig, const, opts in schema.triton_aot(v, dispatch.load(v).module):
+        c = triton.compile(ASTSource(fn, sig, const, build._divisibility(fn, sig)),
+                           target=GPUTarget("cuda", 90, 32), options=opts)
+        (tmp / "k.cubin").write_bytes(c.asm["cubin"])
+        (usage,) = toolchain.resource_usage(tmp / "k.cubin").values()
+        print(json.dumps({"name": v.name, "kernel": fn.__name__, "precision": const["PRECISION"], **usage,
+                          "shared": int(c.metadata.shared)}))
+"""
+
+
+def test_exact_variants_compile_without_stack_or_spills():
+    """Every shipped exact-width variant, and the variants of PLAN_CASES (as the golden test
+    runs them), compile ahead of time for sm_90 (in a process that does not interpret Triton:
+    the interpreter does not check what Triton's compiler does, e.g. a loop-carried tile's
+    shape) with no spills, within sm_90's 227 KB of shared memory, and (the shipped ones)
+    no stack; float32: both kernels (TF32 on; off, "tf32x3", which splits every operand). The
+    unrolled kernels before had 255 registers and 336-1712 B stacks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    exact = [v.name for v in SPEC.variants if v.params["widths"]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    cases = json.dumps([list(w) for w in PLAN_CASES])
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, cases], capture_output=True, text=True, env=env, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    f32 = [n for n in exact if n.endswith("_f32")]
+    assert len(rows) == len(exact) + len(f32) + 2 * len(PLAN_CASES), rows
+    assert {(row["name"], row["precision"]) for row in rows} >= {(n, p) for n in f32 for p in ("tf32", "tf32x3")}
+    for row in rows:  # a user's plans at 16-row tiles may keep a few bytes of stack (8 B seen)
+        assert row["local"] == 0 and row["shared"] <= 227 * 1024, row
+        assert row["stack"] == 0 or row["name"] not in exact, row
+
+
 def test_generic_partial_biases_and_save():
     """Layers with and without a bias in one call; the saved z equal the eager composition's."""
     mod = _module("triton_mw4096_m32_k64_w4_f32")
@@ -78,7 +249,7 @@ def test_op_uses_variant_and_autograd():
     """The op through a forced Triton module: forward and gradients equal the eager path's."""
     x, ws, bs = fm.make_inputs("cpu", torch.float32, 3, (13, 512, 256, 64, 16))
     leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
-    with fm.using(_module("triton_13x512x256x64x16_m64_k64_w4_f32")):
+    with fm.using(_module("triton_13x512x256x64x16_m64_k64_w8_f32")):
         out = ops.fused_mlp(leaves[0], leaves[1:5], leaves[5:], activation="silu", last_activation="sigmoid")
         out.sum().backward()
     ref_leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
@@ -193,8 +364,8 @@ def test_nine_layers_rejected():
 
 def test_spec_variants_and_fits():
     names = {v.name for v in SPEC.variants}
-    assert "triton_367x512x256x1_m32_k64_w4_bf16" in names and "triton_mw4096_m32_k64_w4_f32" in names
-    top = SPEC.variant("triton_367x512x256x1_m32_k64_w4_bf16")
+    assert "triton_367x512x256x1_m32_k64_w8_bf16" in names and "triton_mw4096_m32_k64_w4_f32" in names
+    top = SPEC.variant("triton_367x512x256x1_m32_k64_w8_bf16")
     gen = SPEC.variant("triton_mw4096_m32_k64_w4_bf16")
     assert top.params["widths"] == (367, 512, 256, 1)
     assert fm.variant_fits(top, {"widths": "367-512-256-1"}) and not fm.variant_fits(top, {"widths": (367, 512, 1)})
@@ -220,23 +391,24 @@ def test_spec_widths_knob_errors():
 # ------------------------------------------------------------------ GPU
 
 
+def _compiled(kernel) -> int:
+    """How many binaries Triton's JIT holds for a kernel (on every device)."""
+    return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("v", [v for v in SPEC.variants if v.dtype == "bfloat16" or v.params["block_m"] == 64],
-                         ids=lambda v: v.name)
+@pytest.mark.parametrize("v", SPEC.variants, ids=lambda v: v.name)
 def test_gpu_golden_every_variant(v):
-    """Every variant against float64. A generic-width variant runs the whole golden matrix;
-    an exact-width one (each JIT compile of its unrolled layers takes 15-25 s) runs two
-    activation cases, one at B = 1 and one at B = 3 and 129 (the two row-count
-    specialisations Triton makes), chosen by the variant's place in the spec so that the
-    exact variants of a width list cover every case between them (CPU tests run them all)."""
-    plan = None
-    if v.params["widths"]:
-        exact = [u.name for u in SPEC.variants if u.params["widths"] == v.params["widths"]]
-        i = 2 * exact.index(v.name)
-        n = len(fm.GOLDEN_CASES)
-        plan = [(i % n, 1), ((i + 1) % n, 3), ((i + 1) % n, 129)]
-    res = fm.golden(dispatch.load(v), "cuda", v.dtype, TOL[v.dtype], plan=plan)
-    assert all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+    """Every variant against float64: every activation pair, biases on and off, B 1, 3,
+    129 (generic variants at each of their golden widths), into poisoned outputs. All of it
+    takes one JIT compile per variant and widths: activations, biases, `save` and B are
+    runtime arguments (each used to be one more 5-25 s compile)."""
+    k = dispatch.load(v)
+    before = sum(_compiled(f) for f in _kernels(k.module))
+    res = fm.golden(k, "cuda", v.dtype, TOL[v.dtype])
+    assert res and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+    n_widths = 1 if v.params["widths"] else len({r[0].split()[0] for r in res})
+    assert 1 <= sum(_compiled(f) for f in _kernels(k.module)) <= before + n_widths
 
 
 @pytest.mark.gpu

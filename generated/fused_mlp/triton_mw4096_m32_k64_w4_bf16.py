@@ -9,8 +9,8 @@
 # The host side (checks, scratch, autograd) is the package kgen/families/fused_mlp/.
 #
 # Each program owns BLOCK_M rows and runs every layer on them: y = h @ W.T (tl.dot, float32
-# accumulator) + bias in float32, z = y rounded to the input dtype (written out when SAVE, for
-# the backward), h = act(z) in float32 rounded to the input dtype -- eager PyTorch's rounding
+# accumulator) + bias in float32, z = y rounded to the input dtype (written out when `save`
+# asks, for the backward), h = act(z) in float32 rounded to the input dtype -- eager PyTorch's rounding
 # (F.linear's output, then the activation's). Widths not a multiple of a chunk are padded
 # to a power of two >= 16 with masked loads; padded columns of h are zero.
 # Generic variant: any widths up to 4096 and up to 8 layers, fixed when
@@ -46,6 +46,21 @@ def activate(z, ACT: tl.constexpr):
         z = z * _sigmoid(z)
     return z
 
+
+@triton.jit
+def activate_runtime(z, code):
+    # `code` is a runtime value: one uniform branch per tile, and one compile for every
+    # activation (a constexpr code made each activation pair a 15-25 s JIT compile)
+    if code == ACT_RELU:
+        z = activate(z, ACT_RELU)
+    elif code == ACT_SIGMOID:
+        z = activate(z, ACT_SIGMOID)
+    elif code == ACT_GELU:
+        z = activate(z, ACT_GELU)
+    elif code == ACT_SILU:
+        z = activate(z, ACT_SILU)
+    return z
+
 DTYPE = tl.bfloat16
 BLOCK_M = 32
 BLOCK_K = 64
@@ -57,7 +72,7 @@ MAX_WIDTH = 4096
 MAX_LAYERS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "bias_mask", "act", "last_act", "save"])
 def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                          w0_ptr, b0_ptr, z0_ptr,
                          w1_ptr, b1_ptr, z1_ptr,
@@ -67,7 +82,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                          w5_ptr, b5_ptr, z5_ptr,
                          w6_ptr, b6_ptr, z6_ptr,
                          w7_ptr, b7_ptr, z7_ptr,
-                         B,
+                         B, bias_mask, act, last_act, save,
                          D0: tl.constexpr,
                          D1: tl.constexpr,
                          D2: tl.constexpr,
@@ -77,20 +92,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                          D6: tl.constexpr,
                          D7: tl.constexpr,
                          D8: tl.constexpr,
-                         HAS_B0: tl.constexpr,
-                         HAS_B1: tl.constexpr,
-                         HAS_B2: tl.constexpr,
-                         HAS_B3: tl.constexpr,
-                         HAS_B4: tl.constexpr,
-                         HAS_B5: tl.constexpr,
-                         HAS_B6: tl.constexpr,
-                         HAS_B7: tl.constexpr,
-                         NUM_LAYERS: tl.constexpr, ACT: tl.constexpr, LAST_ACT: tl.constexpr, SAVE: tl.constexpr, SAVE_LAST: tl.constexpr,
+                         NUM_LAYERS: tl.constexpr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
+    # bias_mask, act, last_act, save: as in the exact kernel (runtime values: one compile per
+    # widths); hidden z always go to z<i> (the scratch, or the backward's buffers)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
-    # layer 0: D0 -> D1; z0 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+    # layer 0: D0 -> D1; z0 written (the next layer's input; save bit 1: the last one's too), the output if last
     for n0 in tl.range(0, D1, BLOCK_K):
         nc = n0 + tl.arange(0, BLOCK_K)
         nmask = nc < D1
@@ -101,21 +110,21 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             h = tl.load(x_ptr + rows[:, None] * D0 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w0_ptr + nc[None, :] * D0 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
             acc = tl.dot(h, w, acc, input_precision=PRECISION)
-        if HAS_B0:
+        if (bias_mask >> 0) & 1:
             acc += tl.load(b0_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
         z = acc.to(DTYPE)
         omask = rmask[:, None] & nmask[None, :]
         if NUM_LAYERS == 1:
-            if SAVE_LAST:
+            if save & 2:
                 tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
-            tl.store(out_ptr + rows[:, None] * D1 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+            tl.store(out_ptr + rows[:, None] * D1 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
         else:
             tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
     # this program's z0 rows, written by all its threads, are read back by the next layer
     tl.debug_barrier()
 
     if NUM_LAYERS > 1:
-        # layer 1: D1 -> D2; z1 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 1: D1 -> D2; z1 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D2, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D2
@@ -124,24 +133,24 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D1
                 h = tl.load(z0_ptr + rows[:, None] * D1 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w1_ptr + nc[None, :] * D1 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B1:
+            if (bias_mask >> 1) & 1:
                 acc += tl.load(b1_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 2:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D2 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D2 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
         # this program's z1 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
     if NUM_LAYERS > 2:
-        # layer 2: D2 -> D3; z2 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 2: D2 -> D3; z2 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D3, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D3
@@ -150,24 +159,24 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D2
                 h = tl.load(z1_ptr + rows[:, None] * D2 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w2_ptr + nc[None, :] * D2 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B2:
+            if (bias_mask >> 2) & 1:
                 acc += tl.load(b2_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 3:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D3 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D3 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
         # this program's z2 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
     if NUM_LAYERS > 3:
-        # layer 3: D3 -> D4; z3 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 3: D3 -> D4; z3 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D4, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D4
@@ -176,24 +185,24 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D3
                 h = tl.load(z2_ptr + rows[:, None] * D3 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w3_ptr + nc[None, :] * D3 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B3:
+            if (bias_mask >> 3) & 1:
                 acc += tl.load(b3_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 4:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D4 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D4 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
         # this program's z3 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
     if NUM_LAYERS > 4:
-        # layer 4: D4 -> D5; z4 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 4: D4 -> D5; z4 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D5, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D5
@@ -202,24 +211,24 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D4
                 h = tl.load(z3_ptr + rows[:, None] * D4 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w4_ptr + nc[None, :] * D4 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B4:
+            if (bias_mask >> 4) & 1:
                 acc += tl.load(b4_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 5:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D5 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D5 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
         # this program's z4 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
     if NUM_LAYERS > 5:
-        # layer 5: D5 -> D6; z5 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 5: D5 -> D6; z5 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D6, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D6
@@ -228,24 +237,24 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D5
                 h = tl.load(z4_ptr + rows[:, None] * D5 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w5_ptr + nc[None, :] * D5 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B5:
+            if (bias_mask >> 5) & 1:
                 acc += tl.load(b5_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 6:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D6 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D6 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
         # this program's z5 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
     if NUM_LAYERS > 6:
-        # layer 6: D6 -> D7; z6 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 6: D6 -> D7; z6 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D7, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D7
@@ -254,24 +263,24 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D6
                 h = tl.load(z5_ptr + rows[:, None] * D6 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w6_ptr + nc[None, :] * D6 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B6:
+            if (bias_mask >> 6) & 1:
                 acc += tl.load(b6_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 7:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D7 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D7 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
         # this program's z6 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
     if NUM_LAYERS > 7:
-        # layer 7: D7 -> D8; z7 written (the next layer's input; SAVE_LAST: the last one's too), the output if last
+        # layer 7: D7 -> D8; z7 written (the next layer's input; save bit 1: the last one's too), the output if last
         for n0 in tl.range(0, D8, BLOCK_K):
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D8
@@ -280,17 +289,17 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D7
                 h = tl.load(z6_ptr + rows[:, None] * D7 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate(h.to(tl.float32), ACT), 0.0).to(DTYPE)
+                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w7_ptr + nc[None, :] * D7 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
-            if HAS_B7:
+            if (bias_mask >> 7) & 1:
                 acc += tl.load(b7_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 8:
-                if SAVE_LAST:
+                if save & 2:
                     tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
-                tl.store(out_ptr + rows[:, None] * D8 + nc[None, :], activate(z.to(tl.float32), LAST_ACT).to(DTYPE), mask=omask)
+                tl.store(out_ptr + rows[:, None] * D8 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
                 tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
         # this program's z7 rows, written by all its threads, are read back by the next layer

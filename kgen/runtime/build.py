@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import inspect
 import os
 import re
 import shlex
@@ -64,6 +65,16 @@ def kgen_fingerprint() -> str:
     for mod in ("build.py", "toolchain.py"):
         h.update((Path(__file__).parent / mod).read_bytes())
     return h.hexdigest()
+
+
+def _aot_fingerprint(family: str) -> str:
+    """The source of the file holding the family's `triton_aot`: the signatures, constants
+    and compile options (num_warps, num_stages) of an ahead-of-time build come from there,
+    not from the rendered text, so a change there must not be served from the cache."""
+    from kgen.families import module_of
+
+    path = inspect.getsourcefile(module_of(family).triton_aot)
+    return sha(Path(path).read_text()) if path else ""
 
 
 def sha(text: str) -> str:
@@ -235,7 +246,8 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
     # The version from the package metadata: importing Triton is left to the compile below.
     key = cache.digest({"kind": "triton-aot", "source": sha(rendered.text),
                         "triton": importlib.metadata.version("triton"), "target": f"cuda:{cc}:32",
-                        "kgen": kgen_fingerprint(), "env": config.code_env("triton")})
+                        "kgen": kgen_fingerprint(), "env": config.code_env("triton"),
+                        "aot": _aot_fingerprint(variant.family)})
     name = f"{variant.name}-{arch.replace('_', '')}"
     entry = cache.lookup(cache.entry_path(variant.family, name, key))
     if entry:

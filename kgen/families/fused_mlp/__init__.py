@@ -1,7 +1,7 @@
 """fused_mlp: a whole small MLP (nn.Linear + activation layers, up to 8) in one kernel.
 
 The family's modules: `schema` (knobs, variant rules, which widths a variant takes, the
-template context: an exact variant's unrolled layer/chunk plan), `reference` (activations,
+template context: an exact variant's plan of steps and kernels), `reference` (activations,
 the eager composition, the float64 oracle, the backward's per-layer GEMMs), `checks`
 (arguments), `launch` (how the Triton forward runs and the backward: its docstring), `op`
 (kernel choice, tuning hooks, the torch.library ops with autograd, `fused_mlp`, golden

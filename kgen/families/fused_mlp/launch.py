@@ -2,10 +2,13 @@
 
 Forward (one launch, grid = cdiv(B, BLOCK_M) programs): each program owns BLOCK_M rows of
 x and runs every layer on them (templates/fused_mlp/triton.py.j2). An exact variant keeps
-each layer's activations in registers; a generic one writes each hidden layer's z row tile
-to a scratch of B x width elements in x's dtype (two buffers, alternating by layer; the
-program reads back only its own rows after a barrier, so the tile stays in L1/L2) and
-applies the activation when the next layer loads it. With `save`, every layer's z that the
+its activations on chip as its plan says (schema.plan: a wide hidden layer streamed chunk by
+chunk into the next layer's accumulator), with a B x width scratch pair only for layers too
+wide for that (SCRATCH_WIDTH; 0 for the DLRM MLPs but in float32's TF32-off kernel, which
+`forward` picks by precision); a generic one writes each hidden layer's z row tile to a
+scratch of B x width elements in x's dtype (two buffers, alternating by layer; the program
+reads back only its own rows after a barrier, so the tile stays in L1/L2) and applies the
+activation when the next layer loads it. With `save`, every layer's z that the
 backward needs goes to its own [B, width] buffer instead (the generic kernel's scratch is
 then those buffers).
 
@@ -51,36 +54,47 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
         zs = []
     if B == 0:
         return out, zs
+    args = [x, out]
     if mod.EXACT:
         zbuf = zs if save else [None] * L
-    elif save:
-        zbuf = zs
-    else:  # hidden layers alternate between two halves of one scratch
-        hidden = max(widths[1:-1], default=0)
-        if hidden:
-            scratch = torch.empty(2 * B * hidden, dtype=x.dtype, device=x.device)
-            halves = (scratch[: B * hidden], scratch[B * hidden:])
-            zbuf = [halves[i % 2] if i < L - 1 else None for i in range(L)]
+        if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
+            scratch = torch.empty(2 * B * mod.SCRATCH_WIDTH, dtype=x.dtype, device=x.device)
+            args += [scratch[: B * mod.SCRATCH_WIDTH], scratch[B * mod.SCRATCH_WIDTH:]]
         else:
-            zbuf = [None] * L
-    args, has_b = [x, out], {}
+            args += [x, x]
+    else:
+        if save:
+            zbuf = zs
+        else:  # hidden layers alternate between two halves of one scratch
+            hidden = max(widths[1:-1], default=0)
+            if hidden:
+                scratch = torch.empty(2 * B * hidden, dtype=x.dtype, device=x.device)
+                halves = (scratch[: B * hidden], scratch[B * hidden:])
+                zbuf = [halves[i % 2] if i < L - 1 else None for i in range(L)]
+            else:
+                zbuf = [None] * L
+    bias_mask = 0
     n_slots = L if mod.EXACT else MAX_LAYERS
     for i in range(n_slots):
         if i < L:
             b, z = biases[i], zbuf[i]
             args += [weights[i], b if b is not None else x, z if z is not None else x]
-            has_b[f"HAS_B{i}"] = b is not None
+            bias_mask |= (b is not None) << i
         else:
             args += [x, x, x]
-            has_b[f"HAS_B{i}"] = False
-    args.append(B)
-    kw = dict(has_b, ACT=ACT_CODE[activation], LAST_ACT=ACT_CODE[last_activation], SAVE=save,
-              SAVE_LAST=keep_last,
-              PRECISION=precision(x.dtype), BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
-    if not mod.EXACT:
+    # runtime flags (not constexprs: one compile per variant serves every choice)
+    args += [B, bias_mask, ACT_CODE[activation], ACT_CODE[last_activation], int(save) | (int(keep_last) << 1)]
+    kw = dict(PRECISION=precision(x.dtype), BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
+    if mod.EXACT:  # its loops' pipeline depth (Triton's default, 3, puts the 13-512-256-64-16
+        # float32 variant's weight tiles past the 227 KB of shared memory)
+        kw["num_stages"] = mod.NUM_STAGES
+    else:
         kw.update({f"D{i}": (widths[i] if i <= L else 1) for i in range(MAX_LAYERS + 1)})
         kw.update(NUM_LAYERS=L, BLOCK_K=mod.BLOCK_K, NUM_STAGES=mod.NUM_STAGES)
-    mod.fused_mlp_fwd_kernel[grid(B, mod)](*args, **kw)
+    kernel = mod.fused_mlp_fwd_kernel
+    if kw["PRECISION"] == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
+        kernel = mod.fused_mlp_fwd_kernel_x3
+    kernel[grid(B, mod)](*args, **kw)
     return out, zs
 
 

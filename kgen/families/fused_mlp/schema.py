@@ -1,6 +1,6 @@
 """fused_mlp's knobs, the rules a variant obeys, which calls a variant can take
-(`variant_fits`), the template context (the unrolled layer/chunk plan of an exact variant)
-and what `kgen build` compiles ahead of time."""
+(`variant_fits`), the template context (an exact variant's plan: which layers stream into
+which, what stays in registers) and what `kgen build` compiles ahead of time."""
 
 from __future__ import annotations
 
@@ -19,15 +19,101 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# An exact variant keeps a whole activation tile [BLOCK_M, width] in registers only up to
+# `reg_max` padded columns, and one weight tile (a tl.dot's B operand, staged in shared
+# memory) up to WEIGHT_TILE_BYTES. Measured (Triton 3.9 ahead of time for sm_90, 64 rows, 8
+# warps): a 256-wide float32 accumulator fits (164-222 registers), but with float32 inputs
+# and TF32 off ("tf32x3": each operand split in two) it took 255 registers, a 40-300 B stack
+# and up to 256 KB of shared memory (more than sm_90's 227 KB): float32 variants carry a
+# second kernel for that precision, with 128-column register tiles and 32-column chunks.
+REG_MAX = 256
+X3_REG_MAX, X3_BLOCK_K = 128, 32
+WEIGHT_TILE_BYTES = 64 * 1024
+# A layer reading memory whose input row tile is at most HOIST_BYTES a row in at most
+# K_UNROLL_MAX chunks loads that tile once, before its column loop, and unrolls its K chunks:
+# the column loop is then the innermost loop, which Triton pipelines (the next column
+# chunk's weights load while this one's dots run; a nested K loop drains its pipeline at
+# every column chunk). Wider inputs keep the K loop: unrolled with the input loaded in the
+# loop, the pipelined float32 tiles took 528 KB of shared memory.
+K_UNROLL_MAX = 8
+HOIST_BYTES = 1024
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def padded(width: int) -> int:
+    """A tile's extent for `width` columns: a power of two >= 16 (tl.dot's smallest)."""
+    return max(MIN_DOT, _pow2_at_least(width))
+
+
 def chunks(width: int, block: int) -> list[dict]:
-    """How an exact variant splits `width` columns: `block`-wide chunks, the last one padded
-    to a power of two >= 16 (masked where it runs past `width`)."""
+    """`width` columns in `block`-wide chunks, the last one padded to a power of two >= 16
+    (masked where it runs past `width`)."""
     out, start = [], 0
     while start < width:
-        rest = width - start
-        size = block if rest >= block else max(MIN_DOT, _pow2_at_least(rest))
-        out.append({"i": len(out), "start": start, "size": size, "masked": start + size > width})
+        size = min(block, padded(width - start))
+        out.append({"c": len(out), "start": start, "size": size, "masked": start + size > width})
         start += size
+    return out
+
+
+def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = REG_MAX) -> list[dict]:
+    """How an exact variant runs its layers: a list of steps, each running one layer (or two,
+    when the second is absorbed), its column loops left to Triton (tl.range), not unrolled.
+
+    The activation going into a layer is either in memory (x, or a scratch row tile: the
+    layer loops over K chunks) or a whole register tile (padded width <= reg_max). A layer is
+    - "whole": register input, and its whole output fits a register tile: one tl.dot;
+    - "chunked": a loop over `bn`-column chunks of its output; each chunk then goes to the
+      output (last layer), into the next layer's accumulator (`absorb`: that layer's output
+      fits a register tile, so the wide hidden layer never exists whole, as attention's
+      P @ V), or to a scratch row tile the next layer reads back (anything wider)."""
+    L, P = len(widths) - 1, [padded(w) for w in widths]
+    steps, src, i = [], "x", 0
+    while i < L:
+        K, N = widths[i], widths[i + 1]
+        base = {"i": i, "K": K, "N": N, "kp": P[i], "np": P[i + 1], "src": src, "last": i == L - 1}
+        if src == "reg" and P[i + 1] <= reg_max and P[i] * P[i + 1] * itemsize <= WEIGHT_TILE_BYTES:
+            steps.append(dict(base, kind="whole", n_masked=N != P[i + 1]))
+            i += 1
+            continue
+        bn, bk = min(block_k, P[i + 1]), min(block_k, P[i])
+        kc = chunks(K, bk)
+        # a memory input's K chunks unrolled and loaded once, or a K loop (a register input: one dot)
+        unroll = src != "reg" and len(kc) <= K_UNROLL_MAX and P[i] * itemsize <= HOIST_BYTES
+        step = dict(base, kind="chunked", bn=bn, bk=bk, n_masked=N % bn != 0, k_masked=K % bk != 0,
+                    k_chunks=kc, unroll=unroll,
+                    sink="out" if i == L - 1 else "scratch")
+        if i < L - 1 and P[i + 2] <= reg_max and bn * P[i + 2] * itemsize <= WEIGHT_TILE_BYTES:
+            step.update(sink="absorb", j=i + 1, jN=widths[i + 2], jp=P[i + 2], j_last=i + 1 == L - 1,
+                        j_masked=widths[i + 2] != P[i + 2])
+        if src == "reg" and P[i] * bn * itemsize > WEIGHT_TILE_BYTES:
+            raise ValueError(f"layer {i} ({K} -> {N}): a {P[i]} x {bn} weight tile is too large; "
+                             "use a smaller block_k")
+        steps.append(step)
+        if step["sink"] == "absorb":
+            src, i = "reg", i + 2
+        else:
+            src, i = "scratch", i + 1
+    # scratch buffers alternate (a layer reads one and writes the other)
+    n = 0
+    for s in steps:
+        if s["src"] == "scratch":
+            s["read"] = (n - 1) % 2
+        if s.get("sink") == "scratch":
+            s["write"] = n % 2
+            n += 1
+    return steps
+
+
+def kernels(widths: tuple[int, ...], block_k: int, dtype: str) -> list[dict]:
+    """An exact variant's kernels: the one every call uses, and for float32 the one calls
+    with TF32 off use ("tf32x3", see REG_MAX)."""
+    out = [{"name": "fused_mlp_fwd_kernel", "steps": plan(widths, block_k, ITEMSIZE[dtype])}]
+    if dtype == "float32":
+        out.append({"name": "fused_mlp_fwd_kernel_x3",
+                    "steps": plan(widths, min(block_k, X3_BLOCK_K), ITEMSIZE[dtype], X3_REG_MAX)})
+    for k in out:
+        k["scratch"] = max([s["N"] for s in k["steps"] if s.get("sink") == "scratch"], default=0)
     return out
 
 
@@ -56,7 +142,7 @@ SCHEMA = Schema(
             Knob("block_m", "m", lo=16, hi=256, pow2=True),  # rows per program
             Knob("block_k", "k", lo=16, hi=256, pow2=True),  # column chunk (the dots' N and K)
             Knob("num_warps", "w", lo=1, hi=16, pow2=True),
-            Knob("num_stages", "s", lo=1, hi=6, default=2),  # generic: the K loop's pipeline depth
+            Knob("num_stages", "s", lo=1, hi=6, default=2),  # the loops' pipeline depth
         ),
     },
     check=_check_variant,
@@ -67,12 +153,10 @@ TEMPLATES = {"triton": "fused_mlp/triton.py.j2"}
 def template_context(variant) -> dict:
     p = variant.params
     widths = tuple(p["widths"])
-    layers = []
-    for i in range(len(widths) - 1):
-        layers.append({"i": i, "K": widths[i], "N": widths[i + 1], "last": i == len(widths) - 2,
-                       "k_chunks": chunks(widths[i], p["block_k"]), "n_chunks": chunks(widths[i + 1], p["block_k"])})
+    ks = kernels(widths, p["block_k"], variant.dtype) if widths else []
     return {"dtype": variant.dtype, "activations": ACTIVATIONS, "exact": bool(widths), "widths": widths,
-            "layers": layers, "max_width": p["max_width"], "max_layers": MAX_LAYERS,
+            "kernels": ks, "scratch_width": max([k["scratch"] for k in ks], default=0),
+            "max_width": p["max_width"], "max_layers": MAX_LAYERS,
             "block_m": p["block_m"], "block_k": p["block_k"], "num_warps": p["num_warps"],
             "num_stages": p["num_stages"]}
 
@@ -93,25 +177,36 @@ def widths_of(w) -> tuple[int, ...]:
 
 
 def triton_aot(variant, mod) -> list:
-    """What `kgen build` compiles ahead of time: the inference forward (relu, biases), for
-    an exact variant at its widths, for a generic one at the DLRM bottom MLP's widths (when
-    they fit its bound)."""
+    """What `kgen build` compiles ahead of time: the kernels a variant's calls use (the
+    activations, biases and `save` are runtime arguments), for an exact variant at its
+    widths (float32: its TF32 kernel and its "tf32x3" one), for a generic one at the DLRM
+    bottom MLP's widths (when they fit its bound; float32: "tf32x3", what a call gets with
+    TF32 off, PyTorch's default, the heavier of the two)."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
-    widths = tuple(variant.params["widths"]) or tuple(w for w in (13, 512, 256, 64, 16))
+    exact = bool(variant.params["widths"])
+    widths = tuple(variant.params["widths"]) or (13, 512, 256, 64, 16)
     widths = tuple(min(w, variant.params["max_width"] or w) for w in widths)
     L = len(widths) - 1
-    n_slots = L if variant.params["widths"] else MAX_LAYERS
+    n_slots = L if exact else MAX_LAYERS
     sig = {"x_ptr": f"*{t}", "out_ptr": f"*{t}"}
+    if exact:
+        sig.update({"s0_ptr": f"*{t}", "s1_ptr": f"*{t}"})
     for i in range(n_slots):
         sig.update({f"w{i}_ptr": f"*{t}", f"b{i}_ptr": f"*{t}", f"z{i}_ptr": f"*{t}"})
-    sig["B"] = "i32"
-    const = {}
-    if not variant.params["widths"]:
+    sig.update({"B": "i32", "bias_mask": "i32", "act": "i32", "last_act": "i32", "save": "i32"})
+    const = {"BLOCK_M": mod.BLOCK_M}
+    if exact:
+        opts = {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}
+        fns = [(mod.fused_mlp_fwd_kernel, "tf32")]
+        if variant.dtype == "float32":
+            fns.append((mod.fused_mlp_fwd_kernel_x3, "tf32x3"))
+    else:
         const.update({f"D{i}": (widths[i] if i <= L else 1) for i in range(MAX_LAYERS + 1)})
-    const.update({f"HAS_B{i}": i < L for i in range(n_slots)})
-    const.update({"ACT": ACT_CODE["relu"], "LAST_ACT": ACT_CODE["none"], "SAVE": False, "SAVE_LAST": False,
-                  "PRECISION": "tf32", "BLOCK_M": mod.BLOCK_M})
-    if not variant.params["widths"]:
-        const.update({"NUM_LAYERS": L, "BLOCK_K": mod.BLOCK_K, "NUM_STAGES": mod.NUM_STAGES})
-    sig.update({k: "constexpr" for k in const})
-    return [(mod.fused_mlp_fwd_kernel, sig, const, {"num_warps": mod.NUM_WARPS})]
+        const.update(NUM_LAYERS=L, BLOCK_K=mod.BLOCK_K, NUM_STAGES=mod.NUM_STAGES)
+        opts = {"num_warps": mod.NUM_WARPS}
+        fns = [(mod.fused_mlp_fwd_kernel, "tf32x3" if variant.dtype == "float32" else "tf32")]
+    out = []
+    for fn, prec in fns:
+        c = dict(const, PRECISION=prec)
+        out.append((fn, dict(sig, **{k: "constexpr" for k in c}), c, opts))
+    return out
