@@ -57,6 +57,8 @@ class CudaForward:
             step = self.warps * 32 * (4 if w32 else 8)
             plan = k_split(1, N, K, 1, self.nodes, step, self.waves, sm_count(torch.device("cuda", index)), splits)
         if splits is None:
+            if len(self._plans) > 4096:  # many shapes: keep the memo small, as op._BY_SHAPE does
+                self._plans.clear()
             self._plans[key] = plan
         return plan
 
