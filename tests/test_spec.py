@@ -45,7 +45,7 @@ def test_lists_expand_into_the_product():
     assert len(s.variants) == 2 * 2 * 2 * 3
     assert s.variants[0].name == "sm80_t128_v8_r1_bf16"
     v = s.variant("sm90_t256_v8_r4_f16")
-    assert v.params == {"threads": 256, "vec": 8, "rows": 4, "order": "down"}  # a default fills in
+    assert v.params == {"threads": 256, "vec": 8, "rows": 4, "order": "down", "unroll": 1}  # defaults fill in
     with pytest.raises(AttributeError):
         v.dtype = "float32"  # frozen
 

@@ -81,6 +81,36 @@ def test_the_fastest_candidate_wins_and_every_time_is_kept(tables, labelled_runn
     assert e["winner"] == b.name and e["kgen"] and e["date"]
 
 
+def test_a_lucky_winner_is_re_timed_against_spec_order_and_loses(tables, labelled_runners):
+    # b's first timing is a lucky outlier (the winner's curse); its later ones equal a's
+    a, b = _triton_f32()[:2]
+    calls = {}
+
+    def timer(fn, min_us):
+        calls[fn.candidate] = calls.get(fn.candidate, 0) + 1
+        if fn.candidate == b.name:
+            return 5.0 if calls[b.name] == 1 else 10.0
+        return {a.name: 10.0, tune.REFERENCE: 50.0}[fn.candidate]
+
+    res = tune.tune("fused_bias_act", torch.device("cpu"), "float32", SHAPE, variants=[a, b], timer=timer)
+    assert res.times[b.name] == 5.0  # the screening saw b win ...
+    assert res.winner == a.name  # ... the paired re-timing did not
+    assert res.confirm == {a.name: 10.0, b.name: 10.0}
+    assert calls[b.name] == 3 + tune.CONFIRM_ROUNDS
+    assert res.entry()["confirm_us"] == {a.name: 10.0, b.name: 10.0}
+
+
+def test_a_real_winner_survives_the_re_timing(tables, labelled_runners):
+    a, b = _triton_f32()[:2]
+    res = tune.tune("fused_bias_act", torch.device("cpu"), "float32", SHAPE, variants=[a, b],
+                    timer=_fake_timer({a.name: 10.0, b.name: 9.0, tune.REFERENCE: 50.0}))
+    assert res.winner == b.name and res.confirm == {a.name: 10.0, b.name: 9.0}
+    # a tie in the re-timing (within TIE) goes to spec order, as in pick
+    w, again = tune.confirm({"a": 10.0, "b": 9.0}, "b", {"a": "A", "b": "B"},
+                            lambda fn, us: {"A": 10.0, "B": 9.9}[fn], 1.0)
+    assert w == "a" and again == {"a": 10.0, "b": 9.9}
+
+
 def test_near_ties_go_to_spec_order():
     assert tune.pick({"first": 10.1, "second": 10.0, "reference": 9.0}) == "reference"
     assert tune.pick({"first": 10.1, "second": 10.0}) == "first"  # 1 % apart: a tie

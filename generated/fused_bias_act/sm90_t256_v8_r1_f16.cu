@@ -3,7 +3,7 @@
 // variant: fused_bias_act/sm90_t256_v8_r1_f16
 // backend: cuda, arch: sm_90
 // dtype:   float16
-// knobs:   threads=256, vec=8, rows=1, order=down
+// knobs:   threads=256, vec=8, rows=1, order=down, unroll=1
 //
 // out[r, c] = act(x[r, c] + alpha * y[r, c] + bias[c]) over a row-major [rows, cols] tensor.
 // Block (i, j) covers rows [i*ROWS, i*ROWS + ROWS) and columns [j*THREADS*V, (j+1)*THREADS*V);
@@ -160,7 +160,7 @@ fused_bias_act_kernel(const T* x, const T* y, const T* __restrict__ bias, T* out
 
 template <int ACT>
 cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, float alpha,
-                   int64_t rows, int64_t cols, cudaStream_t stream) {
+                   int64_t rows, int64_t cols, double /* rcols: order flat's */, cudaStream_t stream) {
   const bool vec = cols % VEC == 0 && kgen::aligned_to(x, 16) && kgen::aligned_to(bias, 16) &&
                    kgen::aligned_to(out, 16) && (!has_y || kgen::aligned_to(y, 16));
   const int64_t per_block = (int64_t)THREADS * (vec ? VEC : 1);
@@ -182,7 +182,7 @@ cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, fl
 // checked shapes, dtypes, devices and the grid limits; this picks the instantiation and
 // launches on the caller's stream.
 //   ints:   device, act, has_y, x, y, bias, out, rows, cols, stream
-//   floats: alpha
+//   floats: alpha, 1 / cols (rounded to nearest; order flat finds columns with it)
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const int device = (int)ints[0], act = (int)ints[1];
   const bool has_y = ints[2] != 0;
@@ -191,6 +191,7 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const int64_t rows = ints[7], cols = ints[8];
   void* stream = (void*)ints[9];
   const float alpha = (float)floats[0];
+  const double rcols = floats[1];
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != device) {
     const cudaError_t e = cudaSetDevice(device);
@@ -202,11 +203,11 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   T* ot = static_cast<T*>(out);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (act) {
-    case kgen::ACT_NONE: return (int)launch<kgen::ACT_NONE>(has_y, xt, yt, bt, ot, alpha, rows, cols, s);
-    case kgen::ACT_RELU: return (int)launch<kgen::ACT_RELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, s);
-    case kgen::ACT_SIGMOID: return (int)launch<kgen::ACT_SIGMOID>(has_y, xt, yt, bt, ot, alpha, rows, cols, s);
-    case kgen::ACT_GELU: return (int)launch<kgen::ACT_GELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, s);
-    case kgen::ACT_SILU: return (int)launch<kgen::ACT_SILU>(has_y, xt, yt, bt, ot, alpha, rows, cols, s);
+    case kgen::ACT_NONE: return (int)launch<kgen::ACT_NONE>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_RELU: return (int)launch<kgen::ACT_RELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_SIGMOID: return (int)launch<kgen::ACT_SIGMOID>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_GELU: return (int)launch<kgen::ACT_GELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_SILU: return (int)launch<kgen::ACT_SILU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
     default: return (int)cudaErrorInvalidValue;
   }
 }

@@ -25,6 +25,10 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
     problems = []
     if backend == "cuda":
         size = DTYPES[dtype][0]
+        if k["order"] == "flat" and k["rows"] != 1:
+            problems.append(("rows", "order flat has no row blocks: use unroll for more work per thread"))
+        if k["order"] != "flat" and k["unroll"] != 1:
+            problems.append(("unroll", f"unroll applies to order flat only (order is {k['order']}; use rows)"))
         if k["vec"] * size > 16 or 16 % (k["vec"] * size):
             problems.append(("vec", f"vec={k['vec']} x {size}-byte {dtype} = {k['vec'] * size} bytes "
                                     "does not divide a 16-byte access"))
@@ -42,8 +46,11 @@ SCHEMA = Schema(
             Knob("threads", "t", lo=32, hi=1024, pow2=True),
             Knob("vec", "v", lo=1, hi=16, pow2=True),
             Knob("rows", "r", lo=1, hi=16),
-            # grid order: "down" (row blocks fastest) or "across" (column blocks fastest, 1-D)
-            Knob("order", "o", kind=str, choices=("down", "across"), default="down"),
+            # grid order: "down" (row blocks fastest), "across" (column blocks fastest, 1-D) or
+            # "flat" (the tensor as one flat run of elements; any cols takes 16-byte vectors)
+            Knob("order", "o", kind=str, choices=("down", "across", "flat"), default="down"),
+            # order "flat": vectors per thread, all loaded before any is stored
+            Knob("unroll", "u", lo=1, hi=8, default=1),
         ),
         "triton": (
             Knob("block_cols", "c", lo=16, hi=16384, pow2=True),
@@ -246,7 +253,10 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
     if kernel.backend == "cuda":
         # the tail path (one element per thread) has the widest grid: cols / threads blocks
         threads = kernel.params["threads"]
-        if kernel.params["order"] == "across":
+        if kernel.params["order"] == "flat":
+            if -(-rows * cols // (threads * kernel.params["unroll"])) > 2**31 - 1 or cols > 2**31 - 2**16 or rows * cols >= 2**52:
+                raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the CUDA grid of variant {kernel.name}")
+        elif kernel.params["order"] == "across":
             if -(-rows // kernel.params["rows"]) * -(-cols // threads) > 2**31 - 1:
                 raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the CUDA grid of variant {kernel.name}")
         elif cols > _MAX_GRID_Y * threads:
@@ -254,7 +264,7 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
                              f"{kernel.name} (at most {_MAX_GRID_Y * kernel.params['threads']})")
         dev = x.get_device()
         rc = kernel.raw(kernel.ptr, dev, _ACT_CODE[act], has_y, x.data_ptr(), y.data_ptr() if has_y else 0,
-                        bias.data_ptr(), out.data_ptr(), rows, cols, _raw_stream(dev), float(alpha))
+                        bias.data_ptr(), out.data_ptr(), rows, cols, _raw_stream(dev), float(alpha), 1.0 / cols)
         if rc:
             kernel.fail(rc)
     else:
