@@ -245,6 +245,71 @@ def test_tune_hooks():
     assert lmm.tune_runner(None, inputs)().shape == (2, 8)
 
 
+def test_cuda_backward_chunks_cover_n_within_shared_memory():
+    from kgen.families.logmatmul.plans import BWD_B, BWD_CUDA_SMEM, bwd_cuda_chunks
+
+    for B in range(1, BWD_B + 1):
+        for N, K in ((1, 4), (5, 1028), (300, 516), (4096, 4096), (100000, 512), (3, 65536)):
+            chunks, rows = bwd_cuda_chunks(B, N, K, 132)
+            assert (chunks - 1) * rows < N <= chunks * rows and 4 * B * rows <= BWD_CUDA_SMEM
+    assert bwd_cuda_chunks(1, 4096, 4096, 132) == (66, 63)  # 8 column tiles x 66 chunks: 528 CTAs
+
+
+class _FakeCuda:
+    """A loaded CUDA variant whose launcher records its arguments (host-path tests on CPU)."""
+
+    name, ptr = "fake", 1234
+    params = {"vec": 4, "nodes": 4, "warps": 4, "waves": 4, "unroll": 2}
+
+    class variant:
+        dtype = "float32"
+
+    def __init__(self):
+        self.calls = []
+
+    def raw(self, *args):
+        self.calls.append(args)
+        return 0
+
+    def fail(self, rc):
+        raise RuntimeError(rc)
+
+
+def test_fast_path_launches_what_the_general_path_does(monkeypatch):
+    """The op's eager fast path (a bound launcher per call signature) passes the kernel the
+    same arguments as CudaForward.run, and steps aside for gradients, `using` blocks,
+    non-contiguous or unaligned inputs and signatures it has not seen."""
+    from kgen.families.logmatmul import op as lop
+
+    monkeypatch.setattr(launch, "current_raw_stream", lambda index: 77)
+    kernel = _FakeCuda()
+    mod = launch.CudaForward(kernel, None)
+    B, N, K = 3, 40, 512
+    x, w = torch.randn(B, K), torch.rand(N, K)
+    mod._plans[(B, N, K, torch.float32, torch.float32, None)] = (1, K)  # the plan a GPU would make
+    assert mod.run(x, w, torch.empty(B, N), B, N, K)
+    fast = mod.direct(B, N, K, torch.float32, torch.float32, x.device)
+    out = fast(x, w)
+    assert out.shape == (B, N) and out.dtype == torch.float32 and out.is_contiguous()
+    general, direct = kernel.calls
+    assert general[:5] + general[8:] == direct[:5] + direct[8:]  # all but the output pointers
+    assert direct[5] == direct[6] == direct[7] == out.data_ptr()
+    mod._plans[(B, N, 1024, torch.float32, torch.float32, None)] = (2, 512)
+    assert mod.direct(B, N, 1024, torch.float32, torch.float32, x.device) is None  # K split: general path
+
+    monkeypatch.setitem(lop._FAST, (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device), fast)
+    kernel.calls.clear()
+    lmm.logmatmul(x, w)
+    assert len(kernel.calls) == 1
+    unaligned = torch.randn(B * K + 1)[1:].view(B, K)
+    for args in ((x.t().contiguous().t(), w), (unaligned, w), (x.requires_grad_(), w), (x[:2], w)):
+        lmm.logmatmul(*args)  # the CPU reference serves
+    x.requires_grad_(False)
+    with lmm.using(None):
+        lmm.logmatmul(x, w)
+    assert len(kernel.calls) == 1
+
+
 # --------------------------------------------------------------------------- CUDA, compile only
 
 
@@ -383,3 +448,33 @@ def test_gpu_cuda_wide_range_and_splits(poison, name):
             f = torch.isfinite(want)
             # out up to ~100: 1e-5 relative (exp2/log to a few ulp, 4096-term sums) + 3e-5
             torch.testing.assert_close(out[f].double(), want[f], rtol=1e-5, atol=3e-5)
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in CUDA if n.startswith("sm90")] or CUDA)
+def test_gpu_cuda_backward(poison, name):
+    """The CUDA library's backward (float32 w, B <= 8; no Triton fallback allowed here)
+    against float64: -inf holes, an all -inf row, a zero weight row, one chunk of N and
+    several, K not a multiple of a CTA's 512 columns, weights scaled by 1e30 and 1e-30.
+    Each gradient is judged against its own largest element (float32 sums of ~N or ~B terms:
+    numerics.GRAD_TOL of it; 16-bit dx rounds once more)."""
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    t = mod.dtype
+    tol = numerics.GRAD_TOL[str(t).removeprefix("torch.")]
+    for B, N, K, scale in ((1, 300, 516, 1.0), (2, 5, 1028, 1.0), (5, 300, 4096, 1e30), (8, 70, 200, 1e-30),
+                           (8, 1000, 516, 1.0)):
+        x, w = numerics.make_inputs(B, N, K, t, dev, seed=B + N)
+        w = w * scale
+        g = torch.randn(B, N, generator=torch.Generator().manual_seed(B), dtype=torch.float64).to(dev)
+        out = launch.forward(mod, x, w)
+        got = mod.backward(x, w, out, g.float())
+        assert got is not None, "the CUDA backward declined"
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        lmm.reference(xr, wr, torch.float64).backward(g)
+        for have, want, gt in ((got[0], xr.grad, tol), (got[1], wr.grad, numerics.GRAD_TOL["float32"])):
+            big = float(want.abs().max())
+            assert big > 0 and torch.isfinite(have).all(), (B, N, K, scale)
+            assert float((have.double() - want).abs().max()) <= gt * big, (B, N, K, scale)
+        again = mod.backward(x, w, out, g.float())
+        assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])  # no atomics

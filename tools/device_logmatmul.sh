@@ -7,6 +7,13 @@
 #   LMM_DIAG=0: no backward breakdown / profile
 #   LMM_TUNE=1: then re-tune the family into $OUT/h100.json (a copy of kgen/tuning/h100.json),
 #   on an H100 only
+#   LMM_SWEEP=1: first the CUDA variants over K splits and the host cost (tools/logmatmul_sweep.py;
+#   LMM_SWEEP_ARGS=--more adds variants built with other knobs)
+#   LMM_TEST_FIRST='pytest -k expr': GPU tests of that selection right after the build
+#   LMM_BENCH=0: no benchmark
+#   KGEN_LOGMATMUL_CUDA_BACKWARD=1: the op's backward runs a CUDA variant's own backward
+#   (launch.CUDA_BACKWARD; off by default until tests/test_logmatmul.py::test_gpu_cuda_backward
+#   has passed on a GPU)
 set -uo pipefail
 OUT="${OUT:-/tmp/kgen-out}"; mkdir -p "$OUT"
 export KGEN_CACHE_DIR=/tmp/kgen-cache PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -14,9 +21,15 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__ve
 nvcc --version | tail -2
 timeout "${LMM_BUILD_S:-90}" python3 -m kgen.cli build kgen/specs/logmatmul.yaml > "$OUT/build.txt" 2>&1
 grep -E "cuda|triton|fail|rror" "$OUT/build.txt" | head -40
-timeout "${LMM_BENCH_S:-150}" python3 -m kgen.cli bench kgen/specs/logmatmul.yaml --quick --json "$OUT/bench.json" \
+if [ -n "${LMM_TEST_FIRST:-}" ]; then
+  timeout "${LMM_TEST_FIRST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_logmatmul.py \
+    -k "$LMM_TEST_FIRST" > "$OUT/pytest_first.txt" 2>&1
+  tail -8 "$OUT/pytest_first.txt"
+fi
+[ "${LMM_SWEEP:-0}" = 1 ] && timeout "${LMM_SWEEP_S:-90}" python3 tools/logmatmul_sweep.py ${LMM_SWEEP_ARGS:-} 2>&1 | tee "$OUT/sweep.txt"
+[ "${LMM_BENCH:-1}" = 1 ] && timeout "${LMM_BENCH_S:-150}" python3 -m kgen.cli bench kgen/specs/logmatmul.yaml --quick --json "$OUT/bench.json" \
   > "$OUT/bench.txt" 2>&1
-grep -v "^{" "$OUT/bench.txt" | tail -70
+[ "${LMM_BENCH:-1}" = 1 ] && grep -v "^{" "$OUT/bench.txt" | tail -70
 [ "${LMM_DIAG:-1}" = 1 ] && timeout "${LMM_DIAG_S:-60}" python3 - <<'PY' 2>&1 | tee "$OUT/diag.txt"
 # the backward alone (one-pass kernel and GEMM form), then where one op fwd+bwd step goes
 import time, torch, triton
@@ -63,8 +76,9 @@ for B in (1, 8, 16, 64, 256):
     m = op._module(torch.device("cuda", 0), torch.float32, B, 4096, 4096)
     print(f"dispatch B={B}: {getattr(m, 'name', None) or getattr(m, '__name__', m)}")
 PY
-timeout "${LMM_TEST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_logmatmul.py > "$OUT/pytest.txt" 2>&1
-tail -15 "$OUT/pytest.txt"
+[ "${LMM_TEST_S:-120}" != 0 ] && timeout "${LMM_TEST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu \
+  tests/test_logmatmul.py > "$OUT/pytest.txt" 2>&1 && true
+[ "${LMM_TEST_S:-120}" != 0 ] && tail -15 "$OUT/pytest.txt"
 if [ "${LMM_TUNE:-0}" = 1 ] && nvidia-smi -L | grep -q H100; then
   cp kgen/tuning/h100.json "$OUT/h100.json"
   timeout "${LMM_TUNE_S:-200}" python3 -m kgen.cli tune kgen/specs/logmatmul.yaml --out "$OUT/h100.json" \

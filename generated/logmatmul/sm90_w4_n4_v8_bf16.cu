@@ -5,7 +5,8 @@
 // dtype:   bfloat16
 // knobs:   warps=4, nodes=4, vec=8, unroll=1, waves=4
 //
-// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 8.
+// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 8,
+// and its backward for float32 w and B <= 8 (below the forward's kernels).
 //
 // One launch on the caller's stream (two with several K splits):
 //  1. lmm_partials, grid (cdiv(N, NODES), splits), WARPS warps: a CTA owns NODES rows of w
@@ -77,7 +78,9 @@ __device__ __forceinline__ float rescale(float m, float big) {
   return m == -INFINITY ? 0.f : fast_exp2((m - big) * LOG2E);
 }
 
-// Weights: 16 bytes, read once, so not kept in L1 (x is, beside them).
+// Weights: 16 bytes, read once, so not kept in L1 (x is, beside them). (On an H100 the
+// same with an L2::256B prefetch, a coherent load or a streaming .cs load measured the
+// same to +-3 %: logmatmul_note, session 11.)
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
   uint4 r;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 { %0, %1, %2, %3 }, [%4];"
@@ -287,6 +290,156 @@ cudaError_t dispatch_b(const TX* x, const void* w, float* pm, float* ps, float* 
   return cudaErrorInvalidValue;
 }
 
+
+// ----------------------------------------------------------------------------- backward
+// The backward of the Triton template's header (per-row m_b, S_b; e' = exp(x - m) 2^S,
+// c' = g exp(m - out) 2^-S, 0 where out = -inf; dw = sum_b c' e', dx = e' sum_n c' w) for
+// float32 w and B <= BWD_B, as three launches of one host call (kgen_backward):
+//  1. lmm_bwd_stats, one CTA per row: m_b, S_b as logmatmul_bwd_stats_kernel computes them.
+//  2. lmm_bwd_main, grid (K / (THREADS_BWD x 4), chunks of N): a thread owns 4 columns of w
+//     (16-byte loads, a warp 512 contiguous bytes of a row), computes their e' once, the
+//     CTA stages its chunk's c' in shared memory, then each row of the chunk is read once,
+//     its dw written once (16-byte streaming stores) and c' w summed per column.
+//  3. lmm_bwd_dx (several chunks): dx = e' x the chunks' sums in order (0 where e' = 0).
+// No atomics: bit-identical run to run.
+constexpr int BWD_B = 8;
+constexpr int THREADS_BWD = 128;
+constexpr int BWD_ROWS = 4;  // rows of w in flight per thread
+constexpr size_t BWD_SMEM = 46 * 1024;  // c' of a chunk: B x n_chunk floats
+
+__device__ __forceinline__ void st_stream(float* p, float4 v) {
+  asm volatile("st.global.cs.v4.f32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+}
+
+__global__ void __launch_bounds__(256)
+lmm_bwd_stats(const TX* __restrict__ x, const float* __restrict__ out, float* __restrict__ stats, int N, int K) {
+  __shared__ float red[2][8];
+  const int b = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float mx = -INFINITY, mo = -INFINITY;
+  for (int k = threadIdx.x; k < K; k += 256) mx = fmaxf(mx, kgen::to_float(x[(int64_t)b * K + k]));
+  for (int n = threadIdx.x; n < N; n += 256) mo = fmaxf(mo, out[(int64_t)b * N + n]);
+  mx = warp_max(mx);
+  mo = warp_max(mo);
+  if (lane == 0) { red[0][warp] = mx; red[1][warp] = mo; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mx = mo = -INFINITY;
+    for (int i = 0; i < 8; ++i) { mx = fmaxf(mx, red[0][i]); mo = fmaxf(mo, red[1][i]); }
+    const float m = mx == -INFINITY ? 0.f : mx;
+    const float L = (mo - m) * LOG2E;  // log2 of the largest live s
+    stats[2 * b] = m;
+    stats[2 * b + 1] = L == -INFINITY ? 0.f : fminf(64.f, floorf(100.f - L));
+  }
+}
+
+template <int BB>
+__global__ void __launch_bounds__(THREADS_BWD, 4)
+lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float* __restrict__ out,
+             const float* __restrict__ g, const float* __restrict__ stats, float* __restrict__ dw,
+             float* __restrict__ dxp, TX* __restrict__ dx, int B, int N, int K, int n_chunk, bool direct) {
+  extern __shared__ float4 bwd_smem[];
+  float* cs = reinterpret_cast<float*>(bwd_smem);  // [B][n_chunk]
+  const int k = (blockIdx.x * THREADS_BWD + threadIdx.x) * 4;
+  const int n_lo = blockIdx.y * n_chunk;
+  const int rows = min(n_chunk, N - n_lo);
+  for (int i = threadIdx.x; i < B * rows; i += THREADS_BWD) {
+    const int b = i / rows, r = i - b * rows;
+    const int64_t o = (int64_t)b * N + n_lo + r;
+    const float ob = out[o];
+    cs[b * n_chunk + r] = ob == -INFINITY ? 0.f : g[o] * exp2f((stats[2 * b] - ob) * LOG2E - stats[2 * b + 1]);
+  }
+  const bool k_ok = k < K;  // K % 4 == 0: a thread's 4 columns are all in or all out
+  float e[BB][4], acc[BB][4];
+#pragma unroll
+  for (int b = 0; b < BB; ++b) {
+    const float m = b < B ? stats[2 * b] : 0.f, S = b < B ? stats[2 * b + 1] : 0.f;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      // rows past B: e' = 0 (they add nothing to dw; their dx is never written)
+      e[b][v] = b < B && k_ok ? exp2f((kgen::to_float(x[(int64_t)b * K + k + v]) - m) * LOG2E + S) : 0.f;
+      acc[b][v] = 0.f;
+    }
+  }
+  __syncthreads();
+  if (k_ok) {
+    const float* wp = w + (int64_t)n_lo * K + k;
+    float* dwp = dw + (int64_t)n_lo * K + k;
+    int r = 0;
+    for (; r < rows; r += BWD_ROWS) {
+      float wv[BWD_ROWS][4];
+#pragma unroll
+      for (int u = 0; u < BWD_ROWS; ++u) {
+        if (r + u < rows) {
+          Vec<float, 4>::weights(wp + (int64_t)(r + u) * K, wv[u]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < 4; ++v) wv[u][v] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < BWD_ROWS; ++u) {
+        if (r + u < rows) {
+          float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int b = 0; b < BB; ++b) {
+            const float c = cs[min(b, B - 1) * n_chunk + r + u];  // a broadcast read
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+              d[v] = fmaf(c, e[b][v], d[v]);
+              acc[b][v] = fmaf(c, wv[u][v], acc[b][v]);
+            }
+          }
+          st_stream(dwp + (int64_t)(r + u) * K, make_float4(d[0], d[1], d[2], d[3]));
+        }
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < BB; ++b) {
+      if (b < B) {
+        if (direct) {
+#pragma unroll
+          for (int v = 0; v < 4; ++v)
+            dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(e[b][v] > 0.f ? e[b][v] * acc[b][v] : 0.f);
+        } else {
+          *reinterpret_cast<float4*>(dxp + ((int64_t)blockIdx.y * B + b) * K + k) =
+              make_float4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256)
+lmm_bwd_dx(const float* __restrict__ dxp, const TX* __restrict__ x, const float* __restrict__ stats,
+           TX* __restrict__ dx, int B, int K, int chunks) {
+  const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x, total = (int64_t)B * K;
+  if (i >= total) return;
+  float s = 0.f;
+  for (int j = 0; j < chunks; ++j) s += dxp[(int64_t)j * total + i];
+  const int b = (int)(i / K);
+  const float e = exp2f((kgen::to_float(x[i]) - stats[2 * b]) * LOG2E + stats[2 * b + 1]);
+  dx[i] = kgen::from_float<TX>(e > 0.f ? e * s : 0.f);
+}
+
+cudaError_t backward_run(const TX* x, const float* w, const float* out, const float* g, float* stats, float* dw,
+                         float* dxp, TX* dx, int B, int N, int K, int chunks, int n_chunk, cudaStream_t s) {
+  const size_t smem = (size_t)B * n_chunk * sizeof(float);
+  if (B < 1 || B > BWD_B || K % 4 || chunks < 1 || chunks > 65535 || (int64_t)chunks * n_chunk < N ||
+      smem > BWD_SMEM)
+    return cudaErrorInvalidValue;
+  lmm_bwd_stats<<<B, 256, 0, s>>>(x, out, stats, N, K);
+  const dim3 grid((unsigned)kgen::cdiv(K, THREADS_BWD * 4), chunks);
+  const bool direct = chunks == 1;
+  if (B <= 1) lmm_bwd_main<1><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (B <= 2) lmm_bwd_main<2><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (B <= 4) lmm_bwd_main<4><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else lmm_bwd_main<8><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
+  if (!direct)
+    lmm_bwd_dx<<<(unsigned)kgen::cdiv((int64_t)B * K, 256), 256, 0, s>>>(dxp, x, stats, dx, B, K, chunks);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
@@ -313,6 +466,26 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   }
   if (w_f32) return (int)dispatch_b<float>(x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
   return (int)dispatch_b<TX>(x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
+}
+
+// The backward launcher (float32 w, B <= 8; the caller has checked K % 4 == 0, a 16-byte
+// aligned w, fresh 16-byte aligned outputs, B x n_chunk floats <= 46 KiB):
+//   ints: device, x, w, out [B, N], g [B, N] (float32), stats [B, 2], dw [N, K], dxp
+//         [chunks, B, K] (unused with one chunk), dx [B, K], B, N, K, chunks, n_chunk, stream
+extern "C" int kgen_backward(const long long* ints, const double* floats) {
+  (void)floats;
+  const int device = (int)ints[0];
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device) {
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return (int)e;
+  }
+  return (int)backward_run(reinterpret_cast<const TX*>(ints[1]), reinterpret_cast<const float*>(ints[2]),
+                           reinterpret_cast<const float*>(ints[3]), reinterpret_cast<const float*>(ints[4]),
+                           reinterpret_cast<float*>(ints[5]), reinterpret_cast<float*>(ints[6]),
+                           reinterpret_cast<float*>(ints[7]), reinterpret_cast<TX*>(ints[8]), (int)ints[9],
+                           (int)ints[10], (int)ints[11], (int)ints[12], (int)ints[13],
+                           reinterpret_cast<cudaStream_t>(ints[14]));
 }
 
 extern "C" const char* kgen_error_string(int code) {

@@ -9,19 +9,34 @@ same library, on the caller's stream.
 
 Backward: see the Triton template's header (per-row factors, then one pass over w that
 reads it and writes dw; dx's chunk partials summed in order: no atomics, bit-identical run
-to run).
+to run). A CUDA variant's library holds the same backward for float32 w and B <= 8
+(CudaForward.backward: its three launches in one host call, as the forward's; not yet on
+the default path: CUDA_BACKWARD).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kgen.families.logmatmul.plans import (
-    REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_rows, cdiv, k_split, pow2_at_least, sm_count)
+    BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
+    k_split, pow2_at_least, sm_count)
 from kgen.families.logmatmul.schema import cuda_max_b
 from kgen.runtime.streams import current_raw_stream
 
 _empty = torch.empty  # tests patch this to poison every buffer
+# Whether `backward` runs a CUDA variant's own backward (CudaForward.backward). Off: it
+# compiles without local memory and its GPU test (test_gpu_cuda_backward, which calls it
+# directly) is written, but session 11 lost its device before running either; turn it on
+# once that test passes on a GPU and the forward + backward table shows the host time saved
+# (KGEN_LOGMATMUL_CUDA_BACKWARD=1 turns it on for such a run).
+CUDA_BACKWARD = os.environ.get("KGEN_LOGMATMUL_CUDA_BACKWARD") == "1"
+_TORCH_EMPTY = torch.empty
+# Output prototypes of the fast path (CudaForward.direct) up to this many elements are
+# real tensors (16 KiB each at most), larger ones a broadcast scalar.
+_PROTO_ELEMENTS = 4096
 MISSING = object()
 class CudaForward:
     """A CUDA variant's forward with the Triton module that serves its backward and the
@@ -37,6 +52,19 @@ class CudaForward:
         self.max_b = cuda_max_b(self.nodes, self.vec, kernel.params["unroll"], kernel.variant.dtype)
         self.DOT = "cuda"
         self._plans: dict = {}  # (B, N, K, w is float32, device) -> (splits, k_slice)
+        # the library's backward launcher (kgen_backward: float32 w, B <= BWD_B), through the
+        # trampoline like the forward's (ctypes where this Python has none)
+        lib = getattr(kernel, "lib", None)
+        fn = getattr(lib, "kgen_backward", None) if lib is not None else None
+        self._bwd = None
+        if fn is not None:
+            import ctypes
+
+            from kgen.runtime import loader
+
+            tramp = loader.trampoline()
+            self._bwd = (tramp.call, ctypes.cast(fn, ctypes.c_void_p).value) if tramp is not None else (
+                loader._ctypes_raw(fn), 0)
 
     def takes(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         B, K = x.shape
@@ -51,12 +79,19 @@ class CudaForward:
         where the kernel does not take the shape or dtypes."""
         B, N, K, xt, wt, index = key
         w32 = wt is torch.float32
-        plan = None
+        plan, forced = None, splits
         if 1 <= B <= self.max_b and (K * (4 if w32 else 2)) % 16 == 0 and xt == self.dtype and (w32 or wt == xt):
             # a CTA's K slice is a whole number of threads x 16 bytes of w
             step = self.warps * 32 * (4 if w32 else 8)
-            plan = k_split(1, N, K, 1, self.nodes, step, self.waves, sm_count(torch.device("cuda", index)), splits)
-        if splits is None:
+            tiles = cdiv(N, self.nodes)
+            if splits is None:
+                # CTAs for about `waves` per SM, to the nearest whole number of splits (one wave of
+                # node groups that nearly fills the GPU takes no split: on an H100 at N = K = 4096,
+                # 8 nodes and B <= 8, 512 CTAs in one launch took 33-41 us against 36-46 us for 2 splits)
+                sms = sm_count(torch.device("cuda", index))
+                splits = min(max(1, (self.waves * sms + tiles // 2) // tiles), max(1, cdiv(K, step) // MIN_SPLIT_STEPS))
+            plan = k_split(1, N, K, 1, self.nodes, step, self.waves, 1, splits)
+        if forced is None:
             if len(self._plans) > 4096:  # many shapes: keep the memo small, as op._BY_SHAPE does
                 self._plans.clear()
             self._plans[key] = plan
@@ -86,6 +121,67 @@ class CudaForward:
         if rc:
             k.fail(rc)
         return True
+
+    def direct(self, B: int, N: int, K: int, x_dtype, w_dtype, device: torch.device):
+        """A launcher for one exact call signature whose plan is one launch (no K split):
+        `f(x, w)` -> out, or None where x or w is not contiguous or not 16-byte aligned
+        (then the general path runs). The op's fast path keeps it per signature: the plan,
+        the kernel's arguments that do not change and the stream getter are bound once."""
+        if min(B, N, K) < 1:
+            return None
+        index = device.index
+        key = (B, N, K, x_dtype, w_dtype, index)
+        plan = self._plans.get(key, MISSING)
+        if plan is MISSING:
+            plan = self._plan(key)
+        if plan is None or plan[0] != 1:
+            return None
+        k_slice = plan[1]
+        raw, ptr, fail, w32 = self.kernel.raw, self.kernel.ptr, self.kernel.fail, w_dtype is torch.float32
+        shape, f32, stream, empty_like = (B, N), torch.float32, current_raw_stream, torch.empty_like
+        # outputs come from empty_like of a prototype (no size / dtype / device arguments to
+        # parse: about half of torch.empty's host time); a small one is real, a large one a
+        # broadcast scalar (4 bytes held; empty_like of it is contiguous)
+        if B * N <= _PROTO_ELEMENTS:
+            proto = torch.empty(shape, dtype=f32, device=device)
+        else:
+            proto = torch.empty((1, 1), dtype=f32, device=device).expand(B, N)
+
+        def launch(x, w):
+            xp, wp = x.data_ptr(), w.data_ptr()
+            if (xp | wp) & 15 or not (x.is_contiguous() and w.is_contiguous()):
+                return None
+            out = empty_like(proto) if _empty is _TORCH_EMPTY else _empty(shape, dtype=f32, device=device)
+            o = out.data_ptr()
+            rc = raw(ptr, index, xp, wp, w32, o, o, o, B, N, K, 1, k_slice, stream(index))
+            if rc:
+                fail(rc)
+            return out
+
+        return launch
+
+    def backward(self, x, w, out, grad):
+        """(dx, dw) by the library's backward (one host call, three launches), or None where
+        it does not apply (then the Triton companion's backward runs): float32 w, x in the
+        variant's dtype, 1 <= B <= BWD_B, whole 16-byte rows of w at a 16-byte aligned base."""
+        B, K = x.shape
+        N = w.shape[0]
+        if (self._bwd is None or w.dtype is not torch.float32 or x.dtype is not self.dtype or not 1 <= B <= BWD_B
+                or N < 1 or K < 1 or K % 4 or w.data_ptr() & 15):
+            return None
+        dev = x.device
+        chunks, n_chunk = bwd_cuda_chunks(B, N, K, sm_count(dev))
+        f32 = torch.float32
+        stats = _empty((B, 2), dtype=f32, device=dev)
+        dw = _empty((N, K), dtype=f32, device=dev)
+        dx = _empty((B, K), dtype=x.dtype, device=dev)
+        dxp = dx if chunks == 1 else _empty((chunks, B, K), dtype=f32, device=dev)
+        raw, ptr = self._bwd
+        rc = raw(ptr, dev.index, x.data_ptr(), w.data_ptr(), out.data_ptr(), grad.data_ptr(), stats.data_ptr(),
+                 dw.data_ptr(), dxp.data_ptr(), dx.data_ptr(), B, N, K, chunks, n_chunk, current_raw_stream(dev.index))
+        if rc:
+            self.kernel.fail(rc)
+        return dx, dw
 
 
 def forward(mod, x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> torch.Tensor:
@@ -129,8 +225,12 @@ def forward(mod, x: torch.Tensor, w: torch.Tensor, splits: int | None = None) ->
 def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx in x's dtype, dw in w's dtype) from the saved out [B, N] and the upstream
     gradient [B, N] (float32), all contiguous: the passes of the Triton template's header.
-    `gemm` forces the GEMM form on or off (default: B > the variant's bwd_b)."""
+    `gemm` forces the GEMM form on or off (default: B > the variant's bwd_b). With
+    CUDA_BACKWARD a CUDA variant runs its library's backward where that applies (`gemm` unset)."""
     if isinstance(mod, CudaForward):
+        got = mod.backward(x, w, out, grad) if gemm is None and CUDA_BACKWARD else None
+        if got is not None:
+            return got
         mod = mod.triton
     B, K = x.shape
     N = w.shape[0]
