@@ -5,7 +5,11 @@ Each kernel's output is checked first (int8_mm exact; w8a16 within the spec's to
 of float64). Times: triton.testing.do_bench medians, L2 flushed between calls. Also
 writes every candidate's time per tuning bucket (JSON) for a re-tune of the M <= 16 buckets.
 
-    python tools/bench_int8_gemv.py [--out DIR] [--ms 1,16] [--shapes N,K ...]
+    python tools/bench_int8_gemv.py [--out DIR] [--ms 1,16] [--shapes N,K ...] [--no-sweep]
+
+Also times a device-to-device copy moving the same bytes as the weight read (N x K / 2 read,
+as many written) at each shape: what one bandwidth-bound launch of that size costs with its
+ramp and tail ("copy us"), the practical floor beside the bandwidth floor.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--ms", default="1,16")
     p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--no-sweep", action="store_true")
     args = p.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     ms = [int(m) for m in args.ms.split(",")]
@@ -57,12 +62,16 @@ def main(argv=None) -> int:
         for v in dispatch.runnable("int8_gemm", dtype, dev):
             kernels[(dtype, v.name)] = ig.implementation(dispatch.load(v))
     tol = SPEC.numerics["bfloat16"]
+    src = torch.empty(max(N * K for N, K in shapes) // 2, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
     rows, buckets = [], {}
     for N, K in shapes:
         b = torch.randint(-128, 128, (N, K), dtype=torch.int8, device=dev)
         wb = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
         sb = (torch.rand(N, device=dev) + 0.5) / (127 * K ** 0.5)
         sbb = sb.to(torch.bfloat16)
+        half = N * K // 2
+        copy_us = _us(lambda: dst[:half].copy_(src[:half]))
         for M in ms:
             a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device=dev)
             x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
@@ -101,7 +110,8 @@ def main(argv=None) -> int:
                 row = {"op": "int8_mm" if dtype == "int8" else "w8a16", "M": M, "N": N, "K": K,
                        "floor us": floor, "gemv best": best_g, "gemv us": gemv[best_g],
                        "x floor": gemv[best_g] / floor, "old best": best_o, "old us": old[best_o],
-                       "dispatch us": times["dispatch (table)"], "check": checks[best_g]}
+                       "dispatch us": times["dispatch (table)"], "check": checks[best_g],
+                       "copy us": copy_us, "x copy": gemv[best_g] / copy_us}
                 if dtype != "int8":
                     row["cuBLAS bf16 us"] = times["bf16 cuBLAS"]
                     row["x vs cuBLAS"] = times["bf16 cuBLAS"] / gemv[best_g]
@@ -110,16 +120,18 @@ def main(argv=None) -> int:
                 bucket = ig.tune_bucket(M, N, K)
                 buckets[f"{dtype}|{bucket}"] = {"times_us": times, "checks": checks, "floor_us": floor}
                 print(json.dumps(row), flush=True)
+                ranked = sorted(gemv.items(), key=lambda i: i[1])
+                print("  gemv:", {n.replace("sm90_gemv_m16_", ""): round(t, 2) for n, t in ranked}, flush=True)
                 bad = [n for n, c in checks.items() if c.startswith("WRONG")]
                 if bad:
                     print("WRONG:", bad, flush=True)
             # the K split policy against forced splits, for the first gemv variant of each dtype
-            if (N, K) in ((4096, 4096), (4096, 11008)):
+            if (N, K) in ((4096, 4096), (4096, 11008)) and not args.no_sweep:
                 for (d, name), impl in kernels.items():
-                    if "gemv" not in name or "n64" not in name:
+                    if "gemv" not in name or ("n64" not in name and "n16" not in name):
                         continue
                     sweep = {}
-                    for s in (1, 2, 4, 8, 16, 32):
+                    for s in (1, 2, 4, 8, 16) if "n64" in name else (1, 2, 3, 4):
                         if d == "int8":
                             out = torch.empty(M, N, dtype=torch.int32, device=dev)
                             sweep[s] = _us(lambda: ig.gemm(impl, ig.MODE_MM, a, b, out, n_splits=s))
@@ -127,14 +139,13 @@ def main(argv=None) -> int:
                             out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
                             sweep[s] = _us(lambda: ig.gemm(impl, ig.MODE_W8A16, x, b, out, scale_b=sb, n_splits=s))
                     print(json.dumps({"sweep": name, "M": M, "N": N, "K": K,
-                                      "policy": ig.plans.gemv_splits(impl.cuda.params["block_n"], M, N, K,
-                                                                     ig.plans.sm_count(dev)),
+                                      "policy": ig.plans.gemv_splits_of(impl.cuda.params, M, N, K, ig.plans.sm_count(dev)),
                                       "us by splits": {k: round(v, 2) for k, v in sweep.items()}}), flush=True)
             del a, x
         del b, wb
         torch.cuda.empty_cache()
     print()
-    head = ["op", "M", "N", "K", "floor us", "gemv us", "x floor", "old us", "dispatch us", "cuBLAS bf16 us",
+    head = ["op", "M", "N", "K", "floor us", "copy us", "gemv us", "x floor", "x copy", "old us", "dispatch us", "cuBLAS bf16 us",
             "x vs cuBLAS", "eager us", "gemv best", "old best", "check"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

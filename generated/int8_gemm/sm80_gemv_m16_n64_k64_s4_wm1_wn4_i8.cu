@@ -3,19 +3,26 @@
 // variant: int8_gemm/sm80_gemv_m16_n64_k64_s4_wm1_wn4_i8
 // backend: cuda, arch: sm_80
 // dtype:   int8
-// knobs:   kernel=gemv, block_m=16, block_n=64, block_k=64, stages=4, warps_m=1, warps_n=4
+// knobs:   kernel=gemv, block_m=16, block_n=64, block_k=64, stages=4, warps_m=1, warps_n=4, ring=0
 // Small-M (M <= 16) int8-weight GEMM, bound by reading the weight once: int8_mm (exact int32)
 // and int8_linear (W8A8 epilogue) on int8 variants, w8a16_linear on 16-bit ones.
-// Each warp streams 1 group(s) of 16 weight rows with 16-byte loads straight from global
-// memory into registers (ld.global.nc, no L1 allocation; 4 64-k steps of loads in
-// flight per trip), 4 warps per CTA on distinct rows, and feeds them to mma.sync as the
-// A operand with the M <= 16 activation rows as B (8 tokens per MMA column group, read with
-// cached 16-byte loads: every warp of an SM reads the same x). No shared memory.
+// Each warp streams 1 group(s) of 16 weight rows with 16-byte loads (4 64-k steps a
+// trip; ring = 0: 0 straight into registers with ld.global.nc and no L1 allocation, else
+// through a per-warp cp.async ring of that many trips in shared memory), 4 warp(s) per
+// CTA on distinct rows times 1 on distinct K ranges of the same rows, and feeds them to
+// mma.sync as the A operand with the M <= 16 activation rows as B (8 tokens per MMA column
+// group, read with cached 16-byte loads). The next trip's weight and (where registers allow:
+// XPRE) its activations are loaded while this trip computes, into registers the loop carries,
+// so a trip waits for neither an L2 round trip of x nor (registers) the weight.
 // K permutation: lane (g = lane / 4, t = lane % 4) loads bytes [16 t, 16 t + 16) of a 64-k step
 // of weight rows g and g + 8 and of token g; an MMA sums over k, so any order of k that A and B
 // share gives the same sum: the lane's words are placed in the MMA's k slots of its t.
 //   int8: m16n8k32 s8, two MMAs a step (words {0, 1}, {2, 3}); exact int32.
 //   16-bit: bytes widened exactly to bf16 / fp16 pairs, four m16n8k16 MMAs a step, float32.
+// K-warps (KW > 1): warp k of a row group streams the k-th of KW equal step ranges of the CTA's
+// range; at the end warps 1..KW-1 leave their sums in shared memory and warp 0 adds them in
+// warp order (fixed order: deterministic) and stores. No combine kernel is needed unless the
+// grid also splits K.
 // Grid (cdiv(N, ROWS), splits): a split streams one range of whole steps; splits > 1 write
 // partial planes [splits, M, N] (int32 / float32) that a second kernel sums in split order
 // and finishes (deterministic, no atomics). Per-group w8a16 scales (group_size % 64 == 0: a
@@ -44,15 +51,20 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
 }  // namespace kgen
+#include <mutex>
 #include <type_traits>
 
 namespace {
 
-constexpr int WARPS = 4;    // warps per CTA, each on its own rows
+constexpr int WARPS = 4;    // warps per CTA along rows, each on its own rows
+constexpr int KW = 1;          // warps per CTA along K (same rows, distinct step ranges)
 constexpr int RG = 1;          // 16-row groups per warp
 constexpr int UNROLL = 4;  // 64-k steps per loop trip: loads in flight per lane
+constexpr int RING = 0;      // trips of weight in flight per warp in shared memory (0: registers)
+constexpr int CHUNKS = UNROLL * RG * 2;  // 16-byte weight pieces per lane per trip
 constexpr int ROWS = 16 * RG * WARPS; // weight rows per CTA
-constexpr int THREADS = 32 * WARPS;
+constexpr int RING_BYTES = RING * CHUNKS * 32 * 16 * WARPS * KW;  // dynamic shared memory
+constexpr int THREADS = 32 * WARPS * KW;
 constexpr int STEP = 64;              // k per step: 4 lanes x 16 bytes of a weight row
 constexpr int MAX_M = 16;
 using XT = int8_t;                    // a: int8 (int8_mm, int8_linear)
@@ -81,6 +93,17 @@ __device__ __forceinline__ void load_stream(uint32_t (&r)[4], const void* p, boo
   asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
                " mov.b32 %3, 0;\n @q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p), "r"((int)ok));
+}
+
+// The same 16 bytes through cp.async into shared memory (zeros where !ok: nothing is read).
+__device__ __forceinline__ void cp_async_stream(uint32_t dst, const void* p, bool ok) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(p), "r"(ok ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void load_shared(uint32_t (&r)[4], uint32_t a) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a)
+               : "memory");
 }
 
 // 16 bytes of x, or zeros where !ok: read by every warp of the SM, so cached.
@@ -163,11 +186,17 @@ __device__ __forceinline__ void finish(const Params& p, int m, int n, Acc v) {
 template <int MODE, int MT, bool GROUPED>
 __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
   constexpr int TG = MT / 8;  // 8-token MMA column groups
+  // x of the next trip loaded ahead too where it costs <= 32 registers a trip (64 with the
+  // weight in shared memory), else at the start of its own trip
+  constexpr bool XPRE = TG * XWORDS * UNROLL <= (RING ? 64 : 32);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int n_warp = blockIdx.x * ROWS + warp * 16 * RG;
+  const int wr = warp % WARPS, wk = warp / WARPS;  // row group, K range of the warp
+  const int n_warp = blockIdx.x * ROWS + wr * 16 * RG;
   const int steps = (int)kgen::cdiv(p.K, STEP);
-  const int s0 = (int)((int64_t)blockIdx.y * steps / p.splits);
-  const int s1 = (int)((int64_t)(blockIdx.y + 1) * steps / p.splits);
+  const int c0 = (int)((int64_t)blockIdx.y * steps / p.splits);
+  const int c1 = (int)((int64_t)(blockIdx.y + 1) * steps / p.splits);
+  const int s0 = c0 + (int)((int64_t)(c1 - c0) * wk / KW);  // the warp's steps: [s0, s1)
+  const int s1 = c0 + (int)((int64_t)(c1 - c0) * (wk + 1) / KW);
 
   const int8_t* wrow[RG][2];
 #pragma unroll
@@ -188,11 +217,13 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[r][h][i] = 0, gacc[r][h][i] = 0.0f;
 
-  // The weight of a trip (4 steps) is loaded one trip ahead, into registers the loop
-  // carries: every load of the next trip is in flight while this one computes (loads used
-  // in the same trip get scheduled next to their use, leaving two in flight). Steps past the
-  // split's end and lanes past K load zeros.
-  uint32_t wv[UNROLL][RG][2][4];
+  // Weight: RING == 0: a trip (4 steps) is loaded one trip ahead, into registers the
+  // loop carries (loads used in the same trip get scheduled next to their use, leaving two in
+  // flight). RING > 0: each lane streams its 16-byte pieces with cp.async into its own slots of
+  // a RING-trip ring in shared memory (no other lane reads them: no barrier), RING trips in
+  // flight from the start and RING - 1 while a trip computes; a slot is refilled after the
+  // trip that read it has computed. Steps past the warp's range and lanes past K load zeros.
+  uint32_t xv[UNROLL][TG][XWORDS];
   auto load_trip = [&](uint32_t (&dst)[UNROLL][RG][2][4], int st) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
@@ -204,12 +235,7 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
         for (int e = 0; e < 2; ++e) load_stream(dst[u][r][e], wrow[r][e] + (ok ? k : 0), ok);
     }
   };
-  load_trip(wv, s0);
-#pragma unroll 1
-  for (int st = s0; st < s1; st += UNROLL) {
-    uint32_t wn[UNROLL][RG][2][4];
-    load_trip(wn, st + UNROLL);
-    uint32_t xv[UNROLL][TG][XWORDS];
+  auto load_x = [&](uint32_t (&dst)[UNROLL][TG][XWORDS], int st) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int k = (st + u) * STEP;
@@ -217,8 +243,10 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
 #pragma unroll
       for (int h = 0; h < TG; ++h)
 #pragma unroll
-        for (int q = 0; q < XWORDS / 4; ++q) load_cached(&xv[u][h][4 * q], xrow[h] + (ok ? k : 0) + 8 * q, ok);
+        for (int q = 0; q < XWORDS / 4; ++q) load_cached(&dst[u][h][4 * q], xrow[h] + (ok ? k : 0) + 8 * q, ok);
     }
+  };
+  auto compute = [&](const uint32_t (&wv)[UNROLL][RG][2][4], int st) {
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
@@ -250,7 +278,7 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
         }
       }
       if constexpr (GROUPED && !INT8) {
-        const int s = st + u;  // fold at the end of each scale group and of the split's range
+        const int s = st + u;  // fold at the end of each scale group and of the warp's range
         if (s < s1 && ((s + 1) % p.group_steps == 0 || s + 1 == s1)) {
           const int grp = s / p.group_steps;
 #pragma unroll
@@ -272,14 +300,103 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
         }
       }
     }
+  };
+  auto next_x = [&](uint32_t (&xn)[UNROLL][TG][XWORDS]) {
+    if constexpr (XPRE) {
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u)
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int h = 0; h < TG; ++h)
+#pragma unroll
+          for (int i = 0; i < XWORDS; ++i) xv[u][h][i] = xn[u][h][i];
+    }
+  };
+  if constexpr (XPRE) load_x(xv, s0);
+  if constexpr (RING == 0) {
+    uint32_t wv[UNROLL][RG][2][4];
+    load_trip(wv, s0);
+#pragma unroll 1
+    for (int st = s0; st < s1; st += UNROLL) {
+      uint32_t wn[UNROLL][RG][2][4];
+      load_trip(wn, st + UNROLL);
+      uint32_t xn[UNROLL][TG][XWORDS];
+      if constexpr (XPRE) load_x(xn, st + UNROLL);
+      else load_x(xv, st);
+      compute(wv, st);
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int r = 0; r < RG; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wv[u][r][e][i] = wn[u][r][e][i];
+      next_x(xn);
+    }
+  } else {
+    extern __shared__ uint4 ring_smem[];  // [warp][RING][CHUNKS][32 lanes] x 16 bytes
+    const uint32_t mine = (uint32_t)__cvta_generic_to_shared(ring_smem) + (warp * RING * CHUNKS * 32 + lane) * 16;
+    auto issue = [&](int slot, int st) {
+      if (st < s1) {
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+          const int k = (st + u) * STEP;
+          const bool ok = st + u < s1 && k + 16 * t < p.K;
+#pragma unroll
+          for (int r = 0; r < RG; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              cp_async_stream(mine + ((slot * CHUNKS + (u * RG + r) * 2 + e) * 32) * 16, wrow[r][e] + (ok ? k : 0), ok);
+        }
+      }
+      asm volatile("cp.async.commit_group;" ::: "memory");  // one group a trip, empty past the range
+    };
+#pragma unroll
+    for (int d = 0; d < RING; ++d) issue(d, s0 + d * UNROLL);
+    int slot = 0;
+#pragma unroll 1
+    for (int st = s0; st < s1; st += UNROLL) {
+      uint32_t xn[UNROLL][TG][XWORDS];
+      if constexpr (XPRE) load_x(xn, st + UNROLL);
+      else load_x(xv, st);
+      asm volatile("cp.async.wait_group %0;" ::"n"(RING - 1) : "memory");  // this trip's group landed
+      uint32_t wv[UNROLL][RG][2][4];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u)
+#pragma unroll
+        for (int r = 0; r < RG; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            load_shared(wv[u][r][e], mine + ((slot * CHUNKS + (u * RG + r) * 2 + e) * 32) * 16);
+      compute(wv, st);
+      issue(slot, st + RING * UNROLL);
+      slot = slot + 1 == RING ? 0 : slot + 1;
+      next_x(xn);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // nothing may land after the CTA is gone
+  }
+
+  if constexpr (KW > 1) {
+    // warps 1..KW-1 of each row group hand their sums to warp 0, which adds them in warp order
+    __shared__ Acc red[KW - 1][WARPS][RG * TG * 4][32];
+    if (wk > 0) {
 #pragma unroll
       for (int r = 0; r < RG; ++r)
 #pragma unroll
-        for (int e = 0; e < 2; ++e)
+        for (int h = 0; h < TG; ++h)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) wv[u][r][e][i] = wn[u][r][e][i];
+          for (int i = 0; i < 4; ++i) red[wk - 1][wr][(r * TG + h) * 4 + i][lane] = acc[r][h][i];
+    }
+    __syncthreads();
+    if (wk > 0) return;
+#pragma unroll 1
+    for (int w = 0; w < KW - 1; ++w)
+#pragma unroll
+      for (int r = 0; r < RG; ++r)
+#pragma unroll
+        for (int h = 0; h < TG; ++h)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[r][h][i] += red[w][wr][(r * TG + h) * 4 + i][lane];
   }
 
   // acc[r][h][i]: weight row n_warp + 16 r + g + 8 (i / 2), token 8 h + 2 t + i % 2.
@@ -307,11 +424,34 @@ __global__ void __launch_bounds__(256) combine_kernel(const Params p) {
   }
 }
 
+// Raise a kernel's dynamic shared-memory limit to RING_BYTES once per device (a bit per
+// device in `done`, one word per instantiation); launchers run without the GIL, hence the lock.
+template <typename Kernel>
+cudaError_t opt_in(Kernel kernel, int device, uint64_t& done) {
+  static std::mutex mutex;
+  if (RING_BYTES <= 48 * 1024) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!(done >> device & 1)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_BYTES);
+    if (e != cudaSuccess) return e;
+    done |= uint64_t(1) << device;
+  }
+  return cudaSuccess;
+}
+
 template <int MODE, bool GROUPED>
-cudaError_t launch(const Params& p, cudaStream_t stream) {
+cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
   const dim3 grid((unsigned)kgen::cdiv(p.N, ROWS), (unsigned)p.splits);
-  if (p.M <= 8) gemv_kernel<MODE, 8, GROUPED><<<grid, THREADS, 0, stream>>>(p);
-  else gemv_kernel<MODE, MAX_M, GROUPED><<<grid, THREADS, 0, stream>>>(p);
+  static uint64_t done8 = 0, done16 = 0;
+  if (p.M <= 8) {
+    const cudaError_t e = opt_in(gemv_kernel<MODE, 8, GROUPED>, device, done8);
+    if (e != cudaSuccess) return e;
+    gemv_kernel<MODE, 8, GROUPED><<<grid, THREADS, RING_BYTES, stream>>>(p);
+  } else {
+    const cudaError_t e = opt_in(gemv_kernel<MODE, MAX_M, GROUPED>, device, done16);
+    if (e != cudaSuccess) return e;
+    gemv_kernel<MODE, MAX_M, GROUPED><<<grid, THREADS, RING_BYTES, stream>>>(p);
+  }
   if (p.splits > 1) {
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
@@ -339,7 +479,7 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
                             : (mode == 2 && out_code == VARIANT_OUT && scale_code >= 1 && scale_code <= 3);
   if (M < 1 || M > MAX_M || N <= 0 || K <= 0 || K % 16 || N > INT32_MAX || K > INT32_MAX ||
       kgen::cdiv(N, ROWS) > INT32_MAX || ints[3] % 16 || ints[4] % 16 || !ints[3] || !ints[4] || !ints[5] ||
-      splits < 1 || splits > steps || splits > 65535 || (splits > 1 && !ints[6]) || device < 0 || !mode_ok ||
+      splits < 1 || splits > steps || splits > 65535 || (splits > 1 && !ints[6]) || device < 0 || device > 63 || !mode_ok ||
       (mode == 1 && (!ints[7] || !ints[8])) || (mode == 2 && !ints[8]) ||
       (group != 0 && (INT8 || group < 0 || group % STEP || K % group)) ||
       (has_bias && (!ints[9] || bias_code < 1 || bias_code > 3)))
@@ -355,7 +495,7 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   p.M = (int)M, p.N = (int)N, p.K = (int)K, p.splits = (int)splits;
   p.group_steps = group ? (int)(group / STEP) : 1, p.n_groups = group ? (int)(K / group) : 1;
   p.out_code = out_code, p.scale_code = scale_code, p.bias_code = bias_code;
-  return (int)(mode == 0 ? launch<0, false>(p, stream) : launch<1, false>(p, stream));
+  return (int)(mode == 0 ? launch<0, false>(p, device, stream) : launch<1, false>(p, device, stream));
 }
 
 extern "C" const char* kgen_error_string(int code) {

@@ -3,7 +3,7 @@
 // variant: int8_gemm/sm90_m128_n128_k64_s4_wm2_wn4_i8
 // backend: cuda, arch: sm_90
 // dtype:   int8
-// knobs:   kernel=mma, block_m=128, block_n=128, block_k=64, stages=4, warps_m=2, warps_n=4
+// knobs:   kernel=mma, block_m=128, block_n=128, block_k=64, stages=4, warps_m=2, warps_n=4, ring=0
 // int8 x int8 -> int32 GEMM, C[M, N] = A[M, K] @ B[N, K]^T, with an optional W8A8 epilogue
 // (C * scale_a[m] * scale_b[n] + bias[n] in float32, rounded once to bf16 / fp16 / f32).
 // cp.async ring of 4 stages of A 128 x 64 B and B 128 x 64 B (16-byte

@@ -79,7 +79,7 @@ def _gemv(kernel, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits)
     N = b.shape[0]
     steps = plans.cdiv(K, plans.GEMV_STEP)
     if n_splits is None:
-        n_splits = plans.gemv_splits(kernel.params["block_n"], M, N, K, plans.sm_count(a.device))
+        n_splits = plans.gemv_splits_of(kernel.params, M, N, K, plans.sm_count(a.device))
     n_splits = max(1, min(n_splits, steps))
     part = None
     if n_splits > 1:

@@ -57,12 +57,15 @@ def combine_grid(mod, M: int, N: int) -> tuple[int, int]:
     return cdiv(M, mod.COMBINE_M), cdiv(N, mod.COMBINE_N)
 
 
-# The gemv kernel (small M): 64-k steps; a grid of at least GEMV_CTAS_PER_SM CTAs per SM
-# (4-warp CTAs, no shared memory: 16 warps of loads in flight per SM); each split at least
-# GEMV_MIN_STEPS steps; the partial planes (written and read back) at most 1/8 of the weight.
+# The gemv kernel (small M): 64-k steps; a grid of at least GEMV_WARPS_PER_SM warps per SM
+# (no or little shared memory: every warp keeps a trip of 16-byte loads in flight), counting
+# a CTA's K-warps (warps_m: warps on distinct K ranges of the same rows); each warp's range at
+# least GEMV_MIN_STEPS steps; the partial planes (written and read back) at most 1/8 of the
+# weight. Splitting K over CTAs costs a second (combine) launch, so it is only for grids that
+# cannot fill the SMs with warps otherwise.
 GEMV_STEP = 64
 GEMV_MAX_M = 16
-GEMV_CTAS_PER_SM = 4
+GEMV_WARPS_PER_SM = 12
 GEMV_MIN_STEPS = 4
 GEMV_MAX_SPLITS = 64
 
@@ -71,13 +74,20 @@ def is_gemv(variant) -> bool:
     return variant.backend == "cuda" and variant.params.get("kernel") == "gemv"
 
 
-def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int) -> int:
-    """K splits of a gemv call: enough CTAs to fill the SMs, each split >= GEMV_MIN_STEPS
-    steps, and the int32 / float32 partials (M x N x 4 bytes a split, twice) <= 1/8 of N x K."""
+def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
+    """K splits of a gemv call (CTAs of `warps` row warps x `k_warps` K-warps): enough warps
+    to fill the SMs, each warp's range >= GEMV_MIN_STEPS steps, and the int32 / float32
+    partials (M x N x 4 bytes a split, twice) <= 1/8 of N x K."""
     steps = cdiv(K, GEMV_STEP)
-    row_ctas = cdiv(N, rows_per_cta)
-    s = min(cdiv(GEMV_CTAS_PER_SM * sms, row_ctas), steps // GEMV_MIN_STEPS, K // (64 * M), GEMV_MAX_SPLITS)
+    cta_warps = cdiv(N, rows_per_cta) * warps * k_warps
+    s = min(cdiv(GEMV_WARPS_PER_SM * sms, cta_warps), steps // (GEMV_MIN_STEPS * k_warps), K // (64 * M),
+            GEMV_MAX_SPLITS)
     return max(1, s)
+
+
+def gemv_splits_of(params, M: int, N: int, K: int, sms: int) -> int:
+    """gemv_splits for a variant's knobs."""
+    return gemv_splits(params["block_n"], M, N, K, sms, params["warps_n"], params["warps_m"])
 
 
 def preference(variant, M: int) -> tuple:

@@ -11,7 +11,9 @@ tiled cp.async + ldmatrix + mma.sync GEMM, int8 only) and `gemv` (cuda_gemv.cu.j
 small-M streaming kernel for M <= 16, every dtype), which reads the shared knobs as:
 block_m = the most rows of a / x it takes (16), block_n = weight rows per CTA (16-row groups
 per warp x 16 x warps_n), block_k = k per step (64: 4 lanes x 16 bytes), stages = steps of
-loads in flight per loop trip, warps_m = 1."""
+loads in flight per loop trip, warps_m = warps per row group on distinct K ranges of the same
+rows (their sums added in warp order through shared memory at the end), ring = trips of
+weight in flight per warp through a cp.async ring in shared memory (0: registers)."""
 
 from __future__ import annotations
 
@@ -38,28 +40,46 @@ def gemv_row_groups(k: Mapping[str, Any]) -> int:
     return k["block_n"] // (16 * k["warps_n"])
 
 
-def _check_gemv(k: Mapping[str, Any]) -> list:
+def gemv_smem(k: Mapping[str, Any]) -> int:
+    """Static shared memory of a gemv variant's 16-token instance: warps_m - 1 K-warps' sums of
+    every row-group warp (16 x 16 values of 4 bytes a row group)."""
+    return (k["warps_m"] - 1) * k["warps_n"] * gemv_row_groups(k) * 16 * 16 * 4
+
+
+def gemv_ring_smem(k: Mapping[str, Any]) -> int:
+    """Dynamic shared memory of a gemv variant: `ring` trips of every warp's 16-byte weight
+    pieces (stages x row groups x 2 rows per lane)."""
+    return k.get("ring", 0) * k["stages"] * gemv_row_groups(k) * 2 * 32 * 16 * k["warps_m"] * k["warps_n"]
+
+
+def _check_gemv(arch: str | None, k: Mapping[str, Any]) -> list:
     problems = []
     if k["block_m"] != 16:
         problems.append(("block_m", f"block_m={k['block_m']}: the gemv kernel takes M <= 16 (two 8-token MMA "
                                     "column groups); larger M is the tiled kernels' work"))
     if k["block_k"] != 64:
         problems.append(("block_k", f"block_k={k['block_k']}: a gemv step is 64 k (4 lanes x 16 bytes of a row)"))
-    if k["warps_m"] != 1:
-        problems.append(("warps_m", "gemv warps split the rows only: warps_m must be 1"))
     rg = gemv_row_groups(k)
+    if 32 * k["warps_m"] * k["warps_n"] > 512:
+        problems.append(("warps_m", f"{k['warps_m']} x {k['warps_n']} warps: at most 16 per CTA"))
+    elif gemv_smem(k) > 48 * 1024:
+        problems.append(("warps_m", f"the K-warps' sums take {gemv_smem(k)} bytes of shared memory (at most 48 KB)"))
     if k["block_n"] % (16 * k["warps_n"]) or rg not in (1, 2, 4):
         problems.append(("block_n", f"block_n={k['block_n']} must be 16 x warps_n x (1, 2 or 4 row groups per "
                                     "warp)"))
     elif rg * k["stages"] > 8:
         problems.append(("stages", f"{k['stages']} steps x {rg} row groups: at most 8 in flight (registers)"))
+    smem = gemv_smem(k) + gemv_ring_smem(k)
+    if arch in _SMEM_LIMIT and smem > _SMEM_LIMIT[arch] - 1024:
+        problems.append(("ring", f"a ring of {k['ring']} trips needs {smem} bytes of shared memory with the sums, "
+                                 f"above {arch}'s {_SMEM_LIMIT[arch] - 1024}"))
     return problems
 
 
 def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
     problems = []
     if backend == "cuda" and k["kernel"] == "gemv":
-        return _check_gemv(k)
+        return _check_gemv(arch, k)
     if backend == "triton":
         # tl.dot needs K >= 16 per step; int8 MMAs take K = 32 per instruction.
         if dtype == "int8" and k["block_k"] < 32:
@@ -69,6 +89,8 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
             problems.append(("num_stages", f"{k['num_stages']} stages of ({k['block_m']} + {k['block_n']}) x "
                                            f"{k['block_k']} tiles need {smem} bytes of shared memory"))
         return problems
+    if k.get("ring", 0):
+        problems.append(("ring", "ring is a knob of the gemv kernel (kernel: gemv)"))
     if dtype != "int8":
         problems.append(("dtypes", f"the CUDA kernels are int8 x int8 (int8_mm, int8_linear), not {dtype}; "
                                    "w8a16_linear uses the Triton variants"))
@@ -110,6 +132,9 @@ SCHEMA = Schema(
             Knob("stages", "s", lo=2, hi=8),
             Knob("warps_m", "wm", lo=1, hi=8, pow2=True),
             Knob("warps_n", "wn", lo=1, hi=8, pow2=True),
+            # gemv only: trips of weight each warp keeps in flight through a cp.async ring in
+            # shared memory (0: a register double buffer); the default stays out of names
+            Knob("ring", "r", lo=0, hi=8, default=0),
         ),
         "triton": (
             Knob("block_m", "m", lo=16, hi=256, pow2=True),
@@ -135,7 +160,8 @@ def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda" and p["kernel"] == "gemv":
         int8 = variant.dtype == "int8"
-        return {"KERNEL": "gemv", "INT8": int8, "WARPS": p["warps_n"], "RG": gemv_row_groups(p),
+        return {"KERNEL": "gemv", "INT8": int8, "WARPS": p["warps_n"], "KW": p["warps_m"], "RING": p["ring"],
+                "RG": gemv_row_groups(p),
                 "UNROLL": p["stages"], "ROWS": p["block_n"],
                 "XTYPE": "" if int8 else {"bfloat16": "__nv_bfloat16", "float16": "__half"}[variant.dtype],
                 "OUT_CODE": 0 if int8 else _DTYPE_CODE[variant.dtype]}
