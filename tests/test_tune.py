@@ -310,7 +310,12 @@ def test_shipped_tables_are_valid():
             if family not in names:
                 names[family] = {v.name for v in dispatch.shipped_spec(family).variants}
             assert e["winner"] in names[family] | {tune.REFERENCE}, (f.name, k)
-            assert e["winner"] == tune.pick(e["times_us"]), (f.name, k)
+            picked = tune.pick(e["times_us"])
+            if "confirm_us" in e:  # re-timed against spec order's choice (tune.confirm)
+                first, again = next(iter(e["times_us"])), e["confirm_us"]
+                assert set(again) == {first, picked}, (f.name, k)
+                picked = picked if again[picked] * (1 + tune.TIE) < again[first] else first
+            assert e["winner"] == picked, (f.name, k)
 
 
 # --------------------------------------------------------------------------- GPU
