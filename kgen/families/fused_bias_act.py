@@ -254,7 +254,9 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
         # the tail path (one element per thread) has the widest grid: cols / threads blocks
         threads = kernel.params["threads"]
         if kernel.params["order"] == "flat":
-            if -(-rows * cols // (threads * kernel.params["unroll"])) > 2**31 - 1 or cols > 2**31 - 2**16 or rows * cols >= 2**52:
+            # the kernel finds columns in 32 bits and through a double reciprocal (exact below 2^52)
+            n = rows * cols
+            if -(-n // (threads * kernel.params["unroll"])) > 2**31 - 1 or cols > 2**31 - 2**16 or n >= 2**52:
                 raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the CUDA grid of variant {kernel.name}")
         elif kernel.params["order"] == "across":
             if -(-rows // kernel.params["rows"]) * -(-cols // threads) > 2**31 - 1:
