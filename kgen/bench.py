@@ -90,9 +90,8 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
         # alternating, and the ratio is taken from that paired measurement.
         paired = {}
         if fastest != a:
-            for _ in range(tune.CONFIRM_ROUNDS):
-                for n in (a, fastest):
-                    paired[n] = min(paired.get(n, float("inf")), tune.cuda_timer(fns[n], 500 if quick else 3000))
+            _, paired = tune.confirm({a: best[a], fastest: best[fastest]}, fastest, fns, tune.cuda_timer,
+                                     500 if quick else 3000)
         t_after, t_fastest = (paired[a], paired[fastest]) if paired else (best[a], best[fastest])
         row = {"case": f"{dtype} " + "x".join(str(shape[d]) for d in fam.TUNE_DIMS)
                + "".join(f" {k}={int(v)}" for k, v in shape.items() if k not in fam.TUNE_DIMS),
