@@ -485,3 +485,201 @@ def test_autocast_takes_fp32_parameters_like_nn_linear():
     assert out.dtype == torch.bfloat16 and torch.equal(out.detach(), want)
     assert all(w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all() for w in ws)
     assert bs[0].grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ CPU: the eager fast path
+
+
+def _faked(name):
+    """A variant's module whose Triton kernels are FakeTriton JITFunctions (test_triton_launch):
+    "compiles" keyed by Triton's own specialisation, every launch recorded."""
+    from types import SimpleNamespace
+
+    from test_triton_launch import FakeTriton
+
+    real = _module(name)
+    ns = {k: getattr(real, k) for k in ("EXACT", "BLOCK_M", "BLOCK_K", "NUM_WARPS", "NUM_STAGES")}
+    ns["SCRATCH_WIDTH"] = getattr(real, "SCRATCH_WIDTH", 0)
+    fakes = {}
+    for k in _kernels(real):
+        fakes[k.fn.__name__] = FakeTriton(k.fn, do_not_specialize=["B", "bias_mask", "act", "last_act", "save"])
+        ns[k.fn.__name__] = fakes[k.fn.__name__].jit
+    return SimpleNamespace(**ns), fakes
+
+
+def _as_ints(args):
+    return [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
+
+
+FAST_CASES = [  # variant, widths, biases, TF32, activations
+    ("triton_367x512x256x1_m32_k64_w8_bf16", (367, 512, 256, 1), True, True, ("relu", "sigmoid")),
+    # float32 with TF32 off: the "tf32x3" kernel, with its two scratch halves
+    ("triton_13x512x256x64x16_m64_k64_w8_f32", (13, 512, 256, 64, 16), [True, False, True, False], False,
+     ("gelu", "none")),
+    ("triton_mw4096_m32_k64_w4_bf16", (13, 100, 37, 5), [False, True, True], True, ("silu", "relu")),  # scratch
+]
+
+
+@pytest.mark.parametrize("name,widths,bias,tf32,acts", FAST_CASES, ids=lambda c: str(c)[:40])
+def test_fast_path_launches_what_the_general_path_does(monkeypatch, name, widths, bias, tf32, acts):
+    """The op's eager fast path (launch.direct through op._FAST) launches the binary the
+    general path (launch.forward through triton_launch) launched, with the same grid and
+    arguments (pointers as integers; only the output and scratch buffers new, the scratch
+    halves at the same offsets), and steps aside for gradients, `using`, autocast, tracing,
+    non-contiguous or unaligned inputs and signatures it has not seen."""
+    from kgen.runtime import triton_launch as tlaunch
+
+    monkeypatch.setattr(tlaunch, "current_device", lambda: None)  # x's device index on the CPU
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
+    monkeypatch.setattr(fm.op, "_FAST", {})
+    tlaunch.clear()
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        _fast_path_case(monkeypatch, name, widths, bias, tf32, acts)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _fast_path_case(monkeypatch, name, widths, bias, tf32, acts):
+    mod, fakes = _faked(name)
+    kname = "fused_mlp_fwd_kernel_x3" if not tf32 and name.endswith("_f32") else "fused_mlp_fwd_kernel"
+    fake = fakes[kname]
+    x, ws, bs = fm.make_inputs("cpu", getattr(torch, SPEC.variant(name).dtype), 6, widths, bias=bias)
+    x = x.reshape(2, 3, widths[0])
+    out, _ = fm.forward(mod, x.reshape(6, widths[0]), ws, bs, *acts)
+    general = fake.launches[-1]
+    assert general[0] == "plain" and out.shape == (6, widths[-1])
+    fm.forward(mod, x.reshape(6, widths[0]), ws, bs, *acts)  # the general path again: direct now
+    assert fake.launches[-1][0] == "direct" and fake.launches[-1][1] is general[1]
+
+    fm.op._remember(mod, x, ws, bs, *acts)
+    assert len(fm.op._FAST) == 1
+    n = len(fake.launches)
+    got = ops.fused_mlp(x, ws, bs, activation=acts[0], last_activation=acts[1])
+    assert len(fake.launches) == n + 1
+    kind, binary, grid, stream, _, args = fake.launches[-1]
+    assert kind == "direct" and binary is general[1] and stream == 77
+    assert grid == (*general[2], 1, 1)[:3] and grid[0] == -(-6 // mod.BLOCK_M)
+    assert got.shape == (2, 3, widths[-1]) and got.dtype == x.dtype and got.is_contiguous()
+    want = _as_ints(general[5])
+    args = list(args)
+    assert args[1] == got.data_ptr()
+    # the scratch halves (general: slices of one buffer): the same offsets from a new buffer
+    scratch = [i for i, a in enumerate(general[5]) if isinstance(a, torch.Tensor) and i > 1
+               and a.data_ptr() not in {t.data_ptr() for t in (x, *ws, *(b for b in bs if b is not None))}]
+    assert bool(scratch) == (kname.endswith("x3") or not mod.EXACT)
+    for i in scratch:
+        assert args[i] - args[scratch[0]] == want[i] - want[scratch[0]]
+    same = [i for i in range(len(args)) if i != 1 and i not in scratch]
+    assert [args[i] for i in same] == [want[i] for i in same]
+    assert all(type(a) is not torch.Tensor for a in args)
+
+    # the general path serves these (CPU tensors: the eager composition; no kernel launch)
+    def op(x, ws=ws, bs=bs):
+        return ops.fused_mlp(x, ws, bs, activation=acts[0], last_activation=acts[1])
+
+    storage = torch.empty(x.numel() + 1, dtype=x.dtype)
+    unaligned = storage[1:].view(x.shape).copy_(x)
+    for args_ in [(x.transpose(0, 1).contiguous().transpose(0, 1),), (unaligned,), (x[:1],),
+                  (x.clone().requires_grad_(),), (x, [w.clone().requires_grad_() for w in ws])]:
+        op(*args_)
+    with fm.using(None):
+        op(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        op(x.bfloat16() if x.dtype == torch.bfloat16 else x)
+    monkeypatch.setattr(fm.op, "_compiling", lambda: True)
+    op(x)
+    monkeypatch.setattr(fm.op, "_compiling", lambda: False)
+    assert len(fake.launches) == n + 1
+    params = [nn.Parameter(w) for w in ws]
+    op(x, params)  # parameters (a signature of their own) needing gradients: the op
+    assert len(fake.launches) == n + 1
+    fm.op._remember(mod, x, params, bs, *acts)
+    with torch.no_grad():  # no gradient needed: the fast path
+        op(x, params)
+    assert len(fake.launches) == n + 2 and len(fm.op._FAST) == 2
+
+
+def test_fast_path_cache_is_bounded(monkeypatch):
+    from kgen.runtime import triton_launch as tlaunch
+
+    monkeypatch.setattr(tlaunch, "current_device", lambda: None)
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
+    monkeypatch.setattr(fm.op, "_FAST", {})
+    monkeypatch.setattr(fm.op, "FAST_ENTRIES", 2)
+    tlaunch.clear()
+    mod, _ = _faked("triton_367x512x256x1_m32_k64_w8_bf16")
+    for B in (1, 2, 3, 4, 5):
+        x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, B, (367, 512, 256, 1))
+        fm.forward(mod, x, ws, bs, "relu", "none")
+        fm.op._remember(mod, x, ws, bs, "relu", "none")
+        assert 1 <= len(fm.op._FAST) <= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths,acts,dtype,tf32", [
+    ((367, 512, 256, 1), ("relu", "sigmoid"), torch.bfloat16, True),
+    ((13, 512, 256, 64, 16), ("relu", "relu"), torch.bfloat16, True),
+    ((13, 512, 256, 64, 16), ("gelu", "none"), torch.float32, False),  # the "tf32x3" kernel, scratch
+    ((13, 100, 37, 5), ("silu", "relu"), torch.bfloat16, True),  # a generic variant, scratch
+])
+def test_gpu_fast_path_bit_identical_graph_and_compile(widths, acts, dtype, tf32):
+    """The eager fast path and triton_launch's direct launches give the plain Triton
+    launch's output bit for bit; they run under CUDA-graph capture (and the replay computes
+    the new input), step aside for a profiler's launch hook and torch.compile(fullgraph)."""
+    from kgen.runtime import triton_launch as tlaunch
+
+    assert tlaunch.disabled() is None, tlaunch.disabled()
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    x, ws, bs = fm.make_inputs("cuda", dtype, 128, widths, bias=[i % 2 == 0 for i in range(len(widths) - 1)])
+
+    def call(t):
+        return ops.fused_mlp(t, ws, bs, activation=acts[0], last_activation=acts[1])
+
+    try:
+        with torch.no_grad():
+            fm.op.FAST_PATH = False
+            tlaunch.set_enabled(False)
+            plain = call(x)
+            tlaunch.set_enabled(True)
+            general = [call(x) for _ in range(2)]  # Triton's launch, then a direct one
+            fm.op.FAST_PATH = True
+            before = dict(tlaunch.STATS)
+            outs = [call(x) for _ in range(3)]  # the op (remembers the signature), then the fast path
+            assert tlaunch.STATS["direct"] - before["direct"] >= 3 and len(fm.op._FAST) >= 1
+            for o in general + outs:
+                assert torch.equal(o, plain)
+
+            g = torch.cuda.CUDAGraph()
+            n = tlaunch.STATS["direct"]
+            with torch.cuda.graph(g):
+                captured = call(x)
+            assert tlaunch.STATS["direct"] == n + 1  # the fast path was captured
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            fm.op.FAST_PATH = False
+            tlaunch.set_enabled(False)
+            assert torch.equal(captured, call(x))
+            tlaunch.set_enabled(True)
+            fm.op.FAST_PATH = True
+
+            from triton import knobs
+
+            seen = []
+            hook = seen.append
+            knobs.runtime.launch_enter_hook.add(hook)
+            try:
+                n = tlaunch.STATS["direct"]
+                assert torch.equal(call(x), captured)
+                assert len(seen) == 1 and tlaunch.STATS["direct"] == n  # Triton's launch ran, with its hook
+            finally:
+                knobs.runtime.launch_enter_hook.remove(hook)
+
+            compiled = torch.compile(call, fullgraph=True)
+            assert torch.equal(compiled(x), captured)
+    finally:
+        fm.op.FAST_PATH = True
+        tlaunch.set_enabled(True)
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32

@@ -22,6 +22,7 @@ import torch
 
 from kgen.families.fused_mlp.reference import backward as torch_backward
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS
+from kgen.runtime import triton_launch
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -41,7 +42,17 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     """Run one variant's forward (`mod`: its rendered module) on checked, contiguous 2-D x
     [B, w0] and contiguous weights; returns (out [B, wL], zs), zs the saved pre-activations
     when `save` (None where the backward does not need one), else []. `out`: a
-    given [B, wL] output buffer (golden passes a poisoned one)."""
+    given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
+    kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
+    out, zs, launch = _plan(mod, x, weights, biases, activation, last_activation, save, out)
+    if launch is not None:
+        triton_launch.launch(*launch)
+    return out, zs
+
+
+def _plan(mod, x, weights, biases, activation, last_activation, save, out):
+    """(out, zs, (kernel, grid, args, kw) or None for B = 0): what `forward` launches, with
+    its buffers allocated."""
     B, L = x.shape[0], len(weights)
     widths = [x.shape[1]] + [w.shape[0] for w in weights]
     if out is None:
@@ -53,7 +64,7 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     else:
         zs = []
     if B == 0:
-        return out, zs
+        return out, zs, None
     args = [x, out]
     if mod.EXACT:
         zbuf = zs if save else [None] * L
@@ -94,8 +105,86 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     kernel = mod.fused_mlp_fwd_kernel
     if kw["PRECISION"] == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
         kernel = mod.fused_mlp_fwd_kernel_x3
-    kernel[grid(B, mod)](*args, **kw)
-    return out, zs
+    return out, zs, (kernel, grid(B, mod), args, kw)
+
+
+def direct(mod, x, weights, biases, activation: str, last_activation: str):
+    """The eager fast path's launcher for one exact call signature of an inference forward
+    (x [..., w0] of `x`'s shape, dtype and device, the weights' and biases' shapes, the
+    activations, the TF32 setting): `f(x, weights, biases)` -> out [..., wL], or None where
+    this call must take the general path (an input not contiguous or not 16-byte aligned,
+    or triton_launch's bound launch declines: hooks, another device, ...). None where the
+    signature has no fast form: B = 0, `x`, the weights or biases given here not contiguous
+    or not 16-byte aligned (a later aligned call makes it), or no binary bound yet (`forward`
+    launched it first). What it launches is what `forward` launches: the same kernel, grid
+    and arguments, pointers as integers, only the output (and scratch) buffers new."""
+    widths = (x.shape[-1], *(w.shape[0] for w in weights))
+    B = x.numel() // widths[0] if widths[0] else 0
+    tensors = [x, *weights, *(b for b in biases if b is not None)]
+    if B == 0 or any(not t.is_contiguous() or t.data_ptr() & 15 for t in tensors):
+        return None
+    if x.device.index != triton_launch.current_device():
+        return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
+    x2 = x.reshape(B, widths[0])
+    out, _, (kernel, grid_, args, kw) = _plan(mod, x2, weights, biases, activation, last_activation, False, None)
+    n_ptr = len(args) - 5  # the pointers, then B, bias_mask, act, last_act, save
+    go = triton_launch.bind(kernel, args, kw, n_ptr)
+    if go is None:
+        return None
+    # _plan's pointer layout: x, out, (exact: two scratch halves or x, x), then per layer
+    # slot its weight, bias (x where none), z (a scratch half, or x); the rest x
+    first = 4 if mod.EXACT else 2
+    w_at = [first + 3 * i for i in range(len(weights))]
+    b_at = [first + 3 * i + 1 for i, b in enumerate(biases) if b is not None]
+    s_at = []  # (position, offset in elements from the scratch's start)
+    if mod.EXACT and mod.SCRATCH_WIDTH:
+        s_at = [(2, 0), (3, B * mod.SCRATCH_WIDTH)]
+        s_numel = 2 * B * mod.SCRATCH_WIDTH
+    elif not mod.EXACT and max(widths[1:-1], default=0):
+        hidden = max(widths[1:-1])
+        s_at = [(first + 3 * i + 2, (i % 2) * B * hidden) for i in range(len(weights) - 1)]
+        s_numel = 2 * B * hidden
+    item = x.element_size()
+    s_at = [(i, off * item) for i, off in s_at]
+    shape, dtype, device = (*x.shape[:-1], widths[-1]), x.dtype, x.device
+    # outputs from empty_like of a prototype (no size / dtype / device arguments to parse);
+    # a small one real, a large one a broadcast scalar (empty_like of it is contiguous)
+    n_out = B * widths[-1]
+    proto = torch.empty(shape, dtype=dtype, device=device) if n_out <= 4096 else \
+        torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape)
+    empty_like, empty, g0 = torch.empty_like, torch.empty, grid_[0]
+    n_b = len(b_at)
+
+    def launch(x, weights, biases):
+        xp = x.data_ptr()
+        if xp & 15 or not x.is_contiguous():
+            return None
+        a = [xp] * n_ptr
+        for i, w in zip(w_at, weights):
+            p = w.data_ptr()
+            if p & 15 or not w.is_contiguous():
+                return None
+            a[i] = p
+        if n_b:
+            k = 0
+            for b in biases:
+                if b is not None:
+                    p = b.data_ptr()
+                    if p & 15 or not b.is_contiguous():
+                        return None
+                    a[b_at[k]] = p
+                    k += 1
+        out = empty_like(proto)
+        a[1] = out.data_ptr()
+        scratch = None
+        if s_at:  # held until launched (freed after: stream-ordered, as the general path's)
+            scratch = empty(s_numel, dtype=dtype, device=device)
+            s = scratch.data_ptr()
+            for i, off in s_at:
+                a[i] = s + off
+        return out if go(g0, a) else None
+
+    return launch
 
 
 def backward(mod, grad, x, weights, biases, activation: str, last_activation: str, need_x: bool = True):

@@ -4,6 +4,7 @@ and autograd), the public `fused_mlp`, and the golden numerics `kgen verify` run
 
 from __future__ import annotations
 
+import contextlib
 
 import torch
 
@@ -11,7 +12,7 @@ from kgen.families.fused_mlp import launch
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import fits, widths_of
-from kgen.runtime.op import Kernels, MISSING, Override, autocast, define, error_ratio, poisoned
+from kgen.runtime.op import Kernels, MISSING, Override, _any_autocast, autocast, define, error_ratio, poisoned
 
 FAMILY = "fused_mlp"
 
@@ -71,11 +72,26 @@ def tune_runner(kernel, inputs: dict):
 # --------------------------------------------------------------------------- kernel choice
 
 _FORCED = Override()
+# The eager fast path (`fused_mlp`): per exact call signature (_signature), the variant's
+# bound launcher (launch.direct), at most FAST_ENTRIES of them; the `using` blocks open in
+# any thread (the fast path steps aside while one is). FAST_PATH off: every call takes the
+# op (the "before" of tools/fused_mlp_host.py).
+_FAST: dict = {}
+_USING: list = []
+FAST_ENTRIES = 4096
+FAST_PATH = True
 
 
-# Run the op with this implementation (a loaded variant's `.module`, or None: the eager
-# composition) instead of dispatch's choice, in this thread. For tests and benchmarks.
-using = _FORCED.using
+@contextlib.contextmanager
+def using(impl):
+    """Run the op with this implementation (a loaded variant's `.module`, or None: the eager
+    composition) instead of dispatch's choice, in this thread. For tests and benchmarks."""
+    _USING.append(impl)  # list append / pop: atomic, whatever thread opens a block
+    try:
+        with _FORCED.using(impl):
+            yield
+    finally:
+        _USING.pop()
 
 
 def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
@@ -124,7 +140,41 @@ def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
         out = eager(x2, weights, bl, activation, last_activation)[0]
     else:
         out = launch.forward(mod, x2, _contig(weights), _contig(bl), activation, last_activation)[0]
+        if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
+            _remember(mod, x, weights, bl, activation, last_activation)
     return out.reshape(*x.shape[:-1], widths[-1])
+
+
+def _signature(x, weights, biases, activation, last_activation):
+    """What a fast-path launcher is kept under: everything check_inputs and the kernel
+    choice read (shapes, dtypes, devices, the bias pattern, the activations, float32's TF32
+    setting), so that a call with the same signature passes the checks and gets the same
+    variant, kernel and arguments but for its pointers."""
+    sig = [x.shape, x.dtype, x.device, activation, last_activation]
+    for w in weights:
+        sig += (type(w), w.shape, w.dtype, w.device)
+    for b in biases:
+        sig += (None,) if b is None else (type(b), b.shape, b.dtype, b.device)
+    if x.dtype is torch.float32:
+        sig.append(torch.backends.cuda.matmul.allow_tf32)
+    return tuple(sig)
+
+
+def _remember(mod, x, weights, biases, activation, last_activation):
+    """After a general-path launch: the fast-path launcher of this call's signature, where
+    it has one (plain tensors, contiguous, 16-byte aligned, the binary bound)."""
+    if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
+        return
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # its prototype output: in the graph's pool
+        return
+    key = _signature(x, weights, biases, activation, last_activation)
+    if key in _FAST:
+        return
+    f = launch.direct(mod, x, weights, biases, activation, last_activation)
+    if f is not None:
+        if len(_FAST) >= FAST_ENTRIES:  # many signatures: keep the memo small
+            _FAST.clear()
+        _FAST[key] = f
 
 
 def _forward_fake(x, weights, biases, bias_mask, activation, last_activation):
@@ -172,6 +222,30 @@ def _backward(ctx, grad):
 _backward_op = define("fused_mlp_backward", _backward_impl, fake=_backward_fake)
 _op = define("fused_mlp", _forward_impl, fake=_forward_fake, backward=_backward, setup_context=_setup_context)
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def _fast(x, weights, biases, activation, last_activation):
+    """The eager fast path (see fused_mlp), or None: the op serves this call."""
+    if type(x) is not torch.Tensor or type(weights) not in (list, tuple):
+        return None
+    if biases is None:
+        biases = (None,) * len(weights)
+    elif type(biases) not in (list, tuple) or len(biases) != len(weights):
+        return None
+    try:
+        f = _FAST.get(_signature(x, weights, biases, activation, last_activation))
+    except (AttributeError, TypeError):  # not tensors, an unhashable activation: the op says what is wrong
+        return None
+    if f is None:
+        return None
+    if _grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)
+                            or any(b is not None and b.requires_grad for b in biases)):
+        return None
+    return f(x, weights, biases)
+
 
 def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu",
               last_activation: str = "none") -> torch.Tensor:
@@ -196,7 +270,18 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     composition where no variant fits or it won the tuning); CPU tensors run the eager
     composition. Under torch.autocast, x, the weights and biases are cast to its dtype, as
     nn.Linear's are. Also `torch.ops.kgen.fused_mlp` (biases as the present ones plus a bit
-    mask)."""
+    mask).
+
+    Eager inference calls (no gradient needed, no autocast, not tracing, no `using` block)
+    whose signature (shapes, dtypes, devices, bias pattern, activations) ran before on a
+    variant, with contiguous 16-byte-aligned CUDA inputs, take a fast path: the variant, grid
+    and constant arguments cached, the kernel launched directly (kgen.runtime.triton_launch),
+    the same launch the op would make."""
+    # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
+    if not _compiling() and FAST_PATH and _FAST and not _USING and not _any_autocast():
+        out = _fast(x, weights, biases, activation, last_activation)
+        if out is not None:
+            return out
     if not isinstance(weights, (list, tuple)):
         raise TypeError("fused_mlp: weights must be a list of tensors")
     if biases is None:

@@ -1,0 +1,285 @@
+"""Launching a Triton kernel again without `JITFunction.run`'s host cost.
+
+`kernel[grid](*args, **kw)` spends 20-35 us of Python on an H100 host before Triton's C
+launcher runs: it binds the arguments, specialises each one, formats a cache key, reads its
+knobs and builds launch metadata. A kernel launched again with arguments Triton would
+specialise the same way gets the same compiled binary, so `launch(kernel, grid, args, kw)`
+runs `kernel[grid]` the first time it sees a specialisation (Triton compiles or finds the
+binary and returns it, a `CompiledKernel`) and afterwards calls that binary's launcher as
+`JITFunction.run` does (Triton 3.6 to 3.9 read; the same call in all four):
+`compiled.run(grid0, grid1, grid2, stream, compiled.function, compiled.packed_metadata,
+launch_metadata, enter_hook, exit_hook, *every_argument_in_order)`, on the current torch
+stream of the current device (where Triton launches too), without a host synchronisation
+(CUDA-graph capture records it like any launch).
+
+The key a binary is kept under is at least as fine as Triton's specialisation, so the binary
+reused is the one Triton would pick: the kernel; the current device; the keyword options
+(num_warps, ...); Triton's knobs that enter its key (debug, instrumentation mode, 3.9's
+fpsan casts); and per argument, its value for constexpr parameters, else a tensor's dtype and
+whether its address is 16-byte aligned, an int's i32 / i64 / u64 range, == 1 and % 16 == 0
+(also for do_not_specialize ints: finer than Triton, never coarser), a float's or a bool's
+type. Anything else (another argument type, an unhashable constexpr) takes the plain launch.
+
+The plain `kernel[grid]` launch runs instead (counted in STATS) where this could differ from
+it: the Triton interpreter (not a JITFunction), torch.compile tracing (Dynamo traces the
+kernel itself), a Triton release outside 3.6-3.9 or a non-CUDA binary (`disabled()` says why;
+the tests assert it is None), launch hooks (profilers: `knobs.runtime.launch_enter_hook` /
+`launch_exit_hook` with hooks in them, Triton 3.7+'s stages inspection hook) or a kernel's
+own pre-run hooks. Triton's check that a kernel's global constants have not changed since it
+compiled (an error there) is made here too.
+
+`bind` serves a caller that fixes everything but some pointers per call signature (an op's
+eager fast path): the bound launch of one specialisation seen before.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from kgen.runtime.streams import current_raw_stream
+
+# the device Triton launches on: torch's current one (what driver.active.get_current_device
+# returns), read without torch.cuda's lazy-init check
+current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+# what the plain path takes and the direct one skips, for tests and benchmarks
+STATS = {"direct": 0, "plain": 0}
+MAX_ENTRIES = 4096  # specialisations kept (kernels x arguments x devices); cleared beyond
+SUPPORTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # the releases whose JITFunction.run was read
+
+# Keys hold id(kernel), not the kernel: a JITFunction hashes through its source hash, under a
+# lock. An entry keeps its kernel, so the id is not reused while the entry lives.
+_CACHE: dict = {}  # key -> _Entry
+_FNS: dict = {}  # id(JITFunction) -> (it, (arg_names, constexpr positions, defaults) or None)
+_MISSING = object()
+_state: dict = {}  # "reason": why direct launches are off (None: on), "knobs": the knob reader
+
+
+def disabled() -> str | None:
+    """Why direct launches are off in this process (None: they are on)."""
+    if "reason" not in _state:
+        _state["reason"] = _check_triton()
+    return _state["reason"]
+
+
+def set_enabled(on: bool) -> None:
+    """Turn direct launches off (every launch Triton's own; benchmarks' "before") or back on."""
+    if on:
+        _state.pop("reason", None)
+    else:
+        disabled()
+        _state["reason"] = "turned off by set_enabled(False)"
+
+
+def _check_triton() -> str | None:
+    try:
+        import triton
+        from triton import knobs
+        from triton.compiler import CompiledKernel
+        from triton.runtime.jit import JITFunction
+    except ImportError as e:
+        return f"Triton's layout is not the one read ({e})"
+    try:
+        version = tuple(int(p) for p in triton.__version__.split(".")[:2])
+    except ValueError:
+        return f"Triton {triton.__version__}: not a release this was written for"
+    if version not in SUPPORTED:
+        return f"Triton {triton.__version__}: JITFunction.run was read for 3.6-3.9 only"
+    if not all(hasattr(CompiledKernel, a) for a in ("run", "launch_metadata")):
+        return "Triton's CompiledKernel has no run / launch_metadata"
+    rt, comp = knobs.runtime, knobs.compilation
+    if not all(hasattr(rt, a) for a in ("debug", "launch_enter_hook", "launch_exit_hook")):
+        return "Triton's runtime knobs are not the ones read"
+    if not hasattr(comp, "instrumentation_mode"):
+        return "Triton's compilation knobs are not the ones read"
+    # the knobs JITFunction.run puts into its options (part of its cache key)
+    if hasattr(comp, "fpsan_homomorphic_casts"):  # 3.9
+        _state["knobs"] = lambda: (rt.debug, comp.instrumentation_mode, comp.fpsan_homomorphic_casts)
+    else:
+        _state["knobs"] = lambda: (rt.debug, comp.instrumentation_mode)
+    _state.update(jit=JITFunction, compiled=CompiledKernel, runtime=rt)
+    return None
+
+
+def hooked() -> bool:
+    """Whether a launch must go through Triton's own path for its hooks (a profiler's launch
+    hooks; Triton 3.7+'s stages inspection hook)."""
+    from triton import knobs
+
+    return _hooked(knobs.runtime)
+
+
+def _hooked(rt) -> bool:
+    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
+        # 3.6-3.9 keep a HookChain (never None); an empty one calls nothing, as None does
+        if h is not None and getattr(h, "calls", True):
+            return True
+    return getattr(rt, "add_stages_inspection_hook", None) is not None
+
+
+def _params(fn):
+    """(arg_names, constexpr positions, defaults by name) of a JITFunction, read once."""
+    got = _FNS.get(id(fn))
+    if got is not None and got[0] is fn:
+        return got[1]
+    try:
+        kinds = {q.kind for q in fn.signature.parameters.values()}
+        if kinds - {inspect.Parameter.POSITIONAL_OR_KEYWORD}:  # *args or keyword-only parameters: not read here
+            raise AttributeError
+        names = tuple(fn.arg_names)
+        const = frozenset(fn.constexprs)
+        defaults = {kp.name: kp.default for kp in fn.params if kp.has_default}
+        p = (names, const, defaults)
+    except AttributeError:
+        p = None
+    if len(_FNS) >= MAX_ENTRIES:
+        _FNS.clear()
+    _FNS[id(fn)] = (fn, p)
+    return p
+
+
+def _spec(a):
+    """An argument's class, as fine as Triton's specialisation of a non-constexpr one, or
+    _MISSING for a type not handled here."""
+    t = type(a)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        return a.dtype, not a.data_ptr() & 15
+    if t is int:
+        r = 0 if -0x80000000 <= a < 0x80000000 else 1 if -(1 << 63) <= a < (1 << 63) else 2 if 0 <= a < (1 << 64) else 3
+        return r, a == 1, not a & 15
+    if t is float or t is bool:
+        return t
+    if a is None:
+        return None
+    return _MISSING
+
+
+def _key(fn, args, kw):
+    """(the cache key, every argument in the kernel's order) or (None, None)."""
+    p = _params(fn)
+    if p is None:
+        return None, None
+    names, const, defaults = p
+    n = len(args)
+    tail = []
+    for name in names[n:]:
+        v = kw.get(name, _MISSING)
+        if v is _MISSING:
+            v = defaults.get(name, _MISSING)
+            if v is _MISSING:  # Triton raises for it
+                return None, None
+        tail.append(v)
+    every = (*args, *tail)
+    specs = []
+    for i, a in enumerate(every):
+        if i in const:
+            s = (type(a), a)  # 1 and True are distinct constexprs
+        else:
+            s = _spec(a)
+            if s is _MISSING:
+                return None, None
+        specs.append(s)
+    opts = tuple((k, v) for k, v in kw.items() if k not in names)
+    try:
+        key = (id(fn), current_device(), opts, fn.debug, _state["knobs"](), tuple(specs))
+        hash(key)
+    except TypeError:  # an unhashable constexpr or option
+        return None, None
+    return key, every
+
+
+class _Entry:
+    """One specialisation's binary: its launcher, function handle, packed metadata, and the
+    kernel's global constants as they were when it compiled."""
+
+    __slots__ = ("fn", "run", "function", "metadata", "globals")
+
+    def __init__(self, fn, compiled):
+        self.fn = fn
+        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.globals = tuple((name, val, g) for (name, _), (val, g) in getattr(fn, "used_global_vals", {}).items())
+
+    def globals_unchanged(self) -> bool:
+        for name, val, g in self.globals:
+            if g.get(name, _MISSING) != val:
+                return False
+        return True
+
+
+def _usable(fn) -> bool:
+    if torch.compiler.is_compiling() or disabled() is not None:
+        return False
+    return isinstance(fn, _state["jit"]) and not fn.pre_run_hooks and not _hooked(_state["runtime"])
+
+
+def _grid3(grid):
+    n = len(grid)
+    return grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1
+
+
+def launch(fn, grid: tuple, args, kw: dict):
+    """`fn[grid](*args, **kw)`: the compiled binary's launcher directly where this
+    specialisation was launched before (see the module doc; returns None), else Triton's
+    own path (returns what it returns). `grid` is a tuple of 1 to 3 ints (not a callable)."""
+    if not _usable(fn):
+        STATS["plain"] += 1
+        return fn[grid](*args, **kw)
+    key, every = _key(fn, args, kw)
+    e = _CACHE.get(key) if key is not None else None
+    if e is not None and e.fn is fn and e.globals_unchanged():
+        STATS["direct"] += 1
+        g0, g1, g2 = _grid3(grid)
+        e.run(g0, g1, g2, current_raw_stream(key[1]), e.function, e.metadata, None, None, None, *every)
+        return None
+    STATS["plain"] += 1
+    compiled = fn[grid](*args, **kw)
+    if key is not None and isinstance(compiled, _state["compiled"]) and _is_cuda(compiled):
+        if len(_CACHE) >= MAX_ENTRIES:
+            _CACHE.clear()
+        _CACHE[key] = _Entry(fn, compiled)
+    return compiled
+
+
+def _is_cuda(compiled) -> bool:
+    target = getattr(getattr(compiled, "metadata", None), "target", None)
+    return getattr(target, "backend", None) == "cuda" and compiled.function is not None
+
+
+def bind(fn, args, kw: dict, n_varying: int) -> Callable | None:
+    """For a caller that will launch `fn` again with arguments Triton specialises as it
+    does `args` and `kw` (it checks that itself: the same dtypes, alignments, int classes,
+    constexprs and options), a launcher of the binary `launch` ran for them: `go(grid0,
+    first)` launches a (grid0, 1, 1) grid with the `n_varying` first arguments `first`
+    (pointers may be given as ints) and the rest as bound here, and returns True; it returns False,
+    launching nothing, where Triton's own path must run (hooks set since, a knob or the
+    device changed, a global constant changed). None: no binary for them yet (launch first)."""
+    if not _usable(fn):
+        return None
+    key, every = _key(fn, args, kw)
+    e = _CACHE.get(key) if key is not None else None
+    if e is None or e.fn is not fn:
+        return None
+    tail = every[n_varying:]
+    device, knobs_now, knobs, rt = key[1], _state["knobs"], key[4], _state["runtime"]
+    run, function, metadata, unchanged = e.run, e.function, e.metadata, e.globals_unchanged
+    stats = STATS
+
+    def go(grid0: int, first) -> bool:
+        if (_state.get("reason") is not None or _hooked(rt) or current_device() != device
+                or knobs_now() != knobs or not unchanged()):
+            return False
+        stats["direct"] += 1
+        run(grid0, 1, 1, current_raw_stream(device), function, metadata, None, None, None, *first, *tail)
+        return True
+
+    return go
+
+
+def clear() -> None:
+    """Forget every binary (tests)."""
+    _CACHE.clear()
+    _FNS.clear()
+    _state.clear()

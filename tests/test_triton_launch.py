@@ -1,0 +1,233 @@
+"""kgen.runtime.triton_launch on the CPU: a JITFunction whose Triton "compiles" are fakes
+that key their binaries by Triton's own specialisation (its real binder), so each test can
+ask whether the binary a direct launch reused is the one Triton would have picked."""
+
+import random
+from collections import namedtuple
+
+import pytest
+import torch
+import triton.language as tl
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import CompiledKernel
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from kgen.runtime import triton_launch as tlaunch
+
+
+def _kernel(a_ptr, b_ptr, n, flag, scale, BLOCK: tl.constexpr, MODE: tl.constexpr):  # never compiled
+    pass
+
+
+_Meta = namedtuple("_Meta", "target")
+_Target = namedtuple("_Target", "backend arch warp_size")
+
+
+class FakeCompiled(CompiledKernel):
+    """One "binary": its launcher records (binary, grid, stream, hooks, args)."""
+
+    def __init__(self, triton, key):
+        self.key, self.module, self.function = key, None, 1000 + len(triton.binaries)
+        self.packed_metadata = ("packed", key)
+        self.metadata = _Meta(_Target("cuda", 90, 32))
+        self._run = lambda g0, g1, g2, stream, function, meta, lmeta, enter, exit_, *args: triton.launches.append(
+            ("direct", self, (g0, g1, g2), stream, (function, meta, lmeta, enter, exit_), args))
+
+
+class FakeTriton:
+    """`jit[grid](...)` as JITFunction.run does it, but "compiling" to FakeCompiled: Triton's
+    binder and its specialisation of every argument decide the binary."""
+
+    def __init__(self, fn, **jit_kw):
+        self.jit = JITFunction(fn, **jit_kw)
+        self.binder = create_function_from_signature(self.jit.signature, self.jit.params, CUDABackend)
+        self.binaries, self.launches = {}, []
+        self.jit.run = self.run
+
+    def run(self, *args, grid, warmup, **kw):
+        kw = dict(kw, debug=kw.get("debug", self.jit.debug))
+        bound, spec, options = self.binder(*args, **kw)
+        key = repr((spec, sorted(options.items())))
+        if key not in self.binaries:
+            self.binaries[key] = FakeCompiled(self, key)
+        k = self.binaries[key]
+        self.launches.append(("plain", k, tuple(grid), None, None, tuple(bound.values())))
+        return k
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    tlaunch.clear()
+    monkeypatch.setattr(tlaunch, "current_device", lambda: 0)
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 4242 + index)
+    for k in tlaunch.STATS:
+        monkeypatch.setitem(tlaunch.STATS, k, 0)
+    t = FakeTriton(_kernel, do_not_specialize=["flag"])
+    yield t
+    tlaunch.clear()
+
+
+def _go(t, *args, grid=(3,), **kw):
+    kw = {"BLOCK": 64, "MODE": "a", "num_warps": 4, **kw}
+    tlaunch.launch(t.jit, grid, args, kw)
+    return t.launches[-1]
+
+
+def test_direct_on_this_triton():
+    """Loudly: the installed Triton is one this was written for (else every launch would be
+    the plain one and the other tests would not see it)."""
+    assert tlaunch.disabled() is None
+
+
+def test_second_launch_is_direct_with_every_argument_in_order(fake):
+    a, b = torch.empty(64), torch.empty(64)
+    first = _go(fake, a, b, 32, 7, 0.5)
+    assert first[0] == "plain"
+    second = _go(fake, a, b, 32, 7, 0.5)
+    kind, binary, grid, stream, head, args = second
+    assert kind == "direct" and binary is first[1] and grid == (3, 1, 1) and stream == 4242
+    assert head == (binary.function, binary.packed_metadata, None, None, None)
+    assert args == first[5] == (a, b, 32, 7, 0.5, 64, "a")  # constexprs too, as JITFunction.run passes them
+    assert tlaunch.STATS == {"direct": 1, "plain": 1}
+    # a 2-D grid and the flag (not specialised) changing: still the same binary
+    kind, binary, grid, *_ = _go(fake, a, b, 32, 9, 1.5, grid=(3, 2))
+    assert (kind, binary, grid) == ("direct", first[1], (3, 2, 1))
+
+
+@pytest.mark.parametrize("change", ["dtype", "align", "div16", "one", "i64", "constexpr", "bool_constexpr",
+                                    "option", "device"])
+def test_a_new_specialisation_recompiles(fake, change, monkeypatch):
+    a, b = torch.empty(64), torch.empty(64)
+    base = _go(fake, a, b, 32, 7, 0.5)
+    args, kw = [a, b, 32, 7, 0.5], {}
+    if change == "dtype":
+        args[1] = torch.empty(64, dtype=torch.float16)
+    elif change == "align":
+        args[0] = a[1:]
+    elif change == "div16":
+        args[2] = 33  # Triton: no longer % 16 == 0
+    elif change == "one":
+        args[2] = 1  # Triton: a constexpr 1
+    elif change == "i64":
+        args[2] = 1 << 40
+    elif change == "constexpr":
+        kw["BLOCK"] = 128
+    elif change == "bool_constexpr":
+        kw["MODE"] = True
+    elif change == "option":
+        kw["num_warps"] = 8
+    elif change == "device":
+        monkeypatch.setattr(tlaunch, "current_device", lambda: 1)
+    new = _go(fake, *args, **kw)
+    assert new[0] == "plain"
+    if change != "device":  # (the fake's binaries do not know devices; Triton keeps them per device)
+        assert new[1] is not base[1], "Triton compiled a new binary for this"
+    assert _go(fake, *args, **kw)[0] == "direct"  # and it is reused in its turn
+
+
+def test_reused_binary_is_always_tritons_choice(fake):
+    """Random calls over every class Triton specialises: each launch ran the binary Triton's
+    own specialisation picks for its arguments, and most of them directly."""
+    rng = random.Random(0)
+    base = torch.empty(256)
+    ints = [0, 1, 2, 15, 16, 17, 32, 48, -16, -1, (1 << 31) - 16, 1 << 31, 1 << 40, (1 << 63) + 16]
+    calls = []  # 60 argument sets, each drawn several times below
+    for _ in range(60):
+        a = base[rng.choice([0, 0, 1, 4, 8]):]
+        b = rng.choice([base, base.half()[3:], base.bfloat16()])
+        args = (a, b, rng.choice(ints), rng.choice(ints), rng.choice([0.5, 2.0]))
+        kw = {"BLOCK": rng.choice([16, 64]), "MODE": rng.choice(["a", "b", 1, True]), "num_warps": rng.choice([4, 8])}
+        calls.append((args, kw))
+    for _ in range(400):
+        args, kw = rng.choice(calls)
+        launched = _go(fake, *args, **kw)
+        _, spec, options = fake.binder(*args, **dict(kw, debug=None))
+        want = fake.binaries[repr((spec, sorted(options.items())))]
+        assert launched[1] is want, (args, kw)
+        assert launched[5][:5] == args
+    # every binary was first a plain launch; most calls repeated a key seen before
+    assert tlaunch.STATS["plain"] >= len(fake.binaries) and tlaunch.STATS["direct"] > 100
+
+
+def test_hooks_force_the_plain_launch(fake):
+    from triton import knobs
+
+    a, b = torch.empty(64), torch.empty(64)
+    _go(fake, a, b, 32, 7, 0.5)
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "direct"
+    go = tlaunch.bind(fake.jit, (a, b, 32, 7, 0.5), {"BLOCK": 64, "MODE": "a", "num_warps": 4}, 2)
+    assert go is not None
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert tlaunch.hooked()
+        assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
+        n = len(fake.launches)
+        assert go(3, (a.data_ptr(), b.data_ptr())) is False and len(fake.launches) == n
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "direct"
+    fake.jit.pre_run_hooks.append(lambda *a, **k: None)
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
+    fake.jit.pre_run_hooks.clear()
+    assert go(3, (a.data_ptr(), b.data_ptr())) is True
+    assert fake.launches[-1][5] == (a.data_ptr(), b.data_ptr(), 32, 7, 0.5, 64, "a")
+
+
+def test_plain_while_tracing_or_on_another_triton(fake, monkeypatch):
+    a, b = torch.empty(64), torch.empty(64)
+    _go(fake, a, b, 32, 7, 0.5)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
+    monkeypatch.undo()
+    monkeypatch.setattr(tlaunch, "current_device", lambda: 0)
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 4242 + index)
+    import triton
+
+    tlaunch.clear()
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    assert "3.10.0" in tlaunch.disabled()
+    _go(fake, a, b, 32, 7, 0.5)
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
+
+
+def test_a_changed_global_constant_is_left_to_triton(fake):
+    a, b = torch.empty(64), torch.empty(64)
+    g = {"C": 1}
+    fake.jit.cache_key  # Triton fills used_global_vals here (its first compile)
+    fake.jit.used_global_vals = {("C", id(g)): (1, g)}
+    _go(fake, a, b, 32, 7, 0.5)
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "direct"
+    g["C"] = 2  # Triton raises for this; the direct launch must not run the stale binary
+    assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
+
+
+def test_bind_before_and_after_a_launch(fake, monkeypatch):
+    a, b = torch.empty(64), torch.empty(64)
+    kw = {"BLOCK": 64, "MODE": "a", "num_warps": 4}
+    assert tlaunch.bind(fake.jit, (a, b, 32, 7, 0.5), kw, 2) is None  # nothing compiled yet
+    _go(fake, a, b, 32, 7, 0.5)
+    go = tlaunch.bind(fake.jit, (a, b, 32, 7, 0.5), kw, 2)
+    assert go(5, (11, 12)) is True
+    assert fake.launches[-1][2:4] == ((5, 1, 1), 4242) and fake.launches[-1][5] == (11, 12, 32, 7, 0.5, 64, "a")
+    monkeypatch.setattr(tlaunch, "current_device", lambda: 1)  # another device is current
+    assert go(5, (11, 12)) is False
+
+
+def test_cache_is_bounded(fake, monkeypatch):
+    monkeypatch.setattr(tlaunch, "MAX_ENTRIES", 4)
+    a, b = torch.empty(64), torch.empty(64)
+    for blk in (16, 32, 64, 128, 256, 512):
+        _go(fake, a, b, 32, 7, 0.5, BLOCK=blk)
+    assert len(tlaunch._CACHE) <= 4
+
+
+def test_interpreted_or_unknown_kernels_take_the_plain_launch():
+    class NotJit:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: ("ran", grid, args, kw)
+
+    assert tlaunch.launch(NotJit(), (2,), (1, 2), {"X": 3}) == ("ran", (2,), (1, 2), {"X": 3})
