@@ -98,6 +98,7 @@ def run(args, console) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     jobs = [(d, s) for d in dtypes for s in shapes]
     results, rows = [], []
+    path = Path(args.out) if args.out else tune.user_path()
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=True,
                   disable=not console.is_terminal) as progress:
@@ -108,11 +109,11 @@ def run(args, console) -> int:
             res = tune.tune(spec.family, device, dtype, shape, variants=variants, min_us=args.min_us)
             results.append((dtype, shape, res))
             rows.append((dtype, res.key.split("|")[-1], res.times, res.winner))
+            # recorded as each bucket ends (an atomic merge): an interrupted run keeps what it
+            # measured; shapes that share a bucket: the last one tuned is kept
+            path = tune.record({res.key: res.entry()}, Path(args.out) if args.out else None)
             progress.advance(task)
-    entries = {}
-    for _, _, res in results:  # shapes that share a bucket: the last one tuned is kept
-        entries[res.key] = res.entry()
-    path = tune.record(entries, Path(args.out) if args.out else None)
+    entries = {res.key for _, _, res in results}
     _tables(console, f"kgen tune {spec.path} on {tune.device_key(device.index).split('|')[0]} (us)", rows)
     print(f"recorded {len(entries)} buckets in {path}")
     if args.json:

@@ -88,7 +88,10 @@ constexpr int ACT_SIGMOID = 2;
 constexpr int ACT_GELU = 3;
 constexpr int ACT_SILU = 4;
 
-__device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+// The division as __fdividef (MUFU.RCP and a multiply, within 2 ulp; 0 where 1 + e^-z
+// overflows, sigmoid's limit), as Triton's `1.0 / x` compiles: the IEEE division's slow-path
+// subroutine call kept a register on the stack in the 2-vector-per-thread kernels.
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.0f, 1.0f + expf(-z)); }
 
 template <int ACT>
 __device__ __forceinline__ float activate(float z) {

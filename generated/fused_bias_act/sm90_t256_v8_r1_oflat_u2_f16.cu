@@ -93,7 +93,10 @@ constexpr int ACT_SIGMOID = 2;
 constexpr int ACT_GELU = 3;
 constexpr int ACT_SILU = 4;
 
-__device__ __forceinline__ float sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+// The division as __fdividef (MUFU.RCP and a multiply, within 2 ulp; 0 where 1 + e^-z
+// overflows, sigmoid's limit), as Triton's `1.0 / x` compiles: the IEEE division's slow-path
+// subroutine call kept a register on the stack in the 2-vector-per-thread kernels.
+__device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.0f, 1.0f + expf(-z)); }
 
 template <int ACT>
 __device__ __forceinline__ float activate(float z) {
@@ -189,9 +192,10 @@ fused_bias_act_flat(const T* x, const T* y, const T* __restrict__ bias, T* out, 
       }
       kgen::store_vec<T, V>(out + i * V, ov);
     } else if (V > 1 && i == whole) {  // the n % V elements after the last whole vector
-      uint32_t c = rem_u52(whole * V, cols, rcols);
-      for (int64_t e = whole * V; e < n; ++e) {
-        out[e] = fused_one<ACT, HAS_Y>(x, y, bias, alpha, e, c);
+      const int64_t e0 = whole * V;
+      uint32_t c = rem_u52(e0, cols, rcols);
+      for (int r = 0; r < (int)(n - e0); ++r) {  // fewer than V: a 32-bit count
+        out[e0 + r] = fused_one<ACT, HAS_Y>(x, y, bias, alpha, e0 + r, c);
         c = c + 1 == (uint32_t)cols ? 0 : c + 1;
       }
     }

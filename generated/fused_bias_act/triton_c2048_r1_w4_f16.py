@@ -3,7 +3,7 @@
 # variant: fused_bias_act/triton_c2048_r1_w4_f16
 # backend: triton
 # dtype:   float16
-# knobs:   block_cols=2048, rows=1, num_warps=4
+# knobs:   block_cols=2048, rows=1, num_warps=4, order=down
 #
 # out[r, c] = act(x[r, c] + alpha * y[r, c] + bias[c]) over a row-major [rows, cols] tensor.
 # Program (i, j) covers rows [i*ROWS, i*ROWS + ROWS) and columns [j*BLOCK_COLS, ...); the
@@ -14,6 +14,7 @@ import triton.language as tl
 BLOCK_COLS = 2048
 ROWS = 1
 NUM_WARPS = 4
+ORDER = "down"
 
 ACT_NONE: tl.constexpr = tl.constexpr(0)
 ACT_RELU: tl.constexpr = tl.constexpr(1)

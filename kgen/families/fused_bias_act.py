@@ -33,6 +33,8 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
             problems.append(("vec", f"vec={k['vec']} x {size}-byte {dtype} = {k['vec'] * size} bytes "
                                     "does not divide a 16-byte access"))
     else:
+        if k["order"] == "flat" and k["rows"] != 1:
+            problems.append(("rows", "order flat has no row blocks: block_cols is the elements per program"))
         if k["block_cols"] < 32 * k["num_warps"]:
             problems.append(("block_cols", f"block_cols={k['block_cols']} leaves warps idle with "
                                            f"num_warps={k['num_warps']} (need >= {32 * k['num_warps']})"))
@@ -56,6 +58,9 @@ SCHEMA = Schema(
             Knob("block_cols", "c", lo=16, hi=16384, pow2=True),
             Knob("rows", "r", lo=1, hi=16),
             Knob("num_warps", "w", lo=1, hi=32, pow2=True),
+            # "down": a 2-D grid of row and column blocks; "flat": the tensor as one run of
+            # elements, block_cols of them a program (as Inductor's pointwise kernels)
+            Knob("order", "o", kind=str, choices=("down", "flat"), default="down"),
         ),
     },
     check=_check_variant,
@@ -71,11 +76,16 @@ def triton_aot(variant, mod) -> list[tuple[Any, dict, dict]]:
     """What `kgen build` compiles ahead of time for a Triton variant: one representative
     specialisation (gelu, with y), enough to check the code and report its resources."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
-    sig = {"x_ptr": f"*{t}", "y_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}",
-           "alpha": "fp32", "rows": "i64", "cols": "i64",
-           "ACT": "constexpr", "HAS_Y": "constexpr", "BLOCK_COLS": "constexpr", "ROWS": "constexpr"}
-    const = {"ACT": _ACT_CODE["gelu"], "HAS_Y": True, "BLOCK_COLS": mod.BLOCK_COLS, "ROWS": mod.ROWS}
-    return [(mod.fused_bias_act_kernel, sig, const, {"num_warps": mod.NUM_WARPS})]
+    sig = {"x_ptr": f"*{t}", "y_ptr": f"*{t}", "bias_ptr": f"*{t}", "out_ptr": f"*{t}", "alpha": "fp32"}
+    const = {"ACT": _ACT_CODE["gelu"], "HAS_Y": True, "BLOCK_COLS": mod.BLOCK_COLS}
+    if mod.ORDER == "flat":  # n and cols in 32 bits, multiples of 16 (the typical call)
+        sig.update({"n": "i32", "cols": "i32", "ACT": "constexpr", "HAS_Y": "constexpr",
+                    "BLOCK_COLS": "constexpr", "WIDE": "constexpr", "EVEN": "constexpr"})
+        return [(mod.fused_bias_act_kernel, sig, {**const, "WIDE": False, "EVEN": False}, {"num_warps": mod.NUM_WARPS},
+                 ("n", "cols"))]
+    sig.update({"rows": "i64", "cols": "i64", "ACT": "constexpr", "HAS_Y": "constexpr", "BLOCK_COLS": "constexpr",
+                "ROWS": "constexpr"})
+    return [(mod.fused_bias_act_kernel, sig, {**const, "ROWS": mod.ROWS}, {"num_warps": mod.NUM_WARPS})]
 
 
 # --------------------------------------------------------------------------- reference math
@@ -271,6 +281,15 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
             kernel.fail(rc)
     else:
         mod = kernel.module
+        if mod.ORDER == "flat":
+            n = rows * cols
+            wide = n + mod.BLOCK_COLS > 2**31 - 1  # the last program's offsets in 32 bits
+            if triton_cdiv(n, mod.BLOCK_COLS) > 2**31 - 1:
+                raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the grid of variant {kernel.name}")
+            mod.fused_bias_act_kernel[(triton_cdiv(n, mod.BLOCK_COLS),)](
+                x, y if has_y else x, bias, out, alpha, n, cols, ACT=_ACT_CODE[act], HAS_Y=has_y,
+                BLOCK_COLS=mod.BLOCK_COLS, WIDE=wide, EVEN=n % mod.BLOCK_COLS == 0, num_warps=mod.NUM_WARPS)
+            return
         grid = (triton_cdiv(rows, mod.ROWS), triton_cdiv(cols, mod.BLOCK_COLS))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"fused_bias_act: {cols} columns exceed the grid of variant {kernel.name}")
@@ -393,8 +412,9 @@ OPS = {"fused_bias_act": fused_bias_act}
 # --------------------------------------------------------------------------- golden numerics
 
 # (rows, cols, storage offset in elements): sizes that are not multiples of any tile, a
-# width that takes the 16-byte path (4104 = 8 * 513) and one misaligned by one element.
-GOLDEN_SHAPES = ((1, 1, 0), (7, 33, 0), (5, 1000, 0), (33, 4104, 0), (3, 4104, 1))
+# width that takes the 16-byte path (4104 = 8 * 513), one misaligned by one element, and
+# 64 x 96 = 3 x 2048 elements (the Triton flat kernels' unmasked path, EVEN).
+GOLDEN_SHAPES = ((1, 1, 0), (7, 33, 0), (5, 1000, 0), (33, 4104, 0), (3, 4104, 1), (64, 96, 0))
 
 
 def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:

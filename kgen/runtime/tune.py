@@ -326,7 +326,7 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     for _ in range(rounds):
         for name, fn in list(runners.items()):
             try:
-                t = timer(fn, min_us)
+                t = _recorded(timer(fn, min_us))
             except (KgenError, RuntimeError, ValueError) as e:
                 errors[name] = str(e).splitlines()[0]
                 del runners[name]
@@ -356,7 +356,7 @@ def confirm(times: dict[str, float], winner: str, runners: dict, timer, min_us: 
     again: dict[str, float] = {}
     for _ in range(rounds):
         for name in (first, winner):
-            t = timer(runners[name], min_us)
+            t = _recorded(timer(runners[name], min_us))
             again[name] = min(again.get(name, t), t)
     return (winner if again[winner] * (1 + TIE) < again[first] else first), again
 
@@ -371,6 +371,13 @@ def transfers(entry: dict) -> bool:
     first = next(iter(times), None)
     w = times.get(entry["winner"])
     return first is not None and w is not None and w * (1 + NEAR_MARGIN) <= times[first]
+
+
+def _recorded(us: float) -> float:
+    """A time as the table records it (ns resolution): the tuner decides on these values,
+    so that a table's winners follow from its recorded times exactly (a rule applied to
+    unrounded times can fall the other way at a boundary)."""
+    return round(us, 3)
 
 
 def pick(times: dict[str, float]) -> str:
