@@ -156,6 +156,89 @@ def test_w8a16_gradient_of_x():
     torch.testing.assert_close(x.grad, want)
 
 
+class _FakeGemv:
+    """A loaded CUDA gemv variant whose launcher records its arguments (host path on CPU)."""
+
+    name, ptr = "fake_gemv", 4321
+    params = {"block_n": 16, "warps_n": 1, "warps_m": 8}
+
+    class variant:
+        backend = "cuda"
+        params = {"kernel": "gemv"}
+
+    def __init__(self):
+        self.calls = []
+
+    def raw(self, *args):
+        self.calls.append(args)
+        return 0
+
+    def fail(self, rc):
+        raise AssertionError(f"launcher error {rc}")
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "int8_linear", "int8_mm"])
+def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
+    """The ops' eager fast path (a bound launcher per call signature, launch.direct) passes
+    the CUDA kernel the same arguments as launch.gemm, takes leading batch dims, and steps
+    aside for gradients, `using` blocks, autocast, non-contiguous or unaligned inputs and
+    signatures it has not seen (here the CPU reference then serves: no kernel call)."""
+    from kgen.families.int8_gemm import op as iop
+
+    monkeypatch.setattr(ig_launch, "current_raw_stream", lambda index: 77)
+    kernel = _FakeGemv()
+    impl = ig_launch.Impl(None, kernel)
+    M, N, K = 3, 40, 256
+    b = _ints(N, K, device="cpu")
+    sb, bias = torch.rand(N), torch.rand(N)
+    if mode == "w8a16":
+        a = torch.randn(M, K).to(torch.bfloat16)
+        general = dict(mode=ig.MODE_W8A16, scale_b=sb, bias=bias)
+        fast = ig_launch.direct(impl, ig.MODE_W8A16, M, N, K, a.dtype, None, sb.dtype, bias.dtype, a.device)
+        run = lambda a, **kw: ops.w8a16_linear(a, b, sb, bias, **kw)  # noqa: E731
+        key = iop._w8a16_key(a, b, sb, bias, None)
+        args, out_dtype = (None, sb, bias), a.dtype
+    elif mode == "int8_linear":
+        a, sa = _ints(M, K, device="cpu"), torch.rand(M)
+        general = dict(mode=ig.MODE_LINEAR, scale_a=sa, scale_b=sb, bias=bias)
+        fast = ig_launch.direct(impl, ig.MODE_LINEAR, M, N, K, torch.float16, None, sb.dtype, bias.dtype, a.device)
+        run = lambda a, **kw: ops.int8_linear(a, b, sa[:a.shape[-2]].view(*a.shape[:-1]), sb, bias,  # noqa: E731
+                                              torch.float16)
+        key = iop._linear_key(a, b, sa, sb, bias, torch.float16)
+        args, out_dtype = (sa, sb, bias), torch.float16
+    else:
+        a = _ints(M, K, device="cpu")
+        general = dict(mode=ig.MODE_MM)
+        fast = ig_launch.direct(impl, ig.MODE_MM, M, N, K, torch.int32, None, None, None, a.device)
+        run = lambda a, **kw: ops.int8_mm(a, b)  # noqa: E731
+        key = (ig.MODE_MM, a.shape, a.dtype, b.shape, b.dtype, a.device)
+        args, out_dtype = (None, None, None), torch.int32
+    ig.gemm(impl, general.pop("mode"), a, b, torch.empty(M, N, dtype=out_dtype), **general)
+    out = fast(a, b, *args)
+    assert out.shape == (M, N) and out.dtype == out_dtype
+    g, d = kernel.calls
+    assert g[:6] + g[8:] == d[:6] + d[8:]  # all but the output and workspace pointers
+    assert d[6] == out.data_ptr() and g[7] == d[7] == 0  # no K split at this size: no workspace
+
+    monkeypatch.setitem(iop._FAST, key, fast)
+    kernel.calls.clear()
+    assert run(a).shape == (M, N)
+    assert run(a.view(1, M, K)).shape == (1, M, N)  # leading batch dims: the same signature
+    assert len(kernel.calls) == 2
+    unaligned = torch.empty(M * K + 1, dtype=a.dtype)[1:].view(M, K).copy_(a)
+    for other in (a.t().contiguous().t(), unaligned, a[:2]):
+        run(other)  # the CPU reference serves
+    with ig.using(None):
+        run(a)
+    if mode == "w8a16":
+        run(a.clone().requires_grad_())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            run(a)
+    assert len(kernel.calls) == 2
+    # the general path keeps a signature's launcher where its impl is CUDA (here: none, CPU)
+    assert iop.launch.direct(impl, ig.MODE_W8A16, 17, N, K, torch.bfloat16, None, sb.dtype, None, a.device) is None
+
+
 # --------------------------------------------------------------------------- compile only
 
 @pytest.fixture(scope="module")

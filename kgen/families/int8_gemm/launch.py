@@ -46,6 +46,55 @@ class Impl:
         return mode != MODE_W8A16
 
 
+def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size: int | None,
+           scale_b_dtype, bias_dtype, device: torch.device):
+    """A launcher for one exact call signature that `gemm` would run on a CUDA kernel:
+    `f(a, b, scale_a, scale_b, bias)` -> out [M, N] (a contiguous [..., K] with M rows), or
+    None where an input is not contiguous or a / b is not 16-byte aligned (then the general
+    path runs). The op's eager fast path keeps it per signature: the plan (K splits), the
+    arguments that do not change and the stream getter are bound once. None where this
+    signature goes to Triton or is empty."""
+    if min(M, N, K) < 1 or impl is None or impl.cuda is None or K % 16:
+        return None
+    if impl.gemv:
+        if M > plans.GEMV_MAX_M or (group_size or 0) % plans.GEMV_STEP:
+            return None
+        steps = plans.cdiv(K, plans.GEMV_STEP)
+        n_splits = max(1, min(plans.gemv_splits_of(impl.cuda.params, M, N, K, plans.sm_count(device)), steps))
+    elif mode == MODE_W8A16:
+        return None
+    kernel, index = impl.cuda, device.index if device.index is not None else -1  # as Tensor.get_device()
+    raw, ptr, fail, stream, empty = kernel.raw, kernel.ptr, kernel.fail, current_raw_stream, torch.empty
+    out_code = _OUT_CODE[out_dtype]
+    sb_code = _OUT_CODE[scale_b_dtype] if scale_b_dtype is not None else 0
+    bias_code = _OUT_CODE[bias_dtype] if bias_dtype is not None else 0
+    has_bias, gs = bias_dtype is not None, group_size or 0
+    part_dtype = torch.float32 if mode == MODE_W8A16 else torch.int32
+
+    def launch(a, b, scale_a, scale_b, bias):
+        ap, bp = a.data_ptr(), b.data_ptr()
+        if (ap | bp) & 15 or not (a.is_contiguous() and b.is_contiguous()):
+            return None
+        if any(t is not None and not t.is_contiguous() for t in (scale_a, scale_b, bias)):
+            return None
+        out = empty((M, N), dtype=out_dtype, device=device)
+        sa = scale_a.data_ptr() if scale_a is not None else 0
+        sb = scale_b.data_ptr() if scale_b is not None else 0
+        bi = bias.data_ptr() if has_bias else 0
+        if impl.gemv:
+            part = _empty((n_splits, M, N), part_dtype, device) if n_splits > 1 else None
+            rc = raw(ptr, index, mode, has_bias, ap, bp, out.data_ptr(), part.data_ptr() if part is not None else 0,
+                     sa, sb, bi, M, N, K, n_splits, gs, out_code, sb_code, bias_code, stream(index))
+        else:
+            rc = raw(ptr, index, mode, has_bias, ap, bp, out.data_ptr(), sa, sb, bi, M, N, K, out_code, bias_code,
+                     stream(index))
+        if rc:
+            fail(rc)
+        return out
+
+    return launch
+
+
 def gemm(impl: Impl, mode: int, a, b, out, scale_a=None, scale_b=None, bias=None,
          group_size: int | None = None, n_splits: int | None = None) -> torch.Tensor:
     """out [M, N] = the op of `mode` on a [M, K], b [N, K]; `n_splits` forces the number of
@@ -125,4 +174,4 @@ def _triton(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) 
         part, out, sa, sb, bi, M, N, n_splits, **consts, COMBINE_M=mod.COMBINE_M, COMBINE_N=mod.COMBINE_N)
 
 
-__all__ = ["Impl", "gemm", "MODE_MM", "MODE_LINEAR", "MODE_W8A16"]
+__all__ = ["Impl", "direct", "gemm", "MODE_MM", "MODE_LINEAR", "MODE_W8A16"]

@@ -4,18 +4,26 @@ public functions, and the golden numerics `kgen verify` runs."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
-from kgen.families.int8_gemm import checks, plans, reference
+from kgen.families.int8_gemm import checks, launch, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import MISSING, Override, autocast, define
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
 _IMPLS: dict = {}
+# The eager fast path (host cost of small calls, where a decode step's GEMV takes ~10 us of
+# GPU): per exact call signature (op, shapes, dtypes, device, bias, group size) whose inputs
+# went to a CUDA kernel, that kernel's bound launcher (launch.direct; None: the general path
+# runs). Bounded: a process calling with ever-new shapes stops adding.
+_FAST: dict = {}
+_FAST_MAX = 4096
+_USING: list = []  # `using` blocks open in any thread: the fast path steps aside
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -34,9 +42,24 @@ def implementation(kernel, companion=None) -> Impl | None:
     return Impl(companion.module, kernel)
 
 
-# Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
-# reference) instead of dispatch's choice, in this thread. For tests and benchmarks.
-using = _FORCED.using
+@contextlib.contextmanager
+def using(impl):
+    """Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
+    reference) instead of dispatch's choice, in this thread. For tests and benchmarks."""
+    _USING.append(impl)  # list append / pop: atomic, whatever thread opens a block
+    try:
+        with _FORCED.using(impl):
+            yield
+    finally:
+        _USING.pop()
+
+
+def _remember(key, impl, mode, M, N, K, out_dtype, group_size, scale_b, bias, device) -> None:
+    """Keep the signature's bound launcher for the fast path (outside `using` blocks)."""
+    if key not in _FAST and len(_FAST) < _FAST_MAX and _FORCED.get() is MISSING:
+        _FAST[key] = launch.direct(impl, mode, M, N, K, out_dtype, group_size,
+                                   scale_b.dtype if scale_b is not None else None,
+                                   bias.dtype if bias is not None else None, device)
 
 
 def _impl(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, grouped: bool):
@@ -142,6 +165,8 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     impl = _impl(a.device, torch.int8, M, N, K, False) if M and N and K else None
     if impl is None:
         return reference.int8_mm(a, b)
+    _remember((MODE_MM, a.shape, a.dtype, b.shape, b.dtype, a.device), impl, MODE_MM, M, N, K, torch.int32,
+              None, None, None, a.device)
     return gemm(impl, MODE_MM, a, b, torch.empty(M, N, dtype=torch.int32, device=a.device))
 
 
@@ -159,6 +184,8 @@ def _linear_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
     impl = _impl(a.device, torch.int8, M, N, K, False) if M and N and K else None
     if impl is None:
         return reference.int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
+    _remember(_linear_key(a, b, scale_a, scale_b, bias, out_dtype), impl, MODE_LINEAR, M, N, K, out_dtype, None,
+              scale_b, bias, a.device)
     out = torch.empty(M, N, dtype=out_dtype, device=a.device)
     return gemm(impl, MODE_LINEAR, a, b, out, scale_a, scale_b, bias)
 
@@ -179,6 +206,8 @@ def _w8a16_impl(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: O
         if x.is_cuda and M and N and K:
             return reference.w8a16_pytorch(x, b, scale_b, bias, group_size)
         return reference.w8a16_linear(x, b, scale_b, bias, group_size)
+    _remember(_w8a16_key(x, b, scale_b, bias, group_size), impl, MODE_W8A16, M, N, K, x.dtype, group_size,
+              scale_b, bias, x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     return gemm(impl, MODE_W8A16, x, b, out, scale_b=scale_b, bias=bias, group_size=group_size)
 
@@ -218,10 +247,55 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
 
 
+def _flat_shape(t: torch.Tensor, dims: int = 2) -> torch.Size:
+    """The shape the impls see: a / x as [M, K] (`_flat`), a vector as [n] (dims=1)."""
+    if t.dim() == dims:
+        return t.shape
+    if dims == 1:
+        return torch.Size((t.numel(),))
+    return torch.Size((t.numel() // t.shape[-1] if t.shape[-1] else 0, t.shape[-1]))
+
+
+# Keys of the fast path: everything the checks and the launch plan read (shapes, dtypes,
+# devices, bias and group size); a / x 2-D as the impls see it.
+def _linear_key(a, b, scale_a, scale_b, bias, out_dtype):
+    return (MODE_LINEAR, a.shape, a.dtype, b.shape, b.dtype, a.device, scale_a.shape, scale_b.shape, scale_a.dtype,
+            scale_b.dtype, scale_a.device, scale_b.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype)
+
+
+def _w8a16_key(x, b, scale_b, bias, group_size):
+    return (MODE_W8A16, x.shape, x.dtype, b.shape, b.dtype, x.device, scale_b.shape, scale_b.dtype, scale_b.device,
+            None if bias is None else (bias.shape, bias.dtype, bias.device), group_size)
+
+
+_Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def _plain(*ts) -> bool:
+    """The fast path's precondition: eager, no `using` block, plain tensors."""
+    return not _compiling() and not _USING and all(t is None or type(t) is _Tensor for t in ts)
+
+
+def _fast_2d(key, a, *rest):
+    """The fast path's output for a [..., K] seen as [M, K], or None (the general path)."""
+    f = _FAST.get(key)
+    if f is None:
+        return None
+    out = f(a, *rest)
+    return out if out is None or a.dim() == 2 else out.view(*a.shape[:-1], out.shape[1])
+
+
 def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Exact int32 a @ b.T: a int8 [..., K], b int8 [N, K] (nn.Linear's weight layout) ->
     int32 [..., N], equal to the int64 product (K <= 131071 so that it fits). Any M >= 1,
     unlike torch._int_mm (M > 16). Also torch.ops.kgen.int8_mm (2-D a)."""
+    if _plain(a, b) and a.dim() >= 1:
+        out = _fast_2d((MODE_MM, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device), a, b, None, None, None)
+        if out is not None:
+            return out
     checks.check_int8_mm(a, b)
     return _mm_op(_flat(a), b).reshape(*a.shape[:-1], b.shape[0])
 
@@ -232,6 +306,13 @@ def int8_linear(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     to out_dtype (bfloat16, float16 or float32), the dequantisation fused into the GEMM's
     epilogue. a int8 [..., K], b int8 [N, K], scale_a float32 (one per row of a), scale_b
     float32 [N], bias [N] (float32 or out_dtype). Also torch.ops.kgen.int8_linear (2-D a)."""
+    if _plain(a, b, scale_a, scale_b, bias) and scale_a is not None and scale_b is not None and a.dim() >= 1:
+        key = (MODE_LINEAR, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device, _flat_shape(scale_a, 1),
+               _flat_shape(scale_b, 1), scale_a.dtype, scale_b.dtype, scale_a.device, scale_b.device,
+               None if bias is None else (_flat_shape(bias, 1), bias.dtype, bias.device), out_dtype)
+        out = _fast_2d(key, a, b, scale_a, scale_b, bias)
+        if out is not None:
+            return out
     checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
     out = _linear_op(_flat(a), b, scale_a.reshape(-1), scale_b.reshape(-1), bias, out_dtype)
     return out.reshape(*a.shape[:-1], b.shape[0])
@@ -245,6 +326,14 @@ def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: 
     of 16 dividing K) is given; float32 or 16-bit. Differentiable for x and bias. Also
     torch.ops.kgen.w8a16_linear (2-D x). Under torch.autocast, x and bias are cast to its
     dtype, as F.linear's are."""
+    if (_plain(x, b, scale_b, bias) and scale_b is not None and x.dim() >= 1 and not _any_autocast()
+            and not ((x.requires_grad or (bias is not None and bias.requires_grad)) and _grad_enabled())):
+        key = (MODE_W8A16, _flat_shape(x), x.dtype, b.shape, b.dtype, x.device,
+               scale_b.shape if group_size else _flat_shape(scale_b, 1), scale_b.dtype, scale_b.device,
+               None if bias is None else (_flat_shape(bias, 1), bias.dtype, bias.device), group_size)
+        out = _fast_2d(key, x, b, None, scale_b, bias)
+        if out is not None:
+            return out
     x, bias = autocast(x, bias)
     checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
     out = _w8a16_op(_flat(x), b, scale_b, bias, group_size)
