@@ -11,9 +11,9 @@
 #   LMM_SWEEP_ARGS=--more adds variants built with other knobs)
 #   LMM_TEST_FIRST='pytest -k expr': GPU tests of that selection right after the build
 #   LMM_BENCH=0: no benchmark
-#   KGEN_LOGMATMUL_CUDA_BACKWARD=1: the op's backward runs a CUDA variant's own backward
-#   (launch.CUDA_BACKWARD; off by default until tests/test_logmatmul.py::test_gpu_cuda_backward
-#   has passed on a GPU)
+#   KGEN_LOGMATMUL_CUDA_BACKWARD=0: the op's backward on the Triton companion instead of a
+#   CUDA variant's own backward (launch.CUDA_BACKWARD, on by default; tools/logmatmul_fb.py
+#   times the two)
 set -uo pipefail
 OUT="${OUT:-/tmp/kgen-out}"; mkdir -p "$OUT"
 export KGEN_CACHE_DIR=/tmp/kgen-cache PYTHONPATH="$PWD" PYTHONUNBUFFERED=1

@@ -27,12 +27,12 @@ from kgen.families.logmatmul.schema import cuda_max_b
 from kgen.runtime.streams import current_raw_stream
 
 _empty = torch.empty  # tests patch this to poison every buffer
-# Whether `backward` runs a CUDA variant's own backward (CudaForward.backward). Off: it
-# compiles without local memory and its GPU test (test_gpu_cuda_backward, which calls it
-# directly) is written, but session 11 lost its device before running either; turn it on
-# once that test passes on a GPU and the forward + backward table shows the host time saved
-# (KGEN_LOGMATMUL_CUDA_BACKWARD=1 turns it on for such a run).
-CUDA_BACKWARD = os.environ.get("KGEN_LOGMATMUL_CUDA_BACKWARD") == "1"
+# Whether `backward` runs a CUDA variant's own backward (CudaForward.backward) where it
+# applies: on by default since it passed its GPU test (test_gpu_cuda_backward) and measured
+# 1.1-4.7x faster per forward + backward step than the Triton companion's backward at
+# B = 1..8, N = K = 4096 (H100, tools/logmatmul_fb.py, BENCHMARKS.md);
+# KGEN_LOGMATMUL_CUDA_BACKWARD=0 turns it off.
+CUDA_BACKWARD = os.environ.get("KGEN_LOGMATMUL_CUDA_BACKWARD", "1") != "0"
 _TORCH_EMPTY = torch.empty
 # Output prototypes of the fast path (CudaForward.direct) up to this many elements are
 # real tensors (16 KiB each at most), larger ones a broadcast scalar.
