@@ -68,12 +68,15 @@ class Override:
     """What a family's op runs instead of dispatch's choice, per thread: inside `with
     override.using(impl):` `override.get()` is `impl` (whatever the family runs: a loaded
     variant's module, its own wrapper, or None for the reference), outside it MISSING.
-    Nested uses restore the outer one. For tests and benchmarks that pin an implementation."""
+    Nested uses restore the outer one. For tests and benchmarks that pin an implementation.
+    `open` lists the implementations of the blocks open in any thread: an op's eager fast
+    path (which skips the per-thread lookup) steps aside while it is non-empty."""
 
-    __slots__ = ("_local",)
+    __slots__ = ("_local", "open")
 
     def __init__(self):
         self._local = threading.local()
+        self.open: list = []
 
     def get(self):
         return getattr(self._local, "impl", MISSING)
@@ -82,9 +85,11 @@ class Override:
     def using(self, impl):
         saved = self.get()
         self._local.impl = impl
+        self.open.append(impl)  # list append / pop: atomic, whatever thread opens a block
         try:
             yield
         finally:
+            self.open.pop()
             if saved is MISSING:
                 del self._local.impl
             else:

@@ -4,7 +4,6 @@ and autograd), the public `fused_mlp`, and the golden numerics `kgen verify` run
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 
@@ -77,21 +76,13 @@ _FORCED = Override()
 # any thread (the fast path steps aside while one is). FAST_PATH off: every call takes the
 # op (the "before" of tools/fused_mlp_host.py).
 _FAST: dict = {}
-_USING: list = []
+_USING = _FORCED.open
 FAST_ENTRIES = 4096
 FAST_PATH = True
 
-
-@contextlib.contextmanager
-def using(impl):
-    """Run the op with this implementation (a loaded variant's `.module`, or None: the eager
-    composition) instead of dispatch's choice, in this thread. For tests and benchmarks."""
-    _USING.append(impl)  # list append / pop: atomic, whatever thread opens a block
-    try:
-        with _FORCED.using(impl):
-            yield
-    finally:
-        _USING.pop()
+# Run the op with this implementation (a loaded variant's `.module`, or None: the eager
+# composition) instead of dispatch's choice, in this thread. For tests and benchmarks.
+using = _FORCED.using
 
 
 def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):

@@ -4,7 +4,6 @@ public functions, and the golden numerics `kgen verify` runs."""
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -23,7 +22,7 @@ _IMPLS: dict = {}
 # runs). Bounded: a process calling with ever-new shapes stops adding.
 _FAST: dict = {}
 _FAST_MAX = 4096
-_USING: list = []  # `using` blocks open in any thread: the fast path steps aside
+_USING = _FORCED.open  # `using` blocks open in any thread: the fast path steps aside
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -42,16 +41,9 @@ def implementation(kernel, companion=None) -> Impl | None:
     return Impl(companion.module, kernel)
 
 
-@contextlib.contextmanager
-def using(impl):
-    """Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
-    reference) instead of dispatch's choice, in this thread. For tests and benchmarks."""
-    _USING.append(impl)  # list append / pop: atomic, whatever thread opens a block
-    try:
-        with _FORCED.using(impl):
-            yield
-    finally:
-        _USING.pop()
+# Run the ops with this implementation (`implementation(kernel)`, or None: the PyTorch
+# reference) instead of dispatch's choice, in this thread. For tests and benchmarks.
+using = _FORCED.using
 
 
 def _remember(key, impl, mode, M, N, K, out_dtype, group_size, scale_b, bias, device) -> None:

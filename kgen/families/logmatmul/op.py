@@ -20,7 +20,7 @@ _BY_SHAPE: dict = {}  # per exact shape, in front of _MODULES
 # devices), a CUDA variant's bound one-launch launcher (CudaForward.direct); and the `using`
 # blocks open in any thread (the fast path steps aside while one is).
 _FAST: dict = {}
-_USING: list = []
+_USING = _FORCED.open
 
 
 def implementation(kernel, companion=None):
@@ -35,16 +35,9 @@ def implementation(kernel, companion=None):
     return CudaForward(kernel, companion.module)
 
 
-@contextlib.contextmanager
-def using(impl):
-    """Run the ops with this implementation (`implementation(kernel)`, a Triton module, or
-    None: the PyTorch reference) instead of dispatch's choice, in this thread."""
-    _USING.append(impl)  # list append / pop: atomic, whatever thread opens a block
-    try:
-        with _FORCED.using(impl):
-            yield
-    finally:
-        _USING.pop()
+# Run the ops with this implementation (`implementation(kernel)`, a Triton module, or None:
+# the PyTorch reference) instead of dispatch's choice, in this thread.
+using = _FORCED.using
 
 
 def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
