@@ -170,6 +170,54 @@ def test_triton_variant_under_interpreter_matches_float64(name):
     assert not bad, bad
 
 
+@pytest.mark.parametrize("rows, cols, grid, wide, even", [
+    (2, 1024, 2, False, True),
+    (3, 1000, 3, False, False),
+    (2**21 - 2, 1024, 2**21 - 2, False, True),  # the last program's offsets end at 2^31 - 1024
+    (2**21 - 1, 1024, 2**21 - 1, True, True),  # ... at 2^31: 64-bit indices
+    (3, 2**30 + 1, 3 * 2**20 + 1, True, False),
+])
+def test_triton_flat_launch_widens_indices_past_int32(rows, cols, grid, wide, even):
+    """Order flat's Triton kernel indexes in 32 bits only while every program's offsets fit
+    (WIDE otherwise) and drops its masks only where its block divides n (EVEN). Host logic
+    only: a fake kernel records the launch; the tensors are broadcast views (no memory)."""
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, g):
+            return lambda *args, **kw: calls.append((g, args, kw))
+
+    class Mod:
+        ORDER, BLOCK_COLS, ROWS, NUM_WARPS = "flat", 1024, 1, 4
+        fused_bias_act_kernel = Kernel()
+
+    class Variant:
+        backend, module, name, params = "triton", Mod, "fake_flat", {}
+
+    x = torch.empty(1).expand(rows, cols)
+    fba.launch(Variant, x, torch.empty(1).expand(cols), None, 1.0, "relu", x)
+    (g, args, kw), = calls
+    assert g == (grid,) and args[5:] == (rows * cols, cols)
+    assert kw["WIDE"] is wide and kw["EVEN"] is even and kw["HAS_Y"] is False
+
+
+def test_triton_flat_index_widths_and_masks_agree():
+    """The Triton flat kernel's 64-bit-index path (WIDE) and unmasked path (EVEN), which
+    dispatch takes only past 2^31 elements or at whole blocks, give the 32-bit masked path's
+    result bit for bit (the interpreter here, the GPU where there is one)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    mod = dispatch.load(SPEC.variant("triton_c1024_r1_w4_oflat_f32")).module
+    x, y, b = torch.randn(64, 96, device=dev), torch.randn(64, 96, device=dev), torch.randn(96, device=dev)
+    outs = []
+    for wide, even in ((False, False), (True, False), (False, True), (True, True)):
+        out = torch.full_like(x, float("nan"))
+        mod.fused_bias_act_kernel[(6,)](x, y, b, out, 0.5, x.numel(), 96, ACT=fba._ACT_CODE["gelu"], HAS_Y=True,
+                                        BLOCK_COLS=1024, WIDE=wide, EVEN=even, num_warps=4)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [v.name for v in _variants()])
 def test_every_variant_on_gpu_matches_float64(name):
