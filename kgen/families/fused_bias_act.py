@@ -223,10 +223,13 @@ def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
 TUNE_DIMS = ("rows", "cols")
 TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
 # Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
-# ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner.
+# ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner
+# where it won by a margin (tune.transfers), else spec order. 5000 fills the cols <= 8192
+# vec16 buckets, which spec order served at 6000 x 5000 (bf16 no y: 0.947 of the fastest,
+# H100, BENCHMARKS.md twelfth session); the shipped tables have them from the next re-tune.
 TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
                     for r in (1, 8, 64, 512, 2048, 4096, 8192, 16384, 32768)
-                    for c in (1001, 1024, 4096, 12288, 12345, 65536, 786432) if r * c <= 1 << 27
+                    for c in (1001, 1024, 4096, 5000, 12288, 12345, 65536, 786432) if r * c <= 1 << 27
                     for y in (True, False))
 
 
