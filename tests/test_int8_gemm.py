@@ -215,7 +215,12 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
         args, out_dtype = (None, None, None), torch.int32
     ig.gemm(impl, general.pop("mode"), a, b, torch.empty(M, N, dtype=out_dtype), **general)
     out = fast(a, b, *args)
-    assert out.shape == (M, N) and out.dtype == out_dtype
+    assert out.shape == (M, N) and out.dtype == out_dtype and out.is_contiguous()
+    # a large output comes from a broadcast prototype: still a fresh contiguous tensor
+    big = ig_launch.direct(impl, ig.MODE_MM, 16, 400, K, torch.int32, None, None, None, a.device)
+    o = big(_ints(16, K, device="cpu"), _ints(400, K, device="cpu"), None, None, None)
+    assert o.shape == (16, 400) and o.is_contiguous() and o.stride() == (400, 1)
+    kernel.calls.pop()
     g, d = kernel.calls
     assert g[:6] + g[8:] == d[:6] + d[8:]  # all but the output and workspace pointers
     assert d[6] == out.data_ptr() and g[7] == d[7] == 0  # no K split at this size: no workspace

@@ -20,6 +20,8 @@ from kgen.families.int8_gemm import plans
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
 from kgen.runtime.streams import current_raw_stream
 
+# The fast path's output prototypes (direct) up to this many elements are real tensors.
+_PROTO_ELEMENTS = 4096
 # Output / bias dtype codes the CUDA launcher reads.
 _OUT_CODE = {torch.int32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
@@ -64,7 +66,14 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
     elif mode == MODE_W8A16:
         return None
     kernel, index = impl.cuda, device.index if device.index is not None else -1  # as Tensor.get_device()
-    raw, ptr, fail, stream, empty = kernel.raw, kernel.ptr, kernel.fail, current_raw_stream, torch.empty
+    raw, ptr, fail, stream, empty_like = kernel.raw, kernel.ptr, kernel.fail, current_raw_stream, torch.empty_like
+    # the output from empty_like of a prototype (no size / dtype / device arguments to parse:
+    # about half of torch.empty's host time, logmatmul's measurement); a small prototype is
+    # real, a large one a broadcast scalar, whose empty_like is contiguous
+    if M * N <= _PROTO_ELEMENTS:
+        proto = torch.empty((M, N), dtype=out_dtype, device=device)
+    else:
+        proto = torch.empty((1, 1), dtype=out_dtype, device=device).expand(M, N)
     out_code = _OUT_CODE[out_dtype]
     sb_code = _OUT_CODE[scale_b_dtype] if scale_b_dtype is not None else 0
     bias_code = _OUT_CODE[bias_dtype] if bias_dtype is not None else 0
@@ -75,9 +84,10 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
         ap, bp = a.data_ptr(), b.data_ptr()
         if (ap | bp) & 15 or not (a.is_contiguous() and b.is_contiguous()):
             return None
-        if any(t is not None and not t.is_contiguous() for t in (scale_a, scale_b, bias)):
+        if ((scale_a is not None and not scale_a.is_contiguous()) or (scale_b is not None and not scale_b.is_contiguous())
+                or (bias is not None and not bias.is_contiguous())):
             return None
-        out = empty((M, N), dtype=out_dtype, device=device)
+        out = empty_like(proto)
         sa = scale_a.data_ptr() if scale_a is not None else 0
         sb = scale_b.data_ptr() if scale_b is not None else 0
         bi = bias.data_ptr() if has_bias else 0
