@@ -100,7 +100,10 @@ def _check_triton() -> str | None:
         _state["knobs"] = lambda: (rt.debug, comp.instrumentation_mode, comp.fpsan_homomorphic_casts)
     else:
         _state["knobs"] = lambda: (rt.debug, comp.instrumentation_mode)
-    _state.update(jit=JITFunction, compiled=CompiledKernel, runtime=rt)
+    # Triton 3.7+ has a stages inspection hook; on 3.6 asking for it raised and caught an
+    # AttributeError on every launch: whether the knob exists is read once
+    _state.update(jit=JITFunction, compiled=CompiledKernel, runtime=rt,
+                  stages_knob=hasattr(rt, "add_stages_inspection_hook"))
     return None
 
 
@@ -117,6 +120,8 @@ def _hooked(rt) -> bool:
         # 3.6-3.9 keep a HookChain (never None); an empty one calls nothing, as None does
         if h is not None and getattr(h, "calls", True):
             return True
+    if not _state.get("stages_knob", True):  # read once (_check_triton); unknown: ask
+        return False
     return getattr(rt, "add_stages_inspection_hook", None) is not None
 
 
@@ -200,11 +205,16 @@ class _Entry:
     def __init__(self, fn, compiled):
         self.fn = fn
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        self.globals = tuple((name, val, g) for (name, _), (val, g) in getattr(fn, "used_global_vals", {}).items())
+        # (name, the object bound now, the value Triton compiled with, the globals dict):
+        # Triton keeps a copy of each value, so comparing with it (`!=` on tl.constexpr) is
+        # the slow part; the object bound when Triton last checked is the fast one
+        self.globals = tuple((name, g.get(name, _MISSING), val, g)
+                             for (name, _), (val, g) in getattr(fn, "used_global_vals", {}).items())
 
     def globals_unchanged(self) -> bool:
-        for name, val, g in self.globals:
-            if g.get(name, _MISSING) != val:
+        for name, bound, val, g in self.globals:
+            now = g.get(name, _MISSING)
+            if now is not bound and now != val:
                 return False
         return True
 
