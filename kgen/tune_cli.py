@@ -98,7 +98,8 @@ def run(args, console) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     jobs = [(d, s) for d in dtypes for s in shapes]
     results, rows = [], []
-    path = Path(args.out) if args.out else tune.user_path()
+    out = Path(args.out) if args.out else None  # None: the user's table
+    path = out or tune.user_path()
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=True,
                   disable=not console.is_terminal) as progress:
@@ -111,7 +112,7 @@ def run(args, console) -> int:
             rows.append((dtype, res.key.split("|")[-1], res.times, res.winner))
             # recorded as each bucket ends (an atomic merge): an interrupted run keeps what it
             # measured; shapes that share a bucket: the last one tuned is kept
-            path = tune.record({res.key: res.entry()}, Path(args.out) if args.out else None)
+            path = tune.record({res.key: res.entry()}, out)
             progress.advance(task)
     entries = {res.key for _, _, res in results}
     _tables(console, f"kgen tune {spec.path} on {tune.device_key(device.index).split('|')[0]} (us)", rows)

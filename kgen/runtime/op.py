@@ -35,6 +35,19 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 MISSING = object()
 
+# Eager fast paths allocate their outputs as torch.empty_like(prototype), the prototype kept
+# per call signature: no size / dtype / device arguments to parse (about half of
+# torch.empty's host time; logmatmul, H100). Up to PROTO_ELEMENTS it is a real tensor,
+# larger a broadcast scalar (4 bytes held), whose empty_like is a fresh contiguous tensor.
+PROTO_ELEMENTS = 4096
+
+
+def prototype(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor whose `torch.empty_like` is a new contiguous `shape` tensor (see above)."""
+    if math.prod(shape) <= PROTO_ELEMENTS:
+        return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape)
+
 
 @functools.cache
 def _sms(index: int) -> int:

@@ -23,6 +23,7 @@ import torch
 from kgen.families.fused_mlp.reference import backward as torch_backward
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS
 from kgen.runtime import triton_launch
+from kgen.runtime.op import prototype
 
 
 def precision(dtype: torch.dtype) -> str:
@@ -147,11 +148,7 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str):
     item = x.element_size()
     s_at = [(i, off * item) for i, off in s_at]
     shape, dtype, device = (*x.shape[:-1], widths[-1]), x.dtype, x.device
-    # outputs from empty_like of a prototype (no size / dtype / device arguments to parse);
-    # a small one real, a large one a broadcast scalar (empty_like of it is contiguous)
-    n_out = B * widths[-1]
-    proto = torch.empty(shape, dtype=dtype, device=device) if n_out <= 4096 else \
-        torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape)
+    proto = prototype(shape, dtype, device)  # outputs: empty_like of it
     empty_like, empty, g0 = torch.empty_like, torch.empty, grid_[0]
     n_b = len(b_at)
 

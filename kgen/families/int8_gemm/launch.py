@@ -18,10 +18,9 @@ import torch
 
 from kgen.families.int8_gemm import plans
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
+from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
-# The fast path's output prototypes (direct) up to this many elements are real tensors.
-_PROTO_ELEMENTS = 4096
 # Output / bias dtype codes the CUDA launcher reads.
 _OUT_CODE = {torch.int32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 
@@ -67,13 +66,7 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
         return None
     kernel, index = impl.cuda, device.index if device.index is not None else -1  # as Tensor.get_device()
     raw, ptr, fail, stream, empty_like = kernel.raw, kernel.ptr, kernel.fail, current_raw_stream, torch.empty_like
-    # the output from empty_like of a prototype (no size / dtype / device arguments to parse:
-    # about half of torch.empty's host time, logmatmul's measurement); a small prototype is
-    # real, a large one a broadcast scalar, whose empty_like is contiguous
-    if M * N <= _PROTO_ELEMENTS:
-        proto = torch.empty((M, N), dtype=out_dtype, device=device)
-    else:
-        proto = torch.empty((1, 1), dtype=out_dtype, device=device).expand(M, N)
+    proto = prototype((M, N), out_dtype, device)  # outputs: empty_like of it
     out_code = _OUT_CODE[out_dtype]
     sb_code = _OUT_CODE[scale_b_dtype] if scale_b_dtype is not None else 0
     bias_code = _OUT_CODE[bias_dtype] if bias_dtype is not None else 0

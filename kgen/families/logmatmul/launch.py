@@ -24,6 +24,7 @@ from kgen.families.logmatmul.plans import (
     BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
     k_split, pow2_at_least, sm_count)
 from kgen.families.logmatmul.schema import cuda_max_b
+from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
 _empty = torch.empty  # tests patch this to poison every buffer
@@ -34,9 +35,6 @@ _empty = torch.empty  # tests patch this to poison every buffer
 # KGEN_LOGMATMUL_CUDA_BACKWARD=0 turns it off.
 CUDA_BACKWARD = os.environ.get("KGEN_LOGMATMUL_CUDA_BACKWARD", "1") != "0"
 _TORCH_EMPTY = torch.empty
-# Output prototypes of the fast path (CudaForward.direct) up to this many elements are
-# real tensors (16 KiB each at most), larger ones a broadcast scalar.
-_PROTO_ELEMENTS = 4096
 MISSING = object()
 class CudaForward:
     """A CUDA variant's forward with the Triton module that serves its backward and the
@@ -139,13 +137,7 @@ class CudaForward:
         k_slice = plan[1]
         raw, ptr, fail, w32 = self.kernel.raw, self.kernel.ptr, self.kernel.fail, w_dtype is torch.float32
         shape, f32, stream, empty_like = (B, N), torch.float32, current_raw_stream, torch.empty_like
-        # outputs come from empty_like of a prototype (no size / dtype / device arguments to
-        # parse: about half of torch.empty's host time); a small one is real, a large one a
-        # broadcast scalar (4 bytes held; empty_like of it is contiguous)
-        if B * N <= _PROTO_ELEMENTS:
-            proto = torch.empty(shape, dtype=f32, device=device)
-        else:
-            proto = torch.empty((1, 1), dtype=f32, device=device).expand(B, N)
+        proto = prototype(shape, f32, device)  # outputs: empty_like of it
 
         def launch(x, w):
             xp, wp = x.data_ptr(), w.data_ptr()
