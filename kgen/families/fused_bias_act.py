@@ -10,6 +10,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from kgen.runtime import triton_launch
 from kgen.runtime.op import MISSING, Kernels, define
 from kgen.runtime.streams import current_raw_stream as _raw_stream
 from kgen.spec import DTYPES, Knob, Schema
@@ -289,16 +290,19 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
             wide = n + mod.BLOCK_COLS > 2**31 - 1  # the last program's offsets in 32 bits
             if triton_cdiv(n, mod.BLOCK_COLS) > 2**31 - 1:
                 raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the grid of variant {kernel.name}")
-            mod.fused_bias_act_kernel[(triton_cdiv(n, mod.BLOCK_COLS),)](
-                x, y if has_y else x, bias, out, alpha, n, cols, ACT=_ACT_CODE[act], HAS_Y=has_y,
-                BLOCK_COLS=mod.BLOCK_COLS, WIDE=wide, EVEN=n % mod.BLOCK_COLS == 0, num_warps=mod.NUM_WARPS)
+            triton_launch.launch(mod.fused_bias_act_kernel, (triton_cdiv(n, mod.BLOCK_COLS),),
+                                 (x, y if has_y else x, bias, out, alpha, n, cols),
+                                 dict(ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, WIDE=wide,
+                                      EVEN=n % mod.BLOCK_COLS == 0, num_warps=mod.NUM_WARPS))
             return
         grid = (triton_cdiv(rows, mod.ROWS), triton_cdiv(cols, mod.BLOCK_COLS))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"fused_bias_act: {cols} columns exceed the grid of variant {kernel.name}")
-        mod.fused_bias_act_kernel[grid](x, y if has_y else x, bias, out, alpha, rows, cols,
-                                        ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS,
-                                        ROWS=mod.ROWS, num_warps=mod.NUM_WARPS)
+        # (kgen.runtime.triton_launch: Triton's own launch the first time per specialisation,
+        # its compiled launcher directly after that)
+        triton_launch.launch(mod.fused_bias_act_kernel, grid, (x, y if has_y else x, bias, out, alpha, rows, cols),
+                             dict(ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, ROWS=mod.ROWS,
+                                  num_warps=mod.NUM_WARPS))
 
 
 def triton_cdiv(a: int, b: int) -> int:
