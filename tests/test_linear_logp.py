@@ -3,6 +3,7 @@ the op's checks and registration. GPU tests: test_linear_logp_gpu.py."""
 
 import functools
 import math
+import random
 
 import pytest
 import torch
@@ -190,10 +191,10 @@ def test_split_v_invariance(split):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * scale, msg=name)
 
 
-def backward_args(mod, N, dtype, seed):
+def backward_args(mod, N, dtype, seed, bias=True):
     """llp.backward's arguments after a forward at (N, V = 257, D = 40), temperature 0.7,
     with entropy and random upstream gradients for both outputs."""
-    hidden, weight, target, bias = make_inputs(N, 257, 40, dtype=dtype)
+    hidden, weight, target, bias = make_inputs(N, 257, 40, dtype=dtype, bias=bias)
     logp, ent, lse2, ez2 = llp.forward(mod, hidden, weight, target, bias, 0.7, -100, True)
     g = torch.Generator().manual_seed(seed)
     g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
@@ -221,44 +222,155 @@ def test_accumulator_plan(N, D, V, dtype, want):
     assert plan.separate_bytes <= launch.ACCUMULATOR_BYTES
 
 
-# Budgets that send bf16 gradients at D = 40, V = 257 (granule 32) to each home of the float32
-# sums: (N, workspace_bytes, accumulator_bytes, expected plan).
-HOMES = {
-    # the whole vocabulary's dz in the workspace: grad_hidden by one GEMM in bf16, no sums
-    "direct": (7, 7 * 288 * 2, 0, ("direct", 0)),
-    "separate, all rows": (7, 1, 1 << 30, ("separate", 0)),
-    "own buffer + separate": (7, 1, 700, ("separate", 3)),
-    # sums of rows 3..6 in grad_weight rows 224..256: two tail chunks, the last one's dz reused
-    "own buffer + grad_weight tail": (7, 1, 0, ("tail", 3)),
-    # 64-row blocks with float32 sums over 192-column chunks
-    "row blocks, chunked": (300, 300 * 2 * 64, 64 * 40 * 4, ("rows", 0)),
-    # 128-row blocks holding all 257 columns: grad_hidden written by one GEMM a block
-    "row blocks, whole vocabulary": (300, 128 * 264 * 2, 64 * 40 * 4, ("rows", 0)),
+def check_schedule(chunks, N, D, V, esize, granule, chunk, free_until, extra_rows):
+    """plans.chunk_schedule's contract: [0, V) covered in order with an edge at free_until;
+    the in-place chunks first, wider than the workspace, granule multiples, their dz and
+    bias sums 16-byte aligned in grad_weight rows >= v1 and < free_until, each as wide as
+    fits; then workspace chunks, all granule multiples but the last."""
+    assert chunks[0].v0 == 0 and chunks[-1].v1 == V
+    assert all(a.v1 == b.v0 for a, b in zip(chunks, chunks[1:]))
+    assert all(c.v0 < c.v1 for c in chunks)
+    assert free_until in [c.v1 for c in chunks]
+    wide = [c for c in chunks if c.at is not None]
+    assert chunks[:len(wide)] == wide
+    rows = N + extra_rows
+    for c in wide:
+        width = c.v1 - c.v0
+        assert width % granule == 0 and width > chunk
+        assert c.at >= c.v1 * D and c.at * esize % 16 == 0
+        assert c.at + rows * plans.dz_stride(width) <= free_until * D
+        # one granule more would not fit
+        at = -(-(c.v1 + granule) * D * esize // 16) * 16 // esize
+        assert at + rows * plans.dz_stride(width + granule) > free_until * D
+    assert all(c.v1 - c.v0 <= chunk for c in chunks[len(wide):])
+    assert all((c.v1 - c.v0) % granule == 0 for c in chunks[:-1])
+    return wide
+
+
+# Chunks (before: workspace ones only, after) and in-place chunks at the benchmark shapes,
+# bf16, default budgets, granule 256, no bias: the float32 sums (8*N*D bytes a chunk) are
+# read and written 3.3x, 3.1x and 2.5x less at three of them; N = 16384 > 4*D leaves
+# little room.
+SCHEDULES = {
+    (4096, 2048, 151936): (30, 9, [50432, 33792, 22528, 14848, 9984, 6656]),
+    (8192, 4096, 128256): (37, 12, [39936, 26624, 17664, 11776, 7936, 5376]),
+    (16384, 4096, 32000): (19, 18, [3072, 2304, 2048]),
+    (2048, 8192, 128256): (10, 4, [100864, 20224]),
 }
 
 
+@pytest.mark.parametrize("shape", SCHEDULES)
+def test_chunk_schedule_at_benchmark_shapes(shape):
+    N, D, V = shape
+    before, after, widths = SCHEDULES[shape]
+    plan = plans.accumulator_plan(N, D, V, torch.bfloat16, 256, launch.ACCUMULATOR_BYTES, launch.WORKSPACE_BYTES)
+    chunk = plans.workspace_chunk(N, V, 2, 256, launch.WORKSPACE_BYTES - plan.separate_bytes)
+    old = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from, in_place=False)
+    new = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from)
+    assert all(c.at is None for c in old)
+    check_schedule(old, N, D, V, 2, 256, chunk, plan.alias_from, 0)
+    wide = check_schedule(new, N, D, V, 2, 256, chunk, plan.alias_from, 0)
+    assert (len(old), len(new), [c.v1 - c.v0 for c in wide]) == (before, after, widths)
+    # after the in-place chunks, workspace chunks as before, from where they end
+    v = wide[-1].v1
+    rest = launch._chunks(v, plan.alias_from, chunk) + launch._chunks(plan.alias_from, V, chunk)
+    assert [(c.v0, c.v1) for c in new[len(wide):]] == rest
+    # with bias, 2 * cdiv(N, 128) rows of bias sums after each dz: about as wide
+    bias_rows = 2 * -(-N // 128)
+    with_bias = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from, bias_rows)
+    assert len(check_schedule(with_bias, N, D, V, 2, 256, chunk, plan.alias_from, bias_rows)) >= len(wide) - 1
+
+
+def test_chunk_schedule_small_shapes():
+    """Random small shapes in both element sizes; without room (N much larger than D, or a
+    workspace as wide as what fits) the workspace chunks alone, as before."""
+    rng = random.Random(0)
+    seen = 0
+    for _ in range(2000):
+        N, D, V = rng.randrange(1, 300), rng.randrange(1, 300), rng.randrange(1, 3000)
+        esize, granule = rng.choice((2, 4)), rng.choice((8, 16, 32))
+        chunk = granule * rng.randrange(1, 8)
+        # V, or a "tail" home's alias_from: a granule multiple
+        free_until = min(V, rng.choice((V, max(granule, V // 2 // granule * granule))))
+        extra = rng.randrange(0, 5)
+        chunks = plans.chunk_schedule(N, D, V, esize, granule, chunk, free_until, extra)
+        old = plans.chunk_schedule(N, D, V, esize, granule, chunk, free_until, extra, in_place=False)
+        wide = check_schedule(chunks, N, D, V, esize, granule, chunk, free_until, extra)
+        if not wide:
+            assert chunks == old
+        seen += bool(wide)
+    assert seen > 500
+    # no room: N >> D, or the workspace at least as wide as a chunk in place could be
+    for args in ((4096, 64, 32000, 2, 256, 256, 32000), (1024, 1024, 32000, 2, 256, 16384, 32000)):
+        assert plans.chunk_schedule(*args) == plans.chunk_schedule(*args, in_place=False)
+        assert [(c.v0, c.v1) for c in plans.chunk_schedule(*args)] == launch._chunks(0, args[-1], args[-2])
+
+
+# Budgets that send the gradients at D = 40, V = 257 (granule 32, 32-column workspace
+# chunks but where noted) to each home of the float32 sums: (N, dtype, bias,
+# workspace_bytes, accumulator_bytes, expected plan, in-place chunks: their (v0, v1)).
+BF16, F32 = torch.bfloat16, torch.float32
+HOMES = {
+    # the whole vocabulary's dz in the workspace: grad_hidden by one GEMM in bf16, no sums
+    "direct": (7, BF16, True, 7 * 288 * 2, 0, ("direct", 0), []),
+    "separate, all rows": (7, BF16, True, 1, 1 << 30, ("separate", 0), [(0, 192)]),
+    # two in-place chunks, the second's dz over the first's (and the rows it wrote)
+    "separate, all rows, N=33": (33, BF16, True, 1, 1 << 30, ("separate", 0), [(0, 128), (128, 192)]),
+    "separate, all rows, no bias": (33, BF16, False, 1, 1 << 30, ("separate", 0), [(0, 128), (128, 192)]),
+    "own buffer + separate": (7, BF16, True, 1, 700, ("separate", 3), [(0, 192)]),
+    # sums of rows 3..6 in grad_weight rows 224..256: two tail chunks, the last one's dz
+    # reused; the in-place chunk's dz ends before row 224
+    "own buffer + grad_weight tail": (7, BF16, True, 1, 0, ("tail", 3), [(0, 160)]),
+    # two in-place chunks: the second's dz ends at the tail's sums, which the first summed into
+    "own buffer + grad_weight tail, N=16": (16, BF16, True, 1, 0, ("tail", 8), [(0, 128), (128, 192)]),
+    "own buffer + grad_weight tail, no bias": (20, BF16, False, 1, 0, ("tail", 10), [(0, 128), (128, 192)]),
+    # float32 (TF32 off: the Triton dW and dH kernels, reading dz with its row stride)
+    "output, float32": (7, F32, True, 1, 0, ("output", 0), [(0, 192)]),
+    "output, float32, N=33": (33, F32, True, 1, 0, ("output", 0), [(0, 128), (128, 192)]),
+    # 64-row blocks with float32 sums over 192-column chunks
+    "row blocks, chunked": (300, BF16, True, 300 * 2 * 64, 64 * 40 * 4, ("rows", 0), []),
+    # 128-row blocks holding all 257 columns: grad_hidden written by one GEMM a block
+    "row blocks, whole vocabulary": (300, BF16, True, 128 * 264 * 2, 64 * 40 * 4, ("rows", 0), []),
+}
+
+
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("home", HOMES)
-def test_backward_accumulator_homes(monkeypatch, home):
+def test_backward_accumulator_homes(monkeypatch, home, in_place):
     """Each home of grad_hidden's float32 sums (several chunks; sums converted in place in
     grad_hidden's buffer, one row at a time; grad_weight's tail computed
-    after grad_hidden; row blocks with a partial last one), every buffer poisoned with NaN,
+    after grad_hidden; row blocks with a partial last one), with the first chunks' dz and
+    bias sums in grad_weight's unwritten rows or (in_place False) all in the workspace,
+    every buffer poisoned with NaN (a grad_weight row read before it is written shows),
     gives the gradients of a one-chunk backward with a separate accumulator."""
-    N, workspace, budget, (kind, own) = HOMES[home]
+    N, dtype, bias, workspace, budget, (kind, own), wide = HOMES[home]
     mod = variant()
-    plan = plans.accumulator_plan(N, 40, 257, torch.bfloat16, 32, budget, workspace)
+    plan = plans.accumulator_plan(N, 40, 257, dtype, 32, budget, workspace)
     assert (plan.home, plan.own_rows) == (kind, own)
     if home.startswith("row blocks"):
         assert (plan.row_block, plan.block_width) == ((128, 257) if "whole" in home else (64, 192))
-    args = backward_args(mod, N, torch.bfloat16, seed=3)
+    args = backward_args(mod, N, dtype, seed=3, bias=bias)
     one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
     monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
     monkeypatch.setattr(launch, "CONVERT_BYTES", 1)  # sums in grad_hidden's buffer converted row by row
+    monkeypatch.setattr(launch, "IN_PLACE", in_place)
+    schedules = []
+
+    def recorded(*a, **k):
+        schedules.append(plans.chunk_schedule(*a, **k))
+        return schedules[-1]
+
+    monkeypatch.setattr(launch, "chunk_schedule", recorded)
     many = llp.backward(*args, workspace_bytes=workspace, accumulator_bytes=budget)
-    assert all(torch.isfinite(t).all() for t in many)
+    assert [(c.v0, c.v1) for c in schedules[0] if c.at is not None] == (wide if in_place else [])
+    assert all(torch.isfinite(t).all() for t in many if t is not None)
     # Same float32 sums, different chunk boundaries for grad_hidden's accumulation order;
     # outputs rounded to bf16 once, so at most one unit of its last place apart.
+    tol = 8e-3 if dtype == BF16 else 2e-6
     for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, many):
-        torch.testing.assert_close(a.float(), b.float(), rtol=8e-3, atol=8e-3, msg=name)
+        assert (a is None) == (b is None) == (not bias and name == "grad_b"), name
+        if a is not None:
+            torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
 
 
 def test_float32_backward_chunks():
@@ -504,3 +616,62 @@ def test_autocast_takes_an_fp32_master_weight_like_f_linear():
     assert torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
     with pytest.raises(TypeError):  # outside autocast the dtypes must agree, as before
         ops.linear_logp(h.detach(), weight, target, bias)
+
+
+def _stand_in_dz(calls):
+    """CudaForward.dz's contract in float32 PyTorch (the Triton dz kernel's arithmetic), for
+    checking the backward's wiring on the CPU; records (rows, v0, v1, row stride)."""
+    def dz(h, w, t, lse2, ez2, g_logp, g_ent, out, v0, v1, temperature, ignore_index):
+        calls.append((h.shape[0], v0, v1, out.stride(0)))
+        assert out.data_ptr() % 16 == 0 and out.stride(0) % 2 == 0 and out.stride(1) == 1
+        z = (h.float() @ w[v0:v1].float().T) * (launch.LOG2E / temperature)
+        p = torch.exp2(z - lse2[:, None])
+        valid = t != ignore_index
+        ca = torch.where(valid, g_logp / temperature, 0.0) if g_logp is not None else torch.zeros(len(t))
+        coef = ca[:, None]
+        if ez2 is not None:
+            cb = torch.where(valid, g_ent * (launch.LN2 / temperature), 0.0)
+            coef = coef + cb[:, None] * (z - ez2[:, None])
+        hit = t[:, None] == torch.arange(v0, v1)[None, :]
+        out[:len(t), :v1 - v0] = (torch.where(hit, ca[:, None], 0.0) - p * coef).to(out.dtype)  # rows >= N: a row block's
+    return dz
+
+
+@pytest.mark.parametrize("home", ["direct", "own buffer + grad_weight tail, N=16", "separate, all rows, N=33",
+                                  "row blocks, chunked"])
+@pytest.mark.parametrize("entropy", [True, False])
+def test_backward_routes_dz_to_the_cuda_kernel(monkeypatch, home, entropy):
+    """Where CudaForward.takes_dz holds (sm_90a, no bias), every dz pass is one
+    CudaForward.dz call -- the chunk's rows (row blocks: a slice), its columns and its dz
+    view -- and the gradients are the Triton dz kernel's within bf16 rounding of dz; with a
+    bias the Triton kernel runs (its column sums make grad_bias)."""
+    N, _, _, workspace, budget, _, _ = HOMES[home]
+    mod = variant()
+    hidden, weight, target, _ = make_inputs(N, 257, 40, dtype=torch.bfloat16)
+    _, _, lse2, ez2 = llp.forward(mod, hidden, weight, target, None, 0.7, -100, entropy)
+    g = torch.Generator().manual_seed(4)
+    g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy else None
+    calls = []
+    cuda = launch.CudaForward.__new__(launch.CudaForward)
+    cuda.triton = mod
+    cuda.takes_dz = lambda h, w, b: b is None
+    cuda.dz = _stand_in_dz(calls)
+    monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
+    args = (hidden, weight, target, None, lse2, ez2, g_logp, g_ent, 0.7, -100)
+    budgets = dict(workspace_bytes=workspace, accumulator_bytes=budget)
+    got = llp.backward(cuda, *args, **budgets)
+    want = llp.backward(mod, *args, **budgets)
+    plan = plans.accumulator_plan(N, 40, 257, torch.bfloat16, 32, budget, workspace)
+    assert calls and all(v1 > v0 for _, v0, v1, _ in calls)
+    assert {n for n, *_ in calls} == ({N} if plan.home != "rows" else {N, plan.row_block, N % plan.row_block} - {0})
+    for name, a, b in zip(("grad_h", "grad_w"), got, want):
+        assert torch.isfinite(a).all(), name
+        # dz is rounded to bf16 on both paths from float32 logits summed in different
+        # orders: an element may land a unit of bf16's last place apart (up to 2^-7 of the
+        # largest dz), which the GEMMs spread into any output, near zero too; then the
+        # outputs' own rounding (2^-7 relative). 2^-6 of the largest gradient covers both.
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -6 * b.abs().max().item(), msg=name)
+    calls.clear()
+    bias = torch.zeros(257, dtype=torch.bfloat16)
+    llp.backward(cuda, hidden, weight, target, bias, *args[4:], **budgets)
+    assert not calls

@@ -1,8 +1,9 @@
 """linear_logp's CUDA forward kernels (sm_90a WGMMA, mma.sync) on a GPU: each variant that
 runs on the device against float64 at the issue's sizes with poisoned buffers, split
 invariance, the fallback for inputs the kernels cannot take, CUDA graph replay, and that
-dispatch picks them. (The combine is the CUDA kernels' own, in the same launcher call;
-the backward is the Triton path's: test_linear_logp_gpu.)"""
+dispatch picks them; the sm_90a variants' dz kernel (the backward's recompute) against
+float64 and the Triton dz kernel. (The combine is the CUDA kernels' own, in the same
+launcher call; the rest of the backward is test_linear_logp_gpu's.)"""
 
 import math
 from pathlib import Path
@@ -160,3 +161,117 @@ def test_dispatch_prefers_the_cuda_kernel():
     assert impl.kernel.variant.arch == ("sm_90a" if cap == (9, 0) else runs[0].arch)
     assert impl.name == runs[0].name
     assert impl.triton.SPLIT_V >= 1  # the Triton companion that combines and differentiates
+
+
+def _dz_reference(h, w, t, lse2, ez2, g_logp, g_ent, T, v0, v1, ignore_index=-100):
+    """dz over columns [v0, v1) in float64 from the forward's own lse2 / ez2 (the kernel's
+    contract: the same arithmetic as linear_logp_bwd_dz_kernel)."""
+    z = (h.double() @ w[v0:v1].double().T) * (math.log2(math.e) / T)
+    p = torch.exp2(z - lse2.double()[:, None])
+    valid = (t != ignore_index)
+    ca = torch.where(valid, g_logp.double() / T if g_logp is not None else 0.0, 0.0)[:, None]
+    dz = -p * ca
+    if g_ent is not None:
+        cb = torch.where(valid, g_ent.double() * (math.log(2) / T), 0.0)[:, None]
+        dz -= p * cb * (z - ez2.double()[:, None])
+    hit = (t[:, None] == torch.arange(v0, v1, device=t.device)[None, :]) & valid[:, None]
+    return dz + torch.where(hit, ca, 0.0)
+
+
+SM90A = [n for n in CUDA if SPEC.variant(n).arch == "sm_90a"]
+
+
+@pytest.mark.parametrize("name", SM90A)
+@pytest.mark.parametrize("N,V,D,v0,v1,entropy,glogp", [
+    (7, 3001, 264, 0, 3001, True, True),          # one chunk, the vocabulary's ragged end
+    (333, 50257, 1032, 300, 1337, True, True),    # a chunk off the tile grid on both sides
+    (333, 50257, 1032, 40000, 50257, False, True),
+    (129, 20000, 520, 5000, 9000, True, False),   # entropy only (g_logp zeros, passed as None)
+])
+def test_cuda_dz_kernel(monkeypatch, name, N, V, D, v0, v1, entropy, glogp):
+    """The sm_90a dz kernel writes exactly columns [0, v1 - v0) of every row of a
+    NaN-poisoned [N, stride] buffer (stride wider than the chunk), matching float64 within
+    bf16/fp16 rounding of dz (relative 2^-8 of each element, the storage type's half ulp
+    with margin) plus 2e-3 of the largest |dz| (the logits are float32 sums of rounded
+    products), and the Triton dz kernel on the same chunk to the same tolerance."""
+    impl = _impl(name)
+    monkeypatch.setattr(launch, "CUDA_DZ", "always")  # at any size
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    h, w, _, t = _inputs(N, V, D, dtype, seed=N + v0)
+    t[1::11] = v0 + 5  # targets inside the chunk
+    T = 0.7
+    logp, ent, lse2, ez2 = llp.forward(impl, h, w, t, None, T, -100, entropy)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    g_logp = torch.randn(N, device="cuda", generator=g) if glogp else None
+    g_ent = torch.randn(N, device="cuda", generator=g) if entropy else None
+    width, stride = v1 - v0, v1 - v0 + 18 - (v1 - v0) % 2
+    dz = torch.full((N, stride), float("nan"), dtype=dtype, device="cuda")
+    assert impl.takes_dz(h, w, None)
+    impl.dz(h, w, t, lse2, ez2 if entropy else None, g_logp, g_ent, dz, v0, v1, T, -100)
+    assert torch.isfinite(dz[:, :width]).all(), "unwritten dz elements"
+    assert torch.isnan(dz[:, width:]).all(), "written past the chunk"
+    want = _dz_reference(h, w, t, lse2, ez2 if entropy else None, g_logp, g_ent, T, v0, v1)
+    atol = 2e-3 * want.abs().max().item()
+    torch.testing.assert_close(dz[:, :width].double(), want, rtol=2 ** -8, atol=atol)
+    # the Triton dz kernel (the companion's) on the same chunk
+    mod = impl.triton
+    tri = torch.full((N, stride), float("nan"), dtype=dtype, device="cuda")
+    h_src, w_src, tma = llp.plans._tile_sources(mod, h, w)
+    zero = torch.zeros(N, device="cuda")
+    mod.linear_logp_bwd_dz_kernel[llp.plans.dz_grid(mod, N, width)](
+        h_src, w_src, w, t, lse2, ez2 if entropy else lse2, g_logp if glogp else zero,
+        g_ent if entropy else zero, tri, tri, N, V, D, v0, v1, stride, math.log2(math.e) / T, 1.0 / T, -100,
+        HAS_BIAS=False, WRITE_BPART=False, WITH_ENTROPY=entropy, HAS_GLOGP=glogp, TMA=tma,
+        PRECISION=llp.plans._precision(dtype), GROUP=llp.plans.GROUP, **llp.plans._tiles(mod))
+    torch.testing.assert_close(dz[:, :width].double(), tri[:, :width].double(), rtol=2 ** -8, atol=atol)
+
+
+@pytest.mark.parametrize("name", SM90A)
+@pytest.mark.parametrize("N,V,D,bias", [(1031, 40009, 1032, False), (1031, 40009, 1032, True), (9, 517, 264, False)])
+def test_backward_with_cuda_dz_against_float64(monkeypatch, name, N, V, D, bias):
+    """The whole backward with the CUDA dz kernel (several chunks: a small workspace), every
+    buffer poisoned, against float64, and against the Triton dz path (KGEN_LINEAR_LOGP_CUDA_DZ
+    off). With a bias the Triton dz kernel runs (column sums for grad_bias)."""
+    impl = _impl(name)
+    monkeypatch.setattr(launch, "CUDA_DZ", "always")  # at any size
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    h, w, b, t = _inputs(N, V, D, dtype, seed=V + D, bias=bias)
+    assert impl.takes_dz(h, w, b) is (not bias)
+    T = 0.9
+    logp, ent, lse2, ez2 = llp.forward(impl, h, w, t, b, T, -100, True)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    g_logp, g_ent = torch.randn(N, device="cuda", generator=g), torch.randn(N, device="cuda", generator=g)
+    _poison(monkeypatch)
+    budget = dict(workspace_bytes=N * 2 * 4096, accumulator_bytes=1 << 30)
+    got = llp.backward(impl, h, w, t, b, lse2, ez2, g_logp, g_ent, T, -100, **budget)
+    monkeypatch.setattr(launch, "CUDA_DZ", "never")
+    assert not impl.takes_dz(h, w, None)
+    tri = llp.backward(impl, h, w, t, b, lse2, ez2, g_logp, g_ent, T, -100, **budget)
+    want = llp.reference_backward(h.double(), w.double(), t, b.double() if bias else None, g_logp.double(),
+                                  g_ent.double(), T, -100)
+    for nm, a, c, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got, tri, want):
+        if not bias and nm == "grad_bias":
+            continue
+        assert torch.isfinite(a).all(), f"{nm}: unwritten elements"
+        # bf16/fp16 outputs of float32 sums: a unit of the last place (2^-7 relative) plus
+        # 1e-2 of the largest gradient (dz itself rounded to 16 bits before the GEMMs)
+        atol = 1e-2 * e.abs().max().item()
+        torch.testing.assert_close(a.double(), e, rtol=2 ** -7, atol=atol, msg=nm)
+        torch.testing.assert_close(a.double(), c.double(), rtol=2 ** -7, atol=atol, msg=nm)
+
+
+@pytest.mark.parametrize("name", SM90A)
+def test_cuda_dz_policy(monkeypatch, name):
+    """By default the CUDA dz kernel serves host-bound sizes only (launch.CUDA_DZ_MAX_FLOP);
+    KGEN_LINEAR_LOGP_CUDA_DZ's "always" / "never" override it; a bias always takes the Triton
+    kernel (grad_bias's column sums)."""
+    impl = _impl(name)
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    small = [torch.empty(s, dtype=dtype, device="cuda") for s in ((8, 512), (1024, 512))]
+    large = [torch.empty(s, dtype=dtype, device="cuda") for s in ((4096, 2048), (151936, 2048))]
+    assert impl.takes_dz(*small, None) and not impl.takes_dz(*large, None)
+    assert not impl.takes_dz(*small, small[1][:, 0].contiguous())
+    monkeypatch.setattr(launch, "CUDA_DZ", "always")
+    assert impl.takes_dz(*large, None)
+    monkeypatch.setattr(launch, "CUDA_DZ", "never")
+    assert not impl.takes_dz(*small, None)

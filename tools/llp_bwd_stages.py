@@ -54,10 +54,13 @@ def main():
             hr.grad = wr.grad = None
             ops.linear_logp(hr, wr, t).backward(g)
         fb = bench(step)
+        default, launch.CUDA_DZ = launch.CUDA_DZ, "always"  # the CUDA dz kernel at any size
+        fb_cuda = bench(step)
         print(f"\n(N, D, V) = ({N}, {D}, {V}) bf16: GEMM {gemm:.3f} ms; kgen fwd {fwd:.3f} ({fwd / gemm:.2f}x), "
-              f"fwd+bwd {fb:.3f} ({fb / gemm:.2f}x), bwd ~{fb - fwd:.3f} ({(fb - fwd) / gemm:.2f}x)", flush=True)
+              f"fwd+bwd {fb:.3f} ({fb / gemm:.2f}x), bwd ~{fb - fwd:.3f} ({(fb - fwd) / gemm:.2f}x); "
+              f"with the CUDA dz kernel: fwd+bwd {fb_cuda:.3f} ({fb_cuda / gemm:.2f}x)", flush=True)
 
-        mod = op._module(dev, dt)
+        cuda = mod = op._module(dev, dt)
         if isinstance(mod, launch.CudaForward):
             mod = mod.triton
         esize = 2
@@ -77,8 +80,11 @@ def main():
 
         def dz_k():
             mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, chunk)](
-                hs, ws, w, t, lse2, lse2, ca, ca, dz, dz, N, V, D, v0, v1, chunk, 1.4426950408889634,
-                HAS_BIAS=False, WRITE_BPART=False, WITH_ENTROPY=False, TMA=tma, **common)
+                hs, ws, w, t, lse2, lse2, ca, ca, dz, dz, N, V, D, v0, v1, chunk, 1.4426950408889634, 1.0, -100,
+                HAS_BIAS=False, WRITE_BPART=False, WITH_ENTROPY=False, HAS_GLOGP=True, TMA=tma, **common)
+
+        def dz_cuda():
+            cuda.dz(h, w, t, lse2, None, ca, None, dz, v0, v1, 1.0, -100)
 
         def dw_k():
             mod.linear_logp_bwd_dw_kernel[dw_grid(mod, chunk, D)](dz, h, gw, N, D, v0, v1, chunk, **common)
@@ -89,6 +95,8 @@ def main():
         wc = w[v0:v1]
         rows = [("dz (Triton, recompute + epilogue)", bench(dz_k)),
                 ("cuBLAS h @ w_chunk.T (bf16 out)", bench(lambda: torch.mm(h, wc.T))),
+                *([("dz (CUDA sm_90a, recompute + epilogue)", bench(dz_cuda))]
+                  if isinstance(cuda, launch.CudaForward) and cuda.takes_dz(h, w, None) else []),
                 ("cuBLAS h @ w_chunk.T (fp32 out)", bench(lambda: torch.mm(h, wc.T, out_dtype=torch.float32))),
                 ("dW (Triton)", bench(dw_k)),
                 ("dW cuBLAS mm(dz.T, h, out=gw)", bench(lambda: torch.mm(dz.T, h, out=gw[v0:v1]))),
@@ -99,6 +107,7 @@ def main():
         for name, ms in rows:
             print(f"  {name:40s} {ms * 1e3:8.1f} us  {f / ms / 1e9:6.0f} TFLOP/s  x{ms / rows[1][1]:.2f} of the bf16 GEMM",
                   flush=True)
+        launch.CUDA_DZ = default
         del h, w, hr, wr, dz, gw, acc, gh
         torch.cuda.empty_cache()
 
@@ -134,8 +143,8 @@ def tiles(shapes):
 
             def dz_k():
                 mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, chunk)](
-                    hs, ws, w, t, lse2, lse2, ca, ca, dz, dz, N, V, D, 0, chunk, chunk, 1.4426950408889634,
-                    HAS_BIAS=False, WRITE_BPART=False, WITH_ENTROPY=False, TMA=tma, **common)
+                    hs, ws, w, t, lse2, lse2, ca, ca, dz, dz, N, V, D, 0, chunk, chunk, 1.4426950408889634, 1.0,
+                    -100, HAS_BIAS=False, WRITE_BPART=False, WITH_ENTROPY=False, HAS_GLOGP=True, TMA=tma, **common)
             ms = bench(dz_k)
             print(f"  dz {v.name:40s} {ms * 1e3:8.1f} us per {chunk}-column chunk, x{ms / ref:.2f} of the GEMM",
                   flush=True)

@@ -6,7 +6,8 @@
 // knobs:   block_m=128, block_n=256, block_k=64, stages=3, consumers=2, split_v=33, cluster=1, hidden_stages=8
 //
 // linear_logp forward partials on Hopper: TMA + mbarrier rings, warp-specialised WGMMA,
-// online softmax in registers. The N x V logits are never written.
+// online softmax in registers. The N x V logits are never written. The backward's dz
+// kernel is the same kernel with another epilogue (DZ, see DzArgs; kgen_launch_dz).
 //
 // CTA = 1 producer warpgroup + 2 consumer warpgroup(s). The consumers split the columns:
 // each owns all 128 rows and 128 of the 256 columns of a V tile. For every V tile of its
@@ -534,10 +535,31 @@ constexpr int ACC = BNC / 2;  // accumulator registers per chain per thread
 static_assert(BM * 16 <= WSTAGES * W_BYTES, "consumer 0 hands its row states over in its weight ring");
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = CONSUMERS == 2 ? 232 : 256;
 
-template <bool HAS_BIAS, bool ENTROPY>
+// The backward's dz kernel (DZ = true) is this kernel with another epilogue: the same
+// mainloop recomputes the logit tiles of the vocabulary chunk [v0, v1), and each logit z
+// (log2 units, z = logit * scale) becomes
+//   dz = ca * (onehot - p) - cb * p * (z - ez2),  p = exp2(z - lse2),
+// ca = g_logp / T and cb = g_ent * ln2 / T (0 on rows whose target is ignore_index; ca 0
+// without g_logp, cb 0 without entropy), written in T to dz[row, col - v0] (row stride
+// dz_stride) -- the Triton linear_logp_bwd_dz_kernel's arithmetic and contract, without its
+// column sums for grad_bias (the host runs the Triton kernel when there is a bias).
+struct DzArgs {
+  const float* lse2;   // [N] log2-sum-exp2 of each row's logits (the forward's)
+  const float* ez2;    // [N] mean logit under p (log2 units); read with ENTROPY only
+  const float* glogp;  // [N] upstream gradient of logp, or null (zeros)
+  const float* gent;   // [N] upstream gradient of the entropy; read with ENTROPY only
+  T* dz;
+  int64_t dz_stride, ignore_index;
+  int v0, v1;
+  float inv_t;  // 1 / temperature
+};
+
+template <bool HAS_BIAS, bool ENTROPY, bool DZ>
 __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_constant__ CUtensorMap map_h, const __grid_constant__ CUtensorMap map_w,
                       const __grid_constant__ CUtensorMap map_b, const int64_t* __restrict__ target,
-                      float* __restrict__ part, int N, int V, int D, int splits, int group, float scale) {
+                      float* __restrict__ part, int N, int V, int D, int splits, int group, float scale,
+                      const DzArgs dza) {
+  static_assert(!(DZ && HAS_BIAS), "the dz epilogue takes no bias (the host runs the Triton dz kernel then)");
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t hfull[HSTAGES], hempty[HSTAGES], wfull[CONSUMERS][WSTAGES],
       wempty[CONSUMERS][WSTAGES], bias_full[2], bias_empty[2];
@@ -553,7 +575,9 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
   kgen::grouped_split_order(blockIdx.x / CLUSTER, rowgroups, splits, group, split, rowgroup);
   const int rowblock = rowgroup * CLUSTER + (int)rank;
   int64_t vt_first, vt_last;
-  kgen::split_slice(split, splits, kgen::cdiv(V, BN), vt_first, vt_last);
+  // The columns swept: the whole vocabulary, or the dz kernel's chunk [v0, v1).
+  const int vbase = DZ ? dza.v0 : 0, vend = DZ ? dza.v1 : V;
+  kgen::split_slice(split, splits, kgen::cdiv(vend - vbase, BN), vt_first, vt_last);
   const int k_tiles = (int)kgen::cdiv(D, BK);
   const int wg = threadIdx.x / 128;
 
@@ -601,7 +625,7 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
         for (int kt = 0; kt < k_tiles; ++kt) {
           kgen::mbar_wait(&wempty[c][stage], phase ^ 1);
           kgen::mbar_arrive_expect_tx(&wfull[c][stage], W_BYTES);
-          const int32_t y = (int32_t)(vt * BN + c * BNC + rank * W_SHARE);
+          const int32_t y = (int32_t)(vbase + vt * BN + c * BNC + rank * W_SHARE);
           if (CLUSTER > 1)
             kgen::tma_load_2d_multicast(ring + stage * W_BYTES + rank * W_SHARE * BK * 2, &map_w, kt * BK, y,
                                         &wfull[c][stage], (1u << CLUSTER) - 1);
@@ -621,7 +645,7 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
         const int i = (int)(vt - vt_first), b = i & 1;
         kgen::mbar_wait(&bias_empty[b], ((i >> 1) & 1) ^ 1);
         kgen::mbar_arrive_expect_tx(&bias_full[b], BN * 2);
-        kgen::tma_load_1d(bias_tile[b], &map_b, (int32_t)(vt * BN), &bias_full[b]);
+        kgen::tma_load_1d(bias_tile[b], &map_b, (int32_t)(vbase + vt * BN), &bias_full[b]);
       }
     }
     return;
@@ -642,6 +666,25 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
       // Targets fit in int (0 <= target < V < 2^31); ignore_index and padding rows never match.
       tgt[m][r] = row[m][r] < N ? (int)target[row[m][r]] : -1;
     }
+  // The dz epilogue's per-row coefficients, read once (see DzArgs).
+  float lse[MT][2], ezr[MT][2], ca[MT][2], cb[MT][2];
+  if constexpr (DZ) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t i = row[m][r];
+        const bool in = i < N;
+        const int64_t tr = in ? target[i] : dza.ignore_index;
+        const bool valid = in && tr != dza.ignore_index;
+        // A target outside [0, V) matches no column (the forward made that row's lse2 NaN).
+        if (tr < 0 || tr >= V) tgt[m][r] = -1;
+        lse[m][r] = in ? dza.lse2[i] : 0.f;
+        ca[m][r] = valid && dza.glogp != nullptr ? dza.glogp[i] * dza.inv_t : 0.f;
+        ezr[m][r] = ENTROPY && in ? dza.ez2[i] : 0.f;
+        cb[m][r] = ENTROPY && valid ? dza.gent[i] * (dza.inv_t * 0.6931471805599453f) : 0.f;
+      }
+  }
   // Frees a weight stage in every CTA of the cluster (their producers multicast into ours).
   auto release_w = [](uint64_t* bar) {
     if (CLUSTER > 1) {
@@ -744,105 +787,141 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
     if (tracing && i < TRACE_TILES) trace[5 * i + 1] = clock64(), trace[5 * i + 3] = full_wait, trace[5 * i + 4] = mma_wait;
 #endif
 
+    if constexpr (DZ) {
+      // dz of the tile, stored from registers: register 4 j + 2 r + e of chain m holds row
+      // g + 8 r, column 8 j + 2 t + e of the consumer's BNC (the WGMMA D layout), so a
+      // thread's pairs of adjacent columns are 4-byte stores and a quad writes 16 bytes of
+      // a row.
+      const int64_t col0 = (int64_t)vbase + vt * BN + consumer * BNC;
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (row[m][r] >= N) continue;
+          T* out = dza.dz + row[m][r] * dza.dz_stride + (col0 - vbase);
+          const int64_t tc = tgt[m][r] - col0;
+#pragma unroll
+          for (int j = 0; j < BNC / 8; ++j) {
+            const int c = 8 * j + 2 * t;
+            float d[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float z = acc[m][4 * j + 2 * r + e] * scale;
+              const float p = kgen::ex2(z - lse[m][r]);
+              const float coef = ENTROPY ? ca[m][r] + cb[m][r] * (z - ezr[m][r]) : ca[m][r];
+              d[e] = (tc == c + e ? ca[m][r] : 0.f) - p * coef;
+            }
+            if (col0 + c + 1 < vend) {
+              T pair[2] = {kgen::from_float<T>(d[0]), kgen::from_float<T>(d[1])};
+              *reinterpret_cast<uint32_t*>(out + c) = *reinterpret_cast<const uint32_t*>(pair);
+            } else if (col0 + c < vend) {
+              out[c] = kgen::from_float<T>(d[0]);
+            }
+          }
+        }
+    } else {
 #if defined(KGEN_ABLATE_FOLD) || defined(KGEN_FAKE_FOLD)
-    // Diagnostics only: no softmax epilogue (tools/llp_cuda_check.py --ablate), or in its
-    // place a busy wait of KGEN_FAKE_FOLD cycles (tools/llp_trace.py --fake-fold).
-    state[0].s += acc[0][0] + acc[MT - 1][ACC - 1];
-    if (HAS_BIAS && lane == 0) kgen::mbar_wait(&bias_full[i & 1], (i >> 1) & 1), kgen::mbar_arrive(&bias_empty[i & 1]);
+      // Diagnostics only: no softmax epilogue (tools/llp_cuda_check.py --ablate), or in its
+      // place a busy wait of KGEN_FAKE_FOLD cycles (tools/llp_trace.py --fake-fold).
+      state[0].s += acc[0][0] + acc[MT - 1][ACC - 1];
+      if (HAS_BIAS && lane == 0) kgen::mbar_wait(&bias_full[i & 1], (i >> 1) & 1), kgen::mbar_arrive(&bias_empty[i & 1]);
 #ifdef KGEN_FAKE_FOLD
-    for (const long long t0 = clock64(); clock64() - t0 < KGEN_FAKE_FOLD;) {
-    }
+      for (const long long t0 = clock64(); clock64() - t0 < KGEN_FAKE_FOLD;) {
+      }
 #endif
 #else
-    // z = (acc + bias) * scale. Register j of a chain holds column 8 (j / 4) + 2 t + (j % 2)
-    // of row g + 8 ((j / 2) % 2).
-    const int64_t col0 = vt * BN + consumer * BNC;
-    if (HAS_BIAS) {
-      const int b = i & 1;
-      kgen::mbar_wait(&bias_full[b], (i >> 1) & 1);
+      // z = (acc + bias) * scale. Register j of a chain holds column 8 (j / 4) + 2 t + (j % 2)
+      // of row g + 8 ((j / 2) % 2).
+      const int64_t col0 = vt * BN + consumer * BNC;
+      if (HAS_BIAS) {
+        const int b = i & 1;
+        kgen::mbar_wait(&bias_full[b], (i >> 1) & 1);
 #pragma unroll
-      for (int j = 0; j < BNC / 8; ++j)
+        for (int j = 0; j < BNC / 8; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float bj = kgen::to_float(bias_tile[b][consumer * BNC + 8 * j + 2 * t + e]);
+          for (int e = 0; e < 2; ++e) {
+            const float bj = kgen::to_float(bias_tile[b][consumer * BNC + 8 * j + 2 * t + e]);
 #pragma unroll
-          for (int m = 0; m < MT; ++m) acc[m][4 * j + e] += bj, acc[m][4 * j + 2 + e] += bj;
-        }
-      __syncwarp();
-      if (lane == 0) kgen::mbar_arrive(&bias_empty[b]);
-    }
-    if (col0 + BNC > V) {
-#pragma unroll
-      for (int j = 0; j < BNC / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (col0 + 8 * j + 2 * t + e >= V)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) acc[m][4 * j + e] = acc[m][4 * j + 2 + e] = masked;
-    }
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t tc = tgt[m][r] - col0;
-        if (tc >= 0 && tc < BNC && ((tc % 8) >> 1) == t) {
-#pragma unroll
-          for (int j = 0; j < BNC / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (8 * j + 2 * t + e == tc) state[2 * m + r].zt += acc[m][4 * j + 2 * r + e] * scale;
-        }
+            for (int m = 0; m < MT; ++m) acc[m][4 * j + e] += bj, acc[m][4 * j + 2 + e] += bj;
+          }
+        __syncwarp();
+        if (lane == 0) kgen::mbar_arrive(&bias_empty[b]);
       }
-    kgen::fold_rows<2 * MT, BNC / 4, ENTROPY>(
-        state, [&](int r, int q) { return acc[r / 2][4 * (q / 2) + 2 * (r % 2) + q % 2]; }, scale);
+      if (col0 + BNC > V) {
+#pragma unroll
+        for (int j = 0; j < BNC / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (col0 + 8 * j + 2 * t + e >= V)
+#pragma unroll
+              for (int m = 0; m < MT; ++m) acc[m][4 * j + e] = acc[m][4 * j + 2 + e] = masked;
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int64_t tc = tgt[m][r] - col0;
+          if (tc >= 0 && tc < BNC && ((tc % 8) >> 1) == t) {
+#pragma unroll
+            for (int j = 0; j < BNC / 8; ++j)
+#pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (8 * j + 2 * t + e == tc) state[2 * m + r].zt += acc[m][4 * j + 2 * r + e] * scale;
+          }
+        }
+      kgen::fold_rows<2 * MT, BNC / 4, ENTROPY>(
+          state, [&](int r, int q) { return acc[r / 2][4 * (q / 2) + 2 * (r % 2) + q % 2]; }, scale);
 #endif
+    }
 #ifdef KGEN_TRACE
     asm volatile("" ::"f"(state[0].s), "f"(state[2 * MT - 1].s));
     if (tracing && i < TRACE_TILES) trace[5 * i + 2] = clock64();
 #endif
   }
   if (CONSUMERS > 1 && consumer == 0 && panels <= lag) kgen::named_bar_arrive(1, 256);
-
+  if constexpr (!DZ) {  // the row states (the dz kernel has stored dz)
 #pragma unroll
-  for (int r = 0; r < 2 * MT; ++r) state[r].reduce_quad();
-  // Row states across consumers: consumer 0 writes its rows into its weight ring (its last
-  // panel has landed and been read, so no TMA or wgmma touches it any more), the last
-  // consumer merges them and stores.
-  float4* handover = reinterpret_cast<float4*>(wring);
-  const int local = warp * 16 + g;  // + m * 64 + 8 * r
-  if (CONSUMERS > 1 && consumer == 0) {
+    for (int r = 0; r < 2 * MT; ++r) state[r].reduce_quad();
+    // Row states across consumers: consumer 0 writes its rows into its weight ring (its last
+    // panel has landed and been read, so no TMA or wgmma touches it any more), the last
+    // consumer merges them and stores.
+    float4* handover = reinterpret_cast<float4*>(wring);
+    const int local = warp * 16 + g;  // + m * 64 + 8 * r
+    if (CONSUMERS > 1 && consumer == 0) {
+      if (t == 0)
+#pragma unroll
+        for (int r = 0; r < 2 * MT; ++r) {
+          const kgen::SoftmaxRow& st = state[r];
+          handover[local + (r / 2) * 64 + 8 * (r % 2)] = make_float4(st.m, st.s, st.ent, st.zt);
+        }
+      kgen::named_bar_arrive(2, 256);
+      return;
+    }
+    if (CONSUMERS > 1) kgen::named_bar_sync(2, 256);
     if (t == 0)
 #pragma unroll
       for (int r = 0; r < 2 * MT; ++r) {
-        const kgen::SoftmaxRow& st = state[r];
-        handover[local + (r / 2) * 64 + 8 * (r % 2)] = make_float4(st.m, st.s, st.ent, st.zt);
+        if (CONSUMERS > 1) {
+          const float4 f = handover[local + (r / 2) * 64 + 8 * (r % 2)];
+          kgen::SoftmaxRow o;
+          o.m = f.x, o.s = f.y, o.ent = f.z, o.zt = f.w;
+          state[r].merge(o);
+        }
+        if (row[r / 2][r % 2] < N) state[r].store(part, split, splits, N, row[r / 2][r % 2]);
       }
-    kgen::named_bar_arrive(2, 256);
-    return;
   }
-  if (CONSUMERS > 1) kgen::named_bar_sync(2, 256);
-  if (t == 0)
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) {
-      if (CONSUMERS > 1) {
-        const float4 f = handover[local + (r / 2) * 64 + 8 * (r % 2)];
-        kgen::SoftmaxRow o;
-        o.m = f.x, o.s = f.y, o.ent = f.z, o.zt = f.w;
-        state[r].merge(o);
-      }
-      if (row[r / 2][r % 2] < N) state[r].store(part, split, splits, N, row[r / 2][r % 2]);
-    }
 }
 
-template <bool HAS_BIAS, bool ENTROPY>
+template <bool HAS_BIAS, bool ENTROPY, bool DZ = false>
 cudaError_t launch(const CUtensorMap& mh, const CUtensorMap& mw, const CUtensorMap& mb, const int64_t* target, float* part,
-                   int N, int V, int D, int splits, int group, float scale, int device, cudaStream_t stream) {
+                   int N, int V, int D, int splits, int group, float scale, int device, cudaStream_t stream,
+                   const DzArgs& dza = DzArgs{}) {
   static uint64_t configured = 0;
-  auto kernel = linear_logp_fwd_sm90a<HAS_BIAS, ENTROPY>;
+  auto kernel = linear_logp_fwd_sm90a<HAS_BIAS, ENTROPY, DZ>;
   const cudaError_t e = kgen::opt_in_shared_memory(kernel, SMEM_BYTES, device, configured);
   if (e != cudaSuccess) return e;
   const unsigned grid = (unsigned)(kgen::cdiv(kgen::cdiv(N, BM), CLUSTER) * CLUSTER * splits);
-  kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(mh, mw, mb, target, part, N, V, D, splits, group, scale);
+  kernel<<<grid, THREADS, SMEM_BYTES, stream>>>(mh, mw, mb, target, part, N, V, D, splits, group, scale, dza);
   return cudaGetLastError();
 }
 
@@ -954,6 +1033,47 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
               : launch<false, false>(mh, mw, mb, target, part, n, v, d, s, gr, scale, device, stream));
   if (rc != cudaSuccess) return (int)rc;
   return (int)launch_combine(part, target, logp, ent, lse2, ez2, n, v, s, ignore_index, entropy, stream);
+}
+
+// The backward's dz kernel (see DzArgs), the second entry point of this library:
+//   ints:   device, hidden, weight, target (int64), lse2, ez2 (0 without entropy), g_logp
+//           (0: zeros), g_ent (0 without entropy), dz, dz_stride, N, V, D, v0, v1, splits,
+//           group, stream, ignore_index
+//   floats: scale = log2(e) / temperature, 1 / temperature
+// The caller has checked what kgen_launch's caller checks, and that dz is 16-byte aligned
+// with an even row stride (4-byte pair stores); no bias.
+extern "C" int kgen_launch_dz(const long long* ints, const double* floats) {
+  const int device = (int)ints[0];
+  const void *hidden = (const void*)ints[1], *weight = (const void*)ints[2];
+  const int64_t* target = (const int64_t*)ints[3];
+  DzArgs dza;
+  dza.lse2 = (const float*)ints[4], dza.ez2 = (const float*)ints[5];
+  dza.glogp = (const float*)ints[6], dza.gent = (const float*)ints[7];
+  dza.dz = (T*)ints[8], dza.dz_stride = ints[9];
+  const long long N = ints[10], V = ints[11], D = ints[12], v0 = ints[13], v1 = ints[14], splits = ints[15],
+                  group = ints[16];
+  cudaStream_t stream = (cudaStream_t)ints[17];
+  dza.ignore_index = ints[18];
+  const float scale = (float)floats[0];
+  dza.inv_t = (float)floats[1];
+  const bool entropy = dza.ez2 != nullptr;
+  if (N <= 0 || V <= 0 || D <= 0 || splits <= 0 || group <= 0 || group * splits > INT32_MAX || D % 8 || N > INT32_MAX ||
+      V > INT32_MAX || device > 63 || v0 < 0 || v1 <= v0 || v1 > V || dza.dz_stride < v1 - v0 || dza.dz_stride % 2 ||
+      kgen::cdiv(N, BM) * CLUSTER * splits > INT32_MAX || (uintptr_t)hidden % 16 || (uintptr_t)weight % 16 ||
+      (uintptr_t)dza.dz % 16 || dza.lse2 == nullptr || (entropy && dza.gent == nullptr))
+    return (int)cudaErrorInvalidValue;
+  dza.v0 = (int)v0, dza.v1 = (int)v1;
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device) {
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return (int)e;
+  }
+  CUtensorMap mh, mw, mb = {};
+  if (!tensor_maps.matrix(&mh, hidden, N, D, BM, kMapType) || !tensor_maps.matrix(&mw, weight, V, D, W_SHARE, kMapType))
+    return (int)cudaErrorInvalidValue;
+  const int n = (int)N, v = (int)V, d = (int)D, s = (int)splits, gr = (int)group;
+  return (int)(entropy ? launch<false, true, true>(mh, mw, mb, target, nullptr, n, v, d, s, gr, scale, device, stream, dza)
+                       : launch<false, false, true>(mh, mw, mb, target, nullptr, n, v, d, s, gr, scale, device, stream, dza));
 }
 
 extern "C" const char* kgen_error_string(int code) {

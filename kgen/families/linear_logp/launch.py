@@ -22,8 +22,9 @@ Forward (O(N) extra memory, the N x V logits never exist):
   Extra memory: 16 * splits * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
 
 Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
-  dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] and
-              float32 column sums per row tile (for grad_bias);
+  dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] (the
+              first chunks: to grad_weight's unwritten rows, below) and float32 column
+              sums per row tile (for grad_bias);
   dW:         grad_weight[v0:v1] = dz^T @ hidden, the whole N reduction in one GEMM, each
               output element written once in the output dtype;
   dH:         acc += dz @ weight[v0:v1] into float32 sums of grad_hidden; grad_hidden is
@@ -47,22 +48,40 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   at most: 3.6% at 8192 x 128256 with 3584-column chunks); if even that does not fit
   (V < ~N) grad_hidden is made by blocks of accumulator_bytes / (4D) rows, each recomputing
   its logits chunk by chunk, before grad_weight's pass over all rows (one more logits GEMM).
+  The chunks (plans.chunk_schedule): grad_weight is written from row 0 up, so while chunk
+  [v0, v1) runs its rows from v1 to the tail's sums (or V) are free. The first chunks keep
+  their dz and bias sums there rather than in the workspace, as wide as the room allows:
+  ~(alias_from - v0) * D / (N + D) columns, shrinking by N / (N + D) a chunk until no wider
+  than the workspace, then workspace chunks. Fewer chunks, fewer passes over the float32
+  sums: bf16 8192 x 4096 x 128256, 12 chunks instead of 37 (3.2 GB of sums traffic instead
+  of 9.9); 4096 x 2048 x 151936, 9 instead of 30. But such a chunk's dz (hundreds of MiB)
+  no longer stays in L2 for its two GEMMs: up to 2*N*V*elsize bytes more read (3.8 GB at
+  8192 x 128256, against 6.7 GB of sums traffic saved). Measured on an H100 (BENCHMARKS.md,
+  thirteenth session), forward + backward over the forward GEMM: 4096 x 2048 x 151936 4.17
+  (was 4.47), 2048 x 8192 x 128256 3.80 (4.50), 8192 x 4096 x 128256 4.05-4.27 over three
+  runs (4.21), 16384 x 4096 x 32000 5.1-5.6 (5.50: its tail home leaves little room). Not
+  for row blocks: their grad_weight pass keeps no sums.
+  The dz kernel: the Triton one, or on sm_90a variants without a bias where the call is
+  host-bound (CUDA_DZ) the CUDA variant's own (CudaForward.dz: its WGMMA mainloop with a dz
+  epilogue, one C call instead of a Triton launch and its TMA descriptors).
   Extra memory: N*chunk*elsize (workspace, chunk = the budget / (N*elsize) rounded to the
   tile; the budget, WORKSPACE_BYTES by default, also pays for a separate accumulator) +
   cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) + CONVERT_BYTES at the end:
-  < 64 MiB at every shape.
+  < 64 MiB at every shape; chunks in grad_weight's rows cost none.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Optional
 
 import torch
 
 from kgen.families.linear_logp.plans import (
     COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _cdiv, _device_props, _precision,
-    _target_in_tile, _tile_sources, _tiles, accumulator_plan, combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid,
-    triton_splits, wave_splits)
+    _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid, dw_grid,
+    dz_grid, dz_stride, fwd_grid, triton_splits, wave_splits, workspace_chunk)
 from kgen.families.linear_logp.schema import _cuda_smem
 from kgen.runtime.streams import current_raw_stream
 
@@ -75,6 +94,19 @@ WORKSPACE_BYTES = 56 << 20
 ACCUMULATOR_BYTES = 16 << 20
 # The copy through which sums kept in grad_hidden's own buffer become its values.
 CONVERT_BYTES = 4 << 20
+# Module switch: False keeps every backward chunk's dz in the workspace (no wide early
+# chunks in grad_weight's unwritten rows, plans.chunk_schedule; tests run both paths).
+IN_PLACE = True
+# Which dz kernel the backward's chunks run on sm_90a variants without a bias
+# (CudaForward.takes_dz): the CUDA one (the forward's WGMMA mainloop with a dz epilogue,
+# launched by one C call) or the Triton one. Measured on an H100 (BENCHMARKS.md, thirteenth
+# session), the CUDA kernel takes 1.10-1.39x a same-sized GEMM per chunk against the Triton
+# kernel's 1.02-1.18x (its epilogue stores dz from registers, 4 bytes a thread), so it runs
+# only where a call is host-bound: logits of at most CUDA_DZ_MAX_FLOP (2*N*D*V) -- there a
+# Triton launch (~30 us of host time with its TMA descriptors) costs more than the kernel.
+# KGEN_LINEAR_LOGP_CUDA_DZ=1 takes it at every size, =0 never.
+CUDA_DZ = {"1": "always", "0": "never"}.get(os.environ.get("KGEN_LINEAR_LOGP_CUDA_DZ", ""), "auto")
+CUDA_DZ_MAX_FLOP = 2e10
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -99,6 +131,11 @@ class CudaForward:
         self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
         self.name = kernel.name
         self._resident: dict[int, int] = {}
+        # the sm_90a library's second entry point: the backward's dz kernel (DzArgs in the
+        # template); None for sm_80 variants, whose backward runs the Triton dz kernel
+        lib = getattr(kernel, "lib", None)
+        dz = getattr(lib, "kgen_launch_dz", None) if kernel.variant.arch == "sm_90a" else None
+        self._dz_ptr = ctypes.cast(dz, ctypes.c_void_p).value if dz is not None else None
 
     def takes(self, hidden, weight, bias) -> bool:
         if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
@@ -107,12 +144,25 @@ class CudaForward:
         tensors = (hidden, weight, bias) if self.kernel.variant.arch == "sm_90a" else (hidden, weight)
         return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
 
-    def splits(self, N: int, V: int, device: torch.device) -> int:
+    def _clusters(self, device: torch.device) -> int:
+        """Clusters of this kernel the GPU holds at once."""
         if device.index not in self._resident:
             props = _device_props(device.index)
             self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
-        clusters = self._resident[device.index] * self.block_m // self.rows
-        return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), clusters)
+        return self._resident[device.index] * self.block_m // self.rows
+
+    def splits(self, N: int, V: int, device: torch.device) -> int:
+        return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), self._clusters(device))
+
+    def dz_splits(self, N: int, width: int, device: torch.device) -> int:
+        """Splits of a dz chunk `width` columns wide: as many as one wave of clusters holds
+        over the row groups (at least 1, at most a tile each). A CTA then sweeps several V
+        tiles, and each tile's epilogue (the stores of dz) runs while the other consumer's
+        MMAs do; with a tile a CTA (wave_splits' choice for a 3584-column chunk at N = 8192)
+        every epilogue and pipeline fill was exposed: 1.11-1.38x a same-sized GEMM against
+        the Triton dz kernel's 1.05-1.18x (H100, BENCHMARKS.md)."""
+        rows = _cdiv(N, self.rows)
+        return max(1, min(_cdiv(width, self.block_n), self._clusters(device) // rows))
 
     def _ctas_per_sm(self, props) -> int:
         """CTAs of this kernel one SM holds at once, by shared memory and registers."""
@@ -125,6 +175,38 @@ class CudaForward:
         regs = max((r["registers"] for r in resources.values()), default=255)
         threads = 128 * v.params["consumers"]
         return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
+
+    def takes_dz(self, hidden, weight, bias) -> bool:
+        """Whether the backward's dz pass runs this variant's CUDA dz kernel: sm_90a, no bias
+        (the CUDA epilogue writes no column sums for grad_bias), what the forward takes, and
+        CUDA_DZ's choice for the size."""
+        if self._dz_ptr is None or bias is not None or CUDA_DZ == "never":
+            return False
+        if CUDA_DZ == "auto" and 2 * hidden.shape[0] * hidden.shape[1] * weight.shape[0] > CUDA_DZ_MAX_FLOP:
+            return False
+        return self.takes(hidden, weight, None)
+
+    def dz(self, hidden, weight, target, lse2, ez2, g_logp, g_ent, dz, v0: int, v1: int,
+           temperature: float, ignore_index: int) -> None:
+        """dz[:, :v1 - v0] for the vocabulary chunk [v0, v1) (the contract of the Triton
+        linear_logp_bwd_dz_kernel without grad_bias's column sums): ez2 and g_ent None
+        without entropy, g_logp None for zeros. dz: a 16-byte aligned view of at least N rows
+        (rows from N on untouched) and v1 - v0 columns, with an even row stride."""
+        N, D = hidden.shape
+        V = weight.shape[0]
+        dev = hidden.device
+        target = target if target.dtype == torch.int64 else target.long()
+        k = self.kernel
+
+        def ptr(t):
+            return t.data_ptr() if t is not None else 0
+
+        rc = k.raw(self._dz_ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), target.data_ptr(),
+                   lse2.data_ptr(), ptr(ez2), ptr(g_logp), ptr(g_ent), dz.data_ptr(), dz.stride(0),
+                   N, V, D, v0, v1, self.dz_splits(N, v1 - v0, dev), self.group(N, D),
+                   current_raw_stream(dev.index), ignore_index, LOG2E / temperature, 1.0 / temperature)
+        if rc:
+            k.fail(rc)
 
     def group(self, N: int, D: int) -> int:
         """Row groups (a cluster's row blocks) per group of the CUDA grid order: as many as
@@ -209,7 +291,9 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     `on_grad_hidden(grad_h)` is called once grad_hidden's kernels are queued, before the
     grad_weight passes that follow them (the vocab-parallel op starts its all-reduce
     there)."""
+    cuda = None  # the CUDA dz kernel's variant, where it applies
     if isinstance(mod, CudaForward):
+        cuda = mod if mod.takes_dz(hidden, weight, bias) else None
         mod = mod.triton
     workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
     accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
@@ -256,8 +340,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             home = grad_w.view(-1)[alias_from * D:alias_from * D + (N - own) * D * 4 // esize]
             pieces.append((own, N, home.view(torch.float32).view(N - own, D)))
 
-    chunk = max(workspace_bytes - separate, 0) // (N * esize) // granule * granule
-    chunk = min(max(chunk, granule), _cdiv(V, granule) * granule)
+    chunk = workspace_chunk(N, V, esize, granule, workspace_bytes - separate)
     # One workspace, viewed as [N, chunk] and, for row blocks, as [row_block, block_width].
     # (Rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)
     rows_view = (min(plan.row_block, N), _cdiv(plan.block_width, 8) * 8) if plan.home == "rows" else (0, 0)
@@ -266,11 +349,21 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
     common = dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod))
 
-    h_src, w_src, tma = _tile_sources(mod, hidden, weight)
+    # (the Triton dz kernel's tile sources: TMA descriptors cost host time the CUDA one saves)
+    h_src, w_src, tma = _tile_sources(mod, hidden, weight) if cuda is None else (hidden, weight, False)
 
     row_inputs = (target, lse2, ez2 if with_entropy else lse2, g_logp, g_ent)
 
-    def dz_pass(v0, v1, write_bpart, rows=None, dz=dz):
+    def dz_pass(v0, v1, write_bpart, rows=None, dz=dz, bpart=bpart):
+        if cuda is not None and dz.data_ptr() % 16 == 0 and dz.stride(0) % 2 == 0:
+            # one C call (no bias here, so no column sums for grad_bias)
+            per = (hidden, target, lse2, ez2, grad_logp, grad_entropy)
+            if rows is not None:
+                per = tuple(x[rows[0]:rows[1]] if x is not None else None for x in per)
+            h, t, lse, ez, gl, ge = per
+            cuda.dz(h, weight, t, lse, ez if with_entropy else None, gl, ge if with_entropy else None, dz,
+                    v0, v1, temperature, ignore_index)
+            return
         if rows is None:
             n, h, per_row = N, h_src, row_inputs
         else:
@@ -285,12 +378,12 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         if write_bpart:
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
-    def dw_pass(v0, v1):
+    def dw_pass(v0, v1, dz=dz):
         if blas:
             torch.mm(dz[:, :v1 - v0].T, hidden, out=grad_w[v0:v1])
         else:
             mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
-                dz, hidden, grad_w, N, D, v0, v1, chunk, **common)
+                dz, hidden, grad_w, N, D, v0, v1, dz.stride(0), **common)
 
     def dh_pass(first, v0, v1, pieces, dz=dz, dz_row0=0):
         """acc (+)= dz @ weight[v0:v1] for each piece; dz's row r0 is dz_row0."""
@@ -318,7 +411,29 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             else:
                 grad_h[r0:r1] = acc
 
-    chunks = _chunks(0, alias_from, chunk) + _chunks(alias_from, V, chunk)
+    # The vocabulary chunks (plans.chunk_schedule): the first ones wider than the workspace,
+    # with their dz and bias sums in grad_weight's rows not yet written. Not for row blocks:
+    # their grad_weight pass keeps no float32 sums, which is what wider chunks save.
+    # ("direct" has one chunk: the workspace holds all of V, no chunk is wider.)
+    tiles_n = _cdiv(N, mod.BLOCK_N)
+    bpart_rows = _cdiv(tiles_n * 4, esize) if bias is not None else 0  # float32 sums, in dz rows
+    chunks = chunk_schedule(N, D, V, esize, granule, chunk, alias_from, bpart_rows,
+                            in_place=IN_PLACE and plan.home != "rows")
+
+    def views(c):
+        """(dz, bpart) of chunk c: the workspace's, or its region of grad_weight's flat
+        storage: dz [N, stride], then the bias sums [tiles_n, stride] in float32 (16-byte
+        aligned: the region starts so and N * stride elements are whole 16-byte units)."""
+        if c.at is None:
+            return dz, bpart
+        stride = dz_stride(c.v1 - c.v0)
+        flat = grad_w.view(-1)
+        c_dz = flat[c.at:c.at + N * stride].view(N, stride)
+        if bias is None:
+            return c_dz, c_dz
+        b0 = c.at + N * stride
+        return c_dz, flat[b0:b0 + tiles_n * stride * 4 // esize].view(torch.float32).view(tiles_n, stride)
+
     if plan.home == "rows":
         # grad_hidden's float32 sums over V would need N*D*4 bytes and grad_weight is too
         # short to lend them (V < ~N): grad_hidden block by block of rows, each block
@@ -337,24 +452,27 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             finish(block)
         if on_grad_hidden is not None:
             on_grad_hidden(grad_h)
-        for v0, v1 in chunks:
+        for v0, v1, _ in chunks:  # workspace chunks only
             dz_pass(v0, v1, bias is not None)
             dw_pass(v0, v1)
         return grad_h, grad_w, grad_b
 
-    for i, (v0, v1) in enumerate(chunks):
-        dz_pass(v0, v1, bias is not None)
-        if v1 <= alias_from:
-            dw_pass(v0, v1)
-        dh_pass(i == 0, v0, v1, pieces)
+    for i, c in enumerate(chunks):
+        c_dz, c_bpart = views(c)  # (the bias sums' row stride is dz's: the kernel writes both with it)
+        dz_pass(c.v0, c.v1, bias is not None, dz=c_dz, bpart=c_bpart)
+        if c.v1 <= alias_from:
+            dw_pass(c.v0, c.v1, c_dz)  # rows [v0, v1): below the chunk's own dz region
+        dh_pass(i == 0, c.v0, c.v1, pieces, dz=c_dz)
     finish(pieces)
     if on_grad_hidden is not None:
         on_grad_hidden(grad_h)
     if alias_from < V:
-        # grad_hidden is final: grad_weight's tail is free. The last chunk's dz is still in
-        # the workspace; the tail's other chunks are recomputed.
-        dw_pass(*chunks[-1])
-        for v0, v1 in _chunks(alias_from, V, chunk)[:-1]:
+        # grad_hidden is final: grad_weight's tail is free. The tail's chunks are workspace
+        # ones (in-place chunks end before alias_from); the last one's dz is still in the
+        # workspace, the others are recomputed.
+        tail = [c for c in chunks if c.v0 >= alias_from]
+        dw_pass(tail[-1].v0, tail[-1].v1)
+        for v0, v1, _ in tail[:-1]:
             dz_pass(v0, v1, False)
             dw_pass(v0, v1)
     return grad_h, grad_w, grad_b

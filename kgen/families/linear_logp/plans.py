@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -191,3 +191,61 @@ def accumulator_plan(N: int, D: int, V: int, dtype: torch.dtype, granule: int, b
     row_block = max(granule, budget // (D * 4) // granule * granule)
     width = max(granule, (workspace - min(row_block, N) * D * 4) // (row_block * esize) // granule * granule)
     return AccumulatorPlan("rows", 0, V, row_block, min(width, _cdiv(V, granule) * granule), min(row_block, N) * D * 4)
+
+
+def workspace_chunk(N: int, V: int, esize: int, granule: int, budget: int) -> int:
+    """Columns of the backward's dz workspace: as many granules of N-row dz as `budget`
+    bytes hold, at least one, at most V's."""
+    chunk = max(budget, 0) // (N * esize) // granule * granule
+    return min(max(chunk, granule), _cdiv(V, granule) * granule)
+
+
+class Chunk(NamedTuple):
+    """One vocabulary chunk of the backward (see chunk_schedule)."""
+    v0: int
+    v1: int
+    at: Optional[int]  # dz's first element in grad_weight's flat storage; None: the workspace
+
+
+def dz_stride(width: int) -> int:
+    """Row stride of a chunk's dz: whole 16-byte units (cuBLAS's fast kernels want aligned
+    leading dimensions)."""
+    return _cdiv(width, 8) * 8
+
+
+def chunk_schedule(N: int, D: int, V: int, esize: int, granule: int, chunk: int, free_until: int,
+                   extra_rows: int = 0, in_place: bool = True) -> list[Chunk]:
+    """The backward's vocabulary chunks, in order, covering [0, V) with an edge at
+    free_until (the "tail" home's alias_from; V otherwise).
+
+    grad_weight is written chunk by chunk from row 0 up, so while chunk [v0, v1) runs, its
+    rows [v1, free_until) are neither written yet nor hold sums: free memory that is no
+    extra. A chunk keeps its dz there ("in place": N + extra_rows rows of dz_stride(width)
+    elements from the first 16-byte aligned element of row v1 on; extra_rows for the bias
+    sums) when that is wider than the workspace's `chunk` columns: fewer chunks, and each
+    chunk reads and writes grad_hidden's float32 sums once (8*N*D bytes). Greedy, which
+    reaches furthest: each chunk is the widest multiple of `granule` that fits; the free
+    rows left shrink by about N/(N+D) a chunk, and once the widest fit is no wider than
+    `chunk` the rest goes through the workspace as before. The last chunk before
+    free_until never fits in place (no rows after it), so the schedule always ends with
+    workspace chunks. in_place False: workspace chunks only."""
+    align = max(1, 16 // esize)  # elements per 16 bytes
+    rows = N + extra_rows
+    end = free_until * D
+    schedule, v0 = [], 0
+
+    def fits(v1: int) -> bool:
+        return _cdiv(v1 * D, align) * align + rows * dz_stride(v1 - v0) <= end
+
+    while in_place:
+        # about (free_until - v0) * D / (D + rows) columns, then down to what fits
+        width = (free_until - v0) * D // (D + rows) // granule * granule
+        while width > chunk and not fits(v0 + width):
+            width -= granule
+        if width <= chunk:
+            break
+        schedule.append(Chunk(v0, v0 + width, _cdiv((v0 + width) * D, align) * align))
+        v0 += width
+    for begin, stop in ((v0, free_until), (free_until, V)):
+        schedule += [Chunk(v, min(v + chunk, stop), None) for v in range(begin, stop, chunk)]
+    return schedule
