@@ -155,26 +155,13 @@ class CudaForward:
         return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), self._clusters(device))
 
     def dz_splits(self, N: int, width: int, device: torch.device) -> int:
-        """Splits of a dz chunk `width` columns wide: as many as one wave of clusters holds
-        over the row groups (at least 1, at most a tile each). A CTA then sweeps several V
-        tiles, and each tile's epilogue (the stores of dz) runs while the other consumer's
-        MMAs do; with a tile a CTA (wave_splits' choice for a 3584-column chunk at N = 8192)
-        every epilogue and pipeline fill was exposed: 1.11-1.38x a same-sized GEMM against
-        the Triton dz kernel's 1.05-1.18x (H100, BENCHMARKS.md)."""
-        rows = _cdiv(N, self.rows)
-        return max(1, min(_cdiv(width, self.block_n), self._clusters(device) // rows))
-
-    def _ctas_per_sm(self, props) -> int:
-        """CTAs of this kernel one SM holds at once, by shared memory and registers."""
-        v = self.kernel.variant
-        if v.arch == "sm_90a":
-            return 1  # __launch_bounds__(threads, 1) and ~225 KB of rings
-        smem = _cuda_smem(v.arch, v.dtype, v.params)
-        per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
-        resources = self.kernel.entry.manifest.get("resources", {})
-        regs = max((r["registers"] for r in resources.values()), default=255)
-        threads = 128 * v.params["consumers"]
-        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
+        """Splits of a dz chunk `width` columns wide: wave_splits without split_v's minimum
+        (the fewest that fill whole waves). Its grouped order keeps the hidden rows and the
+        weight tiles of the CTAs resident together within L2. Measured per chunk on an H100
+        (BENCHMARKS.md, thirteenth session): 1.11-1.38x a same-sized GEMM; one wave of CTAs
+        each sweeping several tiles instead: 1.10-1.39x, and worse at N = 16384 (all of
+        hidden re-read every tile)."""
+        return wave_splits(_cdiv(N, self.rows), 1, _cdiv(width, self.block_n), self._clusters(device))
 
     def takes_dz(self, hidden, weight, bias) -> bool:
         """Whether the backward's dz pass runs this variant's CUDA dz kernel: sm_90a, no bias
