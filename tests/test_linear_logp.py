@@ -675,3 +675,21 @@ def test_backward_routes_dz_to_the_cuda_kernel(monkeypatch, home, entropy):
     bias = torch.zeros(257, dtype=torch.bfloat16)
     llp.backward(cuda, hidden, weight, target, bias, *args[4:], **budgets)
     assert not calls
+
+
+def test_cuda_forward_grids(monkeypatch):
+    """CudaForward's split choices on a fake 132-SM sm_90a device (no GPU needed): the
+    forward's wave_splits with split_v's minimum, the dz kernel's without it."""
+    from types import SimpleNamespace
+
+    variant_ = SimpleNamespace(arch="sm_90a", dtype="bfloat16", params={"consumers": 2})
+    kernel = SimpleNamespace(params={"block_m": 128, "block_n": 256, "split_v": 33, "cluster": 2},
+                             name="fake", variant=variant_, lib=None)
+    monkeypatch.setattr(launch, "_device_props", lambda index: SimpleNamespace(multi_processor_count=132))
+    cuda = launch.CudaForward(kernel, None)
+    dev = torch.device("cuda", 0)
+    # 32 row groups of 2 x 128 rows, 66 clusters resident (one CTA an SM)
+    assert cuda.splits(8192, 128256, dev) == plans.wave_splits(32, 33, 501, 66) == 33
+    assert cuda.dz_splits(8192, 3584, dev) == plans.wave_splits(32, 1, 14, 66) == 14
+    assert cuda.dz_splits(8, 1024, dev) == 4  # one row group: a split a tile
+    assert cuda.group(8192, 4096) == 8  # 16 MB of hidden rows: 8 row groups of 2 MB

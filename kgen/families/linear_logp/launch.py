@@ -163,6 +163,18 @@ class CudaForward:
         hidden re-read every tile)."""
         return wave_splits(_cdiv(N, self.rows), 1, _cdiv(width, self.block_n), self._clusters(device))
 
+    def _ctas_per_sm(self, props) -> int:
+        """CTAs of this kernel one SM holds at once, by shared memory and registers."""
+        v = self.kernel.variant
+        if v.arch == "sm_90a":
+            return 1  # __launch_bounds__(threads, 1) and ~225 KB of rings
+        smem = _cuda_smem(v.arch, v.dtype, v.params)
+        per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
+        resources = self.kernel.entry.manifest.get("resources", {})
+        regs = max((r["registers"] for r in resources.values()), default=255)
+        threads = 128 * v.params["consumers"]
+        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
+
     def takes_dz(self, hidden, weight, bias) -> bool:
         """Whether the backward's dz pass runs this variant's CUDA dz kernel: sm_90a, no bias
         (the CUDA epilogue writes no column sums for grad_bias), what the forward takes, and
