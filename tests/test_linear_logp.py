@@ -619,21 +619,13 @@ def test_autocast_takes_an_fp32_master_weight_like_f_linear():
 
 
 def _stand_in_dz(calls):
-    """CudaForward.dz's contract in float32 PyTorch (the Triton dz kernel's arithmetic), for
-    checking the backward's wiring on the CPU; records (rows, v0, v1, row stride)."""
+    """CudaForward.dz's contract in float32 (llp.reference_dz), for checking the backward's
+    wiring on the CPU; records (rows, v0, v1, row stride)."""
     def dz(h, w, t, lse2, ez2, g_logp, g_ent, out, v0, v1, temperature, ignore_index):
         calls.append((h.shape[0], v0, v1, out.stride(0)))
         assert out.data_ptr() % 16 == 0 and out.stride(0) % 2 == 0 and out.stride(1) == 1
-        z = (h.float() @ w[v0:v1].float().T) * (launch.LOG2E / temperature)
-        p = torch.exp2(z - lse2[:, None])
-        valid = t != ignore_index
-        ca = torch.where(valid, g_logp / temperature, 0.0) if g_logp is not None else torch.zeros(len(t))
-        coef = ca[:, None]
-        if ez2 is not None:
-            cb = torch.where(valid, g_ent * (launch.LN2 / temperature), 0.0)
-            coef = coef + cb[:, None] * (z - ez2[:, None])
-        hit = t[:, None] == torch.arange(v0, v1)[None, :]
-        out[:len(t), :v1 - v0] = (torch.where(hit, ca[:, None], 0.0) - p * coef).to(out.dtype)  # rows >= N: a row block's
+        want = llp.reference_dz(h, w, t, lse2, ez2, g_logp, g_ent, temperature, ignore_index, v0, v1)
+        out[:len(t), :v1 - v0] = want.to(out.dtype)  # rows from N on: a row block's, untouched
     return dz
 
 

@@ -163,21 +163,6 @@ def test_dispatch_prefers_the_cuda_kernel():
     assert impl.triton.SPLIT_V >= 1  # the Triton companion that combines and differentiates
 
 
-def _dz_reference(h, w, t, lse2, ez2, g_logp, g_ent, T, v0, v1, ignore_index=-100):
-    """dz over columns [v0, v1) in float64 from the forward's own lse2 / ez2 (the kernel's
-    contract: the same arithmetic as linear_logp_bwd_dz_kernel)."""
-    z = (h.double() @ w[v0:v1].double().T) * (math.log2(math.e) / T)
-    p = torch.exp2(z - lse2.double()[:, None])
-    valid = (t != ignore_index)
-    ca = torch.where(valid, g_logp.double() / T if g_logp is not None else 0.0, 0.0)[:, None]
-    dz = -p * ca
-    if g_ent is not None:
-        cb = torch.where(valid, g_ent.double() * (math.log(2) / T), 0.0)[:, None]
-        dz -= p * cb * (z - ez2.double()[:, None])
-    hit = (t[:, None] == torch.arange(v0, v1, device=t.device)[None, :]) & valid[:, None]
-    return dz + torch.where(hit, ca, 0.0)
-
-
 SM90A = [n for n in CUDA if SPEC.variant(n).arch == "sm_90a"]
 
 
@@ -210,7 +195,8 @@ def test_cuda_dz_kernel(monkeypatch, name, N, V, D, v0, v1, entropy, glogp):
     impl.dz(h, w, t, lse2, ez2 if entropy else None, g_logp, g_ent, dz, v0, v1, T, -100)
     assert torch.isfinite(dz[:, :width]).all(), "unwritten dz elements"
     assert torch.isnan(dz[:, width:]).all(), "written past the chunk"
-    want = _dz_reference(h, w, t, lse2, ez2 if entropy else None, g_logp, g_ent, T, v0, v1)
+    want = llp.reference_dz(h, w, t, lse2, ez2 if entropy else None, g_logp, g_ent, T, -100, v0, v1,
+                            compute=torch.float64)
     atol = 2e-3 * want.abs().max().item()
     torch.testing.assert_close(dz[:, :width].double(), want, rtol=2 ** -8, atol=atol)
     # the Triton dz kernel (the companion's) on the same chunk

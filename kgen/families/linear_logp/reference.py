@@ -53,3 +53,26 @@ def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, te
     dz = torch.where(valid[:, None], dz, torch.zeros((), dtype=f32)) / temperature
     gb = dz.sum(0).to(bias.dtype) if bias is not None else hidden.new_empty(0)
     return (dz @ w).to(hidden.dtype), (dz.T @ h).to(weight.dtype), gb
+
+
+def reference_dz(hidden, weight, target, lse2, ez2, g_logp, g_ent, temperature: float, ignore_index: int,
+                 v0: int, v1: int, compute=torch.float32):
+    """The dz kernels' contract (Triton linear_logp_bwd_dz_kernel, CUDA CudaForward.dz) in
+    `compute` precision, no bias: for vocabulary columns [v0, v1), from the forward's own
+    base-2 row statistics lse2 and ez2, dz = ca * (onehot - p) - cb * p * (z - ez2) with
+    z = logit * log2(e) / T, p = exp2(z - lse2), ca = g_logp / T and cb = g_ent * ln2 / T
+    (0 on ignored rows; g_logp None: zeros; g_ent and ez2 None: no entropy term)."""
+    z = (hidden.to(compute) @ weight[v0:v1].to(compute).T) * (1.4426950408889634 / temperature)
+    p = torch.exp2(z - lse2.to(compute)[:, None])
+    valid = target != ignore_index
+    zero = torch.zeros((), dtype=compute, device=hidden.device)
+    if g_logp is None:
+        ca = zero.expand(len(target))
+    else:
+        ca = torch.where(valid, g_logp.to(compute) / temperature, zero)
+    coef = ca[:, None]
+    if g_ent is not None:
+        cb = torch.where(valid, g_ent.to(compute) * (0.6931471805599453 / temperature), zero)
+        coef = coef + cb[:, None] * (z - ez2.to(compute)[:, None])
+    hit = target[:, None] == torch.arange(v0, v1, device=target.device)[None, :]
+    return torch.where(hit, ca[:, None], zero) - p * coef
