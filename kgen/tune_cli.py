@@ -119,6 +119,7 @@ def run(args, console) -> int:
     print(f"recorded {len(entries)} buckets in {path}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [{"dtype": d, "shape": s, "key": r.key, "times_us": r.times, "winner": r.winner, "errors": r.errors}
+            [{"dtype": d, "shape": s, "key": r.key, "times_us": r.times, "gpu_us": r.gpu, "winner": r.winner,
+              "errors": r.errors}
              for d, s, r in results], indent=1))
     return 0

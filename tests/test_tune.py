@@ -106,15 +106,74 @@ def test_a_real_winner_survives_the_re_timing(tables, labelled_runners):
                     timer=_fake_timer({a.name: 10.0, b.name: 9.0, tune.REFERENCE: 50.0}))
     assert res.winner == b.name and res.confirm == {a.name: 10.0, b.name: 9.0}
     # a tie in the re-timing (within TIE) goes to spec order, as in pick
-    w, again = tune.confirm({"a": 10.0, "b": 9.0}, "b", {"a": "A", "b": "B"},
-                            lambda fn, us: {"A": 10.0, "B": 9.9}[fn], 1.0)
-    assert w == "a" and again == {"a": 10.0, "b": 9.9}
+    w, again, again_gpu = tune.confirm({"a": 10.0, "b": 9.0}, "b", {"a": "A", "b": "B"},
+                                       lambda fn, us: {"A": 10.0, "B": 9.9}[fn], 1.0)
+    assert w == "a" and again == {"a": 10.0, "b": 9.9} and again_gpu == {}
 
 
 def test_near_ties_go_to_spec_order():
     assert tune.pick({"first": 10.1, "second": 10.0, "reference": 9.0}) == "reference"
     assert tune.pick({"first": 10.1, "second": 10.0}) == "first"  # 1 % apart: a tie
     assert tune.pick({"first": 10.5, "second": 10.0}) == "second"  # 5 % apart
+
+
+def test_host_bound_ties_go_to_the_least_gpu_time():
+    # every total is the host's launch time (~75 us); the kernels differ
+    totals = {"first": 75.5, "second": 75.0, "third": 76.0, "reference": 90.0}
+    gpu = {"first": 70.0, "second": 50.0, "third": 49.5, "reference": 40.0}
+    assert tune.pick(totals) == "first"  # totals alone: a tie, spec order
+    assert tune.pick(totals, gpu) == "second"  # GPU times 50 and 49.5 tie in turn: spec order
+    # the reference is faster on the GPU but not tied in total: the totals still rule
+    assert tune.pick(totals, gpu) != "reference"
+    # GPU-bound candidates (GPU time = total): the same choice as without GPU times
+    for t in ({"a": 10.1, "b": 10.0, "c": 9.0}, {"a": 10.0, "b": 9.95}, {"a": 10.5, "b": 10.0}):
+        assert tune.pick(t, dict(t)) == tune.pick(t)
+    # GPU times of only some candidates: the totals decide
+    assert tune.pick(totals, {"second": 1.0}) == "first"
+    # host-bound candidates 2-10 % apart in total still tie (a shared host's noise) ...
+    totals = {"first": 280.0, "b16": 180.7, "b64": 181.1, "b128": 177.2}
+    gpu = {"first": 280.0, "b16": 89.6, "b64": 63.2, "b128": 99.5}
+    assert tune.pick(totals) == "b16" and tune.pick(totals, gpu) == "b64"
+    # ... but not with a GPU-bound fastest one, whose total is its GPU time
+    assert tune.pick({"a": 100.0, "b": 105.0}, {"a": 100.0, "b": 60.0}) == "a"
+    assert not tune.beats("b", "a", {"a": 100.0, "b": 105.0}, {"a": 100.0, "b": 60.0})
+    assert tune.beats("b", "a", {"a": 100.0, "b": 108.0}, {"a": 90.0, "b": 60.0})  # both host-bound
+
+
+def test_the_re_timing_keeps_a_host_bound_winner_by_its_gpu_time():
+    def timer(totals, gpus):
+        return lambda fn, us: tune.Timing(totals[fn], gpus[fn])
+
+    runners = {"a": "A", "b": "B"}
+    # totals tie (host-bound), b's kernel takes 30 % less GPU time: b stays
+    w, again, again_gpu = tune.confirm({"a": 75.0, "b": 75.0}, "b", runners,
+                                       timer({"A": 75.4, "B": 75.0}, {"A": 60.0, "B": 42.0}), 1.0,
+                                       gpu={"a": 60.0, "b": 42.0})
+    assert w == "b" and again_gpu == {"a": 60.0, "b": 42.0}
+    # GPU times tie too: spec order
+    w, _, _ = tune.confirm({"a": 75.0, "b": 75.0}, "b", runners,
+                           timer({"A": 75.4, "B": 75.0}, {"A": 42.5, "B": 42.0}), 1.0)
+    assert w == "a"
+    # b 5 % slower in total, both host-bound: within the host's noise (HOST_TIE), b
+    w, _, _ = tune.confirm({"a": 75.0, "b": 75.0}, "b", runners,
+                           timer({"A": 75.0, "B": 79.0}, {"A": 60.0, "B": 42.0}), 1.0)
+    assert w == "b"
+    # b less GPU time but 13 % slower in total (its launch costs more): a
+    w, _, _ = tune.confirm({"a": 75.0, "b": 75.0}, "b", runners,
+                           timer({"A": 75.0, "B": 85.0}, {"A": 60.0, "B": 42.0}), 1.0)
+    assert w == "a"
+
+
+def test_tuning_records_gpu_times_and_decides_on_them(tables, labelled_runners):
+    a, b = _triton_f32()[:2]
+    totals = {a.name: 75.0, b.name: 74.8, tune.REFERENCE: 200.0}
+    gpus = {a.name: 70.0, b.name: 40.0, tune.REFERENCE: 150.0}
+    res = tune.tune("fused_bias_act", torch.device("cpu"), "float32", SHAPE, variants=[a, b],
+                    timer=lambda fn, us: tune.Timing(totals[fn.candidate], gpus[fn.candidate]))
+    assert res.winner == b.name
+    e = res.entry()
+    assert e["gpu_us"] == gpus and e["confirm_gpu_us"] == {a.name: 70.0, b.name: 40.0}
+    assert tune.pick(e["times_us"], e["gpu_us"]) == b.name
 
 
 def test_the_reference_can_win(tables, labelled_runners):
@@ -310,11 +369,11 @@ def test_shipped_tables_are_valid():
             if family not in names:
                 names[family] = {v.name for v in dispatch.shipped_spec(family).variants}
             assert e["winner"] in names[family] | {tune.REFERENCE}, (f.name, k)
-            picked = tune.pick(e["times_us"])
+            picked = tune.pick(e["times_us"], e.get("gpu_us"))
             if "confirm_us" in e:  # re-timed against spec order's choice (tune.confirm)
                 first, again = next(iter(e["times_us"])), e["confirm_us"]
                 assert set(again) == {first, picked}, (f.name, k)
-                picked = picked if again[picked] * (1 + tune.TIE) < again[first] else first
+                picked = picked if tune.beats(picked, first, again, e.get("confirm_gpu_us")) else first
             assert e["winner"] == picked, (f.name, k)
 
 

@@ -45,6 +45,10 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning"
 USER_FILE = "tuning.json"
 MIN_MEASURE_US = 1000.0  # each candidate is timed over at least this much GPU time
 TIE = 0.02  # candidates within 2 % of the fastest are a tie (see pick)
+# host-bound candidates (host time above the GPU time) within 10 % of each other are a tie
+# that their GPU times decide (see pick): a shared host's launch times move 10-30 % between
+# calls (H100 hosts, BENCHMARKS.md), its GPU times a few %
+HOST_TIE = 0.10
 NEAR_MARGIN = 0.10  # a nearby bucket's winner carries over only with this margin (transfers)
 CONFIRM_ROUNDS = 4  # alternating re-timings of a winner against spec order's choice (confirm)
 
@@ -206,9 +210,27 @@ def _sleep_cycles_per_us(index: int) -> float:
     return 10_000_000 / max(start.elapsed_time(end) * 1000, 1.0)
 
 
-def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> float:
+class Timing(float):
+    """A time in microseconds (what the tuner compares: the larger of GPU and host time)
+    that also carries its GPU part, `gpu`, which breaks ties between host-bound candidates
+    (see pick). Timers that return a plain float (fakes in tests) have no GPU part."""
+
+    gpu: float
+
+    def __new__(cls, us: float, gpu: float):
+        t = super().__new__(cls, us)
+        t.gpu = gpu
+        return t
+
+
+def gpu_part(t: float) -> float | None:
+    return getattr(t, "gpu", None)
+
+
+def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> Timing:
     """One call of `fn` in microseconds as a stream of back-to-back calls runs it: the
-    larger of its GPU time and its host (launch) time, each the median of several samples.
+    larger of its GPU time and its host (launch) time, each the median of several samples
+    (a `Timing`, whose `gpu` is the GPU time alone).
 
     The GPU time is measured with every sample's calls queued behind a spin kernel
     (`torch.cuda._sleep`) long enough to cover their launches, so CUDA events see kernels
@@ -271,7 +293,8 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> float:
         host += walls
     gpu.sort()
     host.sort()
-    return max(gpu[len(gpu) // 2], host[len(host) // 2])
+    g = gpu[len(gpu) // 2]
+    return Timing(max(g, host[len(host) // 2]), g)
 
 
 # --------------------------------------------------------------------------- tuning
@@ -284,12 +307,18 @@ class Result:
     winner: str
     errors: dict[str, str] = field(default_factory=dict)
     confirm: dict[str, float] = field(default_factory=dict)  # the re-timing of `confirm`, if any
+    gpu: dict[str, float] = field(default_factory=dict)  # candidate -> its GPU time alone, if timed
+    confirm_gpu: dict[str, float] = field(default_factory=dict)
 
     def entry(self) -> dict:
         e = {"winner": self.winner, "times_us": {k: round(v, 3) for k, v in self.times.items()},
              "kgen": kgen.__version__, "date": datetime.date.today().isoformat()}
+        if self.gpu:
+            e["gpu_us"] = {k: round(v, 3) for k, v in self.gpu.items()}
         if self.confirm:
             e["confirm_us"] = {k: round(v, 3) for k, v in self.confirm.items()}
+        if self.confirm_gpu:
+            e["confirm_gpu_us"] = {k: round(v, 3) for k, v in self.confirm_gpu.items()}
         return e
 
     def margin(self) -> float:
@@ -322,43 +351,79 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
             errors[name] = str(e).splitlines()[0]
     # Interleaved rounds, the minimum per candidate: clocks drift and other work interferes
     # over seconds, and a slow round should not decide between candidates a few % apart.
-    times = {}
+    times, gpu = {}, {}
     for _ in range(rounds):
         for name, fn in list(runners.items()):
             try:
-                t = _recorded(timer(fn, min_us))
+                t = timer(fn, min_us)
             except (KgenError, RuntimeError, ValueError) as e:
                 errors[name] = str(e).splitlines()[0]
                 del runners[name]
                 times.pop(name, None)
+                gpu.pop(name, None)
                 continue
-            times[name] = min(times.get(name, t), t)
+            _keep_min(times, gpu, name, t)
     if not times:
         raise KgenError(f"{family}: no candidate ran at {shape} ({errors})")
-    winner, again = confirm(times, pick(times), runners, timer, min_us)
+    if len(gpu) != len(times):
+        gpu = {}  # a timer without GPU parts (a fake): totals alone decide
+    winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
     k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
-    return Result(k, times, winner, errors, again)
+    return Result(k, times, winner, errors, again, gpu, again_gpu)
+
+
+def _keep_min(times: dict, gpu: dict, name: str, t: float) -> None:
+    """Fold one timing into the per-candidate minima (as recorded: see _recorded), the
+    total and its GPU part each on its own."""
+    us, g = _recorded(t), gpu_part(t)
+    times[name] = min(times.get(name, us), us)
+    if g is not None:
+        g = _recorded(g)
+        gpu[name] = min(gpu.get(name, g), g)
 
 
 def confirm(times: dict[str, float], winner: str, runners: dict, timer, min_us: float,
-            rounds: int = CONFIRM_ROUNDS) -> tuple[str, dict[str, float]]:
+            rounds: int = CONFIRM_ROUNDS, gpu: dict[str, float] | None = None
+            ) -> tuple[str, dict[str, float], dict[str, float]]:
     """Re-time a winner that is not spec order's choice (the first candidate measured)
-    against that choice, alternating the two, and keep it only if it still wins by TIE.
+    against that choice, alternating the two, and keep it only if it still wins (`beats`).
 
     The minimum of many noisy times is biased low (the winner's curse): where candidates
     are really equal - every CUDA variant of a host-bound call runs the same launch path,
     6-14 us a call on an H100 host, around 2-5 us of GPU time - one of ~16 wins by luck,
     by up to 30 % (BENCHMARKS.md, eleventh session). The second, paired measurement has no
-    such selection in it. Returns (winner, the re-timed minimum per candidate, {} if none)."""
+    such selection in it. Returns (winner, the re-timed minimum per candidate and its GPU
+    part, each {} if not re-timed; the GPU part also {} where the timer gives none)."""
     first = next(iter(times))
     if winner == first or winner not in runners or first not in runners:
-        return winner, {}
+        return winner, {}, {}
     again: dict[str, float] = {}
+    again_gpu: dict[str, float] = {}
     for _ in range(rounds):
         for name in (first, winner):
-            t = _recorded(timer(runners[name], min_us))
-            again[name] = min(again.get(name, t), t)
-    return (winner if again[winner] * (1 + TIE) < again[first] else first), again
+            _keep_min(again, again_gpu, name, timer(runners[name], min_us))
+    if len(again_gpu) != 2:
+        again_gpu = {}
+    return (winner if beats(winner, first, again, again_gpu) else first), again, again_gpu
+
+
+def _host_bound(n: str, times: dict[str, float], gpu: dict[str, float] | None) -> bool:
+    return bool(gpu) and n in gpu and times[n] > gpu[n] * (1 + TIE)
+
+
+def _tie(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None) -> float:
+    """How far apart a's and b's totals may be and still tie: HOST_TIE where the host bounds
+    both (its noise), else TIE."""
+    return HOST_TIE if _host_bound(a, times, gpu) and _host_bound(b, times, gpu) else TIE
+
+
+def beats(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None = None) -> bool:
+    """Whether candidate a wins over b: where their totals tie (`_tie`) and GPU times are
+    known, by TIE in GPU time; else by TIE in total time."""
+    w = _tie(a, b, times, gpu)
+    if gpu and a in gpu and b in gpu and times[a] <= times[b] * (1 + w) and times[b] <= times[a] * (1 + w):
+        return gpu[a] * (1 + TIE) < gpu[b]
+    return times[a] * (1 + TIE) < times[b]
 
 
 def transfers(entry: dict) -> bool:
@@ -380,13 +445,26 @@ def _recorded(us: float) -> float:
     return round(us, 3)
 
 
-def pick(times: dict[str, float]) -> str:
+def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
     """The winner: the first candidate in the order measured (spec order, the reference
     last) whose time is within TIE of the fastest. Candidates that close are a tie within
     run-to-run noise (a few % between processes, measured on an H100), and a tie goes to
-    the order the spec's author gave, so that noise does not flip choices between tables."""
-    fastest = min(times.values())
-    return next(n for n, t in times.items() if t <= fastest * (1 + TIE))
+    the order the spec's author gave, so that noise does not flip choices between tables.
+
+    With GPU times (`gpu`, candidate -> GPU part of its time), a host-bound candidate ties
+    with a host-bound fastest one within HOST_TIE, and the tied candidates are narrowed
+    first to those within TIE of the least GPU time among them: where the host's launch
+    time bounds every candidate, the totals tie whatever the kernels cost, and the GPU time
+    is what still tells them apart (logmatmul B = 16 on a slow host: every candidate
+    ~75 us, the spec-order pick 83.5 us of GPU time against the best one's 56.2;
+    BENCHMARKS.md, thirteenth session). Where the GPU time bounds them, it equals the total
+    and this changes nothing."""
+    f = min(times, key=times.get)
+    tied = [n for n, t in times.items() if t <= times[f] * (1 + _tie(n, f, times, gpu))]
+    if gpu and all(n in gpu for n in tied):
+        least = min(gpu[n] for n in tied)
+        tied = [n for n in tied if gpu[n] <= least * (1 + TIE)]
+    return tied[0]
 
 
 _online_lock = threading.Lock()
