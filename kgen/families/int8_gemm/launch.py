@@ -18,6 +18,7 @@ import torch
 
 from kgen.families.int8_gemm import plans
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
+from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
@@ -167,14 +168,15 @@ def _triton(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) 
     n_groups = K // group if group else 1
     grid = plans.gemm_grid(mod, M, N, n_splits)
     if n_splits == 1:
-        mod.int8_gemm_kernel[grid](a, b, out, sa, sb, bi, M, N, K, k_split, n_groups,
-                                   PARTIAL=False, **consts, **tiles)
+        triton_launch.launch(mod.int8_gemm_kernel, grid, (a, b, out, sa, sb, bi, M, N, K, k_split, n_groups),
+                             dict(PARTIAL=False, **consts, **tiles))
         return
     part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)
-    mod.int8_gemm_kernel[grid](a, b, part, sa, sb, bi, M, N, K, k_split, n_groups,
-                               PARTIAL=True, **consts, **tiles)
-    mod.int8_gemm_combine_kernel[plans.combine_grid(mod, M, N)](
-        part, out, sa, sb, bi, M, N, n_splits, **consts, COMBINE_M=mod.COMBINE_M, COMBINE_N=mod.COMBINE_N)
+    triton_launch.launch(mod.int8_gemm_kernel, grid, (a, b, part, sa, sb, bi, M, N, K, k_split, n_groups),
+                         dict(PARTIAL=True, **consts, **tiles))
+    triton_launch.launch(mod.int8_gemm_combine_kernel, plans.combine_grid(mod, M, N),
+                         (part, out, sa, sb, bi, M, N, n_splits),
+                         dict(consts, COMBINE_M=mod.COMBINE_M, COMBINE_N=mod.COMBINE_N))
 
 
 __all__ = ["Impl", "direct", "gemm", "MODE_MM", "MODE_LINEAR", "MODE_W8A16"]

@@ -24,6 +24,7 @@ from kgen.families.logmatmul.plans import (
     BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
     k_split, pow2_at_least, sm_count)
 from kgen.families.logmatmul.schema import cuda_max_b
+from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
@@ -202,15 +203,16 @@ def forward(mod, x: torch.Tensor, w: torch.Tensor, splits: int | None = None) ->
     if pre:
         e = _empty((B, K), dtype=torch.float32, device=x.device)
         m = _empty((B,), dtype=torch.float32, device=x.device)
-        mod.logmatmul_exp_kernel[(B,)](x, e, m, K, BLOCK=REDUCE_BLOCK)
+        triton_launch.launch(mod.logmatmul_exp_kernel, (B,), (x, e, m, K), dict(BLOCK=REDUCE_BLOCK))
         x = e
-    mod.logmatmul_fwd_kernel[grid](x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles,
-                                   DIRECT=direct, DOT=mod.DOT, BLOCK_B=bb, BLOCK_N=mod.BLOCK_N,
-                                   BLOCK_K=mod.BLOCK_K, PRE=pre, m_ptr=m, num_warps=mod.NUM_WARPS,
-                                   num_stages=mod.NUM_STAGES)
+    triton_launch.launch(mod.logmatmul_fwd_kernel, grid,
+                         (x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles),
+                         dict(DIRECT=direct, DOT=mod.DOT, BLOCK_B=bb, BLOCK_N=mod.BLOCK_N, BLOCK_K=mod.BLOCK_K,
+                              PRE=pre, m_ptr=m, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     if not direct:
-        mod.logmatmul_combine_kernel[(cdiv(B * N, REDUCE_BLOCK),)](part_m, part_s, out, B, N, splits,
-                                                                  BLOCK=REDUCE_BLOCK)
+        triton_launch.launch(mod.logmatmul_combine_kernel, (cdiv(B * N, REDUCE_BLOCK),),
+                             (part_m, part_s, out, B, N, splits),
+                             dict(BLOCK=REDUCE_BLOCK))
     return out
 
 
@@ -231,12 +233,15 @@ def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tens
         return (torch.zeros((B, K), dtype=x.dtype, device=dev), torch.zeros((N, K), dtype=w.dtype, device=dev))
     f32 = torch.float32
     stats = _empty((B, 2), dtype=f32, device=dev)
-    mod.logmatmul_bwd_stats_kernel[(B,)](x, out, stats, N, K, BLOCK=STATS_BLOCK, num_warps=8)
+    triton_launch.launch(mod.logmatmul_bwd_stats_kernel, (B,),
+                         (x, out, stats, N, K),
+                         dict(BLOCK=STATS_BLOCK, num_warps=8))
     if gemm if gemm is not None else B > mod.BWD_B:
         e = _empty((B, K), dtype=f32, device=dev)
         c = _empty((B, N), dtype=f32, device=dev)
-        mod.logmatmul_bwd_factors_kernel[(B, cdiv(max(N, K), REDUCE_BLOCK))](x, out, grad, stats, e, c, N, K,
-                                                                            BLOCK=REDUCE_BLOCK)
+        triton_launch.launch(mod.logmatmul_bwd_factors_kernel, (B, cdiv(max(N, K), REDUCE_BLOCK)),
+                             (x, out, grad, stats, e, c, N, K),
+                             dict(BLOCK=REDUCE_BLOCK))
         # two GEMMs on the scaled factors (float32 unless the caller allowed TF32 matmuls)
         dx = torch.where(e > 0, e * (c @ w.to(f32)), 0.0).to(x.dtype)
         return dx, (c.T @ e).to(w.dtype)
@@ -245,11 +250,14 @@ def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tens
     dx = _empty((B, K), dtype=x.dtype, device=dev)
     direct = chunks == 1
     dxp = dx if direct else _empty((chunks, B, K), dtype=f32, device=dev)
-    mod.logmatmul_bwd_kernel[(cdiv(K, mod.BWD_K), chunks)](x, w, out, grad, stats, dw, dxp, B, N, K, n_chunk,
-                                                           BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K,
-                                                           DIRECT=direct, num_warps=mod.BWD_WARPS)
+    triton_launch.launch(mod.logmatmul_bwd_kernel, (cdiv(K, mod.BWD_K), chunks),
+                         (x, w, out, grad, stats, dw, dxp, B, N, K, n_chunk),
+                         dict(BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K, DIRECT=direct,
+                              num_warps=mod.BWD_WARPS))
     if not direct:
-        mod.logmatmul_dx_kernel[(cdiv(B * K, REDUCE_BLOCK),)](dxp, x, stats, dx, B, K, chunks, BLOCK=REDUCE_BLOCK)
+        triton_launch.launch(mod.logmatmul_dx_kernel, (cdiv(B * K, REDUCE_BLOCK),),
+                             (dxp, x, stats, dx, B, K, chunks),
+                             dict(BLOCK=REDUCE_BLOCK))
     return dx, dw
 
 
@@ -267,9 +275,10 @@ def bsl_forward(mod, x, blocks, row_ptr, col_idx, block_size: int) -> torch.Tens
     bn, bk = bsl_tiles(mod, block_size)
     bb = block_b(mod, B)
     n_tiles = N // bn
-    mod.bsl_fwd_kernel[(n_tiles * cdiv(B, bb),)](x, blocks, row_ptr, col_idx, out, B, N, K, n_tiles,
-                                                BS=block_size, DOT=mod.DOT, BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
-                                                num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+    triton_launch.launch(mod.bsl_fwd_kernel, (n_tiles * cdiv(B, bb),),
+                         (x, blocks, row_ptr, col_idx, out, B, N, K, n_tiles),
+                         dict(BS=block_size, DOT=mod.DOT, BLOCK_B=bb, BLOCK_N=bn, BLOCK_K=bk,
+                              num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
     return out
 
 
@@ -305,9 +314,11 @@ def bsl_backward(mod, x, blocks, row_ptr, col_idx, block_size: int, out, grad):
     nn = bs // bn
     dxp = _empty((nnz * nn, B, bs), dtype=torch.float32, device=dev)
     rows = block_rows(row_ptr, nnz)
-    mod.bsl_bwd_kernel[(nnz * nn * (bs // bk),)](x, blocks, rows, col_idx, out, grad, dblocks, dxp, B, N, K,
-                                                BS=bs, BB=bwd_rows(mod, B), BN=bn, BK=bk, num_warps=mod.BWD_WARPS)
+    triton_launch.launch(mod.bsl_bwd_kernel, (nnz * nn * (bs // bk),),
+                         (x, blocks, rows, col_idx, out, grad, dblocks, dxp, B, N, K),
+                         dict(BS=bs, BB=bwd_rows(mod, B), BN=bn, BK=bk, num_warps=mod.BWD_WARPS))
     perm, col_ptr = column_order(col_idx, K // bs)
-    mod.bsl_dx_reduce_kernel[(K // bs, cdiv(B * bs, REDUCE_BLOCK))](dxp, perm, col_ptr, dx, B, K, BS=bs, NN=nn,
-                                                                     BLOCK=REDUCE_BLOCK)
+    triton_launch.launch(mod.bsl_dx_reduce_kernel, (K // bs, cdiv(B * bs, REDUCE_BLOCK)),
+                         (dxp, perm, col_ptr, dx, B, K),
+                         dict(BS=bs, NN=nn, BLOCK=REDUCE_BLOCK))
     return dx, dblocks
