@@ -14,13 +14,15 @@ then those buffers).
 
 Backward: the forward is run again with `save` (or the eager composition saves z on the
 reference path), then reference.backward's per-layer GEMMs through PyTorch (deterministic).
+The eager training fast path (train.py) launches the forward with `save` once through
+`direct(..., save=True)` and runs reference.backward_lean on its zs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kgen.families.fused_mlp.reference import backward as torch_backward
+from kgen.families.fused_mlp.reference import backward as torch_backward, backward_lean
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
@@ -109,16 +111,17 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     return out, zs, (kernel, grid(B, mod), args, kw)
 
 
-def direct(mod, x, weights, biases, activation: str, last_activation: str):
-    """The eager fast path's launcher for one exact call signature of an inference forward
-    (x [..., w0] of `x`'s shape, dtype and device, the weights' and biases' shapes, the
-    activations, the TF32 setting): `f(x, weights, biases)` -> out [..., wL], or None where
-    this call must take the general path (an input not contiguous or not 16-byte aligned,
-    or triton_launch's bound launch declines: hooks, another device, ...). None where the
-    signature has no fast form: B = 0, `x`, the weights or biases given here not contiguous
-    or not 16-byte aligned (a later aligned call makes it), or no binary bound yet (`forward`
-    launched it first). What it launches is what `forward` launches: the same kernel, grid
-    and arguments, pointers as integers, only the output (and scratch) buffers new."""
+def direct(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False):
+    """The eager fast paths' launcher for one exact call signature of a forward (x [..., w0]
+    of `x`'s shape, dtype and device, the weights' and biases' shapes, the activations, the
+    TF32 setting): `f(x, weights, biases)` -> out [..., wL] (with `save`: (out, zs), zs as
+    `forward(save=True)` returns them, 2-D), or None where this call must take the general
+    path (an input not contiguous or not 16-byte aligned, or triton_launch's bound launch
+    declines: hooks, another device, ...). None where the signature has no fast form: B = 0,
+    `x`, the weights or biases given here not contiguous or not 16-byte aligned (a later
+    aligned call makes it), or no binary bound yet (`forward` launched it first, with the same
+    `save`). What it launches is what `forward` launches: the same kernel, grid and
+    arguments, pointers as integers, only the output, z and scratch buffers new."""
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     B = x.numel() // widths[0] if widths[0] else 0
     tensors = [x, *weights, *(b for b in biases if b is not None)]
@@ -127,13 +130,13 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str):
     if x.device.index != triton_launch.current_device():
         return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
     x2 = x.reshape(B, widths[0])
-    out, _, (kernel, grid_, args, kw) = _plan(mod, x2, weights, biases, activation, last_activation, False, None)
+    out, zs, (kernel, grid_, args, kw) = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
     n_ptr = len(args) - 5  # the pointers, then B, bias_mask, act, last_act, save
     go = triton_launch.bind(kernel, args, kw, n_ptr)
     if go is None:
         return None
     # _plan's pointer layout: x, out, (exact: two scratch halves or x, x), then per layer
-    # slot its weight, bias (x where none), z (a scratch half, or x); the rest x
+    # slot its weight, bias (x where none), z (a scratch half, a saved z, or x); the rest x
     first = 4 if mod.EXACT else 2
     w_at = [first + 3 * i for i in range(len(weights))]
     b_at = [first + 3 * i + 1 for i, b in enumerate(biases) if b is not None]
@@ -141,12 +144,15 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str):
     if mod.EXACT and mod.SCRATCH_WIDTH:
         s_at = [(2, 0), (3, B * mod.SCRATCH_WIDTH)]
         s_numel = 2 * B * mod.SCRATCH_WIDTH
-    elif not mod.EXACT and max(widths[1:-1], default=0):
+    elif not mod.EXACT and not save and max(widths[1:-1], default=0):
         hidden = max(widths[1:-1])
         s_at = [(first + 3 * i + 2, (i % 2) * B * hidden) for i in range(len(weights) - 1)]
         s_numel = 2 * B * hidden
     item = x.element_size()
     s_at = [(i, off * item) for i, off in s_at]
+    # saved z: (position, its layer's prototype), one new buffer each per call
+    z_at = [(first + 3 * i + 2, prototype(z.shape, z.dtype, z.device)) for i, z in enumerate(zs) if z is not None]
+    z_slot = [z is not None for z in zs]
     shape, dtype, device = (*x.shape[:-1], widths[-1]), x.dtype, x.device
     proto = prototype(shape, dtype, device)  # outputs: empty_like of it
     empty_like, empty, g0 = torch.empty_like, torch.empty, grid_[0]
@@ -179,18 +185,33 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str):
             s = scratch.data_ptr()
             for i, off in s_at:
                 a[i] = s + off
+        if save:
+            it = iter(z_at)
+            zs = [None] * len(z_slot)
+            for j, on in enumerate(z_slot):
+                if on:
+                    i, zp = next(it)
+                    z = zs[j] = empty_like(zp)
+                    a[i] = z.data_ptr()
+            return (out, zs) if go(g0, a) else None
         return out if go(g0, a) else None
 
     return launch
 
 
-def backward(mod, grad, x, weights, biases, activation: str, last_activation: str, need_x: bool = True):
+def backward(mod, grad, x, weights, biases, activation: str, last_activation: str, need_x: bool = True,
+             lean: bool = False):
     """(grad_x or None, [grad_w], [grad_b or None]) for 2-D contiguous x and grad: the
-    forward again with `save` (mod None: the eager composition), then the GEMMs."""
+    forward again with `save` (mod None: the eager composition), then the GEMMs
+    (reference.backward, or `lean`: reference.backward_lean)."""
     if mod is None:
         _, zs = _eager_save(x, weights, biases, activation, last_activation)
     else:
         _, zs = forward(mod, x, weights, biases, activation, last_activation, save=True)
+    if lean:
+        L = len(weights)
+        return backward_lean(grad, x, weights, [b is not None for b in biases], zs, activation, last_activation,
+                             (need_x,) + (True,) * (2 * L))
     return torch_backward(grad, x, weights, biases, zs, activation, last_activation, need_x)
 
 

@@ -4,10 +4,11 @@ and autograd), the public `fused_mlp`, and the golden numerics `kgen verify` run
 
 from __future__ import annotations
 
+import os
 
 import torch
 
-from kgen.families.fused_mlp import launch
+from kgen.families.fused_mlp import launch, train
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import fits, widths_of
@@ -79,6 +80,12 @@ _FAST: dict = {}
 _USING = _FORCED.open
 FAST_ENTRIES = 4096
 FAST_PATH = True
+# The training fast path (train.py): per call signature, a train.Entry, remembered by the
+# general path's backward. FAST_TRAIN off (KGEN_FUSED_MLP_FAST_TRAIN=0): every call needing a
+# gradient takes the op, and its backward recomputes the forward then runs
+# reference.backward (the "before" of tools/device_fused_mlp_train.sh).
+_TRAIN: dict = {}
+FAST_TRAIN = os.environ.get("KGEN_FUSED_MLP_FAST_TRAIN", "1") != "0"
 
 # Run the op with this implementation (a loaded variant's `.module`, or None: the eager
 # composition) instead of dispatch's choice, in this thread. For tests and benchmarks.
@@ -185,9 +192,27 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
         gx, gws = x2.clone(), [torch.zeros_like(w) for w in ws]
         gbs = [None if b is None else torch.zeros_like(b) for b in bl]
     else:
-        gx, gws, gbs = launch.backward(mod, g2.to(x.dtype), x2, ws, _contig(bl), activation, last_activation, need_x)
+        gx, gws, gbs = launch.backward(mod, g2.to(x.dtype), x2, ws, _contig(bl), activation, last_activation, need_x,
+                                       lean=FAST_TRAIN)
+        if FAST_PATH and FAST_TRAIN and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
+            _remember_train(mod, x, weights, bl, activation, last_activation)
     gx = gx.reshape(x.shape) if need_x else x.new_empty(0)
     return [gx, *gws, *(g for g in gbs if g is not None)]
+
+
+def _remember_train(mod, x, weights, biases, activation, last_activation):
+    """After a general-path backward (its forward with `save` launched, so bound): the
+    training fast path's entry for this call's signature (plain tensors only)."""
+    if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
+        return
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    key = _signature(x, weights, biases, activation, last_activation)
+    if key in _TRAIN:
+        return
+    if len(_TRAIN) >= FAST_ENTRIES:
+        _TRAIN.clear()
+    _TRAIN[key] = train.make(mod, x, weights, biases, activation, last_activation)
 
 
 def _backward_fake(grad, x, weights, biases, bias_mask, activation, last_activation, need_x):
@@ -214,6 +239,7 @@ _backward_op = define("fused_mlp_backward", _backward_impl, fake=_backward_fake)
 _op = define("fused_mlp", _forward_impl, fake=_forward_fake, backward=_backward, setup_context=_setup_context)
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_step = train.Step.apply
 _compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
@@ -227,13 +253,17 @@ def _fast(x, weights, biases, activation, last_activation):
     elif type(biases) not in (list, tuple) or len(biases) != len(weights):
         return None
     try:
-        f = _FAST.get(_signature(x, weights, biases, activation, last_activation))
+        sig = _signature(x, weights, biases, activation, last_activation)
     except (AttributeError, TypeError):  # not tensors, an unhashable activation: the op says what is wrong
-        return None
-    if f is None:
         return None
     if _grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)
                             or any(b is not None and b.requires_grad for b in biases)):
+        entry = _TRAIN.get(sig) if FAST_TRAIN else None
+        if entry is None:
+            return None
+        return _step(entry, x, *weights, *(b for b in biases if b is not None))
+    f = _FAST.get(sig)
+    if f is None:
         return None
     return f(x, weights, biases)
 
@@ -256,7 +286,8 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     tolerances in kgen/specs/fused_mlp.yaml.
 
     Differentiable in x, every weight and every bias (the backward recomputes the forward,
-    saving each layer's z, then per-layer GEMMs; deterministic). On CUDA tensors the variant
+    saving each layer's z, then per-layer GEMMs; deterministic; the training fast path below
+    saves the z in the forward instead). On CUDA tensors the variant
     dispatch chose for (widths, B bucket, dtype) runs on the current stream (or the eager
     composition where no variant fits or it won the tuning); CPU tensors run the eager
     composition. Under torch.autocast, x, the weights and biases are cast to its dtype, as
@@ -267,9 +298,12 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     whose signature (shapes, dtypes, devices, bias pattern, activations) ran before on a
     variant, with contiguous 16-byte-aligned CUDA inputs, take a fast path: the variant, grid
     and constant arguments cached, the kernel launched directly (kgen.runtime.triton_launch),
-    the same launch the op would make."""
+    the same launch the op would make. Eager calls that need a gradient take the training
+    fast path (train.py) under the same conditions, once the op's backward ran for their
+    signature: one forward launch that keeps each layer's z, and a backward of per-layer
+    torch GEMMs on them (KGEN_FUSED_MLP_FAST_TRAIN=0 turns it off)."""
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
-    if not _compiling() and FAST_PATH and _FAST and not _USING and not _any_autocast():
+    if not _compiling() and FAST_PATH and (_FAST or _TRAIN) and not _USING and not _any_autocast():
         out = _fast(x, weights, biases, activation, last_activation)
         if out is not None:
             return out

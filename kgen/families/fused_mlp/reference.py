@@ -1,6 +1,7 @@
 """fused_mlp's math in PyTorch: the activations and their derivatives, the eager
 composition (the op's fallback and a tuning candidate), the float64 oracle the tests use,
-and the backward through per-layer GEMMs that every path shares."""
+and the backward through per-layer GEMMs: `backward` (the general path's, op by op as
+stated) and `backward_lean` (the same math in fewer torch calls: the training fast path's)."""
 
 from __future__ import annotations
 
@@ -90,4 +91,56 @@ def backward(grad, x, weights, biases, zs, activation: str, last_activation: str
             gbs[i] = dz.sum(0, dtype=torch.float32).to(dz.dtype)
         if i > 0 or need_x:
             g = dz.mm(weights[i])
+    return (g if need_x else None), gws, gbs
+
+
+_aten = torch.ops.aten
+_threshold_backward = _aten.threshold_backward.default
+_gelu_backward = _aten.gelu_backward.default
+_silu_backward = _aten.silu_backward.default
+_sigmoid_backward = _aten.sigmoid_backward.default
+
+
+def dz_lean(g: torch.Tensor, z: torch.Tensor, name: str) -> torch.Tensor:
+    """grad * act'(z) in g's dtype in one or few torch calls: PyTorch's own activation
+    backward kernels take 16-bit g and z, compute in float32 and round once, as `backward`
+    does op by op (relu: g where z > 0, else 0, exactly; sigmoid: from sigmoid(z) in float32,
+    not from the rounded output eager autograd uses)."""
+    if name == "relu":
+        return _threshold_backward(g, z, 0)
+    if name == "gelu":
+        return _gelu_backward(g, z, approximate="tanh")
+    if name == "silu":
+        return _silu_backward(g, z)
+    if name == "sigmoid":
+        d = _sigmoid_backward(g, torch.sigmoid(z.float()))  # float32: g promoted
+        return d if d.dtype == g.dtype else d.to(g.dtype)
+    return g
+
+
+def backward_lean(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs):
+    """`backward`'s gradients with fewer torch calls (per layer: the activation's backward,
+    its input h = act(z) of the layer before, dz.T @ h, dz's column sum, dz @ W; 4 to 5
+    calls for ReLU) and only those asked for: `needs` = (x, weight per layer, bias per
+    layer) booleans. Returns (grad_x or None, [grad_w or None], [grad_b or None]); 2-D x and
+    grad. The bias gradient is dz.sum(0): PyTorch sums 16-bit tensors in float32 and rounds
+    once, as `backward`'s explicit float32 sum."""
+    L = len(weights)
+    need_x, need_w, need_b = needs[0], needs[1:1 + L], needs[1 + L:]
+    lowest = 0 if need_x else min((i for i in range(L) if need_w[i] or (has_bias[i] and need_b[i])), default=L)
+    gws, gbs = [None] * L, [None] * L
+    g = grad
+    for i in range(L - 1, lowest - 1, -1):
+        a = last_activation if i == L - 1 else activation
+        dz = dz_lean(g, zs[i], a) if a != "none" else g
+        if need_w[i]:
+            if i > 0:
+                h = act(zs[i - 1], activation) if activation != "none" else zs[i - 1]
+            else:
+                h = x
+            gws[i] = torch.mm(dz.t(), h)
+        if has_bias[i] and need_b[i]:
+            gbs[i] = dz.sum(0)
+        if i > lowest or (i == 0 and need_x):
+            g = torch.mm(dz, weights[i])
     return (g if need_x else None), gws, gbs

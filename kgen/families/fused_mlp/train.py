@@ -1,0 +1,106 @@
+"""fused_mlp's eager training fast path: an autograd.Function whose forward launches the
+variant once with `save` through a bound launcher (launch.direct, as the inference fast path)
+and keeps each layer's z, and whose backward runs reference.backward_lean on them — no second
+forward, no torch.library dispatch, no per-call checks or kernel choice.
+
+Why: a training step at B <= 16384 is host-bound. The general path (the op through autograd)
+runs check_inputs and the kernel choice, launches the forward, and in the backward launches
+it again with `save` (the op returns only the output) before ~11 torch calls per layer.
+This path is taken per exact call signature that the general path has served once (its
+backward remembers it, `remember`), only eagerly: op.fused_mlp steps aside from it under
+torch.compile, autocast, `using` blocks, tensor subclasses and KGEN_FUSED_MLP_FAST_TRAIN=0.
+CUDA-graph capture records it like any launch (the bound launcher runs on the current stream).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kgen.families.fused_mlp import launch
+from kgen.families.fused_mlp.reference import backward_lean, eager
+
+
+class Entry:
+    """One call signature's training forward: the variant's module (None: the eager
+    composition), its bound `save` launcher (None: launch.forward each call), and what the
+    backward needs to know of the signature."""
+
+    __slots__ = ("mod", "go", "acts", "has_bias", "L", "out_shape", "w0")
+
+    def __init__(self, mod, go, acts, has_bias, out_shape, w0):
+        self.mod, self.go, self.acts, self.has_bias = mod, go, acts, has_bias
+        self.L, self.out_shape, self.w0 = len(has_bias), out_shape, w0
+
+    def forward(self, x, weights, biases):
+        """(out [..., wL], zs) for plain x and per-layer biases."""
+        if self.go is not None:
+            res = self.go(x, weights, biases)
+            if res is not None:
+                out, zs = res
+                return out, zs
+        # the general launch (an unaligned or non-contiguous call, a hook, no bound binary)
+        x2 = x.reshape(-1, self.w0)
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        ws = [w if w.is_contiguous() else w.contiguous() for w in weights]
+        bs = [b if b is None or b.is_contiguous() else b.contiguous() for b in biases]
+        if self.mod is None:
+            out, zs = eager(x2, ws, bs, *self.acts, save=True)
+            zs = [z if i < self.L - 1 or self.acts[1] != "none" else None for i, z in enumerate(zs)]
+        else:
+            out, zs = launch.forward(self.mod, x2, ws, bs, *self.acts, save=True)
+        return out.reshape(self.out_shape), zs
+
+
+def make(mod, x, weights, biases, activation: str, last_activation: str, go=None) -> Entry:
+    """The entry for this call's signature (biases: one per layer, tensor or None): with a
+    bound launcher where launch.direct makes one for CUDA tensors (its `save` binary launched
+    before), or `go` (tests)."""
+    if go is None and mod is not None and x.is_cuda:
+        go = launch.direct(mod, x, weights, biases, activation, last_activation, save=True)
+    out_shape = (*x.shape[:-1], weights[-1].shape[0])
+    return Entry(mod, go, (activation, last_activation), tuple(b is not None for b in biases), out_shape,
+                 x.shape[-1])
+
+
+class Step(torch.autograd.Function):
+    """apply(entry, x, *weights, *present biases) -> out. Saves x, the weights and the zs."""
+
+    @staticmethod
+    def forward(ctx, entry, x, *params):
+        L = entry.L
+        it = iter(params[L:])
+        biases = [next(it) if on else None for on in entry.has_bias]
+        out, zs = entry.forward(x, params[:L], biases)
+        ctx.entry, ctx.n_z = entry, sum(z is not None for z in zs)
+        ctx.save_for_backward(x, *params[:L], *(z for z in zs if z is not None))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        entry = ctx.entry
+        L = entry.L
+        saved = ctx.saved_tensors
+        x, ws, zsaved = saved[0], saved[1:1 + L], saved[1 + L:]
+        zs = list(zsaved) + [None] * (L - len(zsaved))  # only the last layer's can be absent
+        B = x.numel() // entry.w0
+        g = grad.reshape(B, grad.shape[-1])
+        if g.dtype != x.dtype:
+            g = g.to(x.dtype)
+        needs = ctx.needs_input_grad
+        need_x = needs[1]
+        need_b = [False] * L
+        k = 1 + L
+        for i, on in enumerate(entry.has_bias):
+            if on:
+                k += 1
+                need_b[i] = needs[k]
+        x2 = x.reshape(B, entry.w0)
+        if B == 0:
+            gx = x.new_zeros(x.shape) if need_x else None
+            gws = [torch.zeros_like(w) if n else None for w, n in zip(ws, needs[2:2 + L])]
+            gbs = [w.new_zeros(w.shape[0]) if n else None for w, n in zip(ws, need_b)]
+        else:
+            gx, gws, gbs = backward_lean(g, x2, ws, entry.has_bias, zs, *entry.acts, (need_x, *needs[2:2 + L], *need_b))
+            if gx is not None:
+                gx = gx.reshape(x.shape)
+        return (None, gx, *gws, *(gbs[i] for i, on in enumerate(entry.has_bias) if on))
