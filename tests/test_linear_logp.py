@@ -10,7 +10,7 @@ import torch
 
 from kgen import ops, render as render_mod, spec
 from kgen.families import linear_logp as llp
-from kgen.families.linear_logp import launch, plans
+from kgen.families.linear_logp import cuda_variant, launch, plans
 from kgen.runtime import dispatch
 
 if torch.cuda.is_available():
@@ -354,6 +354,7 @@ def test_backward_accumulator_homes(monkeypatch, home, in_place):
     monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
     monkeypatch.setattr(launch, "CONVERT_BYTES", 1)  # sums in grad_hidden's buffer converted row by row
     monkeypatch.setattr(launch, "IN_PLACE", in_place)
+    monkeypatch.setattr(launch, "PLAN_CACHE", False)  # the plan made for this call: its schedule recorded
     schedules = []
 
     def recorded(*a, **k):
@@ -371,6 +372,94 @@ def test_backward_accumulator_homes(monkeypatch, home, in_place):
         assert (a is None) == (b is None) == (not bias and name == "grad_b"), name
         if a is not None:
             torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol, msg=name)
+
+
+# (N, dtype, bias, entropy, workspace_bytes, accumulator_bytes): the short path ("direct",
+# N and V off every tile), each home of the float32 sums, row blocks, float32 and fp16.
+PLAN_CASES = [(7, BF16, True, True, None, None), (7, BF16, False, False, None, None),
+              (33, BF16, True, True, 1, 1 << 30), (16, BF16, False, True, 1, 0), (7, BF16, True, False, 1, 700),
+              (300, BF16, True, True, 300 * 2 * 64, 64 * 40 * 4), (33, F32, True, True, 1, 0),
+              (7, F32, False, True, None, None), (9, torch.float16, True, True, None, None)]
+
+
+def _backward_case(mod, N, dtype, bias, entropy, workspace, budget):
+    args = list(backward_args(mod, N, dtype, seed=5, bias=bias))
+    if not entropy:
+        args[8] = None  # grad_entropy: none requested
+    return args, dict(workspace_bytes=workspace, accumulator_bytes=budget)
+
+
+@pytest.mark.parametrize("case", PLAN_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_backward_plan_cache_is_bitwise(monkeypatch, case):
+    """A backward through a cached plan (its second call) gives the gradients of one that
+    makes its plan anew (PLAN_CACHE off) bit for bit, and of the general path where the
+    short one applies; the plan is made once per key."""
+    mod = variant()
+    args, budgets = _backward_case(mod, *case)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "PLAN_CACHE", False)
+    fresh = llp.backward(*args, **budgets)
+    monkeypatch.setattr(launch, "PLAN_CACHE", True)
+    made = []
+    real = launch._make_plan
+    monkeypatch.setattr(launch, "_make_plan", lambda *a: made.append(real(*a)) or made[-1])
+    first = llp.backward(*args, **budgets)
+    cached = llp.backward(*args, **budgets)
+    assert len(made) == 1 and len(launch._PLANS) == 1
+    # the general path for the same plan (the short path's views and launches are its own)
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "_make_plan", lambda *a: real(*a)._replace(one_chunk=False))
+    general = llp.backward(*args, **budgets)
+    # the short path: one chunk of all of V and cuBLAS's GEMMs (not float32 with TF32 off)
+    assert made[0].one_chunk == (budgets["workspace_bytes"] is None and made[0].blas), made[0].acc
+    for name, *outs in zip(("grad_h", "grad_w", "grad_b"), fresh, first, cached, general):
+        assert (outs[0] is None) == (not case[2] and name == "grad_b"), name
+        if outs[0] is not None:
+            assert torch.isfinite(outs[0]).all(), name
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), name
+
+
+def test_backward_plan_key(monkeypatch):
+    """What a plan depends on is in its key: a change of shape, dtype, bias, budgets,
+    switches, precision, implementation or alignment (the CUDA dz kernel's condition) gets
+    its own plan, equal to one made anew; the same call again gets the same plan object."""
+    monkeypatch.setattr(launch, "_PLANS", {})
+    mod = variant()
+    cuda = llp.CudaForward.__new__(llp.CudaForward)
+    cuda.triton = mod
+    cuda.takes_dz = lambda h, w, b: b is None and h.data_ptr() % 16 == 0 and cuda_variant.CUDA_DZ != "never"
+    h, w, _, b = make_inputs(7, 257, 40, dtype=torch.bfloat16)
+    odd = torch.empty(7 * 40 + 1, dtype=torch.bfloat16)[1:].view(7, 40)  # 2 bytes off 16
+    odd.copy_(h)
+    calls = [(mod, h, w, b, None, None), (mod, h, w, None, None, None), (mod, h[:5], w, b, None, None),
+             (mod, h, w[:200], b, None, None), (mod, h.half(), w.half(), b.half(), None, None),
+             (mod, h.float(), w.float(), b.float(), None, None), (mod, h, w, b, 1, None), (mod, h, w, b, 1, 0),
+             (variant(SPLIT_V=3, BLOCK_V=64), h, w, b, None, None), (cuda, h, w, None, None, None),
+             (cuda, odd, w, None, None, None), (cuda, h, w, b, None, None)]
+    switches = [(launch, "IN_PLACE", False), (launch, "WORKSPACE_BYTES", 1), (launch, "ACCUMULATOR_BYTES", 0),
+                (cuda_variant, "CUDA_DZ", "never"), (cuda_variant, "CUDA_DZ_MAX_FLOP", 0),
+                (torch.backends.cuda.matmul, "allow_tf32", not torch.backends.cuda.matmul.allow_tf32)]
+    seen = {}
+    for _ in range(2):
+        for i, c in enumerate(calls):
+            for s in [None] + switches:
+                # (set and restored by hand: allow_tf32 is torch's C++ state, which
+                # monkeypatch fails to restore; see the TF32 test below)
+                saved = getattr(*s[:2]) if s is not None else None
+                try:
+                    if s is not None:
+                        setattr(*s)
+                    got = launch.backward_plan(*c)
+                    with monkeypatch.context() as m:
+                        m.setattr(launch, "PLAN_CACHE", False)
+                        assert got == launch.backward_plan(*c), (i, s)
+                    assert seen.setdefault((i, s and s[1]), got) is got, (i, s)
+                finally:
+                    if s is not None:
+                        setattr(*s[:2], saved)
+    assert len(launch._PLANS) == len({id(plan) for plan in seen.values()})  # (a switch may not change a key)
+    assert calls[9][0] is cuda and seen[(9, None)].cuda is cuda and seen[(10, None)].cuda is None
+    assert seen[(9, "CUDA_DZ")].cuda is None and seen[(9, None)].one_chunk
 
 
 def test_float32_backward_chunks():
@@ -644,7 +733,7 @@ def test_backward_routes_dz_to_the_cuda_kernel(monkeypatch, home, entropy):
     g = torch.Generator().manual_seed(4)
     g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g) if entropy else None
     calls = []
-    cuda = launch.CudaForward.__new__(launch.CudaForward)
+    cuda = llp.CudaForward.__new__(llp.CudaForward)
     cuda.triton = mod
     cuda.takes_dz = lambda h, w, b: b is None
     cuda.dz = _stand_in_dz(calls)
@@ -677,8 +766,8 @@ def test_cuda_forward_grids(monkeypatch):
     variant_ = SimpleNamespace(arch="sm_90a", dtype="bfloat16", params={"consumers": 2})
     kernel = SimpleNamespace(params={"block_m": 128, "block_n": 256, "split_v": 33, "cluster": 2},
                              name="fake", variant=variant_, lib=None)
-    monkeypatch.setattr(launch, "_device_props", lambda index: SimpleNamespace(multi_processor_count=132))
-    cuda = launch.CudaForward(kernel, None)
+    monkeypatch.setattr(plans, "_device_props", lambda index: SimpleNamespace(multi_processor_count=132))
+    cuda = llp.CudaForward(kernel, None)
     dev = torch.device("cuda", 0)
     # 32 row groups of 2 x 128 rows, 66 clusters resident (one CTA an SM)
     assert cuda.splits(8192, 128256, dev) == plans.wave_splits(32, 33, 501, 66) == 33

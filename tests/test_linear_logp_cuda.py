@@ -13,7 +13,7 @@ import torch
 
 from kgen import ops, spec
 from kgen.families import linear_logp as llp
-from kgen.families.linear_logp import launch
+from kgen.families.linear_logp import cuda_variant, launch
 from kgen.runtime import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,7 +180,7 @@ def test_cuda_dz_kernel(monkeypatch, name, N, V, D, v0, v1, entropy, glogp):
     with margin) plus 2e-3 of the largest |dz| (the logits are float32 sums of rounded
     products), and the Triton dz kernel on the same chunk to the same tolerance."""
     impl = _impl(name)
-    monkeypatch.setattr(launch, "CUDA_DZ", "always")  # at any size
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", "always")  # at any size
     dtype = getattr(torch, impl.kernel.variant.dtype)
     h, w, _, t = _inputs(N, V, D, dtype, seed=N + v0)
     t[1::11] = v0 + 5  # targets inside the chunk
@@ -219,7 +219,7 @@ def test_backward_with_cuda_dz_against_float64(monkeypatch, name, N, V, D, bias)
     buffer poisoned, against float64, and against the Triton dz path (KGEN_LINEAR_LOGP_CUDA_DZ
     off). With a bias the Triton dz kernel runs (column sums for grad_bias)."""
     impl = _impl(name)
-    monkeypatch.setattr(launch, "CUDA_DZ", "always")  # at any size
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", "always")  # at any size
     dtype = getattr(torch, impl.kernel.variant.dtype)
     h, w, b, t = _inputs(N, V, D, dtype, seed=V + D, bias=bias)
     assert impl.takes_dz(h, w, b) is (not bias)
@@ -230,7 +230,7 @@ def test_backward_with_cuda_dz_against_float64(monkeypatch, name, N, V, D, bias)
     _poison(monkeypatch)
     budget = dict(workspace_bytes=N * 2 * 4096, accumulator_bytes=1 << 30)
     got = llp.backward(impl, h, w, t, b, lse2, ez2, g_logp, g_ent, T, -100, **budget)
-    monkeypatch.setattr(launch, "CUDA_DZ", "never")
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", "never")
     assert not impl.takes_dz(h, w, None)
     tri = llp.backward(impl, h, w, t, b, lse2, ez2, g_logp, g_ent, T, -100, **budget)
     want = llp.reference_backward(h.double(), w.double(), t, b.double() if bias else None, g_logp.double(),
@@ -248,7 +248,7 @@ def test_backward_with_cuda_dz_against_float64(monkeypatch, name, N, V, D, bias)
 
 @pytest.mark.parametrize("name", SM90A)
 def test_cuda_dz_policy(monkeypatch, name):
-    """By default the CUDA dz kernel serves host-bound sizes only (launch.CUDA_DZ_MAX_FLOP);
+    """By default the CUDA dz kernel serves host-bound sizes only (cuda_variant.CUDA_DZ_MAX_FLOP);
     KGEN_LINEAR_LOGP_CUDA_DZ's "always" / "never" override it; a bias always takes the Triton
     kernel (grad_bias's column sums)."""
     impl = _impl(name)
@@ -257,9 +257,9 @@ def test_cuda_dz_policy(monkeypatch, name):
     large = [torch.empty(s, dtype=dtype, device="cuda") for s in ((4096, 2048), (151936, 2048))]
     assert impl.takes_dz(*small, None) and not impl.takes_dz(*large, None)
     assert not impl.takes_dz(*small, small[1][:, 0].contiguous())
-    monkeypatch.setattr(launch, "CUDA_DZ", "always")
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", "always")
     assert impl.takes_dz(*large, None)
-    monkeypatch.setattr(launch, "CUDA_DZ", "never")
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", "never")
     assert not impl.takes_dz(*small, None)
 
 

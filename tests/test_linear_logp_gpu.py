@@ -10,7 +10,7 @@ import torch
 
 from kgen import ops, spec
 from kgen.families import linear_logp as llp
-from kgen.families.linear_logp import launch, plans
+from kgen.families.linear_logp import cuda_variant, launch, plans
 from kgen.runtime import dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +69,7 @@ def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
     h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
     if path == "dispatch, no bias":
         b = None
-        monkeypatch.setattr(launch, "CUDA_DZ", "always")  # at every size (on sm_90a)
+        monkeypatch.setattr(cuda_variant, "CUDA_DZ", "always")  # at every size (on sm_90a)
     g_logp, g_ent = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
     leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
     with _path(monkeypatch, path, dtype):

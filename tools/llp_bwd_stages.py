@@ -11,7 +11,7 @@ import torch
 from triton.testing import do_bench
 
 from kgen import ops
-from kgen.families.linear_logp import launch, op
+from kgen.families.linear_logp import cuda_variant, launch, op
 from kgen.families.linear_logp.plans import GROUP, _precision, _tile_sources, _tiles, dh_grid, dw_grid, dz_grid
 
 
@@ -54,7 +54,7 @@ def main():
             hr.grad = wr.grad = None
             ops.linear_logp(hr, wr, t).backward(g)
         fb = bench(step)
-        default, launch.CUDA_DZ = launch.CUDA_DZ, "always"  # the CUDA dz kernel at any size
+        default, cuda_variant.CUDA_DZ = cuda_variant.CUDA_DZ, "always"  # the CUDA dz kernel at any size
         fb_cuda = bench(step)
         print(f"\n(N, D, V) = ({N}, {D}, {V}) bf16: GEMM {gemm:.3f} ms; kgen fwd {fwd:.3f} ({fwd / gemm:.2f}x), "
               f"fwd+bwd {fb:.3f} ({fb / gemm:.2f}x), bwd ~{fb - fwd:.3f} ({(fb - fwd) / gemm:.2f}x); "
@@ -107,7 +107,7 @@ def main():
         for name, ms in rows:
             print(f"  {name:40s} {ms * 1e3:8.1f} us  {f / ms / 1e9:6.0f} TFLOP/s  x{ms / rows[1][1]:.2f} of the bf16 GEMM",
                   flush=True)
-        launch.CUDA_DZ = default
+        cuda_variant.CUDA_DZ = default
         del h, w, hr, wr, dz, gw, acc, gh
         torch.cuda.empty_cache()
 

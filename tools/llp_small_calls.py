@@ -4,7 +4,11 @@ choice, each implementation forced) and the eager PyTorch expression, bf16.
 Usage on a GPU machine (repo root): PYTHONPATH=$PWD python3 tools/llp_small_calls.py
 `--breakdown`: the pieces of one small call (N=8, D=512, V=1024) timed interleaved, min over
 rounds, and a cProfile of the backward called directly (the autograd engine runs a CUDA
-backward on its own thread, where a profiler of the main thread does not see it)."""
+backward on its own thread, where a profiler of the main thread does not see it).
+Before/after the backward's plan cache (launch.backward_plan) in one device call: each run
+prints a "kgen op (dispatch), plan cache off" row (launch.PLAN_CACHE off for that row, as
+KGEN_LINEAR_LOGP_PLAN_CACHE=0 sets it for a whole process) next to the default
+"kgen op (dispatch)" row, both against the eager expression measured in the same run."""
 
 import time
 
@@ -27,6 +31,19 @@ def inputs(N, D, V):
     t = torch.randint(0, V, (N,), device="cuda")
     g = torch.randn(N, device="cuda")
     return h, w, t, g, h.clone().requires_grad_(), w.clone().requires_grad_()
+
+
+def no_plan_cache(fn):
+    """fn with launch.backward making its plan anew every call (the cache's "before")."""
+    from kgen.families.linear_logp import launch
+
+    def run():
+        saved, launch.PLAN_CACHE = launch.PLAN_CACHE, False
+        try:
+            fn()
+        finally:
+            launch.PLAN_CACHE = saved
+    return run
 
 
 def per_call_us(fn, calls=2000, rounds=5):
@@ -57,7 +74,8 @@ def main():
                 fn(hr, wr, t).backward(g)
             return run
         rows = [("eager expression", lambda: eager(h, w, t), fb(eager)),
-                ("kgen op (dispatch)", lambda: ops.linear_logp(h, w, t), fb(ops.linear_logp))]
+                ("kgen op (dispatch)", lambda: ops.linear_logp(h, w, t), fb(ops.linear_logp)),
+                ("kgen op (dispatch), plan cache off", lambda: ops.linear_logp(h, w, t), no_plan_cache(fb(ops.linear_logp)))]
         for label, forced in (("kgen op, reference forced", None),
                               ("kgen op, Triton forced", llp_op.implementation(
                                   __import__("kgen.runtime.dispatch", fromlist=["x"]).select(

@@ -27,7 +27,6 @@ import torch
 sys.path.insert(0, os.getcwd())
 from kgen import spec as spec_mod  # noqa: E402
 from kgen.families import linear_logp as llp  # noqa: E402
-from kgen.families.linear_logp import launch  # noqa: E402
 from tools.llp_cuda_check import SHAPES, ablation_build, median as med  # noqa: E402
 
 TILES, CTAS, SLOTS = 16, 264, 5  # the template's TRACE_TILES, TRACE_CTAS, stamps per tile
@@ -69,19 +68,11 @@ def trace(impl, N, D, V):
     tile_stamps = CTAS * consumers * TILES * SLOTS
     stamps = tile_stamps + PANEL_CTAS * consumers * PANEL_TILES * PANELS * 3
     bufs = []
-
-    def with_stamps(shape, dtype, device):  # partials' own buffer, followed by the int64 stamps
-        n = math.prod(shape)
-        bufs.append(torch.zeros(n + 2 * stamps, dtype=dtype, device=device))
-        return bufs[-1][:n].view(shape)
-
-    real, launch._empty = launch._empty, with_stamps
-    try:
-        splits = impl.splits(N, V, h.device)
-        for _ in range(3):
-            impl.partials(h, w, t, None, 1.0, False, splits)
-    finally:
-        launch._empty = real
+    splits = impl.splits(N, V, h.device)
+    for _ in range(3):  # partials' own buffer, followed by the int64 stamps
+        n = 4 * splits * N
+        bufs.append(torch.zeros(n + 2 * stamps, dtype=torch.float32, device=h.device))
+        impl.partials(h, w, t, None, 1.0, False, splits, part=bufs[-1][:n].view(4, splits, N))
     torch.cuda.synchronize()
     raw = bufs[-1][4 * splits * N:].view(torch.int64)
     tr = raw[:tile_stamps].view(CTAS, consumers, TILES, SLOTS).cpu().tolist()

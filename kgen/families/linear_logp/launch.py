@@ -1,6 +1,7 @@
-"""linear_logp's kernel launches: `CudaForward` (a CUDA variant's partials kernel with its
-Triton companion), `forward` and `backward`. Every buffer they return or read back comes
-from `_empty`.
+"""linear_logp's kernel launches: `forward` and `backward` (with `backward_plan`, what a
+backward call decides once per shape), on a Triton module or a `CudaForward`
+(cuda_variant: a CUDA variant's kernels with their Triton companion). Every buffer they
+return or read back comes from `_empty`.
 
 Forward (O(N) extra memory, the N x V logits never exist):
   1. `linear_logp_fwd_kernel`, grid cdiv(N, BLOCK_N) * splits, split-major order, with
@@ -62,30 +63,31 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   runs (4.21), 16384 x 4096 x 32000 5.1-5.6 (5.50: its tail home leaves little room). Not
   for row blocks: their grad_weight pass keeps no sums.
   The dz kernel: the Triton one, or on sm_90a variants without a bias where the call is
-  host-bound (CUDA_DZ) the CUDA variant's own (CudaForward.dz: its WGMMA mainloop with a dz
+  host-bound (cuda_variant.CUDA_DZ) the CUDA variant's own (CudaForward.dz: its WGMMA mainloop with a dz
   epilogue, one C call instead of a Triton launch and its TMA descriptors).
   Extra memory: N*chunk*elsize (workspace, chunk = the budget / (N*elsize) rounded to the
   tile; the budget, WORKSPACE_BYTES by default, also pays for a separate accumulator) +
   cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) + CONVERT_BYTES at the end:
   < 64 MiB at every shape; chunks in grad_weight's rows cost none.
+  All of the above but the buffers and the launches is decided by backward_plan, once per
+  (implementation, N, D, V, dtype, device, bias, alignment, precision, budgets, switches):
+  a repeated small call runs its allocations, views and launches only.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
+from kgen.families.linear_logp import cuda_variant
+from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import (
-    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _cdiv, _device_props, _precision,
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
     _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid, dw_grid,
-    dz_grid, dz_stride, fwd_grid, triton_splits, wave_splits, workspace_chunk)
-from kgen.families.linear_logp.schema import _cuda_smem
-from kgen.runtime.streams import current_raw_stream
+    dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
 
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 # Backward budgets (bytes): the dz chunk workspace (by default together with a separate
 # accumulator, if any), and the largest float32 grad_hidden accumulator allocated
@@ -97,140 +99,16 @@ CONVERT_BYTES = 4 << 20
 # Module switch: False keeps every backward chunk's dz in the workspace (no wide early
 # chunks in grad_weight's unwritten rows, plans.chunk_schedule; tests run both paths).
 IN_PLACE = True
-# Which dz kernel the backward's chunks run on sm_90a variants without a bias
-# (CudaForward.takes_dz): the CUDA one (the forward's WGMMA mainloop with a dz epilogue,
-# launched by one C call) or the Triton one. Measured on an H100 (BENCHMARKS.md, thirteenth
-# session), the CUDA kernel takes 1.10-1.39x a same-sized GEMM per chunk against the Triton
-# kernel's 1.02-1.18x (its epilogue stores dz from registers, 4 bytes a thread), so it runs
-# only where a call is host-bound: logits of at most CUDA_DZ_MAX_FLOP (2*N*D*V) -- there a
-# Triton launch (~30 us of host time with its TMA descriptors) costs more than the kernel.
-# KGEN_LINEAR_LOGP_CUDA_DZ=1 takes it at every size, =0 never.
-CUDA_DZ = {"1": "always", "0": "never"}.get(os.environ.get("KGEN_LINEAR_LOGP_CUDA_DZ", ""), "auto")
-CUDA_DZ_MAX_FLOP = 2e10
+# Module switch: False (KGEN_LINEAR_LOGP_PLAN_CACHE=0) makes backward_plan anew on every
+# call instead of taking it from _PLANS (tools/llp_small_calls.py measures both).
+PLAN_CACHE = os.environ.get("KGEN_LINEAR_LOGP_PLAN_CACHE", "1") != "0"
+PLANS_MAX = 256  # plans kept; the cache starts over when full
+_PLANS: dict = {}
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
     """Every buffer a launch returns or reads back comes from here (tests poison it)."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-class CudaForward:
-    """A CUDA variant (sm_90a WGMMA or sm_80 mma.sync): its kernels write the forward
-    partials and combine them; the Triton module `triton` supplies the backward and the whole
-    forward for inputs the CUDA kernel cannot take (`takes`): D not a multiple of 8 or a
-    pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
-
-    The number of splits is chosen per call by wave_splits, with the spec's split_v as the
-    minimum, over row groups (the `cluster` row blocks one cluster takes) and the clusters
-    the SMs hold at once."""
-
-    def __init__(self, kernel, triton_mod):
-        self.kernel, self.triton = kernel, triton_mod
-        p = kernel.params
-        self.block_m, self.block_n, self.split_v = p["block_m"], p["block_n"], p["split_v"]
-        self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
-        self.name = kernel.name
-        self._resident: dict[int, int] = {}
-        # the sm_90a library's second entry point: the backward's dz kernel (DzArgs in the
-        # template); None for sm_80 variants, whose backward runs the Triton dz kernel
-        lib = getattr(kernel, "lib", None)
-        dz = getattr(lib, "kgen_launch_dz", None) if kernel.variant.arch == "sm_90a" else None
-        self._dz_ptr = ctypes.cast(dz, ctypes.c_void_p).value if dz is not None else None
-
-    def takes(self, hidden, weight, bias) -> bool:
-        if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
-            return False
-        # TMA (sm_90a) reads the bias too; the sm_80 kernel reads it element by element.
-        tensors = (hidden, weight, bias) if self.kernel.variant.arch == "sm_90a" else (hidden, weight)
-        return all(t.data_ptr() % 16 == 0 for t in tensors if t is not None)
-
-    def _clusters(self, device: torch.device) -> int:
-        """Clusters of this kernel the GPU holds at once."""
-        if device.index not in self._resident:
-            props = _device_props(device.index)
-            self._resident[device.index] = self._ctas_per_sm(props) * props.multi_processor_count
-        return self._resident[device.index] * self.block_m // self.rows
-
-    def splits(self, N: int, V: int, device: torch.device) -> int:
-        return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), self._clusters(device))
-
-    def dz_splits(self, N: int, width: int, device: torch.device) -> int:
-        """Splits of a dz chunk `width` columns wide: wave_splits without split_v's minimum
-        (the fewest that fill whole waves). Its grouped order keeps the hidden rows and the
-        weight tiles of the CTAs resident together within L2. Measured per chunk on an H100
-        (BENCHMARKS.md, thirteenth session): 1.11-1.38x a same-sized GEMM; one wave of CTAs
-        each sweeping several tiles instead: 1.10-1.39x, and worse at N = 16384 (all of
-        hidden re-read every tile)."""
-        return wave_splits(_cdiv(N, self.rows), 1, _cdiv(width, self.block_n), self._clusters(device))
-
-    def _ctas_per_sm(self, props) -> int:
-        """CTAs of this kernel one SM holds at once, by shared memory and registers."""
-        v = self.kernel.variant
-        if v.arch == "sm_90a":
-            return 1  # __launch_bounds__(threads, 1) and ~225 KB of rings
-        smem = _cuda_smem(v.arch, v.dtype, v.params)
-        per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
-        resources = self.kernel.entry.manifest.get("resources", {})
-        regs = max((r["registers"] for r in resources.values()), default=255)
-        threads = 128 * v.params["consumers"]
-        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
-
-    def takes_dz(self, hidden, weight, bias) -> bool:
-        """Whether the backward's dz pass runs this variant's CUDA dz kernel: sm_90a, no bias
-        (the CUDA epilogue writes no column sums for grad_bias), what the forward takes, and
-        CUDA_DZ's choice for the size."""
-        if self._dz_ptr is None or bias is not None or CUDA_DZ == "never":
-            return False
-        if CUDA_DZ == "auto" and 2 * hidden.shape[0] * hidden.shape[1] * weight.shape[0] > CUDA_DZ_MAX_FLOP:
-            return False
-        return self.takes(hidden, weight, None)
-
-    def dz(self, hidden, weight, target, lse2, ez2, g_logp, g_ent, dz, v0: int, v1: int,
-           temperature: float, ignore_index: int) -> None:
-        """dz[:, :v1 - v0] for the vocabulary chunk [v0, v1) (the contract of the Triton
-        linear_logp_bwd_dz_kernel without grad_bias's column sums): ez2 and g_ent None
-        without entropy, g_logp None for zeros. dz: a 16-byte aligned view of at least N rows
-        (rows from N on untouched) and v1 - v0 columns, with an even row stride."""
-        N, D = hidden.shape
-        V = weight.shape[0]
-        dev = hidden.device
-        target = target if target.dtype == torch.int64 else target.long()
-        k = self.kernel
-
-        def ptr(t):
-            return t.data_ptr() if t is not None else 0
-
-        rc = k.raw(self._dz_ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), target.data_ptr(),
-                   lse2.data_ptr(), ptr(ez2), ptr(g_logp), ptr(g_ent), dz.data_ptr(), dz.stride(0),
-                   N, V, D, v0, v1, self.dz_splits(N, v1 - v0, dev), self.group(N, D),
-                   current_raw_stream(dev.index), ignore_index, LOG2E / temperature, 1.0 / temperature)
-        if rc:
-            k.fail(rc)
-
-    def group(self, N: int, D: int) -> int:
-        """Row groups (a cluster's row blocks) per group of the CUDA grid order: as many as
-        keep the group's hidden rows within GROUP_BYTES of L2 (see the sm_90a template's
-        work-order comment)."""
-        return max(1, min(_cdiv(N, self.rows), GROUP_BYTES // (self.rows * D * 2)))
-
-    def partials(self, hidden, weight, target, bias, temperature: float, with_entropy: bool, splits: int,
-                 outputs=None, ignore_index: int = -100):
-        """The partials part[4, splits, N]; given `outputs` (logp, entropy, lse2, ez2: float32,
-        entropy and ez2 [0] without entropy), the kernel's combine fills them in the same
-        launcher call (one host call for the whole forward)."""
-        N, D = hidden.shape
-        V = weight.shape[0]
-        dev = hidden.device
-        part = _empty((4, splits, N), torch.float32, dev)
-        target = target if target.dtype == torch.int64 else target.long()
-        outs = tuple(t.data_ptr() for t in outputs) if outputs is not None else (0, 0, 0, 0)
-        k = self.kernel
-        rc = k.raw(k.ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
-                   target.data_ptr(), part.data_ptr(), N, V, D, splits, self.group(N, D), with_entropy,
-                   current_raw_stream(dev.index), *outs, ignore_index, LOG2E / temperature)
-        if rc:
-            k.fail(rc)
-        return part
 
 
 def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index: int,
@@ -253,8 +131,8 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
         if not mod.takes(hidden, weight, bias):
             return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy)
         splits = splits or mod.splits(N, V, dev)
-        mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits,
-                     (logp, entropy, lse2, ez2), ignore_index)  # partials and their combine
+        mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits,  # partials, combine
+                     (logp, entropy, lse2, ez2), ignore_index, _empty((4, splits, N), f32, dev))
         return logp, entropy, lse2, ez2
     splits = splits or triton_splits(mod, N, V, dev)
     prec = _precision(hidden.dtype)
@@ -280,22 +158,94 @@ def _chunks(begin: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(v, min(v + size, end)) for v in range(begin, end, size)]
 
 
+class BackwardPlan(NamedTuple):
+    """What a backward call does, decided from its shapes, dtype, bias or not, pointer
+    alignment, budgets and the module switches alone (see backward_plan)."""
+    impl: Any  # what backward was given (held: its id is in the plan's key)
+    mod: Any  # the Triton module: its dz kernel (unless `cuda`), its tiles, float32's dW and dH
+    cuda: Optional[CudaForward]  # the CUDA dz kernel's variant, where it applies
+    acc: AccumulatorPlan
+    chunk: int  # the workspace's columns
+    space: tuple  # the workspace's shape: [N, chunk], or flat where row blocks view it too
+    rows_view: tuple[int, int]  # "rows": (rows, columns) of a block's dz; else (0, 0)
+    tiles_n: int  # row tiles of the Triton dz kernel (rows of the bias sums)
+    chunks: tuple[Chunk, ...]
+    blas: bool  # dW and dH by cuBLAS through torch (else the Triton kernels)
+    common: dict  # the Triton backward kernels' tile and precision constants
+    one_chunk: bool  # one workspace chunk of all of V, no float32 sums, cuBLAS: backward's short path
+
+
+def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = None,
+                  accumulator_bytes: Optional[int] = None) -> BackwardPlan:
+    """The plan of a backward call, cached per key (PLAN_CACHE): everything it depends on
+    is in the key -- the implementation, (N, D, V), dtype, device, bias or not, whether
+    hidden and weight start on 16 bytes (the CUDA dz kernel's condition), the precision
+    (float32: TF32 allowed or not), the budgets and the switches IN_PLACE, CUDA_DZ and
+    CUDA_DZ_MAX_FLOP. A small call then pays a dictionary look-up instead of the plans
+    (tens of us of Python a call)."""
+    workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
+    accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
+    N, D = hidden.shape
+    dtype = hidden.dtype
+    prec = _precision(dtype)
+    if not PLAN_CACHE:
+        return _make_plan(mod, hidden, weight, bias, prec, workspace_bytes, accumulator_bytes)
+    key = (id(mod), N, D, weight.shape[0], dtype, hidden.device, bias is None,
+           (hidden.data_ptr() | weight.data_ptr()) % 16 == 0, prec, workspace_bytes, accumulator_bytes,
+           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP)
+    plan = _PLANS.get(key)
+    if plan is None or plan.impl is not mod:
+        if len(_PLANS) >= PLANS_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(mod, hidden, weight, bias, prec, workspace_bytes, accumulator_bytes)
+    return plan
+
+
+def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accumulator_bytes: int
+               ) -> BackwardPlan:
+    mod, cuda = impl, None
+    if isinstance(mod, CudaForward):
+        cuda = mod if mod.takes_dz(hidden, weight, bias) else None
+        mod = mod.triton
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dtype = hidden.dtype
+    esize = dtype.itemsize
+    granule = max(mod.BLOCK_V, mod.BLOCK_D)
+    # dW and dH are plain GEMMs on the dz chunk: cuBLAS through torch (at or above the
+    # Triton kernels' speed: 0.92-1.09x vs 1.32-1.72x a same-sized GEMM, H100, BENCHMARKS.md),
+    # except float32 with TF32 off, where cuBLAS's float32 GEMM runs without tensor cores and
+    # the Triton kernels' "tf32x3" dots keep float32 accuracy at ~3x its speed.
+    blas = prec != "tf32x3"
+    acc = accumulator_plan(N, D, V, dtype, granule, accumulator_bytes, workspace_bytes)
+    chunk = workspace_chunk(N, V, esize, granule, workspace_bytes - acc.separate_bytes)
+    # (Row-block rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)
+    rows_view = (min(acc.row_block, N), _cdiv(acc.block_width, 8) * 8) if acc.home == "rows" else (0, 0)
+    space = (max(N * chunk, rows_view[0] * rows_view[1]),) if acc.home == "rows" else (N, chunk)
+    # The vocabulary chunks (plans.chunk_schedule): the first ones wider than the workspace,
+    # with their dz and bias sums in grad_weight's rows not yet written. Not for row blocks:
+    # their grad_weight pass keeps no float32 sums, which is what wider chunks save.
+    # ("direct" has one chunk: the workspace holds all of V, no chunk is wider.)
+    tiles_n = _cdiv(N, mod.BLOCK_N)
+    bpart_rows = _cdiv(tiles_n * 4, esize) if bias is not None else 0  # float32 sums, in dz rows
+    chunks = chunk_schedule(N, D, V, esize, granule, chunk, acc.alias_from, bpart_rows,
+                            in_place=IN_PLACE and acc.home != "rows")
+    one_chunk = blas and acc.home in ("output", "direct") and [tuple(c) for c in chunks] == [(0, V, None)]
+    return BackwardPlan(impl, mod, cuda, acc, chunk, space, rows_view, tiles_n, tuple(chunks), blas,
+                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk)
+
+
 def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
              temperature: float, ignore_index: int, *, workspace_bytes: Optional[int] = None,
              accumulator_bytes: Optional[int] = None, on_grad_hidden=None):
     """Gradients (hidden [N, D], weight [V, D], bias [V] or None) in the input dtype, from
     the forward's lse2/ez2 and the upstream gradients (grad_entropy None when the entropy
     was not requested; grad_logp None means zeros). Budgets default to WORKSPACE_BYTES and
-    ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring.
+    ACCUMULATOR_BYTES; chunking and the accumulator's home: see the module docstring, and
+    backward_plan for what is decided once per shape.
     `on_grad_hidden(grad_h)` is called once grad_hidden's kernels are queued, before the
     grad_weight passes that follow them (the vocab-parallel op starts its all-reduce
     there)."""
-    cuda = None  # the CUDA dz kernel's variant, where it applies
-    if isinstance(mod, CudaForward):
-        cuda = mod if mod.takes_dz(hidden, weight, bias) else None
-        mod = mod.triton
-    workspace_bytes = WORKSPACE_BYTES if workspace_bytes is None else workspace_bytes
-    accumulator_bytes = ACCUMULATOR_BYTES if accumulator_bytes is None else accumulator_bytes
     N, D = hidden.shape
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
@@ -307,29 +257,47 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         if grad_b is not None:
             grad_b.zero_()
         return grad_h, grad_w, grad_b
-
+    p = backward_plan(mod, hidden, weight, bias, workspace_bytes, accumulator_bytes)
+    mod, cuda, plan, chunk, common = p.mod, p.cuda, p.acc, p.chunk, p.common
     with_entropy = grad_entropy is not None
+    if p.one_chunk:
+        # The small calls' path: the whole vocabulary's dz in the workspace, then the two
+        # GEMMs into the outputs (what the general path below does for this plan, without
+        # its views: a slice costs the host about what an allocation does).
+        dz = _empty((N, chunk), dtype, dev)
+        if cuda is not None and dz.data_ptr() % 16 == 0:
+            cuda.dz(hidden, weight, target, lse2, ez2 if with_entropy else None, grad_logp,
+                    grad_entropy, dz, 0, V, temperature, ignore_index)
+        else:
+            bpart = _empty((p.tiles_n, chunk), torch.float32, dev) if bias is not None else dz
+            h_src, w_src, tma = _tile_sources(mod, hidden, weight)
+            g_logp = grad_logp if grad_logp is not None else lse2
+            mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, V)](
+                h_src, w_src, bias if bias is not None else weight, target, lse2, ez2 if with_entropy else lse2,
+                g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
+                N, V, D, 0, V, chunk, LOG2E / temperature, 1.0 / temperature, ignore_index,
+                HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
+                HAS_GLOGP=grad_logp is not None, TMA=tma, **common)
+            if bias is not None:
+                grad_b.copy_((bpart if chunk == V else bpart[:, :V]).sum(0))
+        a = dz if chunk == V else dz[:, :V]
+        torch.mm(a.T, hidden, out=grad_w)
+        torch.mm(a, weight, out=grad_h)
+        if on_grad_hidden is not None:
+            on_grad_hidden(grad_h)
+        return grad_h, grad_w, grad_b
+    alias_from, esize = plan.alias_from, hidden.element_size()
+
     # the dz kernel reads the upstream gradients itself (no launches to prepare them)
     g_logp = grad_logp if grad_logp is not None else lse2
     g_ent = grad_entropy if with_entropy else g_logp
 
-    esize = hidden.element_size()
-    prec = _precision(dtype)
-    # dW and dH are plain GEMMs on the dz chunk: cuBLAS through torch (at or above the
-    # Triton kernels' speed: 0.92-1.09x vs 1.32-1.72x a same-sized GEMM, H100, BENCHMARKS.md),
-    # except float32 with TF32 off, where cuBLAS's float32 GEMM runs without tensor cores and
-    # the Triton kernels' "tf32x3" dots keep float32 accuracy at ~3x its speed.
-    blas = prec != "tf32x3"
-    granule = max(mod.BLOCK_V, mod.BLOCK_D)
-
     # The float32 grad_hidden accumulator as pieces (r0, r1, acc) for rows [r0, r1): see
     # plans.accumulator_plan. The workspace budget also pays for a separate one.
-    plan = accumulator_plan(N, D, V, dtype, granule, accumulator_bytes, workspace_bytes)
-    alias_from, separate = plan.alias_from, plan.separate_bytes
     if plan.home in ("output", "direct"):
         pieces = [(0, N, grad_h)]
     elif plan.home == "rows":
-        pieces = [(0, N, _empty((min(plan.row_block, N), D), torch.float32, dev) if separate else None)]
+        pieces = [(0, N, _empty((min(plan.row_block, N), D), torch.float32, dev) if plan.separate_bytes else None)]
     else:
         own = plan.own_rows
         pieces = [(0, own, grad_h.view(-1)[:own * D * 4 // esize].view(torch.float32).view(own, D))] if own else []
@@ -339,14 +307,10 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             home = grad_w.view(-1)[alias_from * D:alias_from * D + (N - own) * D * 4 // esize]
             pieces.append((own, N, home.view(torch.float32).view(N - own, D)))
 
-    chunk = workspace_chunk(N, V, esize, granule, workspace_bytes - separate)
-    # One workspace, viewed as [N, chunk] and, for row blocks, as [row_block, block_width].
-    # (Rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)
-    rows_view = (min(plan.row_block, N), _cdiv(plan.block_width, 8) * 8) if plan.home == "rows" else (0, 0)
-    space = _empty((max(N * chunk, rows_view[0] * rows_view[1]),), dtype, dev)
-    dz = space[:N * chunk].view(N, chunk)
-    bpart = _empty((_cdiv(N, mod.BLOCK_N), chunk), torch.float32, dev) if bias is not None else dz
-    common = dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod))
+    # One workspace, [N, chunk] and, for row blocks, also viewed as [row_block, block_width].
+    space = _empty(p.space, dtype, dev)
+    dz = space if len(p.space) == 2 else space[:N * chunk].view(N, chunk)
+    bpart = _empty((p.tiles_n, chunk), torch.float32, dev) if bias is not None else dz
 
     # (the Triton dz kernel's tile sources: TMA descriptors cost host time the CUDA one saves)
     h_src, w_src, tma = _tile_sources(mod, hidden, weight) if cuda is None else (hidden, weight, False)
@@ -356,10 +320,11 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     def dz_pass(v0, v1, write_bpart, rows=None, dz=dz, bpart=bpart):
         if cuda is not None and dz.data_ptr() % 16 == 0 and dz.stride(0) % 2 == 0:
             # one C call (no bias here, so no column sums for grad_bias)
-            per = (hidden, target, lse2, ez2, grad_logp, grad_entropy)
-            if rows is not None:
-                per = tuple(x[rows[0]:rows[1]] if x is not None else None for x in per)
-            h, t, lse, ez, gl, ge = per
+            if rows is None:
+                h, t, lse, ez, gl, ge = hidden, target, lse2, ez2, grad_logp, grad_entropy
+            else:
+                h, t, lse, ez, gl, ge = (x[rows[0]:rows[1]] if x is not None else None
+                                         for x in (hidden, target, lse2, ez2, grad_logp, grad_entropy))
             cuda.dz(h, weight, t, lse, ez if with_entropy else None, gl, ge if with_entropy else None, dz,
                     v0, v1, temperature, ignore_index)
             return
@@ -378,8 +343,9 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
     def dw_pass(v0, v1, dz=dz):
-        if blas:
-            torch.mm(dz[:, :v1 - v0].T, hidden, out=grad_w[v0:v1])
+        if p.blas:  # (no views where the chunk is all of dz's columns or of the vocabulary)
+            a = dz if v1 - v0 == dz.shape[1] else dz[:, :v1 - v0]
+            torch.mm(a.T, hidden, out=grad_w if v1 - v0 == V else grad_w[v0:v1])
         else:
             mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
                 dz, hidden, grad_w, N, D, v0, v1, dz.stride(0), **common)
@@ -387,8 +353,10 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     def dh_pass(first, v0, v1, pieces, dz=dz, dz_row0=0):
         """acc (+)= dz @ weight[v0:v1] for each piece; dz's row r0 is dz_row0."""
         for r0, r1, acc in pieces:
-            if blas:
-                _accumulate(acc, dz[r0 - dz_row0:r1 - dz_row0, :v1 - v0], weight[v0:v1], first)
+            if p.blas:
+                a = dz if (r0 - dz_row0, r1 - dz_row0, v1 - v0) == (0, *dz.shape) else \
+                    dz[r0 - dz_row0:r1 - dz_row0, :v1 - v0]
+                _accumulate(acc, a, weight if v1 - v0 == V else weight[v0:v1], first)
             else:  # float32: acc is grad_h itself
                 mod.linear_logp_bwd_dh_kernel[dh_grid(mod, r1 - r0, D)](
                     dz[r0 - dz_row0:], weight, acc, acc, r1 - r0, D, v0, v1, dz.stride(0),
@@ -410,14 +378,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             else:
                 grad_h[r0:r1] = acc
 
-    # The vocabulary chunks (plans.chunk_schedule): the first ones wider than the workspace,
-    # with their dz and bias sums in grad_weight's rows not yet written. Not for row blocks:
-    # their grad_weight pass keeps no float32 sums, which is what wider chunks save.
-    # ("direct" has one chunk: the workspace holds all of V, no chunk is wider.)
-    tiles_n = _cdiv(N, mod.BLOCK_N)
-    bpart_rows = _cdiv(tiles_n * 4, esize) if bias is not None else 0  # float32 sums, in dz rows
-    chunks = chunk_schedule(N, D, V, esize, granule, chunk, alias_from, bpart_rows,
-                            in_place=IN_PLACE and plan.home != "rows")
+    tiles_n, chunks = p.tiles_n, p.chunks
 
     def views(c):
         """(dz, bpart) of chunk c: the workspace's, or its region of grad_weight's flat
@@ -438,7 +399,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         # short to lend them (V < ~N): grad_hidden block by block of rows, each block
         # recomputing its logits (the whole vocabulary at once, or chunk by chunk into a
         # block's float32 sums), then grad_weight and grad_bias over all rows.
-        R, width = rows_view
+        R, width = p.rows_view
         block_dz = space[:R * width].view(R, width)
         acc = pieces[0][2]
         for r0 in range(0, N, R):

@@ -22,6 +22,7 @@ TARGET_BLOCK_D = 256
 GROUP = 8
 # Hidden rows (bytes) a group of CUDA row blocks keeps in L2 while it sweeps V.
 GROUP_BYTES = 16 << 20
+LOG2E = 1.4426950408889634
 
 
 def _cdiv(a: int, b: int) -> int:
