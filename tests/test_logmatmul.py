@@ -310,6 +310,25 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch):
     assert len(kernel.calls) == 1
 
 
+def test_fast_path_of_a_triton_variant_runs_its_forward(monkeypatch):
+    """A Triton variant's fast path (op._triton_direct): the forward the op runs, bit for
+    bit, at a shape off every tile; it declines non-contiguous inputs (the op copies them)."""
+    from kgen.families.logmatmul import op as lop
+
+    mod = _mod(TRITON[0])
+    B, N, K = 3, 37, 100
+    x, w = torch.randn(B, K) * 3, torch.rand(N, K)
+    fast = lop._triton_direct(mod)
+    out = fast(x, w)
+    assert torch.equal(out, launch.forward(mod, x, w))
+    torch.testing.assert_close(out, lmm.reference(x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
+    assert fast(x.t().contiguous().t(), w) is None and fast(x, w.t().contiguous().t()) is None
+    calls = []
+    monkeypatch.setitem(lop._FAST, (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device),
+                        lambda x, w: calls.append(1) or fast(x, w))
+    assert torch.equal(lmm.logmatmul(x, w), out) and calls == [1]
+
+
 # --------------------------------------------------------------------------- CUDA, compile only
 
 

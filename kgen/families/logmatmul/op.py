@@ -137,11 +137,25 @@ def _fwd_impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
-    if type(mod) is CudaForward and _FORCED.get() is MISSING and len(_FAST) < 4096:
+    if _FORCED.get() is MISSING and len(_FAST) < 4096:
         key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device)
-        if key not in _FAST:  # next time: the fast path (None: this signature takes splits)
-            _FAST[key] = mod.direct(B, w.shape[0], K, x.dtype, w.dtype, x.device)
+        if key not in _FAST:  # next time: the fast path (None: this CUDA signature takes splits)
+            _FAST[key] = (mod.direct(B, w.shape[0], K, x.dtype, w.dtype, x.device) if type(mod) is CudaForward
+                          else _triton_direct(mod))
     return forward(mod, x, w)
+
+
+def _triton_direct(mod):
+    """The fast path's launcher for a Triton variant: `f(x, w)` -> out, the forward the op
+    runs, without the op's dispatch, checks and kernel choice (they read only what the fast
+    path's key holds); None for inputs the op would copy first (not contiguous). The
+    launches themselves go through kgen.runtime.triton_launch, as the op's do."""
+    def launch(x, w):
+        if not (x.is_contiguous() and w.is_contiguous()):
+            return None
+        return forward(mod, x, w)
+
+    return launch
 
 
 def _fwd_fake(x, w):
@@ -197,7 +211,7 @@ def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     variant the tuning table names for (B, N, K) runs on the current stream; CPU tensors
     use the float32 reference. Also torch.ops.kgen.logmatmul."""
     # Eager fast path (host cost of small calls): plain tensors, no gradient, no `using`
-    # block, a signature seen before whose variant is CUDA and one launch: the checks passed
+    # block, a signature seen before whose variant is Triton, or CUDA and one launch: the checks passed
     # then (they read only shapes, dtypes and devices, all in the key). Autocast changes
     # nothing here (the kernel computes in float32 from the inputs as given, as the op does
     # under autocast).
