@@ -311,22 +311,74 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch):
 
 
 def test_fast_path_of_a_triton_variant_runs_its_forward(monkeypatch):
-    """A Triton variant's fast path (op._triton_direct): the forward the op runs, bit for
+    """A Triton variant's fast path (launch.triton_direct): the forward the op runs, bit for
     bit, at a shape off every tile; it declines non-contiguous inputs (the op copies them)."""
     from kgen.families.logmatmul import op as lop
 
     mod = _mod(TRITON[0])
     B, N, K = 3, 37, 100
     x, w = torch.randn(B, K) * 3, torch.rand(N, K)
-    fast = lop._triton_direct(mod)
-    out = fast(x, w)
-    assert torch.equal(out, launch.forward(mod, x, w))
+    fast = launch.triton_direct(mod, B, N, K, CPU)
+    for _ in range(2):  # the first call launches and tries to bind; the interpreter never binds
+        out = fast(x, w)
+        assert torch.equal(out, launch.forward(mod, x, w))
     torch.testing.assert_close(out, lmm.reference(x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
     assert fast(x.t().contiguous().t(), w) is None and fast(x, w.t().contiguous().t()) is None
     calls = []
     monkeypatch.setitem(lop._FAST, (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device),
                         lambda x, w: calls.append(1) or fast(x, w))
     assert torch.equal(lmm.logmatmul(x, w), out) and calls == [1]
+
+
+@pytest.mark.parametrize("name,B,N,K,splits", [(TRITON[0], 3, 37, 100, 1), (TRITON[-1], 5, 70, 300, 1),
+                                               (TRITON[-1], 2, 40, 4096, 3)])
+def test_triton_fast_path_replays_the_forward_launches(monkeypatch, name, B, N, K, splits):
+    """With binaries bound (FakeTriton, test_triton_launch), the fast path's later calls
+    launch the binaries `forward` launched, with the same grids and arguments (pointers as
+    integers): x and w as given, the output and scratch new; a hook set since sends the call
+    back through Triton's own launch."""
+    from types import SimpleNamespace
+
+    from test_triton_launch import FakeTriton
+
+    from kgen.runtime import triton_launch as tlaunch
+
+    real = _mod(name)
+    fakes = {k: FakeTriton(getattr(real, k).fn) for k in ("logmatmul_exp_kernel", "logmatmul_fwd_kernel",
+                                                          "logmatmul_combine_kernel")}
+    mod = SimpleNamespace(**{k: getattr(real, k) for k in ("BLOCK_B", "BLOCK_N", "BLOCK_K", "WAVES", "DOT",
+                                                           "NUM_WARPS", "NUM_STAGES")},
+                          **{k: f.jit for k, f in fakes.items()})
+    monkeypatch.setattr(tlaunch, "current_device", lambda: None)
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
+    monkeypatch.setattr(launch, "k_split", lambda *a: (splits, -(-K // splits)))
+    tlaunch.clear()
+    x, w = torch.randn(B, K), torch.rand(N, K)
+    launch.forward(mod, x, w)
+    general = [f.launches[-1] for f in fakes.values() if f.launches]
+    fast = launch.triton_direct(mod, B, N, K, CPU)
+    fast(x, w)  # binds
+    for f in fakes.values():
+        f.launches.clear()
+    out = fast(x, w)
+    direct = [f.launches[-1] for f in fakes.values() if f.launches]
+    assert len(direct) == len(general) == 1 + (mod.DOT != "none") + (splits > 1)
+    inputs = {x.data_ptr(), w.data_ptr()}
+    for (kind, binary, grid, _, _, args), g in zip(direct, general):
+        assert kind == "direct" and binary is g[1] and grid[0] == g[2][0]
+        want = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in g[5]]
+        for a, b in zip(args, want):
+            if b in inputs or not isinstance(b, int) or b < 1 << 20:  # inputs and scalars: the same
+                assert a == b
+    fwd_args = direct[1 if mod.DOT != "none" else 0][5]
+    assert fwd_args[4] == out.data_ptr()
+    assert all(f.launches[-1][0] == "direct" for f in fakes.values() if f.launches)
+    # a hook set since: Triton's own launch for every kernel of the call
+    monkeypatch.setattr(tlaunch, "_hooked", lambda rt: True)
+    for f in fakes.values():
+        f.launches.clear()
+    fast(x, w)
+    assert [f.launches[-1][0] for f in fakes.values() if f.launches] == ["plain"] * len(general)
 
 
 # --------------------------------------------------------------------------- CUDA, compile only
@@ -366,6 +418,38 @@ def _gpu_mod(name):
     if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
         pytest.skip(f"{v.arch} code does not run here")
     return _mod(name)
+
+
+@gpu
+@pytest.mark.parametrize("name,B,K", [(n, B, K) for n in TRITON for B, K in ((5, 300), (64, 4096))])
+def test_gpu_triton_fast_path_bound_and_in_a_cuda_graph(name, B, K):
+    """A Triton variant's fast path on the GPU: after the binding call every launch is a
+    bound one, the output equals `forward`'s bit for bit (N off every tile), and a capture
+    of the call replays what an eager call computes for new inputs."""
+    from kgen.runtime import triton_launch as tlaunch
+
+    mod = _gpu_mod(name)
+    N = 333
+    x, w = torch.randn(B, K, device="cuda") * 3, torch.rand(N, K, device="cuda")
+    fast = launch.triton_direct(mod, B, N, K, x.device)
+    fast(x, w)  # launches and binds
+    n = tlaunch.STATS["direct"]
+    out = fast(x, w)
+    launches = len(launch._triton_launches(mod, x, w, *launch._triton_buffers(
+        launch._triton_plan(mod, B, N, K, x.device), B, N, K, x.device), launch._triton_plan(mod, B, N, K, x.device)))
+    assert tlaunch.STATS["direct"] == n + launches
+    assert torch.equal(out, launch.forward(mod, x, w))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fast(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fast(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, fast(x, w))
 
 
 @gpu

@@ -191,29 +191,107 @@ def forward(mod, x: torch.Tensor, w: torch.Tensor, splits: int | None = None) ->
         if mod.run(x, w, out, B, N, K, splits):
             return out
         mod = mod.triton
-    bb = block_b(mod, B)
-    splits, k_slice = k_split(B, N, K, bb, mod.BLOCK_N, mod.BLOCK_K, mod.WAVES, sm_count(x.device), splits)
-    n_tiles = cdiv(N, mod.BLOCK_N)
-    grid = (n_tiles * cdiv(B, bb) * splits,)
-    direct = splits == 1
-    part_m = out if direct else _empty((splits, B), dtype=torch.float32, device=x.device)
-    part_s = out if direct else _empty((splits, B, N), dtype=torch.float32, device=x.device)
-    pre = mod.DOT != "none"  # tl.dot forms: exp(x - m) once, then a plain tl.dot tile loop
-    m = None
-    if pre:
-        e = _empty((B, K), dtype=torch.float32, device=x.device)
-        m = _empty((B,), dtype=torch.float32, device=x.device)
-        triton_launch.launch(mod.logmatmul_exp_kernel, (B,), (x, e, m, K), dict(BLOCK=REDUCE_BLOCK))
-        x = e
-    triton_launch.launch(mod.logmatmul_fwd_kernel, grid,
-                         (x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles),
-                         dict(DIRECT=direct, DOT=mod.DOT, BLOCK_B=bb, BLOCK_N=mod.BLOCK_N, BLOCK_K=mod.BLOCK_K,
-                              PRE=pre, m_ptr=m, num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES))
-    if not direct:
-        triton_launch.launch(mod.logmatmul_combine_kernel, (cdiv(B * N, REDUCE_BLOCK),),
-                             (part_m, part_s, out, B, N, splits),
-                             dict(BLOCK=REDUCE_BLOCK))
+    plan = _triton_plan(mod, B, N, K, x.device, splits)
+    for kernel, grid, args, kw in _triton_launches(mod, x, w, *_triton_buffers(plan, B, N, K, x.device, out), plan):
+        triton_launch.launch(kernel, grid, args, kw)
     return out
+
+
+def _triton_plan(mod, B: int, N: int, K: int, device, splits=None) -> tuple:
+    """(rows of x per program, K splits, k_slice, n tiles, whether exp(x - m) runs first)."""
+    bb = block_b(mod, B)
+    splits, k_slice = k_split(B, N, K, bb, mod.BLOCK_N, mod.BLOCK_K, mod.WAVES, sm_count(device), splits)
+    return bb, splits, k_slice, cdiv(N, mod.BLOCK_N), mod.DOT != "none"
+
+
+def _triton_buffers(plan, B: int, N: int, K: int, device, out=None) -> tuple:
+    """(out, part_m, part_s, e, m): the forward's output and scratch (the partials are out
+    itself where there is one K split; e and m None without the exp pass)."""
+    splits, pre = plan[1], plan[4]
+    f32 = torch.float32
+    out = _empty((B, N), dtype=f32, device=device) if out is None else out
+    one = splits == 1
+    part_m = out if one else _empty((splits, B), dtype=f32, device=device)
+    part_s = out if one else _empty((splits, B, N), dtype=f32, device=device)
+    e = _empty((B, K), dtype=f32, device=device) if pre else None
+    m = _empty((B,), dtype=f32, device=device) if pre else None
+    return out, part_m, part_s, e, m
+
+
+def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
+    """The Triton forward's launches in order, (kernel, grid, args, options): every kernel
+    parameter positional (constexprs too, in the kernel's order), so that a bound launch
+    (`triton_direct`) can replay them from a list."""
+    bb, splits, k_slice, n_tiles, pre = plan
+    B, K = x.shape
+    N = w.shape[0]
+    todo = []
+    if pre:  # tl.dot forms: exp(x - m) once, then a plain tl.dot tile loop
+        todo.append((mod.logmatmul_exp_kernel, (B,), (x, e, m, K, REDUCE_BLOCK), {}))
+    todo.append((mod.logmatmul_fwd_kernel, (n_tiles * cdiv(B, bb) * splits,),
+                 (e if pre else x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles,
+                  splits == 1, mod.DOT, bb, mod.BLOCK_N, mod.BLOCK_K, pre, m),
+                 dict(num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)))
+    if splits > 1:
+        todo.append((mod.logmatmul_combine_kernel, (cdiv(B * N, REDUCE_BLOCK),),
+                     (part_m, part_s, out, B, N, splits, REDUCE_BLOCK), {}))
+    return todo
+
+
+def triton_direct(mod, B: int, N: int, K: int, device: torch.device):
+    """The op's fast path for a Triton variant at one exact call signature: `f(x, w)` ->
+    out, or None for inputs the op would copy first (not contiguous). The first call runs
+    `forward`'s launches through triton_launch and binds each binary (triton_launch.bind);
+    later calls allocate the output and scratch and replay the bound launches with the new
+    pointers, skipping the per-launch specialisation key (~20 us a launch on a slow H100
+    host, BENCHMARKS.md fourteenth session). Where a bound launch declines (hooks set, a
+    knob or the device changed) or x / w differ in 16-byte alignment from the bound call,
+    triton_launch's launch runs, as in `forward`."""
+    if min(B, N, K) < 1:
+        return None
+    plan = _triton_plan(mod, B, N, K, device)
+    names = ("x", "w", "out", "part_m", "part_s", "e", "m")
+    bound: list = []  # per launch: (go, grid0, argument list with pointers as ints, [(index, name)])
+    first_align: list = []
+
+    def launch(x, w):
+        if not (x.is_contiguous() and w.is_contiguous()):
+            return None
+        xp, wp = x.data_ptr(), w.data_ptr()
+        bufs = _triton_buffers(plan, B, N, K, device)
+        align = (xp & 15, wp & 15)
+        if bound and align == first_align[0]:
+            ptr = {"x": xp, "w": wp}
+            for n, t in zip(names[2:], bufs):
+                if t is not None:
+                    ptr[n] = t.data_ptr()
+            for i, (go, grid0, args, slots) in enumerate(bound):
+                a = list(args)
+                for j, n in slots:
+                    a[j] = ptr[n]
+                if not go(grid0, a):  # Triton's own path for this launch and the rest
+                    for kernel, grid, args_, kw in _triton_launches(mod, x, w, *bufs, plan)[i:]:
+                        triton_launch.launch(kernel, grid, args_, kw)
+                    break
+            return bufs[0]
+        todo = _triton_launches(mod, x, w, *bufs, plan)
+        for kernel, grid, args, kw in todo:
+            triton_launch.launch(kernel, grid, args, kw)
+        if not bound:
+            tensors = dict(zip(names, (x, w, *bufs)))
+            made = []
+            for kernel, grid, args, kw in todo:
+                go = triton_launch.bind(kernel, args, kw, len(args))
+                if go is None or len(grid) != 1:
+                    return bufs[0]  # not bound (the interpreter, a hook, ...): launch each time
+                slots = [(j, next(n for n, t in tensors.items() if t is a))
+                         for j, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                made.append((go, grid[0], [None if isinstance(a, torch.Tensor) else a for a in args], slots))
+            bound.extend(made)
+            first_align.append(align)
+        return bufs[0]
+
+    return launch
 
 
 def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,8 @@ import contextlib
 import torch
 
 from kgen.families.logmatmul.checks import check_block_sparse, check_dense
-from kgen.families.logmatmul.launch import CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward
+from kgen.families.logmatmul.launch import (
+    CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward, triton_direct)
 from kgen.families.logmatmul.reference import reference, reference_backward
 from kgen.runtime.op import MISSING, Override, define
 
@@ -120,8 +121,20 @@ def tune_runner(kernel, inputs: dict):
         if x.shape[0] * w.numel() * 4 > _REFERENCE_TUNE_BYTES:
             raise ValueError("the reference's [B, K] x [K, N] product would take too much memory")
         return lambda: reference(x, w)
-    mod = implementation(kernel)
-    return lambda: forward(mod, x, w)
+    return runner(implementation(kernel), x, w)
+
+
+def runner(mod, x: torch.Tensor, w: torch.Tensor):
+    """() -> out: one forward of the implementation `mod` on contiguous x and w as the op
+    runs it when called again with their signature: its eager fast path (bound launches)
+    where it has one, else `forward`. The tuner and the benchmark time this."""
+    B, K = x.shape
+    N = w.shape[0]
+    fast = (mod.direct(B, N, K, x.dtype, w.dtype, x.device) if type(mod) is CudaForward
+            else triton_direct(mod, B, N, K, x.device))
+    if fast is None:
+        return lambda: forward(mod, x, w)
+    return lambda: fast(x, w)
 
 
 # --------------------------------------------------------------------------- dense op
@@ -141,21 +154,8 @@ def _fwd_impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device)
         if key not in _FAST:  # next time: the fast path (None: this CUDA signature takes splits)
             _FAST[key] = (mod.direct(B, w.shape[0], K, x.dtype, w.dtype, x.device) if type(mod) is CudaForward
-                          else _triton_direct(mod))
+                          else triton_direct(mod, B, w.shape[0], K, x.device))
     return forward(mod, x, w)
-
-
-def _triton_direct(mod):
-    """The fast path's launcher for a Triton variant: `f(x, w)` -> out, the forward the op
-    runs, without the op's dispatch, checks and kernel choice (they read only what the fast
-    path's key holds); None for inputs the op would copy first (not contiguous). The
-    launches themselves go through kgen.runtime.triton_launch, as the op's do."""
-    def launch(x, w):
-        if not (x.is_contiguous() and w.is_contiguous()):
-            return None
-        return forward(mod, x, w)
-
-    return launch
 
 
 def _fwd_fake(x, w):
