@@ -201,6 +201,50 @@ def test_triton_flat_launch_widens_indices_past_int32(rows, cols, grid, wide, ev
     assert kw["WIDE"] is wide and kw["EVEN"] is even and kw["HAS_Y"] is False
 
 
+@pytest.mark.parametrize("name", ["triton_c1024_r1_w4_oflat_f32", next(
+    v.name for v in SPEC.variants if v.backend == "triton" and v.params.get("order") != "flat")])
+def test_triton_launch_is_bound_after_the_first_call(monkeypatch, name):
+    """A repeated Triton launch with 16-byte-aligned pointers replays the binary Triton chose
+    (FakeTriton, test_triton_launch) with the new pointers and alpha, the rest of its
+    arguments and its grid as the first launch had them; an unaligned call or a new shape
+    takes Triton's launch again."""
+    from types import SimpleNamespace
+
+    from test_triton_launch import FakeTriton
+
+    from kgen.runtime import triton_launch as tlaunch
+
+    real = dispatch.load(SPEC.variant(name))
+    fake = FakeTriton(real.module.fused_bias_act_kernel.fn)
+    mod = SimpleNamespace(**{k: getattr(real.module, k, None) for k in ("ORDER", "BLOCK_COLS", "ROWS", "NUM_WARPS")},
+                          fused_bias_act_kernel=fake.jit)
+    kernel = SimpleNamespace(backend="triton", module=mod, name=name, params={})
+    monkeypatch.setattr(tlaunch, "current_device", lambda: None)
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
+    monkeypatch.setattr(fba, "_BOUND", {})
+    tlaunch.clear()
+    dt = getattr(torch, SPEC.variant(name).dtype)
+    x, y, b = torch.randn(5, 1000, dtype=dt), torch.randn(5, 1000, dtype=dt), torch.randn(1000, dtype=dt)
+    out = torch.empty_like(x)
+    fba.launch(kernel, x, b, y, 0.5, "gelu", out)
+    first = fake.launches[-1]
+    assert first[0] == "plain" and len(fba._BOUND) == 1
+    x2, y2, out2 = x.clone(), y.clone(), torch.empty_like(x)
+    fba.launch(kernel, x2, b, y2, 0.25, "gelu", out2)
+    kind, binary, grid, stream, _, args = fake.launches[-1]
+    assert kind == "direct" and binary is first[1] and stream == 77
+    assert grid == (*first[2], 1, 1)[:3]
+    assert list(args[:5]) == [x2.data_ptr(), y2.data_ptr(), b.data_ptr(), out2.data_ptr(), 0.25]
+    assert tuple(args[5:]) == tuple(first[5][5:])
+    unaligned = torch.randn(5 * 1000 + 1, dtype=dt)[1:].view(5, 1000)
+    fba.launch(kernel, unaligned, b, y2, 0.5, "gelu", out2)
+    # Triton's own launch (a new specialisation: x not 16-byte aligned), and nothing bound
+    assert fake.launches[-1][0] == "plain" and fake.launches[-1][5][0] is unaligned and len(fba._BOUND) == 1
+    x4 = x[:4]
+    fba.launch(kernel, x4, b, y[:4], 0.5, "gelu", out[:4])  # another shape: triton_launch's launch, then bound
+    assert fake.launches[-1][5][0] is x4 and len(fba._BOUND) == 2
+
+
 def test_triton_flat_index_widths_and_masks_agree():
     """The Triton flat kernel's 64-bit-index path (WIDE) and unmasked path (EVEN), which
     dispatch takes only past 2^31 elements or at whole blocks, give the 32-bit masked path's

@@ -284,25 +284,50 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
         if rc:
             kernel.fail(rc)
     else:
-        mod = kernel.module
-        if mod.ORDER == "flat":
-            n = rows * cols
-            wide = n + mod.BLOCK_COLS > 2**31 - 1  # the last program's offsets in 32 bits
-            if triton_cdiv(n, mod.BLOCK_COLS) > 2**31 - 1:
-                raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the grid of variant {kernel.name}")
-            triton_launch.launch(mod.fused_bias_act_kernel, (triton_cdiv(n, mod.BLOCK_COLS),),
-                                 (x, y if has_y else x, bias, out, alpha, n, cols),
-                                 dict(ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, WIDE=wide,
-                                      EVEN=n % mod.BLOCK_COLS == 0, num_warps=mod.NUM_WARPS))
-            return
+        _triton(kernel, x, bias, y, alpha, act, out, rows, cols)
+
+
+# Bound Triton launches (triton_launch.bind) per (variant module, rows, cols, y or not, act)
+# for calls whose four pointers are 16-byte aligned: a repeated call passes its pointers and
+# alpha, skipping the per-launch specialisation key (~20 us a launch on a slow H100 host,
+# BENCHMARKS.md fourteenth session). The module is kept in the value, so its id is not reused.
+_BOUND: dict = {}
+_BOUND_ENTRIES = 4096
+
+
+def _triton(kernel, x, bias, y, alpha: float, act: str, out, rows: int, cols: int) -> None:
+    mod = kernel.module
+    has_y = y is not None
+    ptrs = [x.data_ptr(), y.data_ptr() if has_y else x.data_ptr(), bias.data_ptr(), out.data_ptr()]
+    key = (id(mod), rows, cols, has_y, act) if not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 else None
+    bound = _BOUND.get(key) if key is not None else None
+    if bound is not None and bound[1](bound[2], [*ptrs, float(alpha)], bound[3]):
+        return
+    if mod.ORDER == "flat":
+        n = rows * cols
+        wide = n + mod.BLOCK_COLS > 2**31 - 1  # the last program's offsets in 32 bits
+        if triton_cdiv(n, mod.BLOCK_COLS) > 2**31 - 1:
+            raise ValueError(f"fused_bias_act: {rows} x {cols} exceeds the grid of variant {kernel.name}")
+        grid = (triton_cdiv(n, mod.BLOCK_COLS),)
+        args = (x, y if has_y else x, bias, out, alpha, n, cols)
+        kw = dict(ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, WIDE=wide,
+                  EVEN=n % mod.BLOCK_COLS == 0, num_warps=mod.NUM_WARPS)
+    else:
         grid = (triton_cdiv(rows, mod.ROWS), triton_cdiv(cols, mod.BLOCK_COLS))
         if grid[1] > _MAX_GRID_Y:
             raise ValueError(f"fused_bias_act: {cols} columns exceed the grid of variant {kernel.name}")
-        # (kgen.runtime.triton_launch: Triton's own launch the first time per specialisation,
-        # its compiled launcher directly after that)
-        triton_launch.launch(mod.fused_bias_act_kernel, grid, (x, y if has_y else x, bias, out, alpha, rows, cols),
-                             dict(ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, ROWS=mod.ROWS,
-                                  num_warps=mod.NUM_WARPS))
+        args = (x, y if has_y else x, bias, out, alpha, rows, cols)
+        kw = dict(ACT=_ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, ROWS=mod.ROWS,
+                  num_warps=mod.NUM_WARPS)
+    # (kgen.runtime.triton_launch: Triton's own launch the first time per specialisation,
+    # its compiled launcher directly after that)
+    triton_launch.launch(mod.fused_bias_act_kernel, grid, args, kw)
+    if key is not None and bound is None:
+        go = triton_launch.bind(mod.fused_bias_act_kernel, args, kw, 5)  # the pointers and alpha vary
+        if go is not None:
+            if len(_BOUND) >= _BOUND_ENTRIES:
+                _BOUND.clear()
+            _BOUND[key] = (mod, go, grid[0], grid[1] if len(grid) > 1 else 1)
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -262,7 +262,7 @@ def bind(fn, args, kw: dict, n_varying: int) -> Callable | None:
     """For a caller that will launch `fn` again with arguments Triton specialises as it
     does `args` and `kw` (it checks that itself: the same dtypes, alignments, int classes,
     constexprs and options), a launcher of the binary `launch` ran for them: `go(grid0,
-    first)` launches a (grid0, 1, 1) grid with the `n_varying` first arguments `first`
+    first, grid1=1)` launches a (grid0, grid1, 1) grid with the `n_varying` first arguments `first`
     (pointers may be given as ints) and the rest as bound here, and returns True; it returns False,
     launching nothing, where Triton's own path must run (hooks set since, a knob or the
     device changed, a global constant changed). None: no binary for them yet (launch first)."""
@@ -277,12 +277,12 @@ def bind(fn, args, kw: dict, n_varying: int) -> Callable | None:
     run, function, metadata, unchanged = e.run, e.function, e.metadata, e.globals_unchanged
     stats = STATS
 
-    def go(grid0: int, first) -> bool:
+    def go(grid0: int, first, grid1: int = 1) -> bool:
         if (_state.get("reason") is not None or _hooked(rt) or current_device() != device
                 or knobs_now() != knobs or not unchanged()):
             return False
         stats["direct"] += 1
-        run(grid0, 1, 1, current_raw_stream(device), function, metadata, None, None, None, *first, *tail)
+        run(grid0, grid1, 1, current_raw_stream(device), function, metadata, None, None, None, *first, *tail)
         return True
 
     return go
