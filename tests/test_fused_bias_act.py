@@ -221,14 +221,14 @@ def test_triton_launch_is_bound_after_the_first_call(monkeypatch, name):
     kernel = SimpleNamespace(backend="triton", module=mod, name=name, params={})
     monkeypatch.setattr(tlaunch, "current_device", lambda: None)
     monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
-    monkeypatch.setattr(fba, "_BOUND", {})
+    monkeypatch.setattr(fba.launcher, "_BOUND", {})
     tlaunch.clear()
     dt = getattr(torch, SPEC.variant(name).dtype)
     x, y, b = torch.randn(5, 1000, dtype=dt), torch.randn(5, 1000, dtype=dt), torch.randn(1000, dtype=dt)
     out = torch.empty_like(x)
     fba.launch(kernel, x, b, y, 0.5, "gelu", out)
     first = fake.launches[-1]
-    assert first[0] == "plain" and len(fba._BOUND) == 1
+    assert first[0] == "plain" and len(fba.launcher._BOUND) == 1
     x2, y2, out2 = x.clone(), y.clone(), torch.empty_like(x)
     fba.launch(kernel, x2, b, y2, 0.25, "gelu", out2)
     kind, binary, grid, stream, _, args = fake.launches[-1]
@@ -239,10 +239,10 @@ def test_triton_launch_is_bound_after_the_first_call(monkeypatch, name):
     unaligned = torch.randn(5 * 1000 + 1, dtype=dt)[1:].view(5, 1000)
     fba.launch(kernel, unaligned, b, y2, 0.5, "gelu", out2)
     # Triton's own launch (a new specialisation: x not 16-byte aligned), and nothing bound
-    assert fake.launches[-1][0] == "plain" and fake.launches[-1][5][0] is unaligned and len(fba._BOUND) == 1
+    assert fake.launches[-1][0] == "plain" and fake.launches[-1][5][0] is unaligned and len(fba.launcher._BOUND) == 1
     x4 = x[:4]
     fba.launch(kernel, x4, b, y[:4], 0.5, "gelu", out[:4])  # another shape: triton_launch's launch, then bound
-    assert fake.launches[-1][5][0] is x4 and len(fba._BOUND) == 2
+    assert fake.launches[-1][5][0] is x4 and len(fba.launcher._BOUND) == 2
 
 
 def test_triton_flat_index_widths_and_masks_agree():
@@ -255,7 +255,7 @@ def test_triton_flat_index_widths_and_masks_agree():
     outs = []
     for wide, even in ((False, False), (True, False), (False, True), (True, True)):
         out = torch.full_like(x, float("nan"))
-        mod.fused_bias_act_kernel[(6,)](x, y, b, out, 0.5, x.numel(), 96, ACT=fba._ACT_CODE["gelu"], HAS_Y=True,
+        mod.fused_bias_act_kernel[(6,)](x, y, b, out, 0.5, x.numel(), 96, ACT=fba.schema.ACT_CODE["gelu"], HAS_Y=True,
                                         BLOCK_COLS=1024, WIDE=wide, EVEN=even, num_warps=4)
         outs.append(out)
     assert not outs[0].isnan().any()
@@ -281,7 +281,7 @@ def test_gpu_dispatch_follows_the_tuning_table_and_is_right(dtype):
     x = torch.randn(1000, 4104, device="cuda").to(t)
     b, y = torch.randn(4104, device="cuda").to(t), torch.randn(1000, 4104, device="cuda").to(t)
     out = ops.fused_bias_act(x, b, y, alpha=0.3, act="gelu")
-    chosen = fba._kernel(x.device, t, 1000, 4104, True)
+    chosen = fba.op._kernel(x.device, t, 1000, 4104, True)
     expected, why = dispatch.choose("fused_bias_act", x.device, dtype, fba.tune_bucket(1000, 4104, True))
     assert getattr(chosen, "name", None) == getattr(expected, "name", None), why
     _assert_close(out, fba.reference(x, b, y, 0.3, "gelu", compute=torch.float64), SPEC.numerics[dtype])

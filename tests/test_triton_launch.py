@@ -155,7 +155,7 @@ def test_hooks_force_the_plain_launch(fake):
     a, b = torch.empty(64), torch.empty(64)
     _go(fake, a, b, 32, 7, 0.5)
     assert _go(fake, a, b, 32, 7, 0.5)[0] == "direct"
-    go = tlaunch.bind(fake.jit, (a, b, 32, 7, 0.5), {"BLOCK": 64, "MODE": "a", "num_warps": 4}, 2)
+    go = tlaunch.replay([(fake.jit, (3,), (a, b, 32, 7, 0.5), {"BLOCK": 64, "MODE": "a", "num_warps": 4})], (a, b))
     assert go is not None
 
     def hook(metadata):
@@ -166,14 +166,14 @@ def test_hooks_force_the_plain_launch(fake):
         assert tlaunch.hooked()
         assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
         n = len(fake.launches)
-        assert go(3, (a.data_ptr(), b.data_ptr())) is False and len(fake.launches) == n
+        assert go((a.data_ptr(), b.data_ptr())) is False and len(fake.launches) == n
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert _go(fake, a, b, 32, 7, 0.5)[0] == "direct"
     fake.jit.pre_run_hooks.append(lambda *a, **k: None)
     assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
     fake.jit.pre_run_hooks.clear()
-    assert go(3, (a.data_ptr(), b.data_ptr())) is True
+    assert go((a.data_ptr(), b.data_ptr())) is True
     assert fake.launches[-1][5] == (a.data_ptr(), b.data_ptr(), 32, 7, 0.5, 64, "a")
 
 
@@ -205,16 +205,48 @@ def test_a_changed_global_constant_is_left_to_triton(fake):
     assert _go(fake, a, b, 32, 7, 0.5)[0] == "plain"
 
 
-def test_bind_before_and_after_a_launch(fake, monkeypatch):
+def test_replay_before_and_after_a_launch(fake, monkeypatch):
     a, b = torch.empty(64), torch.empty(64)
     kw = {"BLOCK": 64, "MODE": "a", "num_warps": 4}
-    assert tlaunch.bind(fake.jit, (a, b, 32, 7, 0.5), kw, 2) is None  # nothing compiled yet
+    todo = [(fake.jit, (5,), (a, b, 32, 7, 0.5), kw)]
+    assert tlaunch.replay(todo, (a, b)) is None  # nothing compiled yet
     _go(fake, a, b, 32, 7, 0.5)
-    go = tlaunch.bind(fake.jit, (a, b, 32, 7, 0.5), kw, 2)
-    assert go(5, (11, 12)) is True
-    assert fake.launches[-1][2:4] == ((5, 1, 1), 4242) and fake.launches[-1][5] == (11, 12, 32, 7, 0.5, 64, "a")
+    go = tlaunch.replay(todo, (a, b), scalars=((0, 4),))
+    assert go((16, 32, 2.5)) is True
+    assert fake.launches[-1][2:4] == ((5, 1, 1), 4242) and fake.launches[-1][5] == (16, 32, 32, 7, 2.5, 64, "a")
+    n = len(fake.launches)
+    assert go((16, 40, 2.5)) is False and len(fake.launches) == n  # b's new address not 16-byte aligned
     monkeypatch.setattr(tlaunch, "current_device", lambda: 1)  # another device is current
-    assert go(5, (11, 12)) is False
+    assert go((16, 32, 2.5)) is False and len(fake.launches) == n
+
+
+def test_replay_resolves_views_and_refuses_what_it_cannot_tell_apart(fake):
+    """Tensor arguments become (slot, offset): a slot itself, or a view inside one (a
+    scratch buffer's halves); several launches replay together, or none of them."""
+    x, scratch = torch.empty(64), torch.empty(256)
+    lo, hi = scratch[:128], scratch[128:]
+    kw = {"BLOCK": 64, "MODE": "a", "num_warps": 4}
+    todo = [(fake.jit, (2,), (x, lo, 32, 7, 0.5), kw), (fake.jit, (3,), (hi, x, 32, 7, 0.5), kw)]
+    for _, grid, args, kw_ in todo:
+        tlaunch.launch(fake.jit, grid, args, kw_)
+    go = tlaunch.replay(todo, (x, scratch))
+    assert go((1 << 20, 1 << 24)) is True
+    assert [f[5][:2] for f in fake.launches[-2:]] == [(1 << 20, 1 << 24), ((1 << 24) + 512, 1 << 20)]
+    assert [f[2] for f in fake.launches[-2:]] == [(2, 1, 1), (3, 1, 1)]
+    assert tlaunch.replay(todo, (x,)) is None  # the scratch's views belong to no slot
+    assert tlaunch.replay(todo, (x, scratch, lo)) is None  # overlapping slots
+    assert tlaunch.replay(todo, (x, x, scratch)) is None  # one tensor in two slots
+    assert tlaunch.replay(todo, (x, scratch[1:])) is None  # a slot not 16-byte aligned
+    # a kernel whose global constant changed since: none of the launches runs
+    g = {"C": 1}
+    fake.jit.used_global_vals = {("C", id(g)): (1, g)}
+    tlaunch.clear()
+    for _, grid, args, kw_ in todo:
+        tlaunch.launch(fake.jit, grid, args, kw_)
+    go = tlaunch.replay(todo, (x, scratch))
+    g["C"] = 2
+    n = len(fake.launches)
+    assert go((1 << 20, 1 << 24)) is False and len(fake.launches) == n
 
 
 def test_cache_is_bounded(fake, monkeypatch):

@@ -194,7 +194,7 @@ def test_buckets():
     # the per-call cache keys follow the buckets exactly
     for r, c in ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1025, 4104)):
         for r2, c2 in ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1025, 4104)):
-            same_key = fba._key(0, None, r, c, True) == fba._key(0, None, r2, c2, True)
+            same_key = fba.op._key(0, None, r, c, True) == fba.op._key(0, None, r2, c2, True)
             assert same_key == (b(r, c) == b(r2, c2))
 
 
@@ -416,7 +416,7 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
     # thirteenth session's H100 table)
     monkeypatch.setattr(tune, "SHIPPED_DIR", tmp_path / "no-shipped-tables")
     tune.TABLES.invalidate()
-    fba._KERNELS.clear()
+    fba.op._KERNELS.clear()
     try:
         x = torch.randn(333, 4104, device="cuda", dtype=torch.bfloat16)
         b, y = torch.randn(4104, device="cuda", dtype=torch.bfloat16), torch.randn_like(x)
@@ -429,7 +429,7 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
         assert json.loads(tune.user_path().read_text())["entries"]
     finally:
         tune.TABLES.invalidate()
-        fba._KERNELS.clear()
+        fba.op._KERNELS.clear()
 
 
 @pytest.mark.gpu

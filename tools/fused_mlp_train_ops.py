@@ -51,7 +51,7 @@ def _stub_launch(fn, grid, args, kw):
 
 def _stub_go(mod, x, ws, bs, act, last):
     """What launch.direct(save=True)'s launcher allocates, without a launch."""
-    _, zs, _ = launch_plan(mod, x, ws, bs, act, last)
+    _, zs, *_ = launch_plan(mod, x, ws, bs, act, last)
     out_p = torch.empty((x.shape[0], ws[-1].shape[0]), dtype=x.dtype)
     z_p = [None if z is None else torch.empty(z.shape, dtype=z.dtype) for z in zs]
 

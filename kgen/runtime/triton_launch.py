@@ -28,15 +28,14 @@ the tests assert it is None), launch hooks (profilers: `knobs.runtime.launch_ent
 own pre-run hooks. Triton's check that a kernel's global constants have not changed since it
 compiled (an error there) is made here too.
 
-`bind` serves a caller that fixes everything but some pointers per call signature (an op's
-eager fast path): the bound launch of one specialisation seen before.
+`replay` serves an op's eager fast path, which fixes everything per call signature but the
+addresses of its tensors (and maybe a scalar): the launches of that signature, recorded
+once, replayed with new addresses.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
-
 import torch
 
 from kgen.runtime.streams import current_raw_stream
@@ -258,34 +257,102 @@ def _is_cuda(compiled) -> bool:
     return getattr(target, "backend", None) == "cuda" and compiled.function is not None
 
 
-def bind(fn, args, kw: dict, n_varying: int) -> Callable | None:
-    """For a caller that will launch `fn` again with arguments Triton specialises as it
-    does `args` and `kw` (it checks that itself: the same dtypes, alignments, int classes,
-    constexprs and options), a launcher of the binary `launch` ran for them: `go(grid0,
-    first, grid1=1)` launches a (grid0, grid1, 1) grid with the `n_varying` first arguments `first`
-    (pointers may be given as ints) and the rest as bound here, and returns True; it returns False,
-    launching nothing, where Triton's own path must run (hooks set since, a knob or the
-    device changed, a global constant changed). None: no binary for them yet (launch first)."""
-    if not _usable(fn):
-        return None
-    key, every = _key(fn, args, kw)
-    e = _CACHE.get(key) if key is not None else None
-    if e is None or e.fn is not fn:
-        return None
-    tail = every[n_varying:]
-    device, knobs_now, knobs, rt = key[1], _state["knobs"], key[4], _state["runtime"]
-    run, function, metadata, unchanged = e.run, e.function, e.metadata, e.globals_unchanged
-    stats = STATS
+def replay(launches, slots, scalars=()) -> "Replay | None":
+    """A replay of launches an op just ran through `launch` (or would run: the same
+    specialisations), for its eager fast path: `launches` is a list of (kernel, grid, args,
+    kw); `slots` the tensors whose addresses change from call to call (x, weights, outputs,
+    scratch); `scalars` (launch index, argument index) of non-tensor arguments that change
+    too (an alpha). Returns a `Replay`, called with one address per slot and then one value
+    per scalar, or None where the launches cannot be replayed: a binary not launched yet,
+    the plain path in force (see `launch`), a grid that is not a tuple of ints, a tensor
+    argument that is neither a slot nor inside one, slots that overlap (aliased inputs: their
+    addresses could not be told apart later) or a slot not 16-byte aligned (the recorded
+    binaries assume aligned slots; an unaligned signature would pin every later aligned
+    call to them).
 
-    def go(grid0: int, first, grid1: int = 1) -> bool:
-        if (_state.get("reason") is not None or _hooked(rt) or current_device() != device
-                or knobs_now() != knobs or not unchanged()):
+    A tensor argument is resolved to the slot it is (identity), else to the slot whose bytes
+    hold it, as (slot, byte offset): a view of a scratch buffer replays at the same offset
+    into the new buffer. Every other argument is replayed as recorded."""
+    if not launches or any(not _usable(fn) for fn, *_ in launches):
+        return None
+    spans = []
+    for t in slots:
+        p = t.data_ptr()
+        if p & 15:
+            return None
+        spans.append((p, p + t.numel() * t.element_size()))
+    ordered = sorted(spans)
+    if any(a[1] > b[0] and a[0] < a[1] for a, b in zip(ordered, ordered[1:])) or len(set(map(id, slots))) < len(slots):
+        return None
+    steps, entries, device, knobs = [], [], None, None
+    for li, (fn, grid, args, kw) in enumerate(launches):
+        key, every = _key(fn, args, kw)
+        e = _CACHE.get(key) if key is not None else None
+        if e is None or e.fn is not fn or not all(type(g) is int for g in grid) or not 1 <= len(grid) <= 3:
+            return None
+        if device is None:
+            device, knobs = key[1], key[4]
+        elif (key[1], key[4]) != (device, knobs):
+            return None
+        template, patches = list(every), []
+        for ai, a in enumerate(every):
+            if isinstance(a, torch.Tensor):
+                where = _slot_of(a, slots, spans)
+                if where is None:
+                    return None
+                patches.append((ai, *where))
+                template[ai] = None
+        moved = tuple((ai, len(slots) + j) for j, (l2, ai) in enumerate(scalars) if l2 == li)
+        steps.append((e.run, e.function, e.metadata, _grid3(grid), template, tuple(patches), moved))
+        entries.append(e)
+    return Replay(tuple(steps), tuple(entries), len(slots), device, knobs)
+
+
+def _slot_of(a, slots, spans):
+    """(slot index, byte offset) of tensor argument `a`, or None."""
+    for i, t in enumerate(slots):
+        if a is t:
+            return i, 0
+    p = a.data_ptr()
+    for i, (lo, hi) in enumerate(spans):
+        if lo <= p < hi:
+            return i, p - lo
+    return None
+
+
+class Replay:
+    """Recorded launches (see `replay`): `r(values)` launches them again on the current
+    stream with the slots' new addresses and the scalars' new values and returns True, or
+    launches nothing and returns False where Triton's own path must run: a slot address not
+    16-byte aligned, hooks set since, a knob or the current device changed, a kernel's
+    global constant changed. The check is made for every launch before the first runs, so a
+    call never half-replays."""
+
+    __slots__ = ("steps", "entries", "n_slots", "device", "knobs")
+
+    def __init__(self, steps, entries, n_slots, device, knobs):
+        self.steps, self.entries, self.n_slots, self.device, self.knobs = steps, entries, n_slots, device, knobs
+
+    def __call__(self, values) -> bool:
+        bad = 0
+        for v in values[:self.n_slots]:
+            bad |= v
+        if (bad & 15 or _state.get("reason") is not None or _hooked(_state["runtime"])
+                or current_device() != self.device or _state["knobs"]() != self.knobs):
             return False
-        stats["direct"] += 1
-        run(grid0, grid1, 1, current_raw_stream(device), function, metadata, None, None, None, *first, *tail)
+        for e in self.entries:
+            if not e.globals_unchanged():
+                return False
+        stream = current_raw_stream(self.device)
+        for run, function, metadata, (g0, g1, g2), template, patches, moved in self.steps:
+            a = template.copy()
+            for ai, si, off in patches:
+                a[ai] = values[si] + off
+            for ai, vi in moved:
+                a[ai] = values[vi]
+            STATS["direct"] += 1
+            run(g0, g1, g2, stream, function, metadata, None, None, None, *a)
         return True
-
-    return go
 
 
 def clear() -> None:

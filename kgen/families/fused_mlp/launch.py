@@ -47,15 +47,16 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     when `save` (None where the backward does not need one), else []. `out`: a
     given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
     kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
-    out, zs, launch = _plan(mod, x, weights, biases, activation, last_activation, save, out)
+    out, zs, launch, _ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
     if launch is not None:
         triton_launch.launch(*launch)
     return out, zs
 
 
 def _plan(mod, x, weights, biases, activation, last_activation, save, out):
-    """(out, zs, (kernel, grid, args, kw) or None for B = 0): what `forward` launches, with
-    its buffers allocated."""
+    """(out, zs, (kernel, grid, args, kw) or None for B = 0, the scratch or None): what
+    `forward` launches, with its buffers allocated (the scratch: the one allocation whose
+    views the launch takes, if any)."""
     B, L = x.shape[0], len(weights)
     widths = [x.shape[1]] + [w.shape[0] for w in weights]
     if out is None:
@@ -67,8 +68,9 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     else:
         zs = []
     if B == 0:
-        return out, zs, None
+        return out, zs, None, None
     args = [x, out]
+    scratch = None
     if mod.EXACT:
         zbuf = zs if save else [None] * L
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
@@ -108,7 +110,7 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     kernel = mod.fused_mlp_fwd_kernel
     if kw["PRECISION"] == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
         kernel = mod.fused_mlp_fwd_kernel_x3
-    return out, zs, (kernel, grid(B, mod), args, kw)
+    return out, zs, (kernel, grid(B, mod), args, kw), scratch
 
 
 def direct(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False):
@@ -116,85 +118,57 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     of `x`'s shape, dtype and device, the weights' and biases' shapes, the activations, the
     TF32 setting): `f(x, weights, biases)` -> out [..., wL] (with `save`: (out, zs), zs as
     `forward(save=True)` returns them, 2-D), or None where this call must take the general
-    path (an input not contiguous or not 16-byte aligned, or triton_launch's bound launch
-    declines: hooks, another device, ...). None where the signature has no fast form: B = 0,
-    `x`, the weights or biases given here not contiguous or not 16-byte aligned (a later
-    aligned call makes it), or no binary bound yet (`forward` launched it first, with the same
-    `save`). What it launches is what `forward` launches: the same kernel, grid and
-    arguments, pointers as integers, only the output, z and scratch buffers new."""
+    path (an input not contiguous or not 16-byte aligned, or the replay declines: hooks,
+    another device, ...). None where the signature has no fast form: B = 0, `x`, the
+    weights or biases given here not contiguous or not 16-byte aligned or aliased (a later
+    call makes it), or no binary yet (`forward` launched it first, with the same `save`).
+    What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launch):
+    the same kernel, grid and arguments, only the output, z and scratch buffers new."""
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     B = x.numel() // widths[0] if widths[0] else 0
-    tensors = [x, *weights, *(b for b in biases if b is not None)]
-    if B == 0 or any(not t.is_contiguous() or t.data_ptr() & 15 for t in tensors):
+    present = [b for b in biases if b is not None]
+    if B == 0 or any(not t.is_contiguous() for t in (x, *weights, *present)):
         return None
     if x.device.index != triton_launch.current_device():
         return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
     x2 = x.reshape(B, widths[0])
-    out, zs, (kernel, grid_, args, kw) = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
-    n_ptr = len(args) - 5  # the pointers, then B, bias_mask, act, last_act, save
-    go = triton_launch.bind(kernel, args, kw, n_ptr)
-    if go is None:
+    out, zs, launch_, scratch = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
+    z_on = [z is not None for z in zs]
+    rep = triton_launch.replay([launch_], (x2, out, *weights, *present, *(z for z in zs if z is not None),
+                                           *((scratch,) if scratch is not None else ())))
+    if rep is None:
         return None
-    # _plan's pointer layout: x, out, (exact: two scratch halves or x, x), then per layer
-    # slot its weight, bias (x where none), z (a scratch half, a saved z, or x); the rest x
-    first = 4 if mod.EXACT else 2
-    w_at = [first + 3 * i for i in range(len(weights))]
-    b_at = [first + 3 * i + 1 for i, b in enumerate(biases) if b is not None]
-    s_at = []  # (position, offset in elements from the scratch's start)
-    if mod.EXACT and mod.SCRATCH_WIDTH:
-        s_at = [(2, 0), (3, B * mod.SCRATCH_WIDTH)]
-        s_numel = 2 * B * mod.SCRATCH_WIDTH
-    elif not mod.EXACT and not save and max(widths[1:-1], default=0):
-        hidden = max(widths[1:-1])
-        s_at = [(first + 3 * i + 2, (i % 2) * B * hidden) for i in range(len(weights) - 1)]
-        s_numel = 2 * B * hidden
-    item = x.element_size()
-    s_at = [(i, off * item) for i, off in s_at]
-    # saved z: (position, its layer's prototype), one new buffer each per call
-    z_at = [(first + 3 * i + 2, prototype(z.shape, z.dtype, z.device)) for i, z in enumerate(zs) if z is not None]
-    z_slot = [z is not None for z in zs]
     shape, dtype, device = (*x.shape[:-1], widths[-1]), x.dtype, x.device
     proto = prototype(shape, dtype, device)  # outputs: empty_like of it
-    empty_like, empty, g0 = torch.empty_like, torch.empty, grid_[0]
-    n_b = len(b_at)
+    z_protos = [prototype(z.shape, z.dtype, z.device) if z is not None else None for z in zs]
+    s_numel = scratch.numel() if scratch is not None else 0
+    empty_like, empty = torch.empty_like, torch.empty
 
     def launch(x, weights, biases):
-        xp = x.data_ptr()
-        if xp & 15 or not x.is_contiguous():
+        if not x.is_contiguous():
             return None
-        a = [xp] * n_ptr
-        for i, w in zip(w_at, weights):
-            p = w.data_ptr()
-            if p & 15 or not w.is_contiguous():
-                return None
-            a[i] = p
-        if n_b:
-            k = 0
-            for b in biases:
-                if b is not None:
-                    p = b.data_ptr()
-                    if p & 15 or not b.is_contiguous():
-                        return None
-                    a[b_at[k]] = p
-                    k += 1
         out = empty_like(proto)
-        a[1] = out.data_ptr()
-        scratch = None
-        if s_at:  # held until launched (freed after: stream-ordered, as the general path's)
-            scratch = empty(s_numel, dtype=dtype, device=device)
-            s = scratch.data_ptr()
-            for i, off in s_at:
-                a[i] = s + off
+        vals = [x.data_ptr(), out.data_ptr()]
+        for w in weights:
+            if not w.is_contiguous():
+                return None
+            vals.append(w.data_ptr())
+        for b in biases:
+            if b is not None:
+                if not b.is_contiguous():
+                    return None
+                vals.append(b.data_ptr())
+        zs = None
         if save:
-            it = iter(z_at)
-            zs = [None] * len(z_slot)
-            for j, on in enumerate(z_slot):
-                if on:
-                    i, zp = next(it)
-                    z = zs[j] = empty_like(zp)
-                    a[i] = z.data_ptr()
-            return (out, zs) if go(g0, a) else None
-        return out if go(g0, a) else None
+            zs = [empty_like(p) if on else None for p, on in zip(z_protos, z_on)]
+            vals += [z.data_ptr() for z in zs if z is not None]
+        scratch = None
+        if s_numel:  # held until launched (freed after: stream-ordered, as the general path's)
+            scratch = empty(s_numel, dtype=dtype, device=device)
+            vals.append(scratch.data_ptr())
+        if not rep(vals):
+            return None
+        return (out, zs) if save else out
 
     return launch
 

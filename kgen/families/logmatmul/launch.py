@@ -192,7 +192,8 @@ def forward(mod, x: torch.Tensor, w: torch.Tensor, splits: int | None = None) ->
             return out
         mod = mod.triton
     plan = _triton_plan(mod, B, N, K, x.device, splits)
-    for kernel, grid, args, kw in _triton_launches(mod, x, w, *_triton_buffers(plan, B, N, K, x.device, out), plan):
+    _, _, *bufs = _triton_buffers(plan, B, N, K, x.device, out)
+    for kernel, grid, args, kw in _triton_launches(mod, x, w, out, *bufs, plan):
         triton_launch.launch(kernel, grid, args, kw)
     return out
 
@@ -205,17 +206,28 @@ def _triton_plan(mod, B: int, N: int, K: int, device, splits=None) -> tuple:
 
 
 def _triton_buffers(plan, B: int, N: int, K: int, device, out=None) -> tuple:
-    """(out, part_m, part_s, e, m): the forward's output and scratch (the partials are out
-    itself where there is one K split; e and m None without the exp pass)."""
+    """(out, scratch, part_m, part_s, e, m): the forward's output and its scratch, one
+    allocation (None where there is none) whose 128-byte aligned pieces are the K-split
+    partials (out itself where there is one split) and, with the exp pass, e and m (None
+    without it)."""
     splits, pre = plan[1], plan[4]
     f32 = torch.float32
     out = _empty((B, N), dtype=f32, device=device) if out is None else out
-    one = splits == 1
-    part_m = out if one else _empty((splits, B), dtype=f32, device=device)
-    part_s = out if one else _empty((splits, B, N), dtype=f32, device=device)
-    e = _empty((B, K), dtype=f32, device=device) if pre else None
-    m = _empty((B,), dtype=f32, device=device) if pre else None
-    return out, part_m, part_s, e, m
+    sizes = ((splits * B, splits * B * N) if splits > 1 else ()) + ((B * K, B) if pre else ())
+    if not sizes:
+        return out, None, out, out, None, None
+    at = [0]
+    for n in sizes:
+        at.append(at[-1] + -(-n // 32) * 32)  # each piece 128-byte aligned
+    scratch = _empty((at[-1],), dtype=f32, device=device)
+    piece = [scratch[at[i]:at[i] + n] for i, n in enumerate(sizes)]
+    if splits > 1:
+        part_m, part_s = piece[0].view(splits, B), piece[1].view(splits, B, N)
+        piece = piece[2:]
+    else:
+        part_m = part_s = out
+    e, m = (piece[0].view(B, K), piece[1]) if pre else (None, None)
+    return out, scratch, part_m, part_s, e, m
 
 
 def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
@@ -241,55 +253,35 @@ def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
 def triton_direct(mod, B: int, N: int, K: int, device: torch.device):
     """The op's fast path for a Triton variant at one exact call signature: `f(x, w)` ->
     out, or None for inputs the op would copy first (not contiguous). The first call runs
-    `forward`'s launches through triton_launch and binds each binary (triton_launch.bind);
-    later calls allocate the output and scratch and replay the bound launches with the new
-    pointers, skipping the per-launch specialisation key (~20 us a launch on a slow H100
-    host, BENCHMARKS.md fourteenth session). Where a bound launch declines (hooks set, a
-    knob or the device changed) or x / w differ in 16-byte alignment from the bound call,
-    triton_launch's launch runs, as in `forward`."""
+    `forward`'s launches through triton_launch and records them (triton_launch.replay);
+    later calls allocate the output and the scratch (two allocations) and replay them with
+    the new addresses, skipping the per-launch specialisation key (~20 us a launch on a slow
+    H100 host, BENCHMARKS.md fourteenth session). Where the replay declines (hooks set, a
+    knob or the device changed, x or w not 16-byte aligned), triton_launch's launch runs,
+    as in `forward`."""
     if min(B, N, K) < 1:
         return None
     plan = _triton_plan(mod, B, N, K, device)
-    names = ("x", "w", "out", "part_m", "part_s", "e", "m")
-    bound: list = []  # per launch: (go, grid0, argument list with pointers as ints, [(index, name)])
-    first_align: list = []
+    rec: list = []  # the replay, once recorded
 
     def launch(x, w):
         if not (x.is_contiguous() and w.is_contiguous()):
             return None
-        xp, wp = x.data_ptr(), w.data_ptr()
-        bufs = _triton_buffers(plan, B, N, K, device)
-        align = (xp & 15, wp & 15)
-        if bound and align == first_align[0]:
-            ptr = {"x": xp, "w": wp}
-            for n, t in zip(names[2:], bufs):
-                if t is not None:
-                    ptr[n] = t.data_ptr()
-            for i, (go, grid0, args, slots) in enumerate(bound):
-                a = list(args)
-                for j, n in slots:
-                    a[j] = ptr[n]
-                if not go(grid0, a):  # Triton's own path for this launch and the rest
-                    for kernel, grid, args_, kw in _triton_launches(mod, x, w, *bufs, plan)[i:]:
-                        triton_launch.launch(kernel, grid, args_, kw)
-                    break
-            return bufs[0]
-        todo = _triton_launches(mod, x, w, *bufs, plan)
+        out, scratch, *bufs = _triton_buffers(plan, B, N, K, device)
+        if rec:
+            vals = [x.data_ptr(), w.data_ptr(), out.data_ptr()]
+            if scratch is not None:
+                vals.append(scratch.data_ptr())
+            if rec[0](vals):
+                return out
+        todo = _triton_launches(mod, x, w, out, *bufs, plan)
         for kernel, grid, args, kw in todo:
             triton_launch.launch(kernel, grid, args, kw)
-        if not bound:
-            tensors = dict(zip(names, (x, w, *bufs)))
-            made = []
-            for kernel, grid, args, kw in todo:
-                go = triton_launch.bind(kernel, args, kw, len(args))
-                if go is None or len(grid) != 1:
-                    return bufs[0]  # not bound (the interpreter, a hook, ...): launch each time
-                slots = [(j, next(n for n, t in tensors.items() if t is a))
-                         for j, a in enumerate(args) if isinstance(a, torch.Tensor)]
-                made.append((go, grid[0], [None if isinstance(a, torch.Tensor) else a for a in args], slots))
-            bound.extend(made)
-            first_align.append(align)
-        return bufs[0]
+        if not rec:
+            r = triton_launch.replay(todo, (x, w, out) if scratch is None else (x, w, out, scratch))
+            if r is not None:
+                rec.append(r)
+        return out
 
     return launch
 

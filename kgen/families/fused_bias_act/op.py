@@ -1,0 +1,180 @@
+"""fused_bias_act's kernel choice (tuning buckets), the op's implementation, the torch.library
+ops with autograd and the public function."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kgen.families.fused_bias_act.checks import _check, _overlaps
+from kgen.families.fused_bias_act.launcher import launch
+from kgen.families.fused_bias_act.reference import _dact, _preact, reference
+from kgen.families.fused_bias_act.schema import TORCH_DTYPES
+from kgen.runtime.op import MISSING, Kernels, define
+
+
+def _kernel(device: torch.device, dtype: torch.dtype, rows: int = 1, cols: int = 1, has_y: bool = True):
+    """The loaded variant for (device, dtype) and the shape's bucket, chosen (tuning table,
+    else spec order) and built on the first call, then cached for the process (None: the
+    reference runs)."""
+    key = _key(device.index, dtype, rows, cols, has_y)
+    kernel = _KERNELS.lookup(key)
+    if kernel is MISSING:
+        kernel = _KERNELS.choose(key, device, dtype, {"rows": rows, "cols": cols, "has_y": has_y})
+    return kernel
+
+
+def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
+    """The per-call cache key: the same classes as tune_bucket, as cheap integers."""
+    return dev, dtype, (rows - 1).bit_length(), (cols - 1).bit_length(), cols % 8 == 0, has_y
+
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: rows and columns each rounded up to a power of two, whether a row holds whole
+# 16-byte vectors of 16-bit elements (cols % 8 == 0; the CUDA kernels' vector path), and
+# whether y is read (3 streams of memory instead of 2). act is not in the bucket: every
+# variant computes it in registers while memory is the bound, so it does not change which
+# variant wins.
+TUNE_DIMS = ("rows", "cols")
+TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
+# Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
+# ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner
+# where it won by a margin (tune.transfers), else spec order. 5000 fills the cols <= 8192
+# vec16 buckets, which spec order served at 6000 x 5000 (bf16 no y: 0.947 of the fastest,
+# H100, BENCHMARKS.md twelfth session); the shipped tables have them from the next re-tune.
+TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
+                    for r in (1, 8, 64, 512, 2048, 4096, 8192, 16384, 32768)
+                    for c in (1001, 1024, 4096, 5000, 12288, 12345, 65536, 786432) if r * c <= 1 << 27
+                    for y in (True, False))
+
+
+def tune_bucket(rows: int, cols: int, has_y: bool = True) -> str:
+    r, c = (rows - 1).bit_length(), (cols - 1).bit_length()
+    return f"rows<={1 << r}.cols<={1 << c}.{'vec16' if cols % 8 == 0 else 'tail'}.{'y' if has_y else 'no-y'}"
+
+
+_KERNELS = Kernels("fused_bias_act", tune_bucket)
+
+
+def tune_inputs(device, dtype: str, rows: int, cols: int, has_y: bool = True) -> dict:
+    t = next(k for k, n in TORCH_DTYPES.items() if n == dtype)
+    x = torch.randn(rows, cols, device=device, dtype=t)
+    return {"x": x, "bias": torch.randn(cols, device=device, dtype=t),
+            "y": torch.randn_like(x) if has_y else None, "out": torch.empty_like(x)}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One gelu launch of `kernel` (None: the reference) into the scratch output."""
+    x, bias, y, out = inputs["x"], inputs["bias"], inputs["y"], inputs["out"]
+    if kernel is None:
+        return lambda: out.copy_(reference(x, bias, y, 0.5, "gelu"))
+    return lambda: launch(kernel, x, bias, y, 0.5, "gelu", out)
+
+
+def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
+    """The op's implementation (eager fast path and the registered op alike). It runs on
+    every call, so it reads each tensor attribute once and calls as little as it can."""
+    _check(x, bias, y, alpha, act, inplace)
+    if inplace:
+        if _overlaps(x, bias) or (y is not None and _overlaps(x, y)):
+            raise ValueError("fused_bias_act: in place, bias and y must not partially overlap x")
+        out = x
+    else:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty_like(x)
+    if not bias.is_contiguous():
+        bias = bias.contiguous()
+    if y is not None and not y.is_contiguous():
+        y = y.contiguous()
+    dev = x.get_device()  # -1 for CPU tensors
+    kernel = None
+    if dev >= 0:
+        cols = x.shape[-1]
+        rows = x.numel() // cols if cols else 0
+        kernel = _KERNELS.lookup(_key(dev, x.dtype, rows, cols, y is not None))
+        if kernel is MISSING:
+            kernel = _kernel(x.device, x.dtype, rows, cols, y is not None)
+    if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
+        return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
+    launch(kernel, x, bias, y, alpha, act, out)
+    return out
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+def _op_impl(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> torch.Tensor:
+    return _forward(x, bias, y, alpha, act, False)
+
+
+def _op_fake(x, bias, y, alpha, act):
+    _check(x, bias, y, alpha, act, False)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _op_inplace_impl(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor], alpha: float, act: str) -> None:
+    _forward(x, bias, y, alpha, act, True)
+
+
+def _op_inplace_fake(x, bias, y, alpha, act):
+    _check(x, bias, y, alpha, act, True)
+
+
+def _setup_context(ctx, inputs, output):
+    x, bias, y, alpha, act = inputs
+    ctx.save_for_backward(x, bias, y)
+    ctx.alpha, ctx.act = alpha, act
+
+
+def _backward(ctx, grad):
+    x, bias, y = ctx.saved_tensors
+    # Recompute z in float32 (the saved inputs are all we keep) and form dz = g * act'(z).
+    z = _preact(x, bias, y, ctx.alpha, torch.float32)
+    dz = grad.to(torch.float32) * _dact(z, ctx.act)
+    grad_x = dz.to(x.dtype) if ctx.needs_input_grad[0] else None
+    grad_bias = dz.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
+    grad_y = (ctx.alpha * dz).to(y.dtype) if y is not None and ctx.needs_input_grad[2] else None
+    return grad_x, grad_bias, grad_y, None, None
+
+
+# torch.ops.kgen.fused_bias_act (differentiable) and torch.ops.kgen.fused_bias_act_ (in place)
+_op = define("fused_bias_act", _op_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
+_op_inplace = define("fused_bias_act_", _op_inplace_impl, fake=_op_inplace_fake, mutates_args=("x",))
+
+
+def _as_float(alpha) -> float:
+    """Any real scalar (int, numpy float, 0-d CPU tensor) as a Python float; not bool or str."""
+    import numbers
+
+    if isinstance(alpha, torch.Tensor) and alpha.dim() == 0 and not alpha.is_cuda:
+        alpha = alpha.item()
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"fused_bias_act: alpha must be a float, got {type(alpha).__name__}")
+    return float(alpha)
+
+
+def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor] = None, *,
+                   alpha: float = 1.0, act: str = "none", inplace: bool = False) -> torch.Tensor:
+    """out = act(x + alpha * y + bias), bias broadcast along x's last dimension.
+
+    act is one of none, relu, sigmoid, gelu (tanh form), silu; arithmetic runs in float32
+    and the result has x's dtype. `inplace=True` writes into x and returns it (not
+    differentiable: raises if a gradient is needed). Differentiable for x, y and bias.
+    On CUDA tensors the best kernel variant for the device and dtype runs on the current
+    stream; CPU tensors use the float32 PyTorch reference. Also `torch.ops.kgen.fused_bias_act`.
+    """
+    if type(alpha) is not float:
+        alpha = _as_float(alpha)
+    if inplace:
+        if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, bias, y)):
+            raise ValueError("fused_bias_act: inplace=True is not differentiable; use the "
+                             "out-of-place form when a gradient is needed")
+        _op_inplace(x, bias, y, alpha, act)
+        return x
+    return _op(x, bias, y, alpha, act)
+
+
+OPS = {"fused_bias_act": fused_bias_act}
