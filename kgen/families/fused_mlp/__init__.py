@@ -5,9 +5,12 @@ template context: an exact variant's plan of steps and kernels), `reference` (ac
 the eager composition, the float64 oracle, the backward's per-layer GEMMs), `checks`
 (arguments), `launch` (how the Triton forward runs and the backward: its docstring), `op`
 (kernel choice, tuning hooks, the torch.library ops with autograd, `fused_mlp`, golden
-numerics) and `module` (kgen.nn.FusedMLP). This module is the contract kgen's core reads.
+numerics), `train` (the eager training fast path), `fused_backward` (its backward on CUDA:
+every gradient in two or three Triton launches) and `module` (kgen.nn.FusedMLP). This module
+is the contract kgen's core reads.
 
-The Triton kernels live in kgen/templates/fused_mlp/triton.py.j2.
+The forward's Triton kernels live in kgen/templates/fused_mlp/triton.py.j2 (rendered per
+variant); the backward's, generic in the widths (constexprs), in fused_backward.py.
 """
 
 from kgen.families.fused_mlp.checks import check_inputs

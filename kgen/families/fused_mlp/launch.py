@@ -15,7 +15,7 @@ then those buffers).
 Backward: the forward is run again with `save` (or the eager composition saves z on the
 reference path), then reference.backward's per-layer GEMMs through PyTorch (deterministic).
 The eager training fast path (train.py) launches the forward with `save` once through
-`direct(..., save=True)` and runs reference.backward_lean on its zs.
+`direct(..., save=True)` and runs the fused backward (fused_backward.py) on its zs.
 """
 
 from __future__ import annotations

@@ -300,8 +300,10 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     and constant arguments cached, the kernel launched directly (kgen.runtime.triton_launch),
     the same launch the op would make. Eager calls that need a gradient take the training
     fast path (train.py) under the same conditions, once the op's backward ran for their
-    signature: one forward launch that keeps each layer's z, and a backward of per-layer
-    torch GEMMs on them (KGEN_FUSED_MLP_FAST_TRAIN=0 turns it off)."""
+    signature: one forward launch that keeps each layer's z, and on CUDA the fused Triton
+    backward on them (fused_backward.py: two or three launches for every gradient, no
+    atomics; KGEN_FUSED_MLP_FUSED_BWD=0 runs per-layer torch GEMMs instead);
+    KGEN_FUSED_MLP_FAST_TRAIN=0 turns the training fast path off."""
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
     if not _compiling() and FAST_PATH and (_FAST or _TRAIN) and not _USING and not _any_autocast():
         out = _fast(x, weights, biases, activation, last_activation)

@@ -1,7 +1,10 @@
 """fused_mlp's eager training fast path: an autograd.Function whose forward launches the
 variant once with `save` through a bound launcher (launch.direct, as the inference fast path)
-and keeps each layer's z, and whose backward runs reference.backward_lean on them — no second
-forward, no torch.library dispatch, no per-call checks or kernel choice.
+and keeps each layer's z, and whose backward runs on them — no second forward, no
+torch.library dispatch, no per-call checks or kernel choice. The backward: on CUDA, the
+fused Triton backward (fused_backward.py: two or three launches for every gradient, its
+plan kept per entry and `needs`); on the CPU, for B = 0, with KGEN_FUSED_MLP_FUSED_BWD=0 or
+where its kernels fail to build, reference.backward_lean (per layer 4-5 torch calls).
 
 Why: a training step at B <= 16384 is host-bound. The general path (the op through autograd)
 runs check_inputs and the kernel choice, launches the forward, and in the backward launches
@@ -16,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from kgen.families.fused_mlp import launch
+from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.reference import backward_lean, eager
+from kgen.runtime.triton_launch import current_device
 
 
 class Entry:
@@ -25,11 +29,25 @@ class Entry:
     composition), its bound `save` launcher (None: launch.forward each call), and what the
     backward needs to know of the signature."""
 
-    __slots__ = ("mod", "go", "acts", "has_bias", "L", "out_shape", "w0")
+    __slots__ = ("mod", "go", "acts", "has_bias", "L", "out_shape", "w0", "plans")
 
     def __init__(self, mod, go, acts, has_bias, out_shape, w0):
         self.mod, self.go, self.acts, self.has_bias = mod, go, acts, has_bias
         self.L, self.out_shape, self.w0 = len(has_bias), out_shape, w0
+        self.plans = {}  # (needs, precision) -> fused_backward.Plan, or None: backward_lean
+
+    def fused(self, x, ws, B: int, needs):
+        """The fused backward's plan for this call (None: backward_lean serves it)."""
+        if not fused_backward.ENABLED or B == 0 or x.device.type not in fused_backward.DEVICES:
+            return None
+        if x.is_cuda and x.device.index != current_device():  # Triton launches on the current device
+            return None
+        key = (needs, launch.precision(x.dtype))
+        p = self.plans.get(key, False)
+        if p is False:
+            widths = (self.w0, *(w.shape[0] for w in ws))
+            p = self.plans[key] = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs)
+        return p
 
     def forward(self, x, weights, biases):
         """(out [..., wL], zs) for plain x and per-layer biases."""
@@ -87,20 +105,28 @@ class Step(torch.autograd.Function):
         if g.dtype != x.dtype:
             g = g.to(x.dtype)
         needs = ctx.needs_input_grad
-        need_x = needs[1]
         need_b = [False] * L
         k = 1 + L
         for i, on in enumerate(entry.has_bias):
             if on:
                 k += 1
                 need_b[i] = needs[k]
+        needs = (needs[1], *needs[2:2 + L], *need_b)  # x, each weight, each layer's bias
         x2 = x.reshape(B, entry.w0)
         if B == 0:
-            gx = x.new_zeros(x.shape) if need_x else None
-            gws = [torch.zeros_like(w) if n else None for w, n in zip(ws, needs[2:2 + L])]
+            gx = x.new_zeros(x.shape) if needs[0] else None
+            gws = [torch.zeros_like(w) if n else None for w, n in zip(ws, needs[1:1 + L])]
             gbs = [w.new_zeros(w.shape[0]) if n else None for w, n in zip(ws, need_b)]
         else:
-            gx, gws, gbs = backward_lean(g, x2, ws, entry.has_bias, zs, *entry.acts, (need_x, *needs[2:2 + L], *need_b))
+            p = entry.fused(x, ws, B, needs)
+            res = p(_contig(g), _contig(x2), [_contig(w) for w in ws], zs) if p is not None else None
+            if res is None:
+                res = backward_lean(g, x2, ws, entry.has_bias, zs, *entry.acts, needs)
+            gx, gws, gbs = res
             if gx is not None:
                 gx = gx.reshape(x.shape)
         return (None, gx, *gws, *(gbs[i] for i, on in enumerate(entry.has_bias) if on))
+
+
+def _contig(t):
+    return t if t.is_contiguous() else t.contiguous()

@@ -1,0 +1,412 @@
+"""fused_mlp's fused backward (kgen/families/fused_mlp/fused_backward.py): on the CPU its
+Triton kernels under the interpreter against float64 and against reference.backward_lean
+at awkward widths and B, every activation, biases on and off, subsets of the gradients,
+poisoned buffers, the split over B, bitwise determinism, and the training fast path taking
+it; the `gpu` tests run DLRM's MLPs through kgen.nn.FusedMLP and a CUDA-graph capture."""
+
+import sys
+
+import pytest
+import torch
+
+import kgen.ops as ops
+from kgen.nn import FusedMLP
+from kgen.families import fused_mlp as fm
+from kgen.families.fused_mlp import fused_backward as fb
+from kgen.families.fused_mlp import train
+from kgen.runtime import dispatch
+from kgen.runtime.op import error_ratio
+
+ref = sys.modules["kgen.families.fused_mlp.reference"]  # the package exports a function of that name
+TOL = dispatch.shipped_spec("fused_mlp").numerics
+ACT_PAIRS = (("relu", "sigmoid"), ("sigmoid", "none"), ("gelu", "relu"), ("silu", "gelu"), ("none", "silu"))
+
+
+@pytest.fixture(autouse=True)
+def poisoned(monkeypatch):
+    """Every buffer the kernels write (outputs, dz scratch, split workspace) starts as NaN,
+    so an element never written shows up."""
+    def empty(*shape, dtype=None, device=None):
+        return torch.full(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape, float("nan"),
+                          dtype=dtype, device=device)
+
+    monkeypatch.setattr(fb, "_empty", empty)
+
+
+def _case(widths, B, acts, dtype, bias=True, seed=0):
+    """Inputs, the forward's saved zs (the eager composition's: the same roundings as the
+    kernels'), and an upstream gradient."""
+    x, ws, bs = fm.make_inputs("cpu", dtype, B, widths, seed=seed, bias=bias)
+    L = len(ws)
+    _, zs = ref.eager(x, ws, bs, *acts, save=True)
+    zs = [z if i < L - 1 or acts[1] != "none" else None for i, z in enumerate(zs)]
+    g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return x, ws, bs, zs, g
+
+
+def _float64(x, ws, bs, acts, g):
+    """Every gradient from float64 autograd on the same inputs: [x, each weight, each bias or None]."""
+    leaves = [x.double().requires_grad_(), *(w.double().requires_grad_() for w in ws)]
+    bl = [None if b is None else b.double().requires_grad_() for b in bs]
+    ref.reference(leaves[0], leaves[1:], bl, *acts).backward(g.double())
+    return [leaves[0].grad, *(w.grad for w in leaves[1:]), *(None if b is None else b.grad for b in bl)]
+
+
+def _check(widths, B, acts, dtype, bias=True, needs=None, seed=0):
+    """The fused backward against float64 and against backward_lean in the same dtype;
+    gradients not asked for are None. Returns the fused gradients."""
+    x, ws, bs, zs, g = _case(widths, B, acts, dtype, bias, seed)
+    L = len(ws)
+    hb = [b is not None for b in bs]
+    needs = needs or (True,) * (1 + 2 * L)
+    gx, gws, gbs = fb.backward(g, x, ws, hb, zs, *acts, needs)
+    lx, lws, lbs = ref.backward_lean(g, x, ws, hb, zs, *acts, needs)
+    want = _float64(x, ws, bs, acts, g)
+    tol = TOL[str(dtype).removeprefix("torch.")]
+    # Against backward_lean (the same math and roundings, another order of summation), as a
+    # fraction of the gradient's largest element: float32 1e-5 (sums of up to 70 products
+    # in another order, ~1e-7 relative each); float16: every dz and g is rounded to the
+    # dtype, and a float32 sum in another order can land on the neighbouring value (one ulp,
+    # 2^-11), which the next layers carry on and add up: 4 ulps. bfloat16: not compared
+    # here: the interpreter truncates float32 -> bfloat16 (PyTorch rounds to nearest), a
+    # bias toward zero in every dz that a column sum over B rows adds up (seen: 1.8% of a
+    # bias gradient at B = 70); the GPU test compares it. Against float64: the spec's
+    # tolerance, or a multiple of backward_lean's own error (in 16-bit dtypes a ReLU mask
+    # flips where the rounded z lands on the other side of 0, for both; bfloat16: 4x for
+    # the truncation, as tests/test_fused_mlp.py's gradient test).
+    close = {torch.float32: 1e-5, torch.bfloat16: None, torch.float16: 4 * 2 ** -11}[dtype]
+    k = 4 if dtype == torch.bfloat16 else 2
+    for i, (got, lean, w) in enumerate(zip([gx, *gws, *gbs], [lx, *lws, *lbs], want)):
+        asked = needs[i] and (i <= L or hb[i - 1 - L])
+        assert (got is None) == (not asked) == (lean is None), (i, got is None, asked)
+        if got is None:
+            continue
+        assert got.dtype == dtype and got.shape == w.shape, (i, got.dtype, got.shape)
+        assert not torch.isnan(got).any(), i
+        scale = float(w.abs().max()) or 1.0
+        if close is not None:
+            assert float((got.double() - lean.double()).abs().max()) <= close * scale, (i, got, lean)
+        r, r_lean = error_ratio(got / scale, w / scale, tol), error_ratio(lean / scale, w / scale, tol)
+        assert r <= max(1.0, k * r_lean), (i, r, r_lean)
+    return gx, gws, gbs
+
+
+# ------------------------------------------------------------------ CPU: the kernels under the interpreter
+
+@pytest.mark.parametrize("widths,B", [((13, 37, 5, 1), 70), ((7, 33, 17), 3), ((5, 3), 1), ((1, 19, 2), 33)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"B{v}")
+@pytest.mark.parametrize("acts", ACT_PAIRS, ids="/".join)
+def test_float32_every_activation(widths, B, acts):
+    """Every activation in both places at widths of no tile's size (one-wide layers too) and
+    B not a multiple of the row tile, biases on."""
+    _check(widths, B, acts, torch.float32)
+
+
+def test_eight_layers_every_slot():
+    """The most layers the family takes: every pointer slot of both kernels in use, partial biases."""
+    _check((3, 4, 5, 6, 7, 8, 9, 10, 2), 5, ("gelu", "sigmoid"), torch.float32, bias=[i % 2 == 0 for i in range(8)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("widths,B,acts,bias", [((13, 37, 5, 1), 70, ("relu", "sigmoid"), True),
+                                               ((7, 33, 17), 3, ("gelu", "none"), False),
+                                               ((5, 3), 1, ("silu", "silu"), True),
+                                               ((3, 40, 24, 9), 20, ("sigmoid", "relu"), [True, False, True])])
+def test_16bit(dtype, widths, B, acts, bias):
+    _check(widths, B, acts, dtype, bias)
+
+
+@pytest.mark.parametrize("needs", [
+    (False, False, True, False, False, True, False),  # layer 1's weight, layer 2's bias: layer 0 not visited
+    (False, True, False, False, False, False, False),  # layer 0's weight only: the whole chain
+    (True, False, False, False, False, False, False),  # x only: dz of every layer, no dW program
+    (False, False, False, False, True, False, True),  # biases only: bias-only tiles (no dot)
+], ids=["w1b2", "w0", "x", "b0b2"])
+def test_subsets_of_needs(needs):
+    _check((6, 9, 4, 3), 21, ("relu", "silu"), torch.float32, needs=needs)
+
+
+def test_plan_skips_what_is_not_needed():
+    """Layers below the lowest gradient asked for get no dz scratch; only layers with a
+    gradient asked for get dW programs; last_act none: the last dz is grad itself."""
+    p = fb.plan((6, 9, 4, 3), torch.float32, torch.device("cpu"), 21, (True,) * 3, ("relu", "none"),
+                (False, False, True, False, False, False, False))
+    assert sorted(p.dz_at) == [1] and p.chain_kw["LOWEST"] == 1 and not p.chain_kw["NEED_X"]
+    assert p.w_at[0] == p.w_at[2] == -1 and p.w_at[1] == 0 and p.b_at == [-1, -1, -1]
+    ts = p.dw_kw["TS"]
+    assert ts[1] == ts[0] == 0 and ts[2] > ts[1] and ts[3] == ts[2]
+    assert fb.plan((6, 9), torch.float32, torch.device("cpu"), 0, (True,), ("relu", "none"), (True,) * 3) is None
+    assert fb.plan((6, 9), torch.float32, torch.device("cpu"), 5, (False,), ("relu", "none"),
+                   (False, False, True)) is None  # only the bias of a layer with none
+
+
+def test_split_over_rows_and_determinism(monkeypatch):
+    """With the split over B forced (S > 1: float32 partials, then the ordered sum), the
+    gradients still match; two runs are bitwise equal, with and without the split."""
+    widths, B, acts = (13, 37, 5, 1), 70, ("gelu", "sigmoid")
+    hb = (True,) * 3
+    plain = fb.plan(widths, torch.float32, torch.device("cpu"), B, hb, acts, (True,) * 7)
+    assert plain.S == 1 and plain.dw_kw["E"] == 0
+    monkeypatch.setattr(fb, "SPLIT_MIN_ROWS", 16)
+    p = fb.plan(widths, torch.float32, torch.device("cpu"), B, hb, acts, (True,) * 7)
+    assert p.S > 1 and p.dw_grid[1] == p.S and p.dw_kw["E"] == p.E
+    first = _check(widths, B, acts, torch.float32)
+    again = _check(widths, B, acts, torch.float32)
+    for a, b in zip([first[0], *first[1], *first[2]], [again[0], *again[1], *again[2]]):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(fb, "SPLIT_MIN_ROWS", 10 ** 9)
+    x, ws, bs, zs, g = _case(widths, B, acts, torch.bfloat16)
+    runs = [fb.backward(g, x, ws, hb, zs, *acts, (True,) * 7) for _ in range(2)]
+    for a, b in zip([runs[0][0], *runs[0][1], *runs[0][2]], [runs[1][0], *runs[1][1], *runs[1][2]]):
+        assert torch.equal(a, b)
+
+
+def test_split_choice(monkeypatch):
+    """S = 1 at small B or where the tiles fill the GPU; else about SPLIT_WAVES programs per
+    SM, each range a multiple of the row step and at least SPLIT_MIN_ROWS rows (the rule at
+    SPLIT_MIN_ROWS 2048 and SPLIT_WAVES 2; the shipped values are measured ones)."""
+    monkeypatch.setattr(fb, "SPLIT_MIN_ROWS", 2048)
+    monkeypatch.setattr(fb, "SPLIT_WAVES", 2)
+    assert fb.split(22, 2048, 64, 132, 10 ** 5) == (1, 2048)
+    S, rows = fb.split(22, 65536, 64, 132, 10 ** 5)
+    assert S == 12 and rows % 64 == 0 and (S - 1) * rows < 65536 <= S * rows
+    assert fb.split(300, 65536, 64, 132, 10 ** 5)[0] == 1
+    assert fb.split(22, 5000, 64, 132, 10 ** 5)[0] == 2
+    monkeypatch.undo()
+    S, rows = fb.split(22, 65536, 64, 132, 10 ** 5)  # shipped: ~SPLIT_WAVES programs per SM
+    assert S == -(-fb.SPLIT_WAVES * 132 // 22) and rows % 64 == 0 and (S - 1) * rows < 65536 <= S * rows
+
+
+def test_second_call_replays_the_first_calls_launches(monkeypatch):
+    """After a plan's first call (Triton's own launches, through triton_launch.launch) the
+    next call replays the same binaries with the same grids and arguments, its new
+    buffers' addresses in place of the old (scratch views at the same offsets): all three
+    launches, the split forced on. Kernels: FakeTriton JITFunctions (test_triton_launch)."""
+    from test_triton_launch import FakeTriton
+
+    from kgen.runtime import triton_launch as tlaunch
+
+    if fb._replay is None:
+        pytest.skip("this triton_launch has no replay")
+    monkeypatch.setattr(tlaunch, "current_device", lambda: None)  # x's device index on the CPU
+    monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
+    tlaunch.clear()
+    fakes = {}
+    for name, dns in (("fused_mlp_bwd_dz_kernel", ["B", "act", "last_act"]),
+                      ("fused_mlp_bwd_dw_kernel", ["B", "rows_per_split", "act"]),
+                      ("fused_mlp_bwd_sum_kernel", ["S", "E"])):
+        fakes[name] = FakeTriton(getattr(fb, name).fn, do_not_specialize=dns)
+        monkeypatch.setattr(fb, name, fakes[name].jit)
+    allocs = []
+    monkeypatch.setattr(fb, "_empty", lambda *a, **k: allocs.append(torch.empty(*a, **k)) or allocs[-1])
+    monkeypatch.setattr(fb, "SPLIT_MIN_ROWS", 16)
+    widths, acts = (13, 37, 5, 1), ("gelu", "sigmoid")
+    p = fb.plan(widths, torch.float32, torch.device("cpu"), 70, (True, False, True), acts, (True,) * 7)
+    assert p.S > 1
+    calls = []
+    for seed in (0, 1):
+        x, ws, bs, zs, g = _case(widths, 70, acts, torch.float32, bias=[True, False, True], seed=seed)
+        n = sum(len(f.launches) for f in fakes.values())
+        p(g, x, ws, zs)
+        gx, scratch, flat, wsp = allocs[-4:]
+        calls.append(([f.launches[-1] for f in fakes.values()], p.launches(g, x, ws, zs, scratch, flat, wsp, gx)))
+        assert sum(len(f.launches) for f in fakes.values()) == n + 3
+    (first, _), (second, want) = calls
+    assert [c[0] for c in first] == ["plain"] * 3 and [c[0] for c in second] == ["direct"] * 3
+    for a, b, (_, grid, args, _) in zip(first, second, want):
+        assert b[1] is a[1] and b[2] == (*grid, *(1,) * (3 - len(grid)))
+        assert list(b[5][:len(args)]) == [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in args]
+
+
+def test_dlrm_top_compiles_within_its_resources():
+    """DLRM top's plan at B = 65536 in bfloat16 (the three launches, the split on) compiles
+    ahead of time for sm_90 within sm_90's 227 KB of shared memory, with no local memory and
+    at most a small stack (tools/fused_mlp_bwd_aot.py, in a process that does not interpret
+    Triton). The tiles are the ones measured fastest on an H100 (BENCHMARKS.md fifteenth
+    session); under Triton 3.9 the chain's 128 x 64 tile with 4 warps keeps 400 B of stack
+    and still ran 22 % faster than the stack-free 8-warp one. STACK_LIMIT catches a tile
+    change that spills in earnest (128 x 128 took 255 registers and more)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, str(root / "tools" / "fused_mlp_bwd_aot.py"), "--mlp", "top", "--dtype",
+                        "bfloat16", "--B", "65536", "--json"], capture_output=True, text=True, env=env, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["kernel"] for row in rows] == ["fused_mlp_bwd_dz_kernel", "fused_mlp_bwd_dw_kernel",
+                                               "fused_mlp_bwd_sum_kernel"], rows
+    assert rows[1]["S"] > 1
+    for row in rows:
+        assert row["local"] == 0 and row["stack"] <= STACK_LIMIT and row["shared"] <= 227 * 1024, row
+
+
+STACK_LIMIT = 512  # bytes per thread; see test_dlrm_top_compiles_within_its_resources
+
+
+def _train_entry(monkeypatch, x, ws, bs, acts):
+    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    entry = train.make(None, x, ws, bs, *acts)
+    fm.op._TRAIN[fm.op._signature(x, ws, bs, *acts)] = entry
+    return entry
+
+
+def _step(x, ws, bs, acts, g, need_x=True):
+    xl = x.clone().requires_grad_(need_x)
+    wl = [w.clone().requires_grad_() for w in ws]
+    bl = [None if b is None else b.clone().requires_grad_() for b in bs]
+    out = ops.fused_mlp(xl, wl, bl, activation=acts[0], last_activation=acts[1])
+    assert type(out.grad_fn).__name__ == "StepBackward"
+    out.backward(g)
+    return [xl.grad, *(w.grad for w in wl), *(b.grad for b in bl if b is not None)]
+
+
+@pytest.mark.parametrize("need_x", [True, False])
+def test_train_fast_path_takes_it(monkeypatch, need_x):
+    """train.Step's backward runs the fused backward where its device is in DEVICES (the
+    interpreter here), one plan per entry and `needs`, and gives backward_lean's gradients;
+    KGEN_FUSED_MLP_FUSED_BWD=0 (ENABLED False) and other devices leave it on backward_lean."""
+    widths, acts = (5, 11, 6, 2), ("silu", "sigmoid")
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 9, widths, bias=[True, False, True])
+    g = torch.randn(9, 2, generator=torch.Generator().manual_seed(4))
+    entry = _train_entry(monkeypatch, x, ws, bs, acts)
+    lean = _step(x, ws, bs, acts, g, need_x)
+    assert not entry.plans  # the CPU is not in DEVICES
+    monkeypatch.setattr(fb, "DEVICES", ("cuda", "cpu"))
+    fused = _step(x, ws, bs, acts, g, need_x)
+    (p,) = entry.plans.values()
+    assert isinstance(p, fb.Plan) and p.state == "ok" and p.need_x == need_x
+    for a, b in zip(fused, lean):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(fb, "ENABLED", False)
+    entry.plans.clear()
+    _step(x, ws, bs, acts, g, need_x)
+    assert not entry.plans
+
+
+def test_train_fast_path_falls_back_where_it_does_not_build(monkeypatch):
+    """A plan whose kernels fail to build warns once and leaves the signature on
+    backward_lean (same gradients)."""
+    from triton.compiler.errors import CompilationError
+
+    widths, acts = (4, 7, 3), ("relu", "none")
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 5, widths)
+    g = torch.randn(5, 3, generator=torch.Generator().manual_seed(5))
+    entry = _train_entry(monkeypatch, x, ws, bs, acts)
+    want = _step(x, ws, bs, acts, g)
+    monkeypatch.setattr(fb, "DEVICES", ("cuda", "cpu"))
+
+    def broken(*a, **k):
+        raise CompilationError("src", None, "no")
+
+    monkeypatch.setattr(fb.triton_launch, "launch", broken)
+    with pytest.warns(UserWarning, match="did not build"):
+        got = _step(x, ws, bs, acts, g)
+    got2 = _step(x, ws, bs, acts, g)
+    (p,) = entry.plans.values()
+    assert p.state == "failed"
+    for a, b, c in zip(got, got2, want):
+        torch.testing.assert_close(a, c)
+        torch.testing.assert_close(b, c)
+
+
+# ------------------------------------------------------------------ GPU
+
+DLRM = [((367, 512, 256, 1), ("relu", "sigmoid")), ((13, 512, 256, 64, 16), ("relu", "relu"))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("widths,acts", DLRM, ids=["top", "bottom"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("B", [1000, 20000])
+def test_gpu_dlrm_training_step(widths, acts, dtype, B):
+    """A training step through kgen.nn.FusedMLP on CUDA at DLRM's widths takes the fused
+    backward (after the general path's first step), its gradients match float64 (the
+    spec's tolerance, or twice eager PyTorch's own error in the dtype) and backward_lean's,
+    a second step gives bitwise the same gradients, and B = 20000 runs the split over B."""
+    torch.manual_seed(0)
+    m = FusedMLP(widths, *acts, dtype=dtype, device="cuda")
+    x = torch.randn(B, widths[0], device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(B, widths[-1], device="cuda", dtype=dtype)
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        m(x).backward(g)
+        return [x.grad.clone(), *(p.grad.clone() for p in m.parameters())]
+
+    step()  # the general path: its backward remembers the signature
+    entry = fm.op._TRAIN[fm.op._signature(x, list(m.weights), list(m.biases), *acts)]
+    got = step()
+    (p,) = entry.plans.values()
+    assert isinstance(p, fb.Plan) and p.state == "ok"
+    assert (p.S > 1) == (B == 20000)
+    again = step()
+    for a, b in zip(got, again):
+        assert torch.equal(a, b)
+    saved = fb.ENABLED
+    fb.ENABLED = False
+    try:
+        lean = step()
+    finally:
+        fb.ENABLED = saved
+    leaves = [x.detach().double().requires_grad_(), *(p.detach().double().requires_grad_() for p in m.parameters())]
+    L = len(widths) - 1
+    ref.reference(leaves[0], leaves[1:1 + L], leaves[1 + L:], *acts).backward(g.double())
+    eager_leaves = [t.detach().clone().requires_grad_() for t in (x, *m.parameters())]
+    ref.eager(eager_leaves[0], eager_leaves[1:1 + L], eager_leaves[1 + L:], *acts)[0].backward(g)
+    tol = TOL[str(dtype).removeprefix("torch.")]
+    for i, (a, b, w, e) in enumerate(zip(got, lean, leaves, eager_leaves)):
+        scale = float(w.grad.abs().max()) or 1.0
+        # fused vs lean: the same roundings, sums in another order (16-bit: a few ulps of the
+        # largest element, carried through the layers; float32 with TF32 off both ~1e-6)
+        torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=3e-2 if dtype != torch.float32 else 1e-4)
+        r = error_ratio(a / scale, w.grad / scale, tol)
+        assert r <= max(1.0, 2 * error_ratio(e.grad / scale, w.grad / scale, tol)), (i, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_training_step_in_a_cuda_graph(dtype):
+    """A training step with the fused backward captured in a CUDA graph replays, for a new
+    input, bitwise the gradients an eager step gives (the same kernels, no atomics)."""
+    widths, acts = DLRM[0]
+    m = FusedMLP(widths, *acts, dtype=dtype, device="cuda")
+    x = torch.randn(4096, widths[0], device="cuda", dtype=dtype, requires_grad=True)
+    g = torch.randn(4096, 1, device="cuda", dtype=dtype)
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        out = m(x)
+        out.backward(g)
+        return out.detach(), [x.grad, *(p.grad for p in m.parameters())]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # the general path once, then the fast path (its kernels built)
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    entry = fm.op._TRAIN[fm.op._signature(x, list(m.weights), list(m.biases), *acts)]
+    assert any(isinstance(p, fb.Plan) and p.state == "ok" for p in entry.plans.values())
+    m.zero_grad(set_to_none=True)
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = m(x)
+        out_g.backward(g)
+    captured = [x.grad, *(p.grad for p in m.parameters())]
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    out_e, eager = step()
+    assert torch.equal(out_g, out_e)
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
