@@ -414,7 +414,9 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
     monkeypatch.setenv("KGEN_AUTOTUNE", "1")
     # no shipped tables: a bucket they hold is never tuned online (333 x 4104's is, since the
     # thirteenth session's H100 table)
+    # (_shipped reads the folder once per process: an earlier test's dispatch may have read it)
     monkeypatch.setattr(tune, "SHIPPED_DIR", tmp_path / "no-shipped-tables")
+    tune._shipped.cache_clear()
     tune.TABLES.invalidate()
     fba.op._KERNELS.clear()
     try:
@@ -428,6 +430,8 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
         assert err <= 1.0  # applied exactly once: a second application would be far off
         assert json.loads(tune.user_path().read_text())["entries"]
     finally:
+        monkeypatch.undo()
+        tune._shipped.cache_clear()
         tune.TABLES.invalidate()
         fba.op._KERNELS.clear()
 

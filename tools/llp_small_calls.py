@@ -8,7 +8,12 @@ backward on its own thread, where a profiler of the main thread does not see it)
 Before/after the backward's plan cache (launch.backward_plan) in one device call: each run
 prints a "kgen op (dispatch), plan cache off" row (launch.PLAN_CACHE off for that row, as
 KGEN_LINEAR_LOGP_PLAN_CACHE=0 sets it for a whole process) next to the default
-"kgen op (dispatch)" row, both against the eager expression measured in the same run."""
+"kgen op (dispatch)" row, both against the eager expression measured in the same run.
+Before/after the eager fast path (op._fast, kgen/families/linear_logp/fast.py): the "kgen op
+(dispatch)" row takes it (the calls after the first of a signature; the row prints how many
+calls it served), the "kgen op (dispatch), general path" row has it off (op.FAST = False for
+that row, as KGEN_LINEAR_LOGP_FAST=0 sets it for a whole process). The rows that force an
+implementation (`using`) take the general path."""
 
 import time
 
@@ -46,6 +51,17 @@ def no_plan_cache(fn):
     return run
 
 
+def general_path(fn):
+    """fn with the op's eager fast path off (the fast path's "before")."""
+    def run():
+        saved, llp_op.FAST = llp_op.FAST, False
+        try:
+            fn()
+        finally:
+            llp_op.FAST = saved
+    return run
+
+
 def per_call_us(fn, calls=2000, rounds=5):
     for _ in range(50):
         fn()
@@ -75,6 +91,8 @@ def main():
             return run
         rows = [("eager expression", lambda: eager(h, w, t), fb(eager)),
                 ("kgen op (dispatch)", lambda: ops.linear_logp(h, w, t), fb(ops.linear_logp)),
+                ("kgen op (dispatch), general path", general_path(lambda: ops.linear_logp(h, w, t)),
+                 general_path(fb(ops.linear_logp))),
                 ("kgen op (dispatch), plan cache off", lambda: ops.linear_logp(h, w, t), no_plan_cache(fb(ops.linear_logp)))]
         for label, forced in (("kgen op, reference forced", None),
                               ("kgen op, Triton forced", llp_op.implementation(
@@ -90,14 +108,17 @@ def main():
                     ops.linear_logp(hr, wr, t).backward(g)
             rows.append((label, fwd, fwdbwd))
         for label, f, b in rows:
-            print(f"  {label:30s} fwd {per_call_us(f):7.1f} us/call   fwd+bwd {per_call_us(b, calls=500):7.1f} us/call",
-                  flush=True)
+            served = llp_op.STATS["fast"]
+            fwd_us, fb_us = per_call_us(f), per_call_us(b, calls=500)
+            served = llp_op.STATS["fast"] - served
+            print(f"  {label:34s} fwd {fwd_us:7.1f} us/call   fwd+bwd {fb_us:7.1f} us/call"
+                  + (f"   (fast path: {served} calls)" if served else ""), flush=True)
 
 
 def instrumented(step, calls=300):
     """Wall time per call of `step` and of the op's pieces inside it (wrapped with timers):
     what is left is the autograd engine and torch.autograd.Function's own work."""
-    from kgen.families.linear_logp import launch
+    from kgen.families.linear_logp import fast as llp_fast, launch
 
     spent: dict = {}
 
@@ -113,8 +134,10 @@ def instrumented(step, calls=300):
         return fn, wrapper
 
     # _op: the forward op with its autograd.Function; _bwd_op: the backward op, called from
-    # inside the engine; launch.forward / launch.backward: the kernels' host code in them
-    patches = [(llp_op, "_op"), (llp_op, "_bwd_op"), (launch, "forward"), (launch, "backward")]
+    # inside the engine; launch.forward / launch.backward: the kernels' host code in them;
+    # _fast: the eager fast path (its Function and launches), ForwardLaunch.run its forward
+    patches = [(llp_op, "_op"), (llp_op, "_bwd_op"), (launch, "forward"), (launch, "backward"), (llp_op, "_fast"),
+               (llp_fast.ForwardLaunch, "run")]
     saved = []
     for owner, name in patches:
         fn, wrapper = timed(owner, name)
@@ -207,15 +230,21 @@ def breakdown(N=8, D=512, V=1024):
         "_op (define's call)": lambda: llp_op._op(h, w, t, None, 1.0, -100, False, False),
         "_backward_impl direct": lambda: llp_op._backward_impl(h, w, t, None, lse2, ez2, g, None, 1.0, -100),
         "kgen fwd, requires_grad inputs": lambda: ops.linear_logp(hr, wr, t),
+        "kgen fwd, general path": general_path(lambda: ops.linear_logp(h, w, t)),
+        "kgen fwd, requires_grad inputs, general path": general_path(lambda: ops.linear_logp(hr, wr, t)),
+        "fast path signature": lambda: llp_op._signature(h, w, t, None, False),
         "eager fwd+bwd": lambda: (setattr(hr, "grad", None), eager(hr, wr, t).backward(g)),
         "kgen fwd+bwd": lambda: (setattr(hr, "grad", None), setattr(wr, "grad", None),
                                  ops.linear_logp(hr, wr, t).backward(g)),
+        "kgen fwd+bwd, general path": general_path(lambda: (setattr(hr, "grad", None), setattr(wr, "grad", None),
+                                                            ops.linear_logp(hr, wr, t).backward(g))),
     }
     for name, us in interleaved_min(list(pieces.items()), 300, 7).items():
         print(f"{us:8.1f} us  {name}", flush=True)
-    print("\ninstrumented kgen fwd+bwd (us per call, perf_counter inside the call):", flush=True)
-    for line in instrumented(pieces["kgen fwd+bwd"]):
-        print("  " + line, flush=True)
+    for name in ("kgen fwd+bwd", "kgen fwd+bwd, general path"):
+        print(f"\ninstrumented {name} (us per call, perf_counter inside the call):", flush=True)
+        for line in instrumented(pieces[name]):
+            print("  " + line, flush=True)
     torch.autograd.set_multithreading_enabled(False)  # the backward on this thread: profiled
     for name, us in interleaved_min([(k, pieces[k]) for k in ("eager fwd+bwd", "kgen fwd+bwd")], 300, 5).items():
         print(f"{us:8.1f} us  {name}, autograd multithreading off", flush=True)

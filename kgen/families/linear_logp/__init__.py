@@ -4,10 +4,12 @@ The family's modules: `schema` (knobs, variant rules, template context, ahead-of
 builds), `reference` (the math in PyTorch), `checks` (arguments and target range), `plans`
 (precision, TMA, splits, grids), `launch` (the forward and backward kernels, and how they
 run: its docstring describes both algorithms), `cuda_variant` (`CudaForward`: a CUDA
-variant's C entry points, their grids, and when the backward takes its dz kernel) and `op` (kernel choice, tuning hooks, the
-torch.library ops, autograd, `linear_logp`, golden numerics) and `dist` (`linear_logp(...,
-group=)`: the vocabulary split over a torch.distributed group). This module is the contract
-kgen's core reads and the names callers use.
+variant's C entry points, their grids, and when the backward takes its dz kernel), `op`
+(kernel choice, tuning hooks, the torch.library ops, autograd, `linear_logp` and when its
+eager fast path serves a call, golden numerics), `fast` (that fast path's per-signature
+entries and autograd.Function) and `dist` (`linear_logp(..., group=)`: the vocabulary split
+over a torch.distributed group). This module is the contract kgen's core reads and the
+names callers use.
 
 The Triton kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` in `launch` and
 `op` is that template rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D,
@@ -33,8 +35,9 @@ probabilities below ~6e-8 flush to zero there.
 """
 
 # Not re-exported: the switches and patch points plans.TMA, plans._device_props,
-# launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES, launch.PLAN_CACHE, launch._empty and
-# cuda_variant.CUDA_DZ; set them on their own module (a copy here would not take effect).
+# launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES, launch.PLAN_CACHE,
+# fast.SHARED_PARTIALS_BYTES, launch._empty, cuda_variant.CUDA_DZ, op.FAST and op._FAST;
+# set them on their own module (a copy here would not take effect).
 from kgen.families.linear_logp.checks import TARGET_CHECK_BLOCK, check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.launch import LN2, LOG2E, backward, backward_plan, forward

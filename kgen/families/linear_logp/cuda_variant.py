@@ -46,6 +46,7 @@ class CudaForward:
         self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
         self.name = kernel.name
         self._resident: dict[int, int] = {}
+        self._splits: dict[tuple, int] = {}  # (N, V, device) -> the forward's splits
         self._dz_grids: dict[tuple, tuple[int, int]] = {}  # (N, D, width, device) -> (splits, group)
         # the sm_90a library's second entry point: the backward's dz kernel (DzArgs in the
         # template); None for sm_80 variants, whose backward runs the Triton dz kernel
@@ -68,7 +69,14 @@ class CudaForward:
         return self._resident[device.index] * self.block_m // self.rows
 
     def splits(self, N: int, V: int, device: torch.device) -> int:
-        return wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n), self._clusters(device))
+        key = (N, V, device.index)
+        splits = self._splits.get(key)
+        if splits is None:  # (per call: a few us of a host-bound forward)
+            if len(self._splits) >= 4096:
+                self._splits.clear()
+            splits = self._splits[key] = wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n),
+                                                     self._clusters(device))
+        return splits
 
     def dz_splits(self, N: int, width: int, device: torch.device) -> int:
         """Splits of a dz chunk `width` columns wide: wave_splits without split_v's minimum
@@ -143,10 +151,23 @@ class CudaForward:
             part = torch.empty((4, splits, N), dtype=torch.float32, device=dev)
         target = target if target.dtype == torch.int64 else target.long()
         outs = tuple(t.data_ptr() for t in outputs) if outputs is not None else (0, 0, 0, 0)
-        k = self.kernel
-        rc = k.raw(k.ptr, dev.index, hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0,
-                   target.data_ptr(), part.data_ptr(), N, V, D, splits, self.group(N, D), with_entropy,
-                   current_raw_stream(dev.index), *outs, ignore_index, LOG2E / temperature)
-        if rc:
-            k.fail(rc)
+        self.bind_forward(N, V, D, splits, with_entropy, dev)(
+            hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0, target.data_ptr(),
+            part.data_ptr(), *outs, ignore_index, LOG2E / temperature)
         return part
+
+    def bind_forward(self, N: int, V: int, D: int, splits: int, with_entropy: bool, device: torch.device):
+        """The forward's launcher call (partials, then the combine where `logp` is not 0)
+        with the shape, splits and grid order bound: go(hidden, weight, bias, target, part,
+        logp, entropy, lse2, ez2, ignore_index, scale), the tensors as addresses (0: none;
+        target int64, the buffers float32 as `partials` describes), scale = log2(e) /
+        temperature; on the current stream of `device`."""
+        k, index, group = self.kernel, device.index, self.group(N, D)
+        raw, ptr, with_entropy = k.raw, k.ptr, bool(with_entropy)
+
+        def go(hidden, weight, bias, target, part, logp, entropy, lse2, ez2, ignore_index: int, scale: float):
+            rc = raw(ptr, index, hidden, weight, bias, target, part, N, V, D, splits, group, with_entropy,
+                     current_raw_stream(index), logp, entropy, lse2, ez2, ignore_index, scale)
+            if rc:
+                k.fail(rc)
+        return go

@@ -112,24 +112,26 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index: int,
-            with_entropy: bool, *, splits: Optional[int] = None):
+            with_entropy: bool, *, splits: Optional[int] = None, shape: Optional[tuple] = None):
     """Launch the forward on checked, contiguous hidden [N, D], weight [V, D], target [N],
     bias [V] or None. Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or [0]),
     all float32; lse2 and ez2 are the base-2 log-sum-exp and mean logit the backward needs.
-    `splits` overrides the per-call choice of splits (tests of split invariance)."""
+    `splits` overrides the per-call choice of splits (tests of split invariance); `shape`
+    (N elements) is logp's and entropy's shape instead of [N] (the fast path's leading dims)."""
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
     f32 = torch.float32
-    n_ent = N if with_entropy else 0
-    logp, entropy = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
-    lse2, ez2 = _empty((N,), f32, dev), _empty((n_ent,), f32, dev)
+    out = (N,) if shape is None else shape
+    logp, entropy = _empty(out, f32, dev), _empty(out if with_entropy else (0,), f32, dev)
+    lse2, ez2 = _empty((N,), f32, dev), _empty((N if with_entropy else 0,), f32, dev)
     if N == 0:
         return logp, entropy, lse2, ez2
     scale = LOG2E / temperature
     if isinstance(mod, CudaForward):
         if not mod.takes(hidden, weight, bias):
-            return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy)
+            return forward(mod.triton, hidden, weight, target, bias, temperature, ignore_index, with_entropy,
+                           shape=shape)
         splits = splits or mod.splits(N, V, dev)
         mod.partials(hidden, weight, target, bias, temperature, with_entropy, splits,  # partials, combine
                      (logp, entropy, lse2, ez2), ignore_index, _empty((4, splits, N), f32, dev))

@@ -10,11 +10,12 @@ from typing import Optional
 
 import torch
 
+from kgen.families.linear_logp import fast
 from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.launch import backward, forward
 from kgen.families.linear_logp.reference import reference, reference_backward
-from kgen.runtime.op import MISSING, Override, autocast, define
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -212,11 +213,98 @@ _bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
 _op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
 
 
+# --------------------------------------------------------------------------- the eager fast path
+
+# Per exact call signature (_signature) that the general path served with a kernel, a
+# fast.Entry, at most FAST_ENTRIES of them (the table starts over when full). FAST off
+# (KGEN_LINEAR_LOGP_FAST=0, or the switch set here): every call takes the general path.
+# STATS["fast"] counts the calls the fast path served (tests, benchmarks).
+_FAST: dict = {}
+FAST_ENTRIES = 4096
+FAST = os.environ.get("KGEN_LINEAR_LOGP_FAST", "1") != "0"
+STATS = {"fast": 0}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+_step = fast.Step.apply
+
+
+def _signature(hidden, weight, target, bias, return_entropy) -> tuple:
+    """What a fast-path entry is kept under: everything check_inputs, the kernel choice and
+    the forward's decisions read but temperature and ignore_index (checked per call by
+    _fast, passed to the kernels as they come): each tensor's type, shape, dtype, device and
+    contiguity, bias or not, entropy or not, and whether hidden, weight and bias all start
+    on 16 bytes (the CUDA kernels' and TMA's condition). A call with the same signature
+    passes the same checks and runs the same kernels with the same arguments but for its
+    pointers and scalars."""
+    key = (type(hidden), hidden.shape, hidden.dtype, hidden.device, hidden.is_contiguous(),
+           type(weight), weight.shape, weight.dtype, weight.device, weight.is_contiguous(),
+           type(target), target.shape, target.dtype, target.device, target.is_contiguous(),
+           bool(return_entropy),
+           not (hidden.data_ptr() | weight.data_ptr() | (bias.data_ptr() if bias is not None else 0)) & 15)
+    if bias is not None:
+        key += (type(bias), bias.shape, bias.dtype, bias.device, bias.is_contiguous())
+    return key
+
+
+def _backward_module(device: torch.device, dtype: torch.dtype):
+    """The backward's implementation, as the general path's backward takes it."""
+    return _module(device, dtype)
+
+
+def _remember(hidden, weight, target, bias, return_entropy) -> None:
+    """After the general path served a call (checks passed, outside `using` blocks, tracing
+    and autocast): the fast-path entry of its signature, where the call ran a kernel on
+    plain, contiguous tensors of N >= 1 rows."""
+    for t in (hidden, weight, target, bias):
+        if t is not None and (type(t) not in _PLAIN or not t.is_contiguous()):
+            return
+    V, D = weight.shape
+    N = hidden.numel() // D
+    if N == 0:
+        return
+    mod = _module(hidden.device, hidden.dtype, (N, D, V))
+    if mod is None:  # the reference: nothing to save on a CPU path
+        return
+    key = _signature(hidden, weight, target, bias, return_entropy)
+    entry = _FAST.get(key)
+    if entry is not None and entry.mod is mod:
+        return
+    if len(_FAST) >= FAST_ENTRIES:  # many signatures: keep the table small
+        _FAST.clear()
+    _FAST[key] = fast.Entry(mod, hidden, weight, bias, bool(return_entropy), _backward_module)
+
+
+def _fast(hidden, weight, target, bias, temperature, ignore_index, return_entropy, check_targets):
+    """The eager fast path for this call (see linear_logp), or None: the general path serves
+    it (a new signature, checked mode, a scalar the checks would refuse, anything else)."""
+    tt = type(temperature)
+    if not ((tt is float or tt is int) and 0 < temperature < math.inf and type(ignore_index) is int):
+        return None
+    if check_targets if check_targets is not None else _env_checked():
+        return None  # checked mode: the general path's host wait and error
+    try:
+        entry = _FAST.get(_signature(hidden, weight, target, bias, return_entropy))
+    except (AttributeError, TypeError, RuntimeError):  # not tensors (the general path says what is wrong)
+        return None
+    # (the kernel choice made anew if dispatch's cache was cleared or `_module` replaced)
+    if entry is None or entry.mod is not _module(hidden.device, hidden.dtype, entry.dims):
+        return None
+    STATS["fast"] += 1
+    if _grad_enabled() and (hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _step(entry, hidden, weight, target, bias, float(temperature), ignore_index)
+    return entry.forward(hidden, weight, target, bias, float(temperature), ignore_index)
+
+
+def _env_checked() -> bool:
+    return os.environ.get("KGEN_CHECK_TARGETS", "0") not in ("", "0")
+
+
 def checked_mode(check_targets: Optional[bool]) -> bool:
     """The argument, else KGEN_CHECK_TARGETS (off by default: see linear_logp)."""
     if check_targets is not None:
         return bool(check_targets)
-    return os.environ.get("KGEN_CHECK_TARGETS", "0") not in ("", "0")
+    return _env_checked()
 
 
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -251,7 +339,21 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     what the op gives on the whole weight, hidden's gradient summed over the group and
     weight's and bias's of the local slice. Forward: one all-gather of O(N) floats;
     backward: one all-reduce of grad_hidden. See kgen.families.linear_logp.dist.
+
+    Eager calls take a fast path (kgen.families.linear_logp.fast) once the general path
+    served their signature with a kernel (shapes, dtypes, devices, contiguity, 16-byte
+    alignment, bias and entropy or not; any temperature and ignore_index): the same kernels
+    with the same arguments, without the checks, the kernel choice, the torch.library
+    wrapper and the per-call decisions, and a backward that calls the cached backward plan
+    directly. It steps aside under torch.compile tracing, torch.autocast, `using` blocks,
+    checked mode and `group`, for tensor subclasses, and everywhere with
+    KGEN_LINEAR_LOGP_FAST=0.
     """
+    # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
+    if not _compiling() and FAST and _FAST and group is None and not _FORCED.open and not _any_autocast():
+        out = _fast(hidden, weight, target, bias, temperature, ignore_index, return_entropy, check_targets)
+        if out is not None:
+            return out
     hidden, weight, bias = autocast(hidden, weight, bias)  # under torch.autocast, as F.linear
     if group is not None:
         from kgen.families.linear_logp.dist import linear_logp_group
@@ -263,6 +365,8 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     args = (hidden if flat else hidden.reshape(-1, weight.shape[1]), weight, target if flat else target.reshape(-1),
             bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets))
     logp, entropy, _, _ = _op(*args)
+    if not _compiling() and FAST and not _FORCED.open and not _any_autocast():
+        _remember(hidden, weight, target, bias, return_entropy)
     if not flat:
         logp, entropy = logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1]) if return_entropy else entropy
     return (logp, entropy) if return_entropy else logp
