@@ -1,43 +1,15 @@
-"""fused_mlp's math in PyTorch: the activations and their derivatives, the eager
-composition (the op's fallback and a tuning candidate), the float64 oracle the tests use,
+"""fused_mlp's math in PyTorch: the activations and their derivatives (from
+kgen.families._activations, shared with fused_bias_act), the eager composition (the op's
+fallback and a tuning candidate), the float64 oracle the tests use,
 and the backward through per-layer GEMMs: `backward` (the general path's, op by op as
 stated) and `backward_lean` (the same math in fewer torch calls: the training fast path's)."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
-
-def act(z: torch.Tensor, name: str) -> torch.Tensor:
-    if name == "relu":
-        return torch.relu(z)
-    if name == "sigmoid":
-        return torch.sigmoid(z)
-    if name == "gelu":
-        return F.gelu(z, approximate="tanh")
-    if name == "silu":
-        return F.silu(z)
-    return z
-
-
-def dact(z: torch.Tensor, name: str) -> torch.Tensor:
-    """d act(z) / dz, in z's dtype (the backward passes float32)."""
-    if name == "relu":
-        return (z > 0).to(z.dtype)
-    if name == "sigmoid":
-        s = torch.sigmoid(z)
-        return s * (1 - s)
-    if name == "gelu":
-        k, c = math.sqrt(2.0 / math.pi), 0.044715
-        s = torch.sigmoid(2 * k * (z + c * z ** 3))
-        return s + z * 2 * s * (1 - s) * k * (1 + 3 * c * z * z)
-    if name == "silu":
-        s = torch.sigmoid(z)
-        return s * (1 + z * (1 - s))
-    return torch.ones_like(z)
+from kgen.families._activations import act, dact
 
 
 def layer_act(i: int, n_layers: int, activation: str, last_activation: str) -> str:
