@@ -259,7 +259,7 @@ class _FakeCuda:
     """A loaded CUDA variant whose launcher records its arguments (host-path tests on CPU)."""
 
     name, ptr = "fake", 1234
-    params = {"vec": 4, "nodes": 4, "warps": 4, "waves": 4, "unroll": 2}
+    params = {"vec": 4, "nodes": 4, "warps": 4, "waves": 4, "unroll": 2, "rows": 0}
 
     class variant:
         dtype = "float32"
@@ -392,6 +392,38 @@ def cuda_builds():
 
 
 @requires_nvcc
+def test_cuda_rows_knob_tiles_the_batch(monkeypatch):
+    """`rows`: CTAs hold at most that many rows of x; B up to 16 runs as tiles side by
+    side. The knob is checked against what registers hold, and the K-split plan counts
+    the tiles' CTAs."""
+    from kgen.errors import SpecError
+    from kgen.families.logmatmul import schema
+
+    ctx = schema.template_context(SPEC.variant("sm90_w4_n8_v4_b4_f32"))
+    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (4, 16, [1, 2, 4])
+    plain = spec.parse("family: logmatmul\nvariants:\n  - {backend: cuda, arch: sm_90, dtypes: [float32], "
+                       "warps: 4, nodes: 8, vec: 4}\n").variants[0]
+    ctx = schema.template_context(plain)
+    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (8, 8, [1, 2, 4, 8])
+    for rows in (3, 16):  # not a power of two; more than 8 nodes' sums fit beside the loads
+        with pytest.raises(SpecError, match="rows"):
+            spec.parse("family: logmatmul\nvariants:\n  - {backend: cuda, arch: sm_90, dtypes: [float32], "
+                       f"warps: 4, nodes: 8, vec: 4, rows: {rows}}}\n")
+
+    class Kernel:  # what CudaForward reads of a built variant
+        name, lib = "k", None
+        variant = SPEC.variant("sm90_w4_n8_v4_b4_f32")
+        params = dict(variant.params)
+
+    mod = launch.CudaForward(Kernel, None)
+    assert (mod.max_b, mod.rows) == (16, 4)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)  # an H100
+    # N = 1024: 128 node groups. B = 4: 128 CTAs, 4 K splits for ~4 per SM; B = 16: 4 CTAs a
+    # node group, 512 CTAs, no split
+    assert mod._plan((4, 1024, 16384, torch.float32, torch.float32, 0))[0] == 4
+    assert mod._plan((16, 1024, 16384, torch.float32, torch.float32, 0)) == (1, 16384)
+
+
 @pytest.mark.parametrize("name", CUDA)
 def test_cuda_variant_compiles_with_16_byte_loads_and_no_local_memory(cuda_builds, name):
     from kgen.runtime import build, toolchain
@@ -462,7 +494,7 @@ def test_gpu_golden(poison, name):
 
 @gpu
 @pytest.mark.parametrize("name", [n for n in ALL_GPU if "f32" in n])
-@pytest.mark.parametrize("B", [1, 3, 16])
+@pytest.mark.parametrize("B", [1, 3, 11, 16])  # 11: a CUDA variant's last tile of rows part-full
 def test_gpu_awkward_sizes(poison, name, B):
     mod = _gpu_mod(name)
     dev = torch.device("cuda")
@@ -541,7 +573,7 @@ def test_gpu_cuda_wide_range_and_splits(poison, name):
     -inf holes; any K split gives the same result to float32 rounding."""
     mod = _gpu_mod(name)
     dev = torch.device("cuda")
-    for B in (1, 3, mod.max_b):
+    for B in sorted({1, 3, min(11, mod.max_b), mod.max_b}):
         x, w = numerics.make_inputs(B, 300, 4096, torch.float32, dev, seed=B)
         x = x * 15
         want = lmm.reference(x.double(), w.double(), torch.float64)

@@ -60,10 +60,10 @@ def sweep(v, batches, splits=()):
         print(f"{v.name} B={B}: " + " | ".join(cells), flush=True)
 
 
-tries = [(S.variant("sm90_w4_n8_v4_f32"), (1, 4, 8), (2,)), (S.variant("sm90_w4_n4_v4_u2_f32"), (1, 4), ())]
+tries = [(S.variant("sm90_w4_n8_v4_b4_f32"), (1, 4, 8), (2,)), (S.variant("sm90_w4_n4_v4_u2_b8_f32"), (1, 4), ())]
 if "--more" in sys.argv:  # a node per CTA, 4 steps in flight: 16 KiB contiguous per CTA per row pass
-    tries += [(variant("sm90_w4_n4_v4_u2_f32", nodes=1, unroll=4), (1, 2, 4), (2,)),
-              (variant("sm90_w4_n4_v4_u2_f32", nodes=2, unroll=4, warps=2), (1, 4), ())]
+    tries += [(variant("sm90_w4_n4_v4_u2_b8_f32", nodes=1, unroll=4), (1, 2, 4), (2,)),
+              (variant("sm90_w4_n4_v4_u2_b8_f32", nodes=2, unroll=4, warps=2), (1, 4), ())]
 for v, batches, splits in tries:
     try:
         sweep(v, batches, splits)

@@ -52,6 +52,26 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) { retu
 
 }  // namespace kgen
 #include <mutex>
+
+namespace kgen {
+
+// Raise a kernel's dynamic shared-memory limit to `bytes` once per device (one bit per
+// device in `configured`, each kernel instantiation its own). Launchers call it from
+// threads that run without the GIL, hence the lock.
+template <typename Kernel>
+inline cudaError_t opt_in_shared_memory(Kernel kernel, int bytes, int device, uint64_t& configured) {
+  static std::mutex mutex;
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!(configured >> device & 1)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e != cudaSuccess) return e;
+    configured |= uint64_t(1) << device;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace kgen
 #include <type_traits>
 
 namespace {
@@ -424,31 +444,16 @@ __global__ void __launch_bounds__(256) combine_kernel(const Params p) {
   }
 }
 
-// Raise a kernel's dynamic shared-memory limit to RING_BYTES once per device (a bit per
-// device in `done`, one word per instantiation); launchers run without the GIL, hence the lock.
-template <typename Kernel>
-cudaError_t opt_in(Kernel kernel, int device, uint64_t& done) {
-  static std::mutex mutex;
-  if (RING_BYTES <= 48 * 1024) return cudaSuccess;
-  std::lock_guard<std::mutex> lock(mutex);
-  if (!(done >> device & 1)) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, RING_BYTES);
-    if (e != cudaSuccess) return e;
-    done |= uint64_t(1) << device;
-  }
-  return cudaSuccess;
-}
-
 template <int MODE, bool GROUPED>
 cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
   const dim3 grid((unsigned)kgen::cdiv(p.N, ROWS), (unsigned)p.splits);
   static uint64_t done8 = 0, done16 = 0;
   if (p.M <= 8) {
-    const cudaError_t e = opt_in(gemv_kernel<MODE, 8, GROUPED>, device, done8);
+    const cudaError_t e = kgen::opt_in_shared_memory(gemv_kernel<MODE, 8, GROUPED>, RING_BYTES, device, done8);
     if (e != cudaSuccess) return e;
     gemv_kernel<MODE, 8, GROUPED><<<grid, THREADS, RING_BYTES, stream>>>(p);
   } else {
-    const cudaError_t e = opt_in(gemv_kernel<MODE, MAX_M, GROUPED>, device, done16);
+    const cudaError_t e = kgen::opt_in_shared_memory(gemv_kernel<MODE, MAX_M, GROUPED>, RING_BYTES, device, done16);
     if (e != cudaSuccess) return e;
     gemv_kernel<MODE, MAX_M, GROUPED><<<grid, THREADS, RING_BYTES, stream>>>(p);
   }

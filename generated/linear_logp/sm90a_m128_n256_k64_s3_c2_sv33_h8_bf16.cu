@@ -319,6 +319,10 @@ inline cudaError_t opt_in_shared_memory(Kernel kernel, int bytes, int device, ui
   return cudaSuccess;
 }
 
+}  // namespace kgen
+
+namespace kgen {
+
 // CTA index -> (split, row block) for kernels whose grid is row blocks x V splits: row
 // blocks in groups of `group`, split-major within a group, so the CTAs resident together
 // share a few weight slices (from L2) over a group of row blocks small enough for L2.

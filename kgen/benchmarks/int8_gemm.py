@@ -4,6 +4,9 @@ with bf16 weights, and the PyTorch W8A16 expression eager and compiled; TOP/s an
 floor beside each time. Floor = max(bytes moved once / measured copy bandwidth, ops / the
 measured library peak (torch._int_mm at 8192^3 for int8, bf16 cuBLAS for W8A16)).
 `variants=True` also times every int8 and bf16 variant alone (what a tuning table would pick).
+At M <= 16 (bandwidth-bound) also in steady state (kgen.benchmarks.steady: CUDA-graph
+replays rotating over enough weight sets that none is found in L2, a clean flush), against
+a floor timed the same way: do_bench's dirty-L2 flush adds several us to a 5-90 us call.
 
     python -m kgen.benchmarks.int8_gemm [--quick] [--variants] [--shapes N,K ...] [--ms 1,16]
 """
@@ -18,12 +21,15 @@ import torch
 import triton
 
 from kgen import ops
+from kgen.benchmarks.steady import copy_floor_us, steady_us
 from kgen.families import int8_gemm as ig
 from kgen.runtime import dispatch
 
 SHAPES = ((4096, 11008), (12288, 4096), (22016, 4096), (4096, 4096), (65536, 4096))
 MS = (1, 16, 64, 256, 1024, 4096)
 COMPILED_MS = (1, 16, 64)  # torch.compile of the W8A16 expression: one compile per shape
+STEADY_MS = 16  # M at most this: also timed in steady state
+STEADY_BYTES = 128 << 20  # weight sets rotated in steady state: at least this many bytes (> 2 x L2)
 
 
 def _ms(fn, quick) -> float:
@@ -85,12 +91,33 @@ def cases(shapes, ms, quick, bw, i8_peak, bf_peak, variants=False) -> tuple[list
                 "x _int_mm": t_int / t_mm, "int8_linear us": us(t_lin), "epi %": 100 * (t_lin / t_mm - 1),
                 "w8a16 us": us(t_w), "w8a16 % floor": 100 * w_floor / (t_w * 1e-3), "bf16 cuBLAS us": us(t_bf),
                 "x cuBLAS": t_bf / t_w, "W8A16 eager us": us(t_eager), "compiled us": us(t_comp), "check": exact})
+            if M <= STEADY_MS:
+                rows[-1].update(_steady(M, N, K, a, b, x, sb, sbb))
             if variants:
                 vrows.extend(_variants(M, N, K, a, b, x, sb, quick, i8_floor, w_floor))
             del a, x, got
         del b, wb
         torch.cuda.empty_cache()
     return rows, vrows
+
+
+def _steady(M, N, K, a, b, x, sb, sbb) -> dict:
+    """Steady-state us of int8_mm, w8a16_linear and bf16 cuBLAS at a small M, each over
+    enough weight copies that no call finds its weights in L2, and the weight-read floor
+    (N x K int8 bytes at the copy bandwidth measured alike)."""
+    sets = max(2, -(-STEADY_BYTES // (N * K)))
+    bs = [b] + [torch.randint_like(b, -128, 128) for _ in range(sets - 1)]
+    bsets = max(2, -(-STEADY_BYTES // (2 * N * K)))
+    wbs = [torch.randn(N, K, device=b.device, dtype=torch.bfloat16) for _ in range(bsets)]
+    _, floor = copy_floor_us(max(N * K, STEADY_BYTES // 2))
+    floor *= N * K / max(N * K, STEADY_BYTES // 2)  # the rate of a large copy, for N x K bytes
+    mm = steady_us([lambda b=b: ops.int8_mm(a, b) for b in bs])
+    w = steady_us([lambda b=b: ops.w8a16_linear(x, b, sb) for b in bs])
+    bf = steady_us([lambda wb=wb: x @ wb.t() for wb in wbs])
+    del bs, wbs
+    return {"steady: floor us": floor, "steady: int8_mm us": mm, "steady: int8_mm x floor": mm / floor,
+            "steady: w8a16 us": w, "steady: w8a16 x floor": w / floor, "steady: bf16 cuBLAS us": bf,
+            "steady: x cuBLAS": bf / w}
 
 
 def _variants(M, N, K, a, b, x, sb, quick, i8_floor, w_floor) -> list[dict]:

@@ -23,7 +23,7 @@ import torch
 from kgen.families.logmatmul.plans import (
     BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
     k_split, pow2_at_least, sm_count)
-from kgen.families.logmatmul.schema import cuda_max_b
+from kgen.families.logmatmul.schema import cuda_op_max_b
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
@@ -48,7 +48,9 @@ class CudaForward:
         self.vec, self.nodes, self.warps = kernel.params["vec"], kernel.params["nodes"], kernel.params["warps"]
         self.waves = kernel.params["waves"]
         self.dtype = getattr(torch, kernel.variant.dtype)
-        self.max_b = cuda_max_b(self.nodes, self.vec, kernel.params["unroll"], kernel.variant.dtype)
+        self.max_b = cuda_op_max_b(kernel.params, kernel.variant.dtype)
+        # rows of x per CTA: B above it runs as cdiv(B, rows) CTAs per node group
+        self.rows = kernel.params["rows"] or self.max_b
         self.DOT = "cuda"
         self._plans: dict = {}  # (B, N, K, w is float32, device) -> (splits, k_slice)
         # the library's backward launcher (kgen_backward: float32 w, B <= BWD_B), through the
@@ -82,7 +84,7 @@ class CudaForward:
         if 1 <= B <= self.max_b and (K * (4 if w32 else 2)) % 16 == 0 and xt == self.dtype and (w32 or wt == xt):
             # a CTA's K slice is a whole number of threads x 16 bytes of w
             step = self.warps * 32 * (4 if w32 else 8)
-            tiles = cdiv(N, self.nodes)
+            tiles = cdiv(N, self.nodes) * cdiv(B, min(B, self.rows))
             if splits is None:
                 # CTAs for about `waves` per SM, to the nearest whole number of splits (one wave of
                 # node groups that nearly fills the GPU takes no split: on an H100 at N = K = 4096,

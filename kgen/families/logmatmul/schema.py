@@ -21,12 +21,22 @@ _CUDA_REGS = 96
 
 
 def cuda_max_b(nodes: int, vec: int = 4, unroll: int = 1, dtype: str = "float32") -> int:
+    """The largest B (a power of two) a CUDA variant's CTAs hold in registers: its sums
+    (B x nodes) beside the weights in flight (unroll x nodes x vec)."""
     budget = _CUDA_REGS - 8 * (unroll - 1) - unroll * nodes * vec
     acc = min(budget, 32 if dtype != "float32" else 64)
     b = 1
     while 2 * b <= CUDA_MAX_B and 2 * b * nodes <= acc:
         b *= 2
     return b
+
+
+def cuda_op_max_b(knobs: Mapping[str, Any], dtype: str) -> int:
+    """The largest B a CUDA variant takes: what its CTAs hold in registers, or CUDA_MAX_B
+    with row tiles (`rows`)."""
+    if knobs["rows"]:
+        return CUDA_MAX_B
+    return cuda_max_b(knobs["nodes"], knobs["vec"], knobs["unroll"], dtype)
 
 
 def _check_triton(dtype: str, k: Mapping[str, Any]):
@@ -53,6 +63,10 @@ def _check_cuda(dtype: str, k: Mapping[str, Any]):
     if k["vec"] * size != 16:
         problems.append(("vec", f"vec={k['vec']} x {size}-byte {dtype} is {k['vec'] * size} bytes; the weight "
                                 "loads are 16-byte vectors"))
+    fit = cuda_max_b(k["nodes"], k["vec"], k["unroll"], dtype)
+    if k["rows"] and (k["rows"] & (k["rows"] - 1) or k["rows"] > fit):
+        problems.append(("rows", f"rows={k['rows']}: a power of two of at most {fit}, the rows of x this "
+                                 "variant's CTAs hold in registers"))
     return problems
 
 
@@ -69,6 +83,9 @@ SCHEMA = Schema(
             Knob("vec", "v", lo=4, hi=8, pow2=True),  # elements per 16-byte weight load
             Knob("unroll", "u", lo=1, hi=4, default=1),  # steps of weight loads issued before any is used
             Knob("waves", "q", lo=1, hi=32, default=4),  # CTAs per SM the K split aims for
+            # rows of x per CTA at most (0: as many as registers hold); above it, B <= 16 runs
+            # as CTAs side by side per node group, each a tile of rows
+            Knob("rows", "b", lo=0, hi=16, default=0),
         ),
         "triton": (
             Knob("block_b", "b", lo=1, hi=128, pow2=True),  # rows of x per program (FMA: at most)
@@ -96,10 +113,11 @@ TEMPLATES = {"triton": "logmatmul/triton.py.j2", "cuda": "logmatmul/cuda.cu.j2"}
 def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda":
-        max_b = cuda_max_b(p["nodes"], p["vec"], p["unroll"], variant.dtype)
+        fit = cuda_max_b(p["nodes"], p["vec"], p["unroll"], variant.dtype)
+        rows = p["rows"] or fit
         return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "UNROLL": p["unroll"],
-                "MAX_B": max_b,
-                "batch_instances": [1 << i for i in range(max_b.bit_length())]}
+                "ROWS": rows, "MAX_B": cuda_op_max_b(p, variant.dtype),
+                "batch_instances": [1 << i for i in range(rows.bit_length())]}
     return {"BLOCK_B": p["block_b"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "DOT": p["dot"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "WAVES": p["waves"],
             "BWD_B": p["bwd_b"], "BWD_N": p["bwd_n"], "BWD_K": p["bwd_k"], "BWD_WARPS": p["bwd_warps"]}

@@ -1,0 +1,265 @@
+"""fused_mlp's fused backward kernels (plain Triton; the host side, which picks their block
+sizes, lays out their buffers and launches them, is fused_backward.py's `Plan`): every
+gradient of the MLP from the upstream gradient and the pre-activations z the forward saved.
+
+1. `fused_mlp_bwd_dz_kernel`, grid cdiv(B, BLOCK_M): each program owns BLOCK_M rows and walks
+   the layers down, L-1 to the lowest one a gradient needs: dz_{L-1} = grad * act'(z_{L-1}),
+   then per layer g_i = dz_{i+1} @ W_{i+1} (float32 accumulation, rounded to the dtype as
+   torch.mm's output is) and dz_i = g_i * act'(z_i) (float32, rounded once), and last, when x
+   needs one, grad_x = dz_0 @ W_0. Each dz_i row tile goes to a scratch [B, w(i+1)] in HBM
+   (the weight gradients need it) and the next layer reads it back after a barrier: the
+   program's own rows, just written, so from L1/L2, as the generic forward's scratch. A
+   layer's GEMM loops over BLOCK_N-wide chunks of its output, each a loop over BLOCK_K-wide
+   chunks of its input; widths are constexprs padded to powers of two >= 16 with masks.
+2. `fused_mlp_bwd_dw_kernel`, grid (tiles, S): a grouped GEMM over the layers. A program
+   owns one (layer i, TILE_N x TILE_K tile of dW_i) and one of S fixed row ranges and loops
+   over it in order: dW_i[tile] += dz_i[rows, n]^T @ h_{i-1}[rows, k], h_{i-1} = act(z_{i-1})
+   recomputed on the fly (rounded as the forward rounded it; h_{-1} = x). The bias gradient,
+   dz_i's column sums in float32, comes from the programs of tile column 0 (a second loop
+   body with the sums in it, so the other programs pay nothing). No atomics: each result has
+   one writer and a fixed order of summation, so results are bitwise reproducible.
+3. `fused_mlp_bwd_sum_kernel`: where the dW pass is split over B (S > 1, see
+   fused_backward.split), each row range writes float32 partials to a workspace [S, E] and
+   this kernel adds them up in order of s (deterministic) and rounds once.
+
+Plain Triton, not a template: nothing here depends on a variant (the widths are constexprs
+that Triton specialises on), so there is nothing to render into generated/. The kernels are
+decorated at import: a process that interprets Triton sets TRITON_INTERPRET before importing
+kgen (tests/conftest.py does). The activations repeat the forward's formulas
+(kgen/templates/common/triton_activations.py.j2, which a Python module cannot include),
+float32 in and out; `code` is a runtime value (one compile serves every activation).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kgen.families.fused_mlp.schema import ACT_CODE
+
+_RELU = tl.constexpr(ACT_CODE["relu"])
+_SIGMOID = tl.constexpr(ACT_CODE["sigmoid"])
+_GELU = tl.constexpr(ACT_CODE["gelu"])
+_SILU = tl.constexpr(ACT_CODE["silu"])
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _act(z, code):
+    if code == _RELU:
+        z = tl.maximum(z, 0.0)
+    elif code == _SIGMOID:
+        z = _sigmoid(z)
+    elif code == _GELU:
+        z = z * _sigmoid(2.0 * 0.7978845608028654 * (z + 0.044715 * z * z * z))
+    elif code == _SILU:
+        z = z * _sigmoid(z)
+    return z
+
+
+@triton.jit
+def _times_dact(g, z, code):
+    """g * act'(z) (reference.dact's formulas; relu: g where z > 0, as threshold_backward)."""
+    if code == _RELU:
+        g = tl.where(z > 0.0, g, 0.0)
+    elif code == _SIGMOID:
+        s = _sigmoid(z)
+        g = g * (s * (1.0 - s))
+    elif code == _GELU:
+        k = 0.7978845608028654
+        s = _sigmoid(2.0 * k * (z + 0.044715 * z * z * z))
+        g = g * (s + z * 2.0 * s * (1.0 - s) * k * (1.0 + 3.0 * 0.044715 * z * z))
+    elif code == _SILU:
+        s = _sigmoid(z)
+        g = g * (s * (1.0 + z * (1.0 - s)))
+    return g
+
+
+@triton.jit
+def _pick(i: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
+    """Layer i's pointer (i a constexpr: resolved when the kernel compiles)."""
+    p = p0
+    if i == 1:
+        p = p1
+    elif i == 2:
+        p = p2
+    elif i == 3:
+        p = p3
+    elif i == 4:
+        p = p4
+    elif i == 5:
+        p = p5
+    elif i == 6:
+        p = p6
+    elif i == 7:
+        p = p7
+    return p
+
+
+@triton.jit
+def _dz_last(g_ptr, z_ptr, dz_ptr, rows, rmask, code, N: tl.constexpr, CN: tl.constexpr):
+    """dz = g * act'(z) for the last layer's N columns, CN at a time."""
+    for n0 in tl.range(0, N, CN):
+        nc = n0 + tl.arange(0, CN)
+        m = rmask[:, None] & (nc[None, :] < N)
+        at = rows[:, None] * N + nc[None, :]
+        g = tl.load(g_ptr + at, mask=m, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + at, mask=m, other=0.0).to(tl.float32)
+        tl.store(dz_ptr + at, _times_dact(g, z, code).to(dz_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _chain_gemm(src_ptr, w_ptr, z_ptr, dst_ptr, rows, rmask, code,
+                N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, CK: tl.constexpr, HAS_Z: tl.constexpr,
+                BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """dst[rows, :K] = (src[rows, :N] @ w[:N, :K]) rounded to the dtype, then (HAS_Z) times
+    act'(z[rows, :K]) in float32 and rounded again: a layer's dz from the one above."""
+    DTYPE = dst_ptr.dtype.element_ty
+    for k0 in tl.range(0, K, CK):
+        kc = k0 + tl.arange(0, CK)
+        kmask = kc < K
+        acc = tl.zeros([BLOCK_M, CK], dtype=tl.float32)
+        for n0 in tl.range(0, N, CN):
+            nc = n0 + tl.arange(0, CN)
+            nmask = nc < N
+            a = tl.load(src_ptr + rows[:, None] * N + nc[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            w = tl.load(w_ptr + nc[:, None] * K + kc[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        g = acc.to(DTYPE)
+        m = rmask[:, None] & kmask[None, :]
+        at = rows[:, None] * K + kc[None, :]
+        if HAS_Z:
+            z = tl.load(z_ptr + at, mask=m, other=0.0).to(tl.float32)
+            g = _times_dact(g.to(tl.float32), z, code).to(DTYPE)
+        tl.store(dst_ptr + at, g, mask=m)
+
+
+@triton.jit(do_not_specialize=["B", "act", "last_act"])
+def fused_mlp_bwd_dz_kernel(grad_ptr, gx_ptr,
+                            w0, w1, w2, w3, w4, w5, w6, w7,
+                            z0, z1, z2, z3, z4, z5, z6, z7,
+                            d0, d1, d2, d3, d4, d5, d6, d7,
+                            B, act, last_act,
+                            DS: tl.constexpr, PS: tl.constexpr, NUM_LAYERS: tl.constexpr, LOWEST: tl.constexpr,
+                            NEED_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # DS: the widths (w0, ..., wL), PS: each padded to a power of two >= 16; w<i>, z<i>, d<i>:
+    # layer i's weight, saved z and dz scratch (slots past NUM_LAYERS unused). With
+    # last_act none the host passes grad itself as the last layer's dz (nothing to write).
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < B
+    if last_act != 0:
+        _dz_last(grad_ptr, _pick(NUM_LAYERS - 1, z0, z1, z2, z3, z4, z5, z6, z7),
+                 _pick(NUM_LAYERS - 1, d0, d1, d2, d3, d4, d5, d6, d7), rows, rmask, last_act,
+                 DS[NUM_LAYERS], min(BLOCK_N, PS[NUM_LAYERS]))
+        # this program's dz rows, written by all its threads, are read back by the next layer
+        tl.debug_barrier()
+    for j in tl.static_range(1, NUM_LAYERS):
+        # layer i = NUM_LAYERS - 1 - j: its dz from layer i + 1's
+        if NUM_LAYERS - 1 - j >= LOWEST:
+            _chain_gemm(_pick(NUM_LAYERS - j, d0, d1, d2, d3, d4, d5, d6, d7),
+                        _pick(NUM_LAYERS - j, w0, w1, w2, w3, w4, w5, w6, w7),
+                        _pick(NUM_LAYERS - 1 - j, z0, z1, z2, z3, z4, z5, z6, z7),
+                        _pick(NUM_LAYERS - 1 - j, d0, d1, d2, d3, d4, d5, d6, d7), rows, rmask, act,
+                        DS[NUM_LAYERS - j + 1], DS[NUM_LAYERS - j], min(BLOCK_K, PS[NUM_LAYERS - j + 1]),
+                        min(BLOCK_N, PS[NUM_LAYERS - j]), True, BLOCK_M, PRECISION)
+            tl.debug_barrier()
+    if NEED_X:
+        _chain_gemm(d0, w0, d0, gx_ptr, rows, rmask, act, DS[1], DS[0], min(BLOCK_K, PS[1]), min(BLOCK_N, PS[0]),
+                    False, BLOCK_M, PRECISION)
+
+
+@triton.jit
+def _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code,
+             N: tl.constexpr, K: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr, H_ACT: tl.constexpr,
+             DO_W: tl.constexpr, DO_B: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr,
+             PRECISION: tl.constexpr):
+    """(dz[r0:r1, n]^T @ h[r0:r1, k], dz[r0:r1, n]'s column sums) in float32, rows in order;
+    h = src (H_ACT: act(src) in float32, rounded to the dtype as the forward's h)."""
+    acc = tl.zeros([TN, TK], dtype=tl.float32)
+    bacc = tl.zeros([TN], dtype=tl.float32)
+    for r in tl.range(r0, r1, BLOCK_B, num_stages=STAGES):
+        rr = (r + tl.arange(0, BLOCK_B)).to(tl.int64)
+        rm = rr < r1
+        a = tl.load(d_ptr + rr[:, None] * N + n[None, :], mask=rm[:, None] & nmask[None, :], other=0.0)
+        if DO_B:
+            bacc += tl.sum(a.to(tl.float32), axis=0)
+        if DO_W:
+            h = tl.load(src_ptr + rr[:, None] * K + k[None, :], mask=rm[:, None] & kmask[None, :], other=0.0)
+            if H_ACT:
+                h = _act(h.to(tl.float32), code).to(d_ptr.dtype.element_ty)
+            acc = tl.dot(tl.trans(a), h, acc, input_precision=PRECISION)
+    return acc, bacc
+
+
+@triton.jit
+def _dw_tile(t, src_ptr, d_ptr, out_ptr, r0, r1, code,
+             N: tl.constexpr, K: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr, KT: tl.constexpr,
+             H_ACT: tl.constexpr, DO_W: tl.constexpr, DO_B: tl.constexpr, OFF_W: tl.constexpr, OFF_B: tl.constexpr,
+             BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile t of one layer: (t // KT, t % KT) in its grid of TN x TK tiles of dW [N, K]."""
+    nt = t // KT
+    kt = t % KT
+    n = nt * TN + tl.arange(0, TN)
+    nmask = n < N
+    k = kt * TK + tl.arange(0, TK)
+    kmask = k < K
+    if DO_B:
+        if kt == 0:  # the column sums ride on the first column of tiles only
+            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code, N, K, TN, TK, H_ACT, DO_W, True,
+                                 BLOCK_B, STAGES, PRECISION)
+            tl.store(out_ptr + OFF_B + n, bacc.to(out_ptr.dtype.element_ty), mask=nmask)
+        else:
+            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code, N, K, TN, TK, H_ACT, DO_W, False,
+                                 BLOCK_B, STAGES, PRECISION)
+    else:
+        acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code, N, K, TN, TK, H_ACT, DO_W, False,
+                             BLOCK_B, STAGES, PRECISION)
+    if DO_W:
+        tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=nmask[:, None] & kmask[None, :])
+
+
+@triton.jit(do_not_specialize=["B", "rows_per_split", "act"])
+def fused_mlp_bwd_dw_kernel(x_ptr, out_ptr,
+                            z0, z1, z2, z3, z4, z5, z6, z7,
+                            d0, d1, d2, d3, d4, d5, d6, d7,
+                            B, rows_per_split, act,
+                            DS: tl.constexpr, NUM_LAYERS: tl.constexpr, TS: tl.constexpr, TT: tl.constexpr,
+                            KT: tl.constexpr, OW: tl.constexpr, OB: tl.constexpr, E: tl.constexpr,
+                            BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    # Per layer i (tuples, constexprs): TS[i] its first program, TS[i + 1] - TS[i] its tiles
+    # (none: no gradient of it needed), TT[i] its tile (TN, TK), KT[i] tiles along K, OW[i] /
+    # OB[i] where grad_w / grad_b go in the flat output (-1: not needed). Row range s =
+    # program_id(1) of rows_per_split rows; its results go to out + s * E (E = 0: no split).
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    r0 = s * rows_per_split
+    r1 = tl.minimum(r0 + rows_per_split, B)
+    out = out_ptr + s.to(tl.int64) * E
+    for i in tl.static_range(NUM_LAYERS):
+        if TS[i + 1] > TS[i]:
+            if (pid >= TS[i]) & (pid < TS[i + 1]):
+                if i == 0:
+                    _dw_tile(pid - TS[i], x_ptr, d0, out, r0, r1, act, DS[1], DS[0], TT[i][0], TT[i][1], KT[i],
+                             False, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES, PRECISION)
+                else:
+                    _dw_tile(pid - TS[i], _pick(i - 1, z0, z1, z2, z3, z4, z5, z6, z7),
+                             _pick(i, d0, d1, d2, d3, d4, d5, d6, d7), out, r0, r1, act, DS[i + 1], DS[i],
+                             TT[i][0], TT[i][1], KT[i], True, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES,
+                             PRECISION)
+
+
+@triton.jit(do_not_specialize=["S", "E"])
+def fused_mlp_bwd_sum_kernel(ws_ptr, out_ptr, S, E, BLOCK: tl.constexpr):
+    """out[e] = sum over s in order of ws[s, e], rounded once to out's dtype."""
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = e < E
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(ws_ptr + s * E + e, mask=m, other=0.0)
+    tl.store(out_ptr + e, acc.to(out_ptr.dtype.element_ty), mask=m)
