@@ -20,13 +20,28 @@ SPEC = spec.load(ROOT / "kgen" / "specs" / "logmatmul.yaml")
 TRITON = [v.name for v in SPEC.variants if v.backend == "triton" and v.dtype == "float32"]
 TRITON_16 = [v.name for v in SPEC.variants if v.backend == "triton" and v.dtype != "float32"][:1]
 CUDA = [v.name for v in SPEC.variants if v.backend == "cuda"]
+# the tensor-core CUDA variants (mma = 1), and forms of it beyond the spec's: warps splitting
+# an m-tile's K slice (2 and 4 K parts), 8 rows of x a CTA, 1 and 2 chunks of w in flight, two
+# m-tiles a warp
+MMA = [v.name for v in SPEC.variants if v.backend == "cuda" and v.params["mma"]]
+MMA_FORMS = {v.name: v for v in spec.parse(
+    "family: logmatmul\nvariants:\n"
+    "  - {backend: cuda, arch: [sm_90, sm_80], dtypes: [float32], warps: 4, nodes: 32, vec: 4, unroll: 2, rows: 8, "
+    "mma: 1}\n"
+    "  - {backend: cuda, arch: [sm_90, sm_80], dtypes: [float32], warps: 4, nodes: 16, vec: 4, mma: 1}\n"
+    "  - {backend: cuda, arch: [sm_90, sm_80], dtypes: [float32], warps: 4, nodes: 64, vec: 4, mma: 1, mtiles: 2}\n"
+    ).variants}
 CPU = torch.device("cpu")
 _MODS: dict = {}
 
 
+def _variant(name):
+    return MMA_FORMS[name] if name in MMA_FORMS else SPEC.variant(name)
+
+
 def _mod(name):
     if name not in _MODS:
-        _MODS[name] = lmm.implementation(dispatch.load(SPEC.variant(name)))
+        _MODS[name] = lmm.implementation(dispatch.load(_variant(name)))
     return _MODS[name]
 
 
@@ -424,6 +439,83 @@ def test_cuda_rows_knob_tiles_the_batch(monkeypatch):
     assert mod._plan((16, 1024, 16384, torch.float32, torch.float32, 0)) == (1, 16384)
 
 
+def test_cuda_mma_knob_checks_and_plan(monkeypatch):
+    """`mma`: the tensor-core kernel takes float32 only, 16 nodes per m-tile of a warp (m-tiles
+    dividing the warps), 8 or 16 rows of x a CTA; its K slices step by a warp's loop step and
+    its plan fills an H100 at B <= 16 with one wave of CTAs."""
+    from kgen.errors import SpecError
+    from kgen.families.logmatmul import plans, schema
+
+    assert MMA, "the spec has a tensor-core variant"
+    v = SPEC.variant(MMA[0])
+    ctx = schema.template_context(v)
+    assert (ctx["MMA"], ctx["NODES"], ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (1, 64, 16, 16, [8, 16])
+    assert schema.template_context(SPEC.variant(CUDA[0]))["MMA"] == 0
+    ctx = schema.template_context(MMA_FORMS["sm90_w4_n32_v4_u2_b8_m1_f32"])
+    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (8, 16, [8])
+    base = "family: logmatmul\nvariants:\n  - {backend: cuda, arch: sm_90, "
+    for knobs, bad in (("dtypes: [bfloat16], warps: 4, nodes: 64, vec: 8, mma: 1", "mma=1 takes float32"),
+                       ("dtypes: [float16], warps: 4, nodes: 64, vec: 8, mma: 1", "mma=1 takes float32"),
+                       ("dtypes: [float32], warps: 4, nodes: 24, vec: 4, mma: 1", "nodes=24"),
+                       ("dtypes: [float32], warps: 4, nodes: 48, vec: 4, mma: 1", "nodes=48"),
+                       ("dtypes: [float32], warps: 2, nodes: 64, vec: 4, mma: 1", "nodes=64"),
+                       ("dtypes: [float32], warps: 4, nodes: 64, vec: 4, rows: 4, mma: 1", "rows=4"),
+                       ("dtypes: [float32], warps: 4, nodes: 16, vec: 4", "at most 8 without mma"),
+                       ("dtypes: [float32], warps: 4, nodes: 4, vec: 4, mtiles: 2", "mtiles=2"),
+                       ("dtypes: [float32], warps: 4, nodes: 16, vec: 4, mma: 1, mtiles: 2", "nodes=16"),
+                       ("dtypes: [float32], warps: 2, nodes: 128, vec: 4, mma: 1, mtiles: 2", "nodes=128"),
+                       ("dtypes: [float32], warps: 4, nodes: 64, vec: 4, mma: 2", "maximum")):
+        with pytest.raises(SpecError, match=bad):
+            spec.parse(base + knobs + "}\n")
+    spec.parse(base + "dtypes: [float32], warps: 8, nodes: 32, vec: 4, rows: 16, mma: 1}\n")  # 4 K parts
+
+    # a step: unroll chunks of 16 k times the warps splitting an m-tile's slice (FMA: threads x 16 bytes)
+    assert plans.cuda_k_step(v.params, True) == 64
+    assert plans.cuda_k_step(MMA_FORMS["sm90_w4_n16_v4_m1_f32"].params, True) == 64  # 4 K parts x 1 chunk
+    assert plans.cuda_k_step(MMA_FORMS["sm90_w4_n64_v4_m1_t2_f32"].params, True) == 32  # 2 K parts (32 nodes a warp)
+    assert plans.cuda_k_step(SPEC.variant(CUDA[0]).params, True) == 512
+    assert plans.cuda_k_step(SPEC.variant(CUDA[0]).params, False) == 1024
+
+    class Kernel:  # what CudaForward reads of a built variant
+        name, lib = "k", None
+        variant = v
+        params = dict(v.params)
+
+    mod = launch.CudaForward(Kernel, None)
+    assert (mod.max_b, mod.rows, mod.mma) == (16, 16, 1)
+    monkeypatch.setattr(launch, "sm_count", lambda device: 132)  # an H100
+    f32, bf16 = torch.float32, torch.bfloat16
+    # N = K = 4096: 64 node groups of 64 nodes, one row tile up to B = 16, 8 K splits: 512 CTAs
+    for B in (1, 5, 8, 13, 16):
+        assert mod._plan((B, 4096, 4096, f32, f32, 0)) == (8, 512)
+    assert mod._plan((12, 11008, 4096, f32, f32, 0)) == (3, 1408)  # 172 node groups x 3
+    assert mod._plan((3, 77, 332, f32, f32, 0)) == (1, 384)  # small: one launch (2 CTAs)
+    for key in ((17, 4096, 4096, f32, f32, 0), (4, 4096, 4098, f32, f32, 0), (4, 4096, 4096, f32, bf16, 0),
+                (4, 4096, 4096, bf16, bf16, 0)):
+        assert mod._plan(key) is None, key
+    Kernel.params = dict(MMA_FORMS["sm90_w4_n32_v4_u2_b8_m1_f32"].params)
+    mod = launch.CudaForward(Kernel, None)
+    # rows = 8: B = 13 runs as 2 row tiles a node group (128 groups x 2), 2 splits
+    assert (mod.rows, mod._plan((13, 4096, 4096, f32, f32, 0))) == (8, (2, 2048))
+
+
+@requires_nvcc
+@pytest.mark.parametrize("name", list(MMA_FORMS))
+def test_cuda_mma_forms_compile_to_tensor_cores_without_local_memory(name):
+    """The tensor-core kernel beyond the spec's knobs (K parts merged in shared memory, 8-row
+    CTAs, 1-2 chunks in flight): mma.sync tf32 (HMMA), 16-byte loads, no local memory."""
+    from kgen.runtime import build, toolchain
+
+    (r,) = build.build([MMA_FORMS[name]])
+    assert r.status in ("built", "cached"), r.error
+    lib = r.entry.file(build.CUDA_LIB)
+    sass = toolchain.sass(lib)
+    assert "HMMA.1688.F32.TF32" in sass and "LDG.E.128" in sass
+    assert "LDL" not in sass and "STL" not in sass
+    res = toolchain.resource_usage(lib)
+    assert res and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+
+
 @pytest.mark.parametrize("name", CUDA)
 def test_cuda_variant_compiles_with_16_byte_loads_and_no_local_memory(cuda_builds, name):
     from kgen.runtime import build, toolchain
@@ -435,6 +527,8 @@ def test_cuda_variant_compiles_with_16_byte_loads_and_no_local_memory(cuda_build
     assert f"arch = {r.variant.arch}" in sass
     assert "LDG.E.128" in sass, "no 16-byte weight loads"
     assert "LDL" not in sass and "STL" not in sass  # no local memory
+    if r.variant.params["mma"]:
+        assert "HMMA.1688.F32.TF32" in sass, "no tf32 mma.sync"
     res = toolchain.resource_usage(lib)
     assert res and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
 
@@ -446,7 +540,7 @@ ALL_GPU = [v.name for v in SPEC.variants]
 
 
 def _gpu_mod(name):
-    v = SPEC.variant(name)
+    v = _variant(name)
     if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
         pytest.skip(f"{v.arch} code does not run here")
     return _mod(name)
@@ -493,8 +587,10 @@ def test_gpu_golden(poison, name):
 
 
 @gpu
-@pytest.mark.parametrize("name", [n for n in ALL_GPU if "f32" in n])
-@pytest.mark.parametrize("B", [1, 3, 11, 16])  # 11: a CUDA variant's last tile of rows part-full
+@pytest.mark.parametrize("name,B", [(n, B) for n in ALL_GPU if "f32" in n
+                                    # 11: a CUDA variant's last tile of rows part-full; tensor cores: one
+                                    # n-tile of 8 rows full and part-full, two n-tiles part-full
+                                    for B in (1, 3, 11, 16) + ((5, 8, 13) if n in MMA else ())])
 def test_gpu_awkward_sizes(poison, name, B):
     mod = _gpu_mod(name)
     dev = torch.device("cuda")
@@ -573,7 +669,7 @@ def test_gpu_cuda_wide_range_and_splits(poison, name):
     -inf holes; any K split gives the same result to float32 rounding."""
     mod = _gpu_mod(name)
     dev = torch.device("cuda")
-    for B in sorted({1, 3, min(11, mod.max_b), mod.max_b}):
+    for B in sorted({1, 3, min(11, mod.max_b), mod.max_b} | ({5, 8, 13} if name in MMA else set())):
         x, w = numerics.make_inputs(B, 300, 4096, torch.float32, dev, seed=B)
         x = x * 15
         want = lmm.reference(x.double(), w.double(), torch.float64)
@@ -613,3 +709,28 @@ def test_gpu_cuda_backward(poison, name):
             assert float((have.double() - want).abs().max()) <= gt * big, (B, N, K, scale)
         again = mod.backward(x, w, out, g.float())
         assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])  # no atomics
+
+
+@gpu
+@pytest.mark.parametrize("name", MMA + list(MMA_FORMS))
+def test_gpu_cuda_mma_sizes_splits_and_determinism(poison, name):
+    """The tensor-core kernel (no Triton fallback allowed: every shape here is one it takes)
+    against float64 at B = 1..16 (n-tiles full and part-full, row tiles side by side), N off
+    the 16-node m-tile, K off the 16-k chunk (a guarded tail), K slices shorter than a loop
+    step, forced K splits; -inf holes, an all -inf row, a zero weight row; bit-identical run
+    to run."""
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    tol = SPEC.numerics["float32"]
+    for B, N, K in ((1, 1000, 4100), (5, 77, 332), (8, 16, 4), (13, 33, 4096), (16, 1000, 4100), (16, 300, 20),
+                    (9, 4096, 1024)):
+        x, w = numerics.make_inputs(B, N, K, torch.float32, dev, seed=B + N + K)
+        x = x * 3
+        assert mod.takes(x, w), (B, N, K)
+        want = lmm.reference(x.double(), w.double(), torch.float64)
+        f = torch.isfinite(want)
+        for splits in (None, 1, 3, 100):
+            out = launch.forward(mod, x, w, splits=splits)
+            assert torch.equal(torch.isneginf(out), torch.isneginf(want)), (B, N, K, splits)
+            torch.testing.assert_close(out[f].double(), want[f], rtol=tol.rtol, atol=tol.atol)
+        assert torch.equal(launch.forward(mod, x, w), launch.forward(mod, x, w))  # no atomics

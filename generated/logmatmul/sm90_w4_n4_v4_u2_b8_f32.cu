@@ -3,7 +3,7 @@
 // variant: logmatmul/sm90_w4_n4_v4_u2_b8_f32
 // backend: cuda, arch: sm_90
 // dtype:   float32
-// knobs:   warps=4, nodes=4, vec=4, unroll=2, waves=4, rows=8
+// knobs:   warps=4, nodes=4, vec=4, unroll=2, waves=4, rows=8, mma=0, mtiles=1
 //
 // Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16,
 // and its backward for float32 w and B <= 8 (below the forward's kernels).

@@ -3,7 +3,7 @@
 // variant: logmatmul/sm90_w4_n4_v8_b4_f16
 // backend: cuda, arch: sm_90
 // dtype:   float16
-// knobs:   warps=4, nodes=4, vec=8, unroll=1, waves=4, rows=4
+// knobs:   warps=4, nodes=4, vec=8, unroll=1, waves=4, rows=4, mma=0, mtiles=1
 //
 // Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16,
 // and its backward for float32 w and B <= 8 (below the forward's kernels).

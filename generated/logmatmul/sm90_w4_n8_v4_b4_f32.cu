@@ -3,7 +3,7 @@
 // variant: logmatmul/sm90_w4_n8_v4_b4_f32
 // backend: cuda, arch: sm_90
 // dtype:   float32
-// knobs:   warps=4, nodes=8, vec=4, unroll=1, waves=4, rows=4
+// knobs:   warps=4, nodes=8, vec=4, unroll=1, waves=4, rows=4, mma=0, mtiles=1
 //
 // Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16,
 // and its backward for float32 w and B <= 8 (below the forward's kernels).

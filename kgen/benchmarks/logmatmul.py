@@ -112,18 +112,24 @@ def forward_table(spec, quick) -> list[dict]:
 
 
 def backward_table(spec, quick) -> list[dict]:
-    """Forward + backward (dx and dw) through autograd, B <= 8; floor = 3 passes over w."""
+    """Forward + backward (dx and dw) through autograd, B <= 8; floor = 3 passes over w.
+    Per call (do_bench: host-bound at these sizes) and in steady state (the whole step,
+    autograd's backward included, captured in a CUDA graph: its GPU time)."""
     dev = torch.device("cuda")
     w0 = torch.rand(N, K, device=dev)
     _, floor = _copy_floor(w0, quick)
+    _, s_floor = copy_floor_us(w0.numel() * w0.element_size())
     compiled = _compile(expression, "backward")
     rows = []
     for B in (1, 2, 4, 8):
-        x = (torch.randn(B, K, device=dev) * 2).requires_grad_()
-        w = w0.clone().requires_grad_()
-        g = torch.randn(B, N, device=dev)
+        sets = []
+        for i in range(2):  # two input sets: steady-state steps never find w in L2
+            x = (torch.randn(B, K, device=dev) * 2).requires_grad_()
+            w = (w0 if i == 0 else torch.rand_like(w0)).clone().requires_grad_()
+            sets.append((x, w, torch.randn(B, N, device=dev)))
 
-        def step(f):
+        def step(f, i=0):
+            x, w, g = sets[i]
             x.grad = w.grad = None
             f(x, w).backward(g)
 
@@ -134,6 +140,14 @@ def backward_table(spec, quick) -> list[dict]:
         row["kgen/floor"] = row["kgen.ops us"] / floor
         row["kgen/floor x3"] = row["kgen.ops us"] / (3 * floor)
         row["compile/kgen"] = row["compile us"] / row["kgen.ops us"]
+        row["steady: floor us"] = s_floor
+        for name, f in (("eager", expression), ("kgen.ops", ops.logmatmul)):
+            try:
+                row[f"steady: {name} us"] = steady_us([lambda f=f, i=i: step(f, i) for i in range(2)])
+            except Exception as e:  # noqa: BLE001 - a step that cannot be captured: say so in the row
+                row[f"steady: {name} us"] = float("nan")
+                row[f"steady: {name} error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        row["steady: kgen/floor"] = row["steady: kgen.ops us"] / s_floor
         rows.append(row)
         print(row, flush=True)
     return rows

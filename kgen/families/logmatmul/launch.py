@@ -5,7 +5,9 @@ poison it with NaN so an element a kernel never writes shows up).
 
 Forward: see the Triton template's header. The CUDA small-batch kernel (B <= 16, 16-byte
 aligned rows) writes its own (m, s) partials and merges them in a second launch of the
-same library, on the caller's stream.
+same library, on the caller's stream. A variant with mma = 1 runs the tensor-core form of
+that kernel (mma.sync tf32 in 3 passes; float32 x and w only) behind the same launcher: its
+CTAs hold 16 nodes per warp's m-tile and its K slices step by plans.cuda_k_step.
 
 Backward: see the Triton template's header (per-row factors, then one pass over w that
 reads it and writes dw; dx's chunk partials summed in order: no atomics, bit-identical run
@@ -22,8 +24,8 @@ import torch
 
 from kgen.families.logmatmul.plans import (
     BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
-    k_split, pow2_at_least, sm_count)
-from kgen.families.logmatmul.schema import cuda_op_max_b
+    cuda_k_step, k_split, pow2_at_least, sm_count)
+from kgen.families.logmatmul.schema import cuda_op_max_b, cuda_rows
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
@@ -50,7 +52,9 @@ class CudaForward:
         self.dtype = getattr(torch, kernel.variant.dtype)
         self.max_b = cuda_op_max_b(kernel.params, kernel.variant.dtype)
         # rows of x per CTA: B above it runs as cdiv(B, rows) CTAs per node group
-        self.rows = kernel.params["rows"] or self.max_b
+        self.rows = cuda_rows(kernel.params, kernel.variant.dtype)
+        # the tensor-core kernel (lmm_mma): float32 x and w only, NODES = 16 x its m-tiles
+        self.mma = kernel.params.get("mma", 0)
         self.DOT = "cuda"
         self._plans: dict = {}  # (B, N, K, w is float32, device) -> (splits, k_slice)
         # the library's backward launcher (kgen_backward: float32 w, B <= BWD_B), through the
@@ -81,9 +85,11 @@ class CudaForward:
         B, N, K, xt, wt, index = key
         w32 = wt is torch.float32
         plan, forced = None, splits
-        if 1 <= B <= self.max_b and (K * (4 if w32 else 2)) % 16 == 0 and xt == self.dtype and (w32 or wt == xt):
-            # a CTA's K slice is a whole number of threads x 16 bytes of w
-            step = self.warps * 32 * (4 if w32 else 8)
+        if (1 <= B <= self.max_b and (K * (4 if w32 else 2)) % 16 == 0 and xt == self.dtype and (w32 or wt == xt)
+                and (w32 or not self.mma)):
+            # a CTA's K slice is a whole number of steps (threads x 16 bytes of w; mma: a warp's
+            # loop step of chunks of 16 k)
+            step = cuda_k_step(self.kernel.params, w32)
             tiles = cdiv(N, self.nodes) * cdiv(B, min(B, self.rows))
             if splits is None:
                 # CTAs for about `waves` per SM, to the nearest whole number of splits (one wave of

@@ -54,6 +54,16 @@ def k_split(B: int, N: int, K: int, bb: int, block_n: int, block_k: int, waves: 
     return cdiv(K, k_slice), k_slice
 
 
+def cuda_k_step(params, w32: bool) -> int:
+    """The unit of a CUDA variant's K slice (k_split's block_k). The FMA form (lmm_partials):
+    its threads x one 16-byte vector of w each. The tensor-core form (mma = 1, lmm_mma): one
+    loop step of a warp, `unroll` chunks of 16 k, times the warps splitting the slice of the
+    same nodes (warps / (nodes / (16 mtiles))); at 4 warps, 64 nodes, unroll 4: 64 k."""
+    if params.get("mma", 0):
+        return 16 * params["unroll"] * (params["warps"] * 16 * params.get("mtiles", 1) // params["nodes"])
+    return params["warps"] * 32 * (4 if w32 else 8)
+
+
 def bwd_chunks(mod, N: int, K: int, sms: int) -> tuple[int, int]:
     """(chunks, rows per chunk) of the backward's N: about `WAVES` programs per SM over
     (k tiles x chunks), each chunk at least 4 BWD_N rows (a multiple of BWD_N). At N = K =

@@ -20,9 +20,21 @@ CUDA_MAX_B = 16
 _CUDA_REGS = 96
 
 
-def cuda_max_b(nodes: int, vec: int = 4, unroll: int = 1, dtype: str = "float32") -> int:
+# The tensor-core form (mma = 1): a warp owns 16 nodes (an mma m-tile), a CTA 16 x (m-tiles)
+# of them (`nodes`, a multiple of 16 whose m-tiles divide the warps: the rest split the K
+# slice); its rows of x come in n-tiles of 8, so a CTA holds 8 or 16 rows (`rows`).
+MMA_TILE = 16
+MMA_ROWS = (8, 16)
+# The FMA form's nodes per CTA at most (each lane loads all of them).
+FMA_MAX_NODES = 8
+
+
+def cuda_max_b(nodes: int, vec: int = 4, unroll: int = 1, dtype: str = "float32", mma: int = 0) -> int:
     """The largest B (a power of two) a CUDA variant's CTAs hold in registers: its sums
-    (B x nodes) beside the weights in flight (unroll x nodes x vec)."""
+    (B x nodes) beside the weights in flight (unroll x nodes x vec); with mma, 16 (two
+    n-tiles of 8 rows, each 8 accumulators a thread)."""
+    if mma:
+        return MMA_ROWS[-1]
     budget = _CUDA_REGS - 8 * (unroll - 1) - unroll * nodes * vec
     acc = min(budget, 32 if dtype != "float32" else 64)
     b = 1
@@ -34,9 +46,14 @@ def cuda_max_b(nodes: int, vec: int = 4, unroll: int = 1, dtype: str = "float32"
 def cuda_op_max_b(knobs: Mapping[str, Any], dtype: str) -> int:
     """The largest B a CUDA variant takes: what its CTAs hold in registers, or CUDA_MAX_B
     with row tiles (`rows`)."""
-    if knobs["rows"]:
+    if knobs["rows"] or knobs.get("mma", 0):
         return CUDA_MAX_B
     return cuda_max_b(knobs["nodes"], knobs["vec"], knobs["unroll"], dtype)
+
+
+def cuda_rows(knobs: Mapping[str, Any], dtype: str) -> int:
+    """Rows of x per CTA: `rows`, or (0) as many as its registers hold."""
+    return knobs["rows"] or cuda_max_b(knobs["nodes"], knobs["vec"], knobs["unroll"], dtype, knobs.get("mma", 0))
 
 
 def _check_triton(dtype: str, k: Mapping[str, Any]):
@@ -63,10 +80,34 @@ def _check_cuda(dtype: str, k: Mapping[str, Any]):
     if k["vec"] * size != 16:
         problems.append(("vec", f"vec={k['vec']} x {size}-byte {dtype} is {k['vec'] * size} bytes; the weight "
                                 "loads are 16-byte vectors"))
+    if k["mma"]:
+        return problems + _check_mma(dtype, k)
+    if k["mtiles"] != 1:
+        problems.append(("mtiles", f"mtiles={k['mtiles']}: m-tiles are the tensor-core kernel's (mma=1)"))
+    if k["nodes"] > FMA_MAX_NODES:
+        problems.append(("nodes", f"nodes={k['nodes']}: at most {FMA_MAX_NODES} without mma (every lane loads "
+                                  "each node's row)"))
+        return problems
     fit = cuda_max_b(k["nodes"], k["vec"], k["unroll"], dtype)
     if k["rows"] and (k["rows"] & (k["rows"] - 1) or k["rows"] > fit):
         problems.append(("rows", f"rows={k['rows']}: a power of two of at most {fit}, the rows of x this "
                                  "variant's CTAs hold in registers"))
+    return problems
+
+
+def _check_mma(dtype: str, k: Mapping[str, Any]):
+    problems = []
+    if dtype != "float32":
+        problems.append(("mma", f"mma=1 takes float32 x and w only (tf32 splits of float32 operands), not "
+                                f"{dtype}: use mma=0 for 16-bit inputs"))
+    nodes, warps, mt = k["nodes"], k["warps"], k["mtiles"]
+    per_warp = MMA_TILE * mt  # nodes a warp owns
+    if nodes % per_warp or nodes > per_warp * warps or (warps * per_warp) % nodes:
+        problems.append(("nodes", f"nodes={nodes}: with mma=1 and mtiles={mt}, a multiple of {per_warp} (a warp's "
+                                  f"{mt} m-tile(s) of {MMA_TILE}) whose warps across it divide warps={warps} "
+                                  f"({per_warp}, {2 * per_warp}, ... up to {per_warp * warps})"))
+    if k["rows"] not in (0, *MMA_ROWS):
+        problems.append(("rows", f"rows={k['rows']}: with mma=1, 0, 8 or 16 (n-tiles of 8 rows of x)"))
     return problems
 
 
@@ -79,13 +120,21 @@ SCHEMA = Schema(
     knobs={
         "cuda": (
             Knob("warps", "w", lo=1, hi=16, pow2=True),  # warps per CTA, splitting the CTA's K slice
-            Knob("nodes", "n", lo=1, hi=8),  # nodes (rows of w) per CTA, each lane loads all of them
+            # nodes (rows of w) per CTA: each lane loads all of them (at most 8); with mma, 16 per
+            # m-tile of a warp
+            Knob("nodes", "n", lo=1, hi=256),
             Knob("vec", "v", lo=4, hi=8, pow2=True),  # elements per 16-byte weight load
             Knob("unroll", "u", lo=1, hi=4, default=1),  # steps of weight loads issued before any is used
             Knob("waves", "q", lo=1, hi=32, default=4),  # CTAs per SM the K split aims for
             # rows of x per CTA at most (0: as many as registers hold); above it, B <= 16 runs
             # as CTAs side by side per node group, each a tile of rows
             Knob("rows", "b", lo=0, hi=16, default=0),
+            # 1: the tensor-core kernel (lmm_mma: mma.sync tf32 in 3 passes, float32 only)
+            # instead of float32 FMAs (lmm_partials)
+            Knob("mma", "m", lo=0, hi=1, default=0),
+            # with mma: m-tiles of 16 nodes per warp (they share the warp's exps of x; 2 at
+            # unroll 2 fills 128 registers on sm_90 and spills on sm_80 at 16 rows)
+            Knob("mtiles", "t", lo=1, hi=2, default=1),
         ),
         "triton": (
             Knob("block_b", "b", lo=1, hi=128, pow2=True),  # rows of x per program (FMA: at most)
@@ -113,11 +162,12 @@ TEMPLATES = {"triton": "logmatmul/triton.py.j2", "cuda": "logmatmul/cuda.cu.j2"}
 def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda":
-        fit = cuda_max_b(p["nodes"], p["vec"], p["unroll"], variant.dtype)
-        rows = p["rows"] or fit
+        rows = cuda_rows(p, variant.dtype)
+        # row instances: the smallest holding the tile serves (powers of two; mma: n-tiles of 8)
+        first = MMA_ROWS[0] if p["mma"] else 1
         return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "UNROLL": p["unroll"],
-                "ROWS": rows, "MAX_B": cuda_op_max_b(p, variant.dtype),
-                "batch_instances": [1 << i for i in range(rows.bit_length())]}
+                "ROWS": rows, "MAX_B": cuda_op_max_b(p, variant.dtype), "MMA": p["mma"], "MTILES": p["mtiles"],
+                "batch_instances": [b for b in (1 << i for i in range(rows.bit_length())) if b >= first]}
     return {"BLOCK_B": p["block_b"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "DOT": p["dot"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "WAVES": p["waves"],
             "BWD_B": p["bwd_b"], "BWD_N": p["bwd_n"], "BWD_K": p["bwd_k"], "BWD_WARPS": p["bwd_warps"]}
