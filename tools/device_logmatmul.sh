@@ -22,7 +22,7 @@ nvcc --version | tail -2
 timeout "${LMM_BUILD_S:-90}" python3 -m kgen.cli build kgen/specs/logmatmul.yaml > "$OUT/build.txt" 2>&1
 grep -E "cuda|triton|fail|rror" "$OUT/build.txt" | head -40
 if [ -n "${LMM_TEST_FIRST:-}" ]; then
-  timeout "${LMM_TEST_FIRST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_logmatmul.py \
+  timeout "${LMM_TEST_FIRST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu tests/test_logmatmul_gpu.py \
     -k "$LMM_TEST_FIRST" > "$OUT/pytest_first.txt" 2>&1
   tail -8 "$OUT/pytest_first.txt"
 fi
@@ -77,7 +77,7 @@ for B in (1, 8, 16, 64, 256):
     print(f"dispatch B={B}: {getattr(m, 'name', None) or getattr(m, '__name__', m)}")
 PY
 [ "${LMM_TEST_S:-120}" != 0 ] && timeout "${LMM_TEST_S:-120}" python3 -m pytest -q -x -p no:cacheprovider -m gpu \
-  tests/test_logmatmul.py > "$OUT/pytest.txt" 2>&1 && true
+  tests/test_logmatmul_gpu.py > "$OUT/pytest.txt" 2>&1 && true
 [ "${LMM_TEST_S:-120}" != 0 ] && tail -15 "$OUT/pytest.txt"
 if [ "${LMM_TUNE:-0}" = 1 ] && nvidia-smi -L | grep -q H100; then
   cp kgen/tuning/h100.json "$OUT/h100.json"

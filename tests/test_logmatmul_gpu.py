@@ -1,0 +1,213 @@
+"""logmatmul on a GPU (the `gpu` marker; skipped where none exists): every variant's golden
+numerics, awkward sizes, the CUDA forms' K splits and tensor-core sizes, the fast paths under
+CUDA-graph capture, dispatch determinism, torch.compile and block-sparse. The CPU half, and
+the helpers these share, are in test_logmatmul.py."""
+
+import pytest
+import torch
+
+from kgen.families import logmatmul as lmm
+from kgen.families.logmatmul import launch, numerics
+from kgen.runtime import dispatch
+from test_logmatmul import CUDA, MMA, MMA_FORMS, SPEC, TRITON, _assert_ok, _mod, _pattern, _variant
+from test_logmatmul import poison  # noqa: F401 - the fixture, by name
+
+gpu = pytest.mark.gpu
+ALL_GPU = [v.name for v in SPEC.variants]
+
+
+def _gpu_mod(name):
+    v = _variant(name)
+    if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} code does not run here")
+    return _mod(name)
+
+
+@gpu
+@pytest.mark.parametrize("name,B,K", [(n, B, K) for n in TRITON for B, K in ((5, 300), (64, 4096))])
+def test_gpu_triton_fast_path_bound_and_in_a_cuda_graph(name, B, K):
+    """A Triton variant's fast path on the GPU: after the recording call every launch is a
+    bound one, the output equals `forward`'s bit for bit (N off every tile), and a capture
+    of the call replays what an eager call computes for new inputs."""
+    from kgen.runtime import triton_launch as tlaunch
+
+    mod = _gpu_mod(name)
+    N = 333
+    x, w = torch.randn(B, K, device="cuda") * 3, torch.rand(N, K, device="cuda")
+    fast = launch.triton_direct(mod, B, N, K, x.device)
+    fast(x, w)  # launches and records
+    n = tlaunch.STATS["direct"]
+    out = fast(x, w)
+    plan = launch._triton_plan(mod, B, N, K, x.device)
+    launches = 1 + plan[4] + (plan[1] > 1)  # the forward, the exp pass, the K-split combine
+    assert tlaunch.STATS["direct"] == n + launches
+    assert torch.equal(out, launch.forward(mod, x, w))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fast(x, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fast(x, w)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    assert torch.equal(captured, fast(x, w))
+
+
+@gpu
+@pytest.mark.parametrize("name", ALL_GPU)
+def test_gpu_golden(poison, name):
+    v = SPEC.variant(name)
+    _gpu_mod(name)  # skips an arch this GPU cannot run
+    _assert_ok(lmm.golden(dispatch.load(v), torch.device("cuda"), v.dtype, SPEC.numerics[v.dtype]))
+
+
+@gpu
+@pytest.mark.parametrize("name,B", [(n, B) for n in ALL_GPU if "f32" in n
+                                    # 11: a CUDA variant's last tile of rows part-full; tensor cores: one
+                                    # n-tile of 8 rows full and part-full, two n-tiles part-full
+                                    for B in (1, 3, 11, 16) + ((5, 8, 13) if n in MMA else ())])
+def test_gpu_awkward_sizes(poison, name, B):
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    for N, K in ((1000, 4100), (77, 333)):
+        _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev, SPEC.numerics["float32"]))
+
+
+@gpu
+def test_gpu_dispatch_deterministic_graph_replay_bit_identical():
+    dev = torch.device("cuda")
+    for B in (1, 8, 64):
+        x, w = numerics.make_inputs(B, 4096, 4096, torch.float32, dev)
+        g = torch.randn(B, 4096, device=dev)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+
+        def step():
+            xl.grad = wl.grad = None
+            out = lmm.logmatmul(xl, wl)
+            out.backward(g)
+            return out.detach().clone(), xl.grad.clone(), wl.grad.clone()
+
+        eager = step()
+        again = step()
+        for a, b in zip(eager, again):  # no atomics: bit-identical run to run
+            assert torch.equal(a.nan_to_num(), b.nan_to_num())
+        static_out = torch.empty_like(eager[0])
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            lmm.logmatmul(x, w)  # built and chosen outside the capture
+            with torch.cuda.graph(graph):
+                static_out.copy_(lmm.logmatmul(x, w))
+        torch.cuda.current_stream().wait_stream(s)
+        static_out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out.nan_to_num(), eager[0].nan_to_num())
+
+
+@gpu
+def test_gpu_torch_compile_fullgraph():
+    dev = torch.device("cuda")
+    x, w = numerics.make_inputs(4, 300, 512, torch.float32, dev)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    f = torch.compile(lambda a, b: torch.where(torch.isfinite(lmm.logmatmul(a, b)), lmm.logmatmul(a, b), 0).sum(),
+                      fullgraph=True)
+    f(xl, wl).backward()
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = lmm.reference(xr, wr, torch.float64)
+    torch.where(torch.isfinite(ref), ref, 0).sum().backward()
+    torch.testing.assert_close(xl.grad.double(), xr.grad, rtol=0, atol=2e-5 * max(1.0, float(xr.grad.abs().max())))
+    torch.testing.assert_close(wl.grad.double(), wr.grad, rtol=0, atol=2e-5 * max(1.0, float(wr.grad.abs().max())))
+
+
+@gpu
+@pytest.mark.parametrize("name", TRITON)
+def test_gpu_block_sparse(poison, name):
+    mod = _gpu_mod(name)
+    bs, R, C, B = 128, 8, 8, 5
+    blocks, row_ptr, col_idx = _pattern(R, C, 0.25, bs, seed=3)
+    blocks, row_ptr, col_idx = blocks.cuda(), row_ptr.cuda(), col_idx.cuda()
+    x, _ = numerics.make_inputs(B, 1, C * bs, torch.float32, torch.device("cuda"))
+    with lmm.using(mod):
+        out = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
+        dense = lmm.logmatmul(x, lmm.dense_from_blocks(blocks, row_ptr, col_idx, bs, C * bs))
+    assert torch.equal(torch.isneginf(out), torch.isneginf(dense))
+    f = torch.isfinite(dense)
+    torch.testing.assert_close(out[f], dense[f], rtol=1e-5, atol=3e-5)
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in CUDA if n.endswith("f32")])
+def test_gpu_cuda_wide_range_and_splits(poison, name):
+    """x spread over ~+-100 (each thread's own shift differs: the merge rescales exactly),
+    -inf holes; any K split gives the same result to float32 rounding."""
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    for B in sorted({1, 3, min(11, mod.max_b), mod.max_b} | ({5, 8, 13} if name in MMA else set())):
+        x, w = numerics.make_inputs(B, 300, 4096, torch.float32, dev, seed=B)
+        x = x * 15
+        want = lmm.reference(x.double(), w.double(), torch.float64)
+        outs = [launch.forward(mod, x, w, splits=s) for s in (None, 1, 3)]
+        for out in outs:
+            assert torch.equal(torch.isneginf(out), torch.isneginf(want))
+            f = torch.isfinite(want)
+            # out up to ~100: 1e-5 relative (exp2/log to a few ulp, 4096-term sums) + 3e-5
+            torch.testing.assert_close(out[f].double(), want[f], rtol=1e-5, atol=3e-5)
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in CUDA if n.startswith("sm90")] or CUDA)
+def test_gpu_cuda_backward(poison, name):
+    """The CUDA library's backward (float32 w, B <= 8; no Triton fallback allowed here)
+    against float64: -inf holes, an all -inf row, a zero weight row, one chunk of N and
+    several, K not a multiple of a CTA's 512 columns, weights scaled by 1e30 and 1e-30.
+    Each gradient is judged against its own largest element (float32 sums of ~N or ~B terms:
+    numerics.GRAD_TOL of it; 16-bit dx rounds once more)."""
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    t = mod.dtype
+    tol = numerics.GRAD_TOL[str(t).removeprefix("torch.")]
+    for B, N, K, scale in ((1, 300, 516, 1.0), (2, 5, 1028, 1.0), (5, 300, 4096, 1e30), (8, 70, 200, 1e-30),
+                           (8, 1000, 516, 1.0)):
+        x, w = numerics.make_inputs(B, N, K, t, dev, seed=B + N)
+        w = w * scale
+        g = torch.randn(B, N, generator=torch.Generator().manual_seed(B), dtype=torch.float64).to(dev)
+        out = launch.forward(mod, x, w)
+        got = mod.backward(x, w, out, g.float())
+        assert got is not None, "the CUDA backward declined"
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        lmm.reference(xr, wr, torch.float64).backward(g)
+        for have, want, gt in ((got[0], xr.grad, tol), (got[1], wr.grad, numerics.GRAD_TOL["float32"])):
+            big = float(want.abs().max())
+            assert big > 0 and torch.isfinite(have).all(), (B, N, K, scale)
+            assert float((have.double() - want).abs().max()) <= gt * big, (B, N, K, scale)
+        again = mod.backward(x, w, out, g.float())
+        assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])  # no atomics
+
+
+@gpu
+@pytest.mark.parametrize("name", MMA + list(MMA_FORMS))
+def test_gpu_cuda_mma_sizes_splits_and_determinism(poison, name):
+    """The tensor-core kernel (no Triton fallback allowed: every shape here is one it takes)
+    against float64 at B = 1..16 (n-tiles full and part-full, row tiles side by side), N off
+    the 16-node m-tile, K off the 16-k chunk (a guarded tail), K slices shorter than a loop
+    step, forced K splits; -inf holes, an all -inf row, a zero weight row; bit-identical run
+    to run."""
+    mod = _gpu_mod(name)
+    dev = torch.device("cuda")
+    tol = SPEC.numerics["float32"]
+    for B, N, K in ((1, 1000, 4100), (5, 77, 332), (8, 16, 4), (13, 33, 4096), (16, 1000, 4100), (16, 300, 20),
+                    (9, 4096, 1024)):
+        x, w = numerics.make_inputs(B, N, K, torch.float32, dev, seed=B + N + K)
+        x = x * 3
+        assert mod.takes(x, w), (B, N, K)
+        want = lmm.reference(x.double(), w.double(), torch.float64)
+        f = torch.isfinite(want)
+        for splits in (None, 1, 3, 100):
+            out = launch.forward(mod, x, w, splits=splits)
+            assert torch.equal(torch.isneginf(out), torch.isneginf(want)), (B, N, K, splits)
+            torch.testing.assert_close(out[f].double(), want[f], rtol=tol.rtol, atol=tol.atol)
+        assert torch.equal(launch.forward(mod, x, w), launch.forward(mod, x, w))  # no atomics
