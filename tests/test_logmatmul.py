@@ -530,5 +530,10 @@ def test_cuda_variant_compiles_with_16_byte_loads_and_no_local_memory(cuda_build
     assert "LDL" not in sass and "STL" not in sass  # no local memory
     if r.variant.params["mma"]:
         assert "HMMA.1688.F32.TF32" in sass, "no tf32 mma.sync"
+    # programmatic dependent launches: on sm_90 every kernel waits for the one before it
+    # (griddepcontrol.wait is ACQBULK in SASS) before it touches memory; sm_80 has no such wait
+    waits = sass.count("ACQBULK")
+    kernels = sass.count("Function : ")
+    assert (waits >= kernels) if r.variant.arch == "sm_90" else waits == 0, (waits, kernels)
     res = toolchain.resource_usage(lib)
     assert res and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res

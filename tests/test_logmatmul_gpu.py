@@ -211,3 +211,102 @@ def test_gpu_cuda_mma_sizes_splits_and_determinism(poison, name):
             assert torch.equal(torch.isneginf(out), torch.isneginf(want)), (B, N, K, splits)
             torch.testing.assert_close(out[f].double(), want[f], rtol=tol.rtol, atol=tol.atol)
         assert torch.equal(launch.forward(mod, x, w), launch.forward(mod, x, w))  # no atomics
+
+
+# --------------------------------------------------------------------------- block-sparse on CUDA
+
+
+def _bsl_inputs(R, C, bs, B, x_dtype, w_dtype, seed):
+    """A block-CSR pattern of R x C blocks with a random count per block row (row 0 full, row
+    1 empty, the rest from none to all), block 1 all zero; x = 3 N(0, 1) with -inf entries
+    (every 7th) and its row 2 all -inf. On the GPU, int32 row_ptr and int64 col_idx."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(R, C, generator=g) < torch.rand(R, 1, generator=g)
+    keep[0] = True
+    keep[1] = False
+    _, cols = keep.nonzero(as_tuple=True)
+    row_ptr = torch.zeros(R + 1, dtype=torch.int32)
+    row_ptr[1:] = torch.cumsum(keep.sum(1), 0)
+    blocks = torch.rand(cols.shape[0], bs, bs, generator=g, dtype=torch.float64)
+    blocks[1] = 0
+    x = torch.randn(B, C * bs, generator=g, dtype=torch.float64) * 3
+    x.view(-1)[::7] = float("-inf")
+    if B > 2:
+        x[2] = float("-inf")
+    dev = torch.device("cuda")
+    return x.to(x_dtype).to(dev), blocks.to(w_dtype).to(dev), row_ptr.to(dev), cols.to(dev)
+
+
+def _spy_bsl(monkeypatch, mod) -> list:
+    """Count the library's block-sparse launches (CudaForward.bsl calls kgen_bsl_launch)."""
+    assert mod._bsl is not None, "the library has no kgen_bsl_launch"
+    raw, ptr = mod._bsl
+    calls = []
+
+    def spy(*args):
+        calls.append(args[-2])  # the splits it launched with
+        return raw(*args)
+
+    monkeypatch.setattr(mod, "_bsl", (spy, ptr))
+    return calls
+
+
+@gpu
+@pytest.mark.parametrize("name", CUDA)
+def test_gpu_cuda_block_sparse(poison, monkeypatch, name):
+    """The library's block-sparse forward (kgen_bsl_launch; no Triton fallback: the spy counts
+    its launches) at block sizes 32..256 and B = 1..16, blocks float32 and (16-bit variants)
+    in x's dtype: against float64 on the dense equivalent (the dense tolerance: out up to
+    ~40, 1e-5 relative + 3e-5), -inf exactly where the reference has it (the empty block row,
+    x's all -inf row), no NaN; forced K splits 1, 2, 5 and the default plan agree within it;
+    the dense CUDA op on dense_from_blocks too; a rerun bit-identical. B = 17 runs the Triton
+    kernel (no launch) to the same result."""
+    mod = _gpu_mod(name)
+    calls = _spy_bsl(monkeypatch, mod)
+    tol = SPEC.numerics[str(mod.dtype).removeprefix("torch.")]
+    w_dtypes = (torch.float32,) if mod.mma or mod.dtype is torch.float32 else (torch.float32, mod.dtype)
+    for bs, R, C in ((32, 9, 24), (64, 6, 16), (128, 5, 10), (256, 3, 5)):
+        for w_dtype in w_dtypes:
+            for B in (1, 3, 4, 8, 11, 16, 17):
+                x, blocks, row_ptr, col_idx = _bsl_inputs(R, C, bs, B, mod.dtype, w_dtype, seed=bs + B)
+                w = lmm.dense_from_blocks(blocks, row_ptr, col_idx, bs, C * bs)
+                want = lmm.reference(x.double(), w.double(), torch.float64)
+                f = torch.isfinite(want)
+                case = (bs, w_dtype, B)
+                n = len(calls)
+                outs = [launch.bsl_forward(mod, x, blocks, row_ptr, col_idx, bs, splits=s) for s in (None, 1, 2, 5)]
+                assert len(calls) == (n if B > 16 else n + 4), case
+                if B <= 16:
+                    assert calls[-3:] == [1, 2, 5], case
+                    outs.append(launch.forward(mod, x, w))  # the dense op (CUDA, or its Triton companion)
+                for out in outs:
+                    assert not torch.isnan(out).any(), case
+                    assert torch.equal(torch.isneginf(out), torch.isneginf(want)), case
+                    torch.testing.assert_close(out[f].double(), want[f], rtol=tol.rtol, atol=tol.atol)
+                again = launch.bsl_forward(mod, x, blocks, row_ptr, col_idx, bs)
+                assert torch.equal(again, outs[0]), case  # no atomics
+
+
+@gpu
+@pytest.mark.parametrize("name", [n for n in CUDA if "_n8_" in n and n.endswith("f32")])  # one per arch
+def test_gpu_cuda_block_sparse_op_int64_indices_and_fallbacks(poison, monkeypatch, name):
+    """Through the op: int32 and int64 index arrays alike; a K-split plan at a shape with few
+    node groups; an unaligned x goes to the Triton kernel (no launch) to the same result."""
+    mod = _gpu_mod(name)
+    calls = _spy_bsl(monkeypatch, mod)
+    bs, R, C, B = 64, 2, 256, 3  # 16 node groups; block row 0 full (virtual K 16384): a K split
+    x, blocks, row_ptr, col_idx = _bsl_inputs(R, C, bs, B, torch.float32, torch.float32, seed=1)
+    want = lmm.reference(x.double(), lmm.dense_from_blocks(blocks, row_ptr, col_idx, bs, C * bs).double(),
+                         torch.float64)
+    f = torch.isfinite(want)
+    with lmm.using(mod):
+        a = lmm.block_sparse_logmatmul(x, blocks, row_ptr.long(), col_idx.long(), bs)
+        b = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx.int(), bs)
+        assert len(calls) == 2 and calls[0] > 1, calls
+        shifted = torch.empty(B * C * bs + 1, device="cuda")[1:].view(B, C * bs).copy_(x)
+        c = lmm.block_sparse_logmatmul(shifted, blocks, row_ptr, col_idx, bs)
+        assert len(calls) == 2
+    for out in (a, b, c):
+        assert torch.equal(torch.isneginf(out), torch.isneginf(want))
+        torch.testing.assert_close(out[f].double(), want[f], rtol=1e-5, atol=3e-5)
+    assert torch.equal(a, b)

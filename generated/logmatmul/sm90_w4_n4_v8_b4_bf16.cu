@@ -8,7 +8,8 @@
 // Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16,
 // and its backward for float32 w and B <= 8 (below the forward's kernels).
 //
-// One launch on the caller's stream (two with several K splits):
+// One launch on the caller's stream (two with several K splits), each a programmatic dependent
+// launch (common/pdl.cuh.j2, sm_90: it starts while the kernel before finishes and waits for it):
 //  1. lmm_partials, grid (cdiv(N, NODES) x row tiles, splits), WARPS warps: a CTA owns NODES
 //     rows of w (the node group), up to ROWS rows of x (B above ROWS: cdiv(B, ROWS) CTAs per
 //     node group, adjacent, the later ones reading w from L2) and one K slice; its threads
@@ -24,7 +25,8 @@
 //  2. lmm_combine (several splits only): out = M + log sum_j s_j exp(m_j - M) over the
 //     splits in order. No atomics: the result is bit-identical run to run.
 // A thread whose elements are all -inf shifts by 0 and adds nothing; an empty sum gives
-// -inf, never NaN.
+// -inf, never NaN. The block-sparse forward (bsl.cuh.j2: bsl_partials, its launcher
+// kgen_bsl_launch) runs the same CTA (lmm_body) over the block rows of block-CSR weights.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,6 +49,49 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) { retu
 #include <math.h>
 
 namespace {
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel (launched with launch_pdl) start launching now; its pdl_wait still
+// waits for this grid's completion.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether `device` takes programmatic dependent launches (compute capability 9.0 or later),
+// asked once per device.
+inline bool pdl_supported(int device) {
+  static signed char known[64] = {};  // 0 unknown, 1 yes, -1 no
+  if (device < 0 || device >= 64) return false;
+  if (!known[device]) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    known[device] = major >= 9 ? 1 : -1;
+  }
+  return known[device] > 0;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(int device, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_supported(device) ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
 
 using TX = __nv_bfloat16;
 constexpr int WARPS = 4;
@@ -139,16 +184,22 @@ template <> struct Vec<__half, 4> : Vec16x4<__half> {};
 // CTAs per SM the register cap allows: 8 (64 registers a thread) where the accumulators,
 // the weights in flight and the shifts leave room (then N = 4096 at 4 nodes per CTA is one
 // wave), else 6 or 4 (128 registers). Estimated, then checked: the build must show no stack.
-template <int BB, int V>
+template <int BB, int V, int NG = NODES, int NU = UNROLL>
 struct Occupancy {
-  static constexpr int need = BB * NODES + UNROLL * NODES * V + BB + 40;
+  static constexpr int need = BB * NG + NU * NG * V + BB + 40;
   static constexpr int value = THREADS != 128 ? 4 : need <= 64 ? 8 : need <= 80 ? 6 : 4;
 };
 
-template <int BB, typename TW>
-__global__ void __launch_bounds__(THREADS, (Occupancy<BB, 16 / sizeof(TW)>::value))
-lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restrict__ part_m,
-             float* __restrict__ part_s, float* __restrict__ out, int B, int N, int K, int k_slice, bool direct) {
+// The CTA of lmm_partials and, with SPARSE, of bsl_partials (bsl.cuh.j2): K is then a block
+// row's virtual K, addressed through `rows` (a BlockRow). The dense addressing stays spelled
+// out in the else branches, so that lmm_partials compiles to the SASS it had as a kernel of
+// its own (through a policy struct's member functions ptxas chose otherwise: registers
+// moved, one instance spilled 16 bytes). NG nodes a CTA (the variant's NODES, or the
+// block-sparse instance's), NU steps of loads in flight.
+template <int BB, int NG, int NU, bool SPARSE, typename TW, class Rows>
+__device__ __forceinline__ void lmm_body(const TX* __restrict__ x, const TW* __restrict__ w, float* __restrict__ part_m,
+                                         float* __restrict__ part_s, float* __restrict__ out, int B, int N, int K,
+                                         int k_slice, bool direct, Rows rows) {
   constexpr int V = 16 / sizeof(TW);
   constexpr int STRIDE = THREADS * V;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -156,11 +207,16 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
   // the weights the first reads from memory the others find in L2
   const int groups = (B + BB - 1) / BB;
   const int ng = blockIdx.x / groups, b0 = (blockIdx.x - ng * groups) * BB;
-  const int n0 = ng * NODES;
+  const int n0 = ng * NG;
   const int Bl = min(BB, B - b0);  // this CTA's rows of x
   x += (int64_t)b0 * K;
   const int split = blockIdx.y;
-  const int k_lo = split * k_slice, k_hi = min(k_lo + k_slice, K);
+  int k_lo, k_hi;  // this CTA's K range
+  if constexpr (SPARSE) {
+    rows.begin(n0, split, STRIDE, k_lo, k_hi);
+  } else {
+    k_lo = split * k_slice, k_hi = min(k_lo + k_slice, K);
+  }
   const int k_first = k_lo + threadIdx.x * V;
 
   // Rows b >= Bl of an instance repeat row Bl - 1 (computed, never written), so that the
@@ -173,7 +229,9 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
 #pragma unroll
     for (int b = 0; b < BB; ++b) {
       float xv[V];
-      Vec<TX, V>::cached(x + (int64_t)min(b, Bl - 1) * K + k, xv);
+      int xk = k;
+      if constexpr (SPARSE) xk = rows.x_col(k);
+      Vec<TX, V>::cached(x + (int64_t)min(b, Bl - 1) * K + xk, xv);
 #pragma unroll
       for (int v = 0; v < V; ++v) m[b] = fmaxf(m[b], xv[v]);
     }
@@ -188,22 +246,25 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
     shift[b] = m[b] == -INFINITY ? 0.f : m[b];
   }
 
-  float acc[BB][NODES];
+  float acc[BB][NG];
 #pragma unroll
   for (int b = 0; b < BB; ++b)
 #pragma unroll
-    for (int n = 0; n < NODES; ++n) acc[b][n] = 0.f;
+    for (int n = 0; n < NG; ++n) acc[b][n] = 0.f;
 
-  const TW* wrow = w + (int64_t)n0 * K;
-  for (int k = k_first; k < k_hi; k += UNROLL * STRIDE) {
-    float wv[UNROLL][NODES][V];
+  const TW* wrow;  // node n0's weights at k = 0
+  if constexpr (SPARSE) wrow = w + rows.w_first; else wrow = w + (int64_t)n0 * K;
+  for (int k = k_first; k < k_hi; k += NU * STRIDE) {
+    float wv[NU][NG][V];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < NU; ++u) {
       const int kk = k + u * STRIDE;
 #pragma unroll
-      for (int n = 0; n < NODES; ++n) {
+      for (int n = 0; n < NG; ++n) {
         if (kk < k_hi && n0 + n < N) {
-          Vec<TW, V>::weights(wrow + (int64_t)n * K + kk, wv[u][n]);
+          const TW* p;
+          if constexpr (SPARSE) p = wrow + rows.w_at(n, kk); else p = wrow + (int64_t)n * K + kk;
+          Vec<TW, V>::weights(p, wv[u][n]);
         } else {
 #pragma unroll
           for (int v = 0; v < V; ++v) wv[u][n][v] = 0.f;
@@ -211,17 +272,19 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
       }
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+    for (int u = 0; u < NU; ++u) {
       const int kk = k + u * STRIDE;
       if (kk >= k_hi) break;
 #pragma unroll
       for (int b = 0; b < BB; ++b) {
         float e[V];
-        Vec<TX, V>::cached(x + (int64_t)min(b, Bl - 1) * K + kk, e);
+        int xk = kk;
+        if constexpr (SPARSE) xk = rows.x_col(kk);
+        Vec<TX, V>::cached(x + (int64_t)min(b, Bl - 1) * K + xk, e);
 #pragma unroll
         for (int v = 0; v < V; ++v) e[v] = fast_exp2((e[v] - shift[b]) * LOG2E);
 #pragma unroll
-        for (int n = 0; n < NODES; ++n)
+        for (int n = 0; n < NG; ++n)
 #pragma unroll
           for (int v = 0; v < V; ++v) acc[b][n] = fmaf(wv[u][n][v], e[v], acc[b][n]);
       }
@@ -229,7 +292,7 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
   }
 
   // merge the threads' (m, s): the CTA's maximum per row, each sum rescaled to it
-  __shared__ float red_s[WARPS][BB][NODES];
+  __shared__ float red_s[WARPS][BB][NG];
   __shared__ float red_m[WARPS][BB];
 #pragma unroll
   for (int b = 0; b < BB; ++b) {
@@ -237,15 +300,15 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
     const float big = warp_max(mine);
     const float scale = rescale(mine, big);
 #pragma unroll
-    for (int n = 0; n < NODES; ++n) {
+    for (int n = 0; n < NG; ++n) {
       const float s = warp_sum(acc[b][n] * scale);
       if (lane == 0) red_s[warp][b][n] = s;
     }
     if (lane == 0) red_m[warp][b] = big;
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < BB * NODES; t += THREADS) {
-    const int b = t / NODES, n = t % NODES;
+  for (int t = threadIdx.x; t < BB * NG; t += THREADS) {
+    const int b = t / NG, n = t % NG;
     if (b >= Bl || n0 + n >= N) continue;
     float big = -INFINITY;
 #pragma unroll
@@ -258,60 +321,211 @@ lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restri
       out[o] = s > 0.f ? logf(s) + big : -INFINITY;  // s > 0: big is finite
     } else {
       part_s[(int64_t)split * B * N + o] = s;
-      if (ng == 0 && n == 0) part_m[(int64_t)split * B + b0 + b] = big;  // the same in every node group
+      if (SPARSE) part_m[(int64_t)split * B * N + o] = big;  // each block row its own
+      else if (ng == 0 && n == 0) part_m[(int64_t)split * B + b0 + b] = big;  // the same in every node group
     }
   }
 }
 
+template <int BB, typename TW>
+__global__ void __launch_bounds__(THREADS, (Occupancy<BB, 16 / sizeof(TW)>::value))
+lmm_partials(const TX* __restrict__ x, const TW* __restrict__ w, float* __restrict__ part_m,
+             float* __restrict__ part_s, float* __restrict__ out, int B, int N, int K, int k_slice, bool direct) {
+  pdl_wait();  // a programmatic dependent launch: the kernel before has finished
+  lmm_body<BB, NODES, UNROLL, false>(x, w, part_m, part_s, out, B, N, K, k_slice, direct, 0);
+}
+
+// PER_NODE: one maximum per (split, row, node) in part_m, as the block-sparse kernel writes
+// (each block row its own), instead of one per (split, row).
+template <bool PER_NODE = false>
 __global__ void __launch_bounds__(256)
 lmm_combine(const float* __restrict__ part_m, const float* __restrict__ part_s, float* __restrict__ out,
             int B, int N, int splits) {
+  pdl_wait();
   const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x;
   if (i >= (int64_t)B * N) return;
   const int b = (int)(i / N);
   float big = -INFINITY;
-  for (int j = 0; j < splits; ++j) big = fmaxf(big, part_m[(int64_t)j * B + b]);
+  for (int j = 0; j < splits; ++j) big = fmaxf(big, part_m[PER_NODE ? (int64_t)j * B * N + i : (int64_t)j * B + b]);
   float total = 0.f;
-  for (int j = 0; j < splits; ++j) total += part_s[(int64_t)j * B * N + i] * rescale(part_m[(int64_t)j * B + b], big);
+  for (int j = 0; j < splits; ++j)
+    total += part_s[(int64_t)j * B * N + i] * rescale(part_m[PER_NODE ? (int64_t)j * B * N + i : (int64_t)j * B + b], big);
   out[i] = total > 0.f ? logf(total) + big : -INFINITY;
 }
 
+// ----------------------------------------------------------------------------- block-sparse
+// bsl_partials: lmm_partials over weights in block-CSR order (blocks [nnz, bs, bs]; block row
+// r owns blocks row_ptr[r] .. row_ptr[r + 1] - 1, block j the columns col_idx[j] bs .. + bs - 1,
+// blocks[j][i][kk] = w[r bs + i][col_idx[j] bs + kk]), with lmm_body's CTA, grid and outputs.
+//  - A CTA's node group (4 nodes, dividing bs) lies in one block row r, and its K is
+//    r's virtual K: the row's nnz_r blocks side by side, nnz_r bs wide, virtual k being column
+//    k % bs of the row's block k / bs. A thread's 16-byte vector never straddles a block (bs
+//    >= 32 is a multiple of V); a warp's 512 bytes of a node lie in one block where bs x
+//    sizeof(w) >= 512 bytes, else run on into the next block's row.
+//  - Split s of `splits` takes the s-th of `splits` equal parts of that virtual K (whole thread
+//    steps), sized on the device from row_ptr: the host sizes `splits` from the average nnz
+//    per row (plans.bsl_cuda_splits) and never reads row_ptr, and each split of a row gets the
+//    same share whatever its nnz_r. A split with no work writes (m = -inf, s = 0); an empty
+//    block row gives -inf.
+//  - Block rows differ in their maxima, so the partials hold m per (split, row, node) like s
+//    and lmm_combine<true> merges them in split order. No atomics.
+constexpr int BSL_NODES = 4;
+constexpr int BSL_UNROLL = 1;
+constexpr int BSL_ROWS = 4;  // rows of x per CTA at most (more: CTAs side by side)
+constexpr int BSL_MAX_B = 16;
+
+// lmm_body's K with SPARSE: where a node group's block row lies. The index arrays are read as
+// int32; int64 ones (wide = 1) by their low words at twice the index (little-endian, and
+// indices below 2^31: col_idx < K / bs, row_ptr <= nnz).
+struct BlockRow {
+  const int* row_ptr;
+  const int* col;  // col_idx; from begin on, at the block row's first block
+  int rp_wide, col_wide;
+  int lg;  // log2(bs)
+  int splits;
+  int64_t w_first;  // from begin on: node n0's row of the block row's first block, in blocks
+
+  // The block row of nodes n0.., and split's part of its virtual K, `step`s (a CTA's threads
+  // x V) at a time.
+  __device__ __forceinline__ void begin(int n0, int split, int step, int& k_lo, int& k_hi) {
+    const int r = n0 >> lg;
+    const int first = __ldg(row_ptr + ((int64_t)r << rp_wide));
+    const int kv = (__ldg(row_ptr + ((int64_t)(r + 1) << rp_wide)) - first) << lg;
+    const int part = (int)kgen::cdiv(kv, (int64_t)splits * step) * step;
+    k_lo = (int)min((int64_t)split * part, (int64_t)kv);
+    k_hi = min(k_lo + part, kv);
+    col += (int64_t)first << col_wide;
+    w_first = (((int64_t)first << lg) + n0 - (r << lg)) << lg;
+  }
+  // x's column of virtual k (an L1 hit after the first CTA of the SM)
+  __device__ __forceinline__ int x_col(int k) const {
+    return (__ldg(col + ((int64_t)(k >> lg) << col_wide)) << lg) + (k & ((1 << lg) - 1));
+  }
+  // node n0 + n's weight at virtual k, from w_first
+  __device__ __forceinline__ int64_t w_at(int n, int k) const {
+    return ((int64_t)(k >> lg) << (2 * lg)) + (k & ((1 << lg) - 1)) + (n << lg);
+  }
+};
+
 template <int BB, typename TW>
-cudaError_t run(const TX* x, const TW* w, float* part_m, float* part_s, float* out, int B, int N, int K,
-                int splits, int k_slice, cudaStream_t stream) {
-  const dim3 grid((unsigned)(kgen::cdiv(N, NODES) * kgen::cdiv(B, BB)), splits);
-  lmm_partials<BB, TW><<<grid, THREADS, 0, stream>>>(x, w, part_m, part_s, out, B, N, K, k_slice, splits == 1);
-  if (splits > 1)
-    lmm_combine<<<(unsigned)kgen::cdiv((int64_t)B * N, 256), 256, 0, stream>>>(part_m, part_s, out, B, N, splits);
-  return cudaGetLastError();
+__global__ void __launch_bounds__(THREADS, (Occupancy<BB, 16 / sizeof(TW), BSL_NODES, BSL_UNROLL>::value))
+bsl_partials(const TX* __restrict__ x, const TW* __restrict__ blocks, BlockRow rows, float* __restrict__ part_m,
+             float* __restrict__ part_s, float* __restrict__ out, int B, int N, int K) {
+  pdl_wait();
+  lmm_body<BB, BSL_NODES, BSL_UNROLL, true>(x, blocks, part_m, part_s, out, B, N, K, 0, rows.splits == 1, rows);
+}
+
+template <int BB, typename TW>
+cudaError_t bsl_run(int device, const TX* x, const TW* blocks, const BlockRow& rows, float* part_m, float* part_s,
+                    float* out, int B, int N, int K, cudaStream_t stream) {
+  const dim3 grid((unsigned)(kgen::cdiv(N, BSL_NODES) * kgen::cdiv(B, BB)), rows.splits);
+  const cudaError_t e = launch_pdl(device, bsl_partials<BB, TW>, grid, dim3(THREADS), 0, stream, x, blocks, rows, part_m,
+                                   part_s, out, B, N, K);
+  if (e != cudaSuccess || rows.splits == 1) return e;
+  return launch_pdl(device, lmm_combine<true>, dim3((unsigned)kgen::cdiv((int64_t)B * N, 256)), dim3(256), 0, stream,
+                    part_m, part_s, out, B, N, rows.splits);
 }
 
 template <typename TW>
-cudaError_t dispatch_b(const TX* x, const void* w, float* pm, float* ps, float* out, int B, int N, int K,
-                       int splits, int k_slice, cudaStream_t s) {
+cudaError_t bsl_dispatch_b(int device, const TX* x, const void* blocks, const BlockRow& rows, float* pm, float* ps,
+                           float* out, int B, int N, int K, cudaStream_t s) {
+  const TW* bt = static_cast<const TW*>(blocks);
+  const int tile = min(B, BSL_ROWS);  // rows of x per CTA
+  if (tile <= 1) return bsl_run<1, TW>(device, x, bt, rows, pm, ps, out, B, N, K, s);
+  if (tile <= 2) return bsl_run<2, TW>(device, x, bt, rows, pm, ps, out, B, N, K, s);
+  if (tile <= 4) return bsl_run<4, TW>(device, x, bt, rows, pm, ps, out, B, N, K, s);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace (closed for the launcher: an extern "C" function in it would not be exported)
+
+// The block-sparse launcher, called through kgen's trampoline like kgen_launch. The caller has
+// checked x in TX and blocks in float32 or TX, both 16-byte aligned, K a multiple of bs, and
+// 1 <= splits <= 65535; it launches on the caller's stream.
+//   ints: device, x [B, K], blocks [nnz, bs, bs], blocks_is_float32, row_ptr [N / bs + 1],
+//         row_ptr_is_int64, col_idx [nnz], col_idx_is_int64, part_m [splits, B, N],
+//         part_s [splits, B, N], out [B, N], B, N, K, bs, splits, stream (part_m, part_s
+//         unused with one split)
+extern "C" int kgen_bsl_launch(const long long* ints, const double* floats) {
+  (void)floats;
+  const int device = (int)ints[0];
+  const TX* x = reinterpret_cast<const TX*>(ints[1]);
+  const void* blocks = reinterpret_cast<const void*>(ints[2]);
+  const bool w_f32 = ints[3] != 0;
+  BlockRow rows{};
+  rows.row_ptr = reinterpret_cast<const int*>(ints[4]);
+  rows.rp_wide = ints[5] != 0;
+  rows.col = reinterpret_cast<const int*>(ints[6]);
+  rows.col_wide = ints[7] != 0;
+  float* pm = reinterpret_cast<float*>(ints[8]);
+  float* ps = reinterpret_cast<float*>(ints[9]);
+  float* out = reinterpret_cast<float*>(ints[10]);
+  const int B = (int)ints[11], N = (int)ints[12], K = (int)ints[13], bs = (int)ints[14];
+  rows.splits = (int)ints[15];
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(ints[16]);
+  // a node group within one block row: bs a power of two >= 32 that BSL_NODES divides
+  if (B < 1 || B > BSL_MAX_B || rows.splits < 1 || rows.splits > 65535 || bs < 32 || (bs & (bs - 1)) ||
+      bs % BSL_NODES || N % bs || K % bs)
+    return (int)cudaErrorInvalidValue;
+  while ((1 << rows.lg) < bs) ++rows.lg;
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device) {
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return (int)e;
+  }
+  if (w_f32) return (int)bsl_dispatch_b<float>(device, x, blocks, rows, pm, ps, out, B, N, K, stream);
+  return (int)bsl_dispatch_b<TX>(device, x, blocks, rows, pm, ps, out, B, N, K, stream);
+}
+
+namespace {
+template <int BB, typename TW>
+cudaError_t run(int device, const TX* x, const TW* w, float* part_m, float* part_s, float* out, int B, int N, int K,
+                int splits, int k_slice, cudaStream_t stream) {
+  const dim3 grid((unsigned)(kgen::cdiv(N, NODES) * kgen::cdiv(B, BB)), splits);
+  const cudaError_t e = launch_pdl(device, lmm_partials<BB, TW>, grid, dim3(THREADS), 0, stream, x, w, part_m, part_s,
+                                   out, B, N, K, k_slice, splits == 1);
+  if (e != cudaSuccess || splits == 1) return e;
+  return launch_pdl(device, lmm_combine<false>, dim3((unsigned)kgen::cdiv((int64_t)B * N, 256)), dim3(256), 0, stream,
+                    part_m, part_s, out, B, N, splits);
+}
+
+template <typename TW>
+cudaError_t dispatch_b(int device, const TX* x, const void* w, float* pm, float* ps, float* out, int B, int N,
+                       int K, int splits, int k_slice, cudaStream_t s) {
   const TW* wt = static_cast<const TW*>(w);
   const int tile = min(B, ROWS);  // rows of x per CTA
-  if (tile <= 1) return run<1, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
-  if (tile <= 2) return run<2, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
-  if (tile <= 4) return run<4, TW>(x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
+  if (tile <= 1) return run<1, TW>(device, x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
+  if (tile <= 2) return run<2, TW>(device, x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
+  if (tile <= 4) return run<4, TW>(device, x, wt, pm, ps, out, B, N, K, splits, k_slice, s);
   return cudaErrorInvalidValue;
 }
 
 
 // ----------------------------------------------------------------------------- backward
-// The backward of the Triton template's header (per-row m_b, S_b; e' = exp(x - m) 2^S,
-// c' = g exp(m - out) 2^-S, 0 where out = -inf; dw = sum_b c' e', dx = e' sum_n c' w) for
-// float32 w and B <= BWD_B, as three launches of one host call (kgen_backward):
-//  1. lmm_bwd_stats, one CTA per row: m_b, S_b as logmatmul_bwd_stats_kernel computes them.
-//  2. lmm_bwd_main, grid (K / (THREADS_BWD x 4), chunks of N): a thread owns 4 columns of w
-//     (16-byte loads, a warp 512 contiguous bytes of a row), computes their e' once, the
-//     CTA stages its chunk's c' in shared memory, then each row of the chunk is read once,
-//     its dw written once (16-byte streaming stores) and c' w summed per column.
-//  3. lmm_bwd_dx (several chunks): dx = e' x the chunks' sums in order (0 where e' = 0).
+// The backward for float32 w and B <= BWD_B: dw[n, k] = sum_b c'[b, n] e'[b, k] and dx[b, k] =
+// e'[b, k] sum_n c'[b, n] w[n, k], with e' = exp(x - m) 2^S and c' = g exp(m - out) 2^-S (0
+// where out = -inf), so that c' e' = g exp(x - out) whatever the shifts: m and S only keep
+// e' and c' in float range. Each CTA takes its own per-row m and S from the x columns and the
+// out rows it uses (as the Triton header's logmatmul_bwd_stats_kernel does for whole rows):
+// m = the largest x, 0 for none; L = log2 of exp(largest out - m); S = min(64, floor(100 - L)),
+// 0 for no live out. Its dx partials are e' times its sums, free of its shifts. So no
+// statistics launch runs first, and two launches of one host call (kgen_backward) remain:
+//  1. lmm_bwd_main, grid (K / (THREADS_BWD x 4), chunks of N): a thread owns 4 columns of w
+//     (16-byte loads, a warp 512 contiguous bytes of a row). Its first rows of w are in flight
+//     before the CTA's shifts and its chunk's c' (in shared memory) are computed; then each
+//     row is read once, the next rows loading while these are used (bwd_rows), its dw written
+//     once (16-byte streaming stores) and c' w summed per column.
+//  2. lmm_bwd_dx (several chunks): dx = the chunks' partials summed in order.
+// Both are programmatic dependent launches (common/pdl.cuh.j2; sm_90): each starts launching
+// while the kernel before it finishes, and waits for it before touching memory.
 // No atomics: bit-identical run to run.
 constexpr int BWD_B = 8;
 constexpr int THREADS_BWD = 128;
-constexpr int BWD_ROWS = 4;  // rows of w in flight per thread
+constexpr int WARPS_BWD = THREADS_BWD / 32;
+// rows of w a thread uses per step, as many more in flight: 8 up to 4 rows of x, 4 at 8 (its
+// sums and exps take the registers; H100, N = K = 4096: B = 1..4 0.5-0.9 us faster than 4 rows)
+template <int BB>
+__host__ __device__ constexpr int bwd_rows() { return BB <= 4 ? 8 : 4; }
 constexpr size_t BWD_SMEM = 46 * 1024;  // c' of a chunk: B x n_chunk floats
 
 __device__ __forceinline__ void st_stream(float* p, float4 v) {
@@ -319,73 +533,102 @@ __device__ __forceinline__ void st_stream(float* p, float4 v) {
                : "memory");
 }
 
-__global__ void __launch_bounds__(256)
-lmm_bwd_stats(const TX* __restrict__ x, const float* __restrict__ out, float* __restrict__ stats, int N, int K) {
-  __shared__ float red[2][8];
-  const int b = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float mx = -INFINITY, mo = -INFINITY;
-  for (int k = threadIdx.x; k < K; k += 256) mx = fmaxf(mx, kgen::to_float(x[(int64_t)b * K + k]));
-  for (int n = threadIdx.x; n < N; n += 256) mo = fmaxf(mo, out[(int64_t)b * N + n]);
-  mx = warp_max(mx);
-  mo = warp_max(mo);
-  if (lane == 0) { red[0][warp] = mx; red[1][warp] = mo; }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    mx = mo = -INFINITY;
-    for (int i = 0; i < 8; ++i) { mx = fmaxf(mx, red[0][i]); mo = fmaxf(mo, red[1][i]); }
-    const float m = mx == -INFINITY ? 0.f : mx;
-    const float L = (mo - m) * LOG2E;  // log2 of the largest live s
-    stats[2 * b] = m;
-    stats[2 * b + 1] = L == -INFINITY ? 0.f : fminf(64.f, floorf(100.f - L));
+// rows r .. r + R - 1 of the chunk at this thread's columns (0 past the chunk or K)
+template <int R>
+__device__ __forceinline__ void bwd_load(float (&wv)[R][4], const float* wp, int r, int rows, int K, bool k_ok) {
+#pragma unroll
+  for (int u = 0; u < R; ++u) {
+    if (k_ok && r + u < rows) {
+      Vec<float, 4>::weights(wp + (int64_t)(r + u) * K, wv[u]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) wv[u][v] = 0.f;
+    }
   }
 }
 
 template <int BB>
 __global__ void __launch_bounds__(THREADS_BWD, 4)
 lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float* __restrict__ out,
-             const float* __restrict__ g, const float* __restrict__ stats, float* __restrict__ dw,
-             float* __restrict__ dxp, TX* __restrict__ dx, int B, int N, int K, int n_chunk, bool direct) {
+             const float* __restrict__ g, float* __restrict__ dw, float* __restrict__ dxp, TX* __restrict__ dx, int B,
+             int N, int K, int n_chunk, bool direct) {
   extern __shared__ float4 bwd_smem[];
   float* cs = reinterpret_cast<float*>(bwd_smem);  // [B][n_chunk]
+  __shared__ float red[2][BB][WARPS_BWD];          // per warp: the largest x, the largest out
+  pdl_wait();  // the kernel before has finished (out and g written)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int k = (blockIdx.x * THREADS_BWD + threadIdx.x) * 4;
   const int n_lo = blockIdx.y * n_chunk;
   const int rows = min(n_chunk, N - n_lo);
+  const bool k_ok = k < K;  // K % 4 == 0: a thread's 4 columns are all in or all out
+  const float* wp = w + (int64_t)n_lo * K + k;
+  constexpr int R = bwd_rows<BB>();
+  float wv[R][4];
+  bwd_load(wv, wp, 0, rows, K, k_ok);  // in flight while the shifts and c' are computed
+
+  // the CTA's shifts: x over its columns, out over its chunk's rows
+  float xv[BB][4];
+#pragma unroll
+  for (int b = 0; b < BB; ++b) {
+    float mx = -INFINITY, mo = -INFINITY;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      // rows past B: -inf (e' = 0: they add nothing to dw; their dx is never written)
+      xv[b][v] = b < B && k_ok ? kgen::to_float(x[(int64_t)b * K + k + v]) : -INFINITY;
+      mx = fmaxf(mx, xv[b][v]);
+    }
+    if (b < B)
+      for (int r = threadIdx.x; r < rows; r += THREADS_BWD) mo = fmaxf(mo, out[(int64_t)b * N + n_lo + r]);
+    mx = warp_max(mx);
+    mo = warp_max(mo);
+    if (lane == 0) {
+      red[0][b][warp] = mx;
+      red[1][b][warp] = mo;
+    }
+  }
+  __syncthreads();
+  float m[BB], S[BB];
+#pragma unroll
+  for (int b = 0; b < BB; ++b) {
+    float mx = -INFINITY, mo = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < WARPS_BWD; ++i) {
+      mx = fmaxf(mx, red[0][b][i]);
+      mo = fmaxf(mo, red[1][b][i]);
+    }
+    m[b] = mx == -INFINITY ? 0.f : mx;
+    const float L = (mo - m[b]) * LOG2E;  // log2 of the largest live s
+    S[b] = L == -INFINITY ? 0.f : fminf(64.f, floorf(100.f - L));
+  }
   for (int i = threadIdx.x; i < B * rows; i += THREADS_BWD) {
     const int b = i / rows, r = i - b * rows;
     const int64_t o = (int64_t)b * N + n_lo + r;
     const float ob = out[o];
-    cs[b * n_chunk + r] = ob == -INFINITY ? 0.f : g[o] * exp2f((stats[2 * b] - ob) * LOG2E - stats[2 * b + 1]);
+    float mb = 0.f, Sb = 0.f;  // m[b], S[b] without indexing registers by a variable
+#pragma unroll
+    for (int j = 0; j < BB; ++j)
+      if (j == b) {
+        mb = m[j];
+        Sb = S[j];
+      }
+    cs[b * n_chunk + r] = ob == -INFINITY ? 0.f : g[o] * exp2f((mb - ob) * LOG2E - Sb);
   }
-  const bool k_ok = k < K;  // K % 4 == 0: a thread's 4 columns are all in or all out
   float e[BB][4], acc[BB][4];
 #pragma unroll
-  for (int b = 0; b < BB; ++b) {
-    const float m = b < B ? stats[2 * b] : 0.f, S = b < B ? stats[2 * b + 1] : 0.f;
+  for (int b = 0; b < BB; ++b)
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
-      // rows past B: e' = 0 (they add nothing to dw; their dx is never written)
-      e[b][v] = b < B && k_ok ? exp2f((kgen::to_float(x[(int64_t)b * K + k + v]) - m) * LOG2E + S) : 0.f;
+      e[b][v] = exp2f((xv[b][v] - m[b]) * LOG2E + S[b]);  // x = -inf: 0
       acc[b][v] = 0.f;
     }
-  }
   __syncthreads();
   if (k_ok) {
-    const float* wp = w + (int64_t)n_lo * K + k;
     float* dwp = dw + (int64_t)n_lo * K + k;
-    int r = 0;
-    for (; r < rows; r += BWD_ROWS) {
-      float wv[BWD_ROWS][4];
+    for (int r = 0; r < rows; r += R) {
+      float wn[R][4];
+      bwd_load(wn, wp, r + R, rows, K, k_ok);  // the next rows, while these are used
 #pragma unroll
-      for (int u = 0; u < BWD_ROWS; ++u) {
-        if (r + u < rows) {
-          Vec<float, 4>::weights(wp + (int64_t)(r + u) * K, wv[u]);
-        } else {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) wv[u][v] = 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < BWD_ROWS; ++u) {
+      for (int u = 0; u < R; ++u) {
         if (r + u < rows) {
           float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -400,17 +643,23 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
           st_stream(dwp + (int64_t)(r + u) * K, make_float4(d[0], d[1], d[2], d[3]));
         }
       }
+#pragma unroll
+      for (int u = 0; u < R; ++u)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) wv[u][v] = wn[u][v];
     }
+    pdl_launch_dependents();  // lmm_bwd_dx may start launching (it waits for this grid)
 #pragma unroll
     for (int b = 0; b < BB; ++b) {
       if (b < B) {
+        float p[4];  // this chunk's part of dx (0 where e' = 0)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) p[v] = e[b][v] > 0.f ? e[b][v] * acc[b][v] : 0.f;
         if (direct) {
 #pragma unroll
-          for (int v = 0; v < 4; ++v)
-            dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(e[b][v] > 0.f ? e[b][v] * acc[b][v] : 0.f);
+          for (int v = 0; v < 4; ++v) dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(p[v]);
         } else {
-          *reinterpret_cast<float4*>(dxp + ((int64_t)blockIdx.y * B + b) * K + k) =
-              make_float4(acc[b][0], acc[b][1], acc[b][2], acc[b][3]);
+          *reinterpret_cast<float4*>(dxp + ((int64_t)blockIdx.y * B + b) * K + k) = make_float4(p[0], p[1], p[2], p[3]);
         }
       }
     }
@@ -418,33 +667,31 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
 }
 
 __global__ void __launch_bounds__(256)
-lmm_bwd_dx(const float* __restrict__ dxp, const TX* __restrict__ x, const float* __restrict__ stats,
-           TX* __restrict__ dx, int B, int K, int chunks) {
+lmm_bwd_dx(const float* __restrict__ dxp, TX* __restrict__ dx, int B, int K, int chunks) {
+  pdl_wait();
   const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x, total = (int64_t)B * K;
   if (i >= total) return;
   float s = 0.f;
   for (int j = 0; j < chunks; ++j) s += dxp[(int64_t)j * total + i];
-  const int b = (int)(i / K);
-  const float e = exp2f((kgen::to_float(x[i]) - stats[2 * b]) * LOG2E + stats[2 * b + 1]);
-  dx[i] = kgen::from_float<TX>(e > 0.f ? e * s : 0.f);
+  dx[i] = kgen::from_float<TX>(s);
 }
 
-cudaError_t backward_run(const TX* x, const float* w, const float* out, const float* g, float* stats, float* dw,
+cudaError_t backward_run(int device, const TX* x, const float* w, const float* out, const float* g, float* dw,
                          float* dxp, TX* dx, int B, int N, int K, int chunks, int n_chunk, cudaStream_t s) {
   const size_t smem = (size_t)B * n_chunk * sizeof(float);
   if (B < 1 || B > BWD_B || K % 4 || chunks < 1 || chunks > 65535 || (int64_t)chunks * n_chunk < N ||
       smem > BWD_SMEM)
     return cudaErrorInvalidValue;
-  lmm_bwd_stats<<<B, 256, 0, s>>>(x, out, stats, N, K);
-  const dim3 grid((unsigned)kgen::cdiv(K, THREADS_BWD * 4), chunks);
+  const dim3 grid((unsigned)kgen::cdiv(K, THREADS_BWD * 4), chunks), block(THREADS_BWD);
   const bool direct = chunks == 1;
-  if (B <= 1) lmm_bwd_main<1><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
-  else if (B <= 2) lmm_bwd_main<2><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
-  else if (B <= 4) lmm_bwd_main<4><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
-  else lmm_bwd_main<8><<<grid, THREADS_BWD, smem, s>>>(x, w, out, g, stats, dw, dxp, dx, B, N, K, n_chunk, direct);
-  if (!direct)
-    lmm_bwd_dx<<<(unsigned)kgen::cdiv((int64_t)B * K, 256), 256, 0, s>>>(dxp, x, stats, dx, B, K, chunks);
-  return cudaGetLastError();
+  cudaError_t e;
+  if (B <= 1) e = launch_pdl(device, lmm_bwd_main<1>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (B <= 2) e = launch_pdl(device, lmm_bwd_main<2>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (B <= 4) e = launch_pdl(device, lmm_bwd_main<4>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else e = launch_pdl(device, lmm_bwd_main<8>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  if (e != cudaSuccess || direct) return e;
+  return launch_pdl(device, lmm_bwd_dx, dim3((unsigned)kgen::cdiv((int64_t)B * K, 256)), dim3(256), 0, s, dxp, dx, B, K,
+                    chunks);
 }
 
 }  // namespace
@@ -471,14 +718,14 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
     const cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess) return (int)e;
   }
-  if (w_f32) return (int)dispatch_b<float>(x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
-  return (int)dispatch_b<TX>(x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
+  if (w_f32) return (int)dispatch_b<float>(device, x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
+  return (int)dispatch_b<TX>(device, x, w, pm, ps, out, B, N, K, splits, k_slice, stream);
 }
 
 // The backward launcher (float32 w, B <= 8; the caller has checked K % 4 == 0, a 16-byte
 // aligned w, fresh 16-byte aligned outputs, B x n_chunk floats <= 46 KiB):
-//   ints: device, x, w, out [B, N], g [B, N] (float32), stats [B, 2], dw [N, K], dxp
-//         [chunks, B, K] (unused with one chunk), dx [B, K], B, N, K, chunks, n_chunk, stream
+//   ints: device, x, w, out [B, N], g [B, N] (float32), dw [N, K], dxp [chunks, B, K] (unused
+//         with one chunk), dx [B, K], B, N, K, chunks, n_chunk, stream
 extern "C" int kgen_backward(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
@@ -487,12 +734,11 @@ extern "C" int kgen_backward(const long long* ints, const double* floats) {
     const cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess) return (int)e;
   }
-  return (int)backward_run(reinterpret_cast<const TX*>(ints[1]), reinterpret_cast<const float*>(ints[2]),
+  return (int)backward_run(device, reinterpret_cast<const TX*>(ints[1]), reinterpret_cast<const float*>(ints[2]),
                            reinterpret_cast<const float*>(ints[3]), reinterpret_cast<const float*>(ints[4]),
                            reinterpret_cast<float*>(ints[5]), reinterpret_cast<float*>(ints[6]),
-                           reinterpret_cast<float*>(ints[7]), reinterpret_cast<TX*>(ints[8]), (int)ints[9],
-                           (int)ints[10], (int)ints[11], (int)ints[12], (int)ints[13],
-                           reinterpret_cast<cudaStream_t>(ints[14]));
+                           reinterpret_cast<TX*>(ints[7]), (int)ints[8], (int)ints[9], (int)ints[10], (int)ints[11],
+                           (int)ints[12], reinterpret_cast<cudaStream_t>(ints[13]));
 }
 
 extern "C" const char* kgen_error_string(int code) {

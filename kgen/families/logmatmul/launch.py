@@ -11,9 +11,12 @@ CTAs hold 16 nodes per warp's m-tile and its K slices step by plans.cuda_k_step.
 
 Backward: see the Triton template's header (per-row factors, then one pass over w that
 reads it and writes dw; dx's chunk partials summed in order: no atomics, bit-identical run
-to run). A CUDA variant's library holds the same backward for float32 w and B <= 8
-(CudaForward.backward: its three launches in one host call, as the forward's; not yet on
-the default path: CUDA_BACKWARD).
+to run). A CUDA variant's library holds its own backward for float32 w and B <= 8
+(CudaForward.backward: two launches in one host call, each CTA taking its own shifts, so
+no statistics launch; backward.cuh.j2), on by default (CUDA_BACKWARD).
+
+Block-sparse forward: a CUDA variant's library runs its own (CudaForward.bsl: the dense
+kernel's CTA over block rows, bsl.cuh.j2) where it takes the call; else the Triton kernel.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import os
 import torch
 
 from kgen.families.logmatmul.plans import (
-    BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
-    cuda_k_step, k_split, pow2_at_least, sm_count)
-from kgen.families.logmatmul.schema import cuda_op_max_b, cuda_rows
+    BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_chunks, bwd_cuda_chunks,
+    bwd_rows, cdiv, cuda_k_step, k_split, pow2_at_least, sm_count)
+from kgen.families.logmatmul.schema import CUDA_MAX_B, cuda_bsl_shape, cuda_op_max_b, cuda_rows
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
@@ -39,6 +42,24 @@ _empty = torch.empty  # tests patch this to poison every buffer
 CUDA_BACKWARD = os.environ.get("KGEN_LOGMATMUL_CUDA_BACKWARD", "1") != "0"
 _TORCH_EMPTY = torch.empty
 MISSING = object()
+
+
+def _library_entry(kernel, symbol: str):
+    """(raw, fnptr) calling a launcher of a CUDA variant's library other than kgen_launch
+    through the trampoline like the forward's (ctypes where this Python has none), or None
+    where the library has no such symbol."""
+    lib = getattr(kernel, "lib", None)
+    fn = getattr(lib, symbol, None) if lib is not None else None
+    if fn is None:
+        return None
+    import ctypes
+
+    from kgen.runtime import loader
+
+    tramp = loader.trampoline()
+    return (tramp.call, ctypes.cast(fn, ctypes.c_void_p).value) if tramp is not None else (loader._ctypes_raw(fn), 0)
+
+
 class CudaForward:
     """A CUDA variant's forward with the Triton module that serves its backward and the
     inputs it cannot take (B above its max_b, rows not whole 16-byte vectors, unaligned
@@ -57,19 +78,11 @@ class CudaForward:
         self.mma = kernel.params.get("mma", 0)
         self.DOT = "cuda"
         self._plans: dict = {}  # (B, N, K, w is float32, device) -> (splits, k_slice)
-        # the library's backward launcher (kgen_backward: float32 w, B <= BWD_B), through the
-        # trampoline like the forward's (ctypes where this Python has none)
-        lib = getattr(kernel, "lib", None)
-        fn = getattr(lib, "kgen_backward", None) if lib is not None else None
-        self._bwd = None
-        if fn is not None:
-            import ctypes
-
-            from kgen.runtime import loader
-
-            tramp = loader.trampoline()
-            self._bwd = (tramp.call, ctypes.cast(fn, ctypes.c_void_p).value) if tramp is not None else (
-                loader._ctypes_raw(fn), 0)
+        # the library's backward launcher (kgen_backward: float32 w, B <= BWD_B) and its
+        # block-sparse forward (kgen_bsl_launch), whose CTAs' nodes and rows of x are its own
+        self._bwd = _library_entry(kernel, "kgen_backward")
+        self._bsl = _library_entry(kernel, "kgen_bsl_launch")
+        self.bsl_nodes, _, self.bsl_rows = cuda_bsl_shape(kernel.params, kernel.variant.dtype)
 
     def takes(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         B, K = x.shape
@@ -162,7 +175,7 @@ class CudaForward:
         return launch
 
     def backward(self, x, w, out, grad):
-        """(dx, dw) by the library's backward (one host call, three launches), or None where
+        """(dx, dw) by the library's backward (one host call, two launches), or None where
         it does not apply (then the Triton companion's backward runs): float32 w, x in the
         variant's dtype, 1 <= B <= BWD_B, whole 16-byte rows of w at a 16-byte aligned base."""
         B, K = x.shape
@@ -173,16 +186,45 @@ class CudaForward:
         dev = x.device
         chunks, n_chunk = bwd_cuda_chunks(B, N, K, sm_count(dev))
         f32 = torch.float32
-        stats = _empty((B, 2), dtype=f32, device=dev)
         dw = _empty((N, K), dtype=f32, device=dev)
         dx = _empty((B, K), dtype=x.dtype, device=dev)
         dxp = dx if chunks == 1 else _empty((chunks, B, K), dtype=f32, device=dev)
         raw, ptr = self._bwd
-        rc = raw(ptr, dev.index, x.data_ptr(), w.data_ptr(), out.data_ptr(), grad.data_ptr(), stats.data_ptr(),
-                 dw.data_ptr(), dxp.data_ptr(), dx.data_ptr(), B, N, K, chunks, n_chunk, current_raw_stream(dev.index))
+        rc = raw(ptr, dev.index, x.data_ptr(), w.data_ptr(), out.data_ptr(), grad.data_ptr(), dw.data_ptr(),
+                 dxp.data_ptr(), dx.data_ptr(), B, N, K, chunks, n_chunk, current_raw_stream(dev.index))
         if rc:
             self.kernel.fail(rc)
         return dx, dw
+
+    def bsl(self, x, blocks, row_ptr, col_idx, block_size: int, out, splits: int | None = None) -> bool:
+        """The block-sparse forward by the library's kgen_bsl_launch into out (its K splits'
+        partials and their merge in one host call), True; or False where it does not apply
+        (then the Triton companion runs): 1 <= B <= CUDA_MAX_B, x in the variant's dtype,
+        blocks float32 (or x's dtype but for the tensor-core form), x and blocks at 16-byte
+        aligned bases, a node group within a block row. `splits` forces the K split count."""
+        B, K = x.shape
+        N = out.shape[1]
+        w32 = blocks.dtype is torch.float32
+        if (self._bsl is None or not 1 <= B <= CUDA_MAX_B or x.dtype is not self.dtype
+                or not (w32 or (blocks.dtype is x.dtype and not self.mma)) or block_size % self.bsl_nodes
+                or (x.data_ptr() | blocks.data_ptr()) & 15):
+            return False
+        dev = x.device
+        step = self.warps * 32 * (4 if w32 else 8)  # a CTA's threads x 16 bytes of w
+        splits = bsl_cuda_splits(B, N // block_size, blocks.shape[0], block_size, self.bsl_nodes, self.bsl_rows, step,
+                                 self.waves, sm_count(dev), splits)
+        if splits == 1:
+            part_m = part_s = out  # unused
+        else:
+            part_m, part_s = _empty((2, splits, B, N), dtype=torch.float32, device=dev)
+        i64 = torch.int64
+        raw, ptr = self._bsl
+        rc = raw(ptr, dev.index, x.data_ptr(), blocks.data_ptr(), w32, row_ptr.data_ptr(), row_ptr.dtype is i64,
+                 col_idx.data_ptr(), col_idx.dtype is i64, part_m.data_ptr(), part_s.data_ptr(), out.data_ptr(), B, N,
+                 K, block_size, splits, current_raw_stream(dev.index))
+        if rc:
+            self.kernel.fail(rc)
+        return True
 
 
 def forward(mod, x: torch.Tensor, w: torch.Tensor, splits: int | None = None) -> torch.Tensor:
@@ -342,14 +384,18 @@ def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tens
 # --------------------------------------------------------------------------- block-sparse
 
 
-def bsl_forward(mod, x, blocks, row_ptr, col_idx, block_size: int) -> torch.Tensor:
-    if isinstance(mod, CudaForward):
-        mod = mod.triton
+def bsl_forward(mod, x, blocks, row_ptr, col_idx, block_size: int, splits: int | None = None) -> torch.Tensor:
+    """out [B, N] float32 of checked, contiguous inputs: a CUDA variant's own kernel where it
+    takes them (CudaForward.bsl; `splits` forces its K splits), else the Triton kernel."""
     B, K = x.shape
     N = (row_ptr.shape[0] - 1) * block_size
     out = _empty((B, N), dtype=torch.float32, device=x.device)
     if B == 0 or N == 0:
         return out
+    if isinstance(mod, CudaForward):
+        if mod.bsl(x, blocks, row_ptr, col_idx, block_size, out, splits):
+            return out
+        mod = mod.triton
     bn, bk = bsl_tiles(mod, block_size)
     bb = block_b(mod, B)
     n_tiles = N // bn

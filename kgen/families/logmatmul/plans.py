@@ -102,3 +102,22 @@ def bwd_rows(mod, B: int) -> int:
 def bsl_tiles(mod, block_size: int) -> tuple[int, int]:
     """(block_n, block_k) of the block-sparse forward: the variant's, within one block."""
     return min(mod.BLOCK_N, block_size), min(mod.BLOCK_K, block_size)
+
+
+def bsl_cuda_splits(B: int, R: int, nnz: int, bs: int, nodes: int, rows: int, step: int, waves: int, sms: int,
+                    splits: int | None = None) -> int:
+    """K splits of a CUDA variant's block-sparse forward (bsl.cuh.j2) for B rows of x and R
+    block rows holding nnz blocks of bs x bs. Its CTAs are (node groups of `nodes`) x (tiles
+    of at most `rows` rows of x) x splits; split s of a block row takes the s-th of `splits`
+    equal parts of the row's nnz_r x bs virtual K, in whole `step`s (threads x 16 bytes of w),
+    sized by the kernel from row_ptr: the host knows only nnz (reading row_ptr would wait on
+    the device), so as the dense plan (CudaForward._plan) it aims for about `waves` CTAs per
+    SM, to the nearest whole number of splits, with at least MIN_SPLIT_STEPS steps a part for
+    the average row. `splits` forces a count (tests; 1 to 65535: parts past a row's end are
+    empty). At N = K = 4096, 8 of 32 128-blocks a row, 8 nodes, B <= 4, 132 SMs: 512 CTAs,
+    virtual K 1024 = 2 steps of 512: one split."""
+    if splits is None:
+        tiles = max(1, cdiv(R * bs, nodes) * cdiv(B, min(B, rows)))
+        avg = cdiv(nnz * bs, max(R, 1))  # a block row's virtual K on average
+        splits = min(max(1, (waves * sms + tiles // 2) // tiles), max(1, cdiv(avg, step) // MIN_SPLIT_STEPS))
+    return max(1, min(splits, 65535))

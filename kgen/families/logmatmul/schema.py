@@ -56,6 +56,24 @@ def cuda_rows(knobs: Mapping[str, Any], dtype: str) -> int:
     return knobs["rows"] or cuda_max_b(knobs["nodes"], knobs["vec"], knobs["unroll"], dtype, knobs.get("mma", 0))
 
 
+# The block-sparse forward of a CUDA variant (bsl.cuh.j2) is lmm_partials' FMA body over block
+# rows: an FMA variant's own nodes, unroll and rows of x, at most BSL_UNROLLED_ROWS rows with
+# more than one step of loads in flight (its block-row indexing holds a few registers more:
+# 8 rows x 4 nodes at unroll 2 spilled 16 bytes on sm_90); the tensor-core form (16 nodes an
+# m-tile) takes the first FMA variant's shape: 8 nodes, 1 step of loads in flight, 4 rows.
+BSL_MMA_SHAPE = (8, 1, 4)
+BSL_UNROLLED_ROWS = 4
+
+
+def cuda_bsl_shape(knobs: Mapping[str, Any], dtype: str) -> tuple[int, int, int]:
+    """(nodes, unroll, rows of x per CTA) of a CUDA variant's block-sparse kernel. It takes
+    B <= CUDA_MAX_B: B above its rows runs as CTAs side by side per node group."""
+    if knobs.get("mma", 0):
+        return BSL_MMA_SHAPE
+    rows = cuda_rows(knobs, dtype)
+    return knobs["nodes"], knobs["unroll"], min(rows, BSL_UNROLLED_ROWS) if knobs["unroll"] > 1 else rows
+
+
 def _check_triton(dtype: str, k: Mapping[str, Any]):
     problems = []
     threads = 32 * k["num_warps"]
@@ -167,10 +185,17 @@ def template_context(variant) -> dict:
         first = MMA_ROWS[0] if p["mma"] else 1
         return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "UNROLL": p["unroll"],
                 "ROWS": rows, "MAX_B": cuda_op_max_b(p, variant.dtype), "MMA": p["mma"], "MTILES": p["mtiles"],
-                "batch_instances": [b for b in (1 << i for i in range(rows.bit_length())) if b >= first]}
+                "batch_instances": [b for b in (1 << i for i in range(rows.bit_length())) if b >= first],
+                **_bsl_context(p, variant.dtype)}
     return {"BLOCK_B": p["block_b"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "DOT": p["dot"],
             "NUM_WARPS": p["num_warps"], "NUM_STAGES": p["num_stages"], "WAVES": p["waves"],
             "BWD_B": p["bwd_b"], "BWD_N": p["bwd_n"], "BWD_K": p["bwd_k"], "BWD_WARPS": p["bwd_warps"]}
+
+
+def _bsl_context(p, dtype: str) -> dict:
+    nodes, unroll, rows = cuda_bsl_shape(p, dtype)
+    return {"BSL_NODES": nodes, "BSL_UNROLL": unroll, "BSL_ROWS": rows, "BSL_MAX_B": CUDA_MAX_B,
+            "bsl_instances": [1 << i for i in range(rows.bit_length())]}
 
 
 def triton_aot(variant, mod) -> list:
