@@ -26,8 +26,8 @@ import os
 import torch
 
 from kgen.families.logmatmul.plans import (
-    BWD_B, MIN_SPLIT_STEPS, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_chunks, bwd_cuda_chunks,
-    bwd_rows, cdiv, cuda_k_step, k_split, pow2_at_least, sm_count)
+    BWD_B, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
+    cuda_k_step, cuda_splits, k_split, pow2_at_least, sm_count)
 from kgen.families.logmatmul.schema import CUDA_MAX_B, cuda_bsl_shape, cuda_op_max_b, cuda_rows
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
@@ -105,11 +105,7 @@ class CudaForward:
             step = cuda_k_step(self.kernel.params, w32)
             tiles = cdiv(N, self.nodes) * cdiv(B, min(B, self.rows))
             if splits is None:
-                # CTAs for about `waves` per SM, to the nearest whole number of splits (one wave of
-                # node groups that nearly fills the GPU takes no split: on an H100 at N = K = 4096,
-                # 8 nodes and B <= 8, 512 CTAs in one launch took 33-41 us against 36-46 us for 2 splits)
-                sms = sm_count(torch.device("cuda", index))
-                splits = min(max(1, (self.waves * sms + tiles // 2) // tiles), max(1, cdiv(K, step) // MIN_SPLIT_STEPS))
+                splits = cuda_splits(tiles, K, step, self.waves, sm_count(torch.device("cuda", index)))
             plan = k_split(1, N, K, 1, self.nodes, step, self.waves, 1, splits)
         if forced is None:
             if len(self._plans) > 4096:  # many shapes: keep the memo small, as op._BY_SHAPE does

@@ -104,6 +104,15 @@ def bsl_tiles(mod, block_size: int) -> tuple[int, int]:
     return min(mod.BLOCK_N, block_size), min(mod.BLOCK_K, block_size)
 
 
+def cuda_splits(tiles: int, k_len: int, step: int, waves: int, sms: int) -> int:
+    """K splits of a CUDA forward with `tiles` CTAs a split over a K of k_len: about `waves`
+    CTAs per SM, to the nearest whole number of splits (one wave of tiles that nearly fills
+    the GPU takes no split: on an H100 at N = K = 4096, 8 nodes and B <= 8, 512 CTAs in one
+    launch took 33-41 us against 36-46 us for 2 splits), each split at least MIN_SPLIT_STEPS
+    `step`s long."""
+    return min(max(1, (waves * sms + tiles // 2) // tiles), max(1, cdiv(k_len, step) // MIN_SPLIT_STEPS))
+
+
 def bsl_cuda_splits(B: int, R: int, nnz: int, bs: int, nodes: int, rows: int, step: int, waves: int, sms: int,
                     splits: int | None = None) -> int:
     """K splits of a CUDA variant's block-sparse forward (bsl.cuh.j2) for B rows of x and R
@@ -112,12 +121,12 @@ def bsl_cuda_splits(B: int, R: int, nnz: int, bs: int, nodes: int, rows: int, st
     equal parts of the row's nnz_r x bs virtual K, in whole `step`s (threads x 16 bytes of w),
     sized by the kernel from row_ptr: the host knows only nnz (reading row_ptr would wait on
     the device), so as the dense plan (CudaForward._plan) it aims for about `waves` CTAs per
-    SM, to the nearest whole number of splits, with at least MIN_SPLIT_STEPS steps a part for
-    the average row. `splits` forces a count (tests; 1 to 65535: parts past a row's end are
+    SM with at least MIN_SPLIT_STEPS steps a part for the average row (cuda_splits).
+    `splits` forces a count (tests; 1 to 65535: parts past a row's end are
     empty). At N = K = 4096, 8 of 32 128-blocks a row, 8 nodes, B <= 4, 132 SMs: 512 CTAs,
     virtual K 1024 = 2 steps of 512: one split."""
     if splits is None:
         tiles = max(1, cdiv(R * bs, nodes) * cdiv(B, min(B, rows)))
         avg = cdiv(nnz * bs, max(R, 1))  # a block row's virtual K on average
-        splits = min(max(1, (waves * sms + tiles // 2) // tiles), max(1, cdiv(avg, step) // MIN_SPLIT_STEPS))
+        splits = cuda_splits(tiles, avg, step, waves, sms)
     return max(1, min(splits, 65535))
