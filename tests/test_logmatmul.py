@@ -492,7 +492,7 @@ def test_cuda_mma_knob_checks_and_plan(monkeypatch):
     assert mod._plan((12, 11008, 4096, f32, f32, 0)) == (3, 1408)  # 172 node groups x 3
     assert mod._plan((3, 77, 332, f32, f32, 0)) == (1, 384)  # small: one launch (2 CTAs)
     for key in ((17, 4096, 4096, f32, f32, 0), (4, 4096, 4098, f32, f32, 0), (4, 4096, 4096, f32, bf16, 0),
-                (4, 4096, 4096, bf16, bf16, 0)):
+                (4, 4096, 4096, bf16, bf16, 0), (1, 8, schema.CUDA_MAX_K + 4, f32, f32, 0)):
         assert mod._plan(key) is None, key
     Kernel.params = dict(MMA_FORMS["sm90_w4_n32_v4_u2_b8_m1_f32"].params)
     mod = launch.CudaForward(Kernel, None)

@@ -18,6 +18,9 @@ _REG_BUDGET = 128
 # 16-bit x unpacks beside them, so at most 32 accumulators.
 CUDA_MAX_B = 16
 _CUDA_REGS = 96
+# The widest K the CUDA forward takes: its FMA CTA addresses a node's row from the node group's
+# first with an int (nodes x K < 2^31); wider calls run on the Triton kernels.
+CUDA_MAX_K = 1 << 27
 
 
 # The tensor-core form (mma = 1): a warp owns 16 nodes (an mma m-tile), a CTA 16 x (m-tiles)
@@ -183,7 +186,8 @@ def template_context(variant) -> dict:
         rows = cuda_rows(p, variant.dtype)
         # row instances: the smallest holding the tile serves (powers of two; mma: n-tiles of 8)
         first = MMA_ROWS[0] if p["mma"] else 1
-        return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "UNROLL": p["unroll"],
+        return {"dtype": variant.dtype, "CUDA_MAX_K": CUDA_MAX_K, "WARPS": p["warps"], "NODES": p["nodes"],
+                "UNROLL": p["unroll"],
                 "ROWS": rows, "MAX_B": cuda_op_max_b(p, variant.dtype), "MMA": p["mma"], "MTILES": p["mtiles"],
                 "batch_instances": [b for b in (1 << i for i in range(rows.bit_length())) if b >= first],
                 **_bsl_context(p, variant.dtype)}
