@@ -99,8 +99,7 @@ class CudaForward:
         w32 = wt is torch.float32
         plan, forced = None, splits
         if (1 <= B <= self.max_b and K <= CUDA_MAX_K and (K * (4 if w32 else 2)) % 16 == 0 and xt == self.dtype
-                and (w32 or wt == xt)
-                and (w32 or not self.mma)):
+                and (w32 or wt == xt) and (w32 or not self.mma)):
             # a CTA's K slice is a whole number of steps (threads x 16 bytes of w; mma: a warp's
             # loop step of chunks of 16 k)
             step = cuda_k_step(self.kernel.params, w32)

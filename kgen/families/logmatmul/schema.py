@@ -186,9 +186,9 @@ def template_context(variant) -> dict:
         rows = cuda_rows(p, variant.dtype)
         # row instances: the smallest holding the tile serves (powers of two; mma: n-tiles of 8)
         first = MMA_ROWS[0] if p["mma"] else 1
-        return {"dtype": variant.dtype, "CUDA_MAX_K": CUDA_MAX_K, "WARPS": p["warps"], "NODES": p["nodes"],
-                "UNROLL": p["unroll"],
+        return {"dtype": variant.dtype, "WARPS": p["warps"], "NODES": p["nodes"], "UNROLL": p["unroll"],
                 "ROWS": rows, "MAX_B": cuda_op_max_b(p, variant.dtype), "MMA": p["mma"], "MTILES": p["mtiles"],
+                "CUDA_MAX_K": CUDA_MAX_K,
                 "batch_instances": [b for b in (1 << i for i in range(rows.bit_length())) if b >= first],
                 **_bsl_context(p, variant.dtype)}
     return {"BLOCK_B": p["block_b"], "BLOCK_N": p["block_n"], "BLOCK_K": p["block_k"], "DOT": p["dot"],
