@@ -274,9 +274,10 @@ def test_cuda_variant_sass(cuda_builds, name):
 def test_gemv_variant_sass(cuda_builds, name):
     """The small-M kernel: int8 mma.sync (IMMA.16832.S8.S8) or bf16 / fp16 (HMMA.16816.F32)
     fed by 16-byte no-L1-allocate loads of the weight (LDG.E.NA...128), or with a ring by
-    cp.async (LDGSTS); no local memory in any of its six kernels (4 GEMV instances, 2
-    combines); static shared memory only for the K-warps' sums (at most schema.gemv_smem
-    bytes, plus the 1 KB the system reserves on sm_90, which the report may include)."""
+    cp.async (LDGSTS); on sm_90 every kernel a programmatic dependent launch's wait; no
+    local memory in any of its six kernels (4 GEMV instances, 2 combines); static shared
+    memory only for the K-warps' sums (at most schema.gemv_smem bytes, plus the 1 KB the
+    system reserves on sm_90, which the report may include)."""
     r = cuda_builds[name]
     assert r.status in ("built", "cached"), r.error
     lib = r.entry.file(build.CUDA_LIB)
@@ -290,6 +291,10 @@ def test_gemv_variant_sass(cuda_builds, name):
         assert re.search(r"LDG\.E\.NA\S*\.128", sass), "no 16-byte L1::no_allocate weight loads"
         assert "LDGSTS" not in sass
     assert not re.search(r"\b(LDL|STL)\b", sass)
+    # programmatic dependent launches: on sm_90 each kernel waits for the one before it
+    # (griddepcontrol.wait, ACQBULK in SASS) before it touches memory; sm_80 has no such wait
+    waits, kernels = sass.count("ACQBULK"), sass.count("Function : ")
+    assert (waits >= kernels) if r.variant.arch == "sm_90" else waits == 0, (waits, kernels)
     res = toolchain.resource_usage(lib)
     assert len(res) == 6
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res

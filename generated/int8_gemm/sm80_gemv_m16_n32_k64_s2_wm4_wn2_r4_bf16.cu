@@ -76,6 +76,49 @@ inline cudaError_t opt_in_shared_memory(Kernel kernel, int bytes, int device, ui
 
 namespace {
 
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel (launched with launch_pdl) start launching now; its pdl_wait still
+// waits for this grid's completion.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether `device` takes programmatic dependent launches (compute capability 9.0 or later),
+// asked once per device.
+inline bool pdl_supported(int device) {
+  static signed char known[64] = {};  // 0 unknown, 1 yes, -1 no
+  if (device < 0 || device >= 64) return false;
+  if (!known[device]) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    known[device] = major >= 9 ? 1 : -1;
+  }
+  return known[device] > 0;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(int device, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_supported(device) ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 constexpr int WARPS = 2;    // warps per CTA along rows, each on its own rows
 constexpr int KW = 4;          // warps per CTA along K (same rows, distinct step ranges)
 constexpr int RG = 1;          // 16-row groups per warp
@@ -209,6 +252,7 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
   // x of the next trip loaded ahead too where it costs <= 32 registers a trip (64 with the
   // weight in shared memory), else at the start of its own trip
   constexpr bool XPRE = TG * XWORDS * UNROLL <= (RING ? 64 : 32);
+  pdl_wait();  // a programmatic dependent launch (common/pdl.cuh.j2): the kernel before has finished
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int wr = warp % WARPS, wk = warp / WARPS;  // row group, K range of the warp
   const int n_warp = blockIdx.x * ROWS + wr * 16 * RG;
@@ -436,6 +480,7 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
 // splits > 1: out[m, n] = finish(sum of the partial planes in split order).
 template <int MODE, bool GROUPED>
 __global__ void __launch_bounds__(256) combine_kernel(const Params p) {
+  pdl_wait();
   const int64_t plane = (int64_t)p.M * p.N;
   for (int64_t i = blockIdx.x * 256ll + threadIdx.x; i < plane; i += (int64_t)gridDim.x * 256) {
     Acc v = 0;
@@ -444,26 +489,26 @@ __global__ void __launch_bounds__(256) combine_kernel(const Params p) {
   }
 }
 
+// Both kernels are programmatic dependent launches (sm_90: each starts while the kernel before
+// it on the stream finishes, and waits for it before touching memory).
 template <int MODE, bool GROUPED>
 cudaError_t launch(const Params& p, int device, cudaStream_t stream) {
   const dim3 grid((unsigned)kgen::cdiv(p.N, ROWS), (unsigned)p.splits);
   static uint64_t done8 = 0, done16 = 0;
+  cudaError_t e;
   if (p.M <= 8) {
-    const cudaError_t e = kgen::opt_in_shared_memory(gemv_kernel<MODE, 8, GROUPED>, RING_BYTES, device, done8);
-    if (e != cudaSuccess) return e;
-    gemv_kernel<MODE, 8, GROUPED><<<grid, THREADS, RING_BYTES, stream>>>(p);
+    e = kgen::opt_in_shared_memory(gemv_kernel<MODE, 8, GROUPED>, RING_BYTES, device, done8);
+    if (e == cudaSuccess)
+      e = launch_pdl(device, gemv_kernel<MODE, 8, GROUPED>, grid, dim3(THREADS), RING_BYTES, stream, p);
   } else {
-    const cudaError_t e = kgen::opt_in_shared_memory(gemv_kernel<MODE, MAX_M, GROUPED>, RING_BYTES, device, done16);
-    if (e != cudaSuccess) return e;
-    gemv_kernel<MODE, MAX_M, GROUPED><<<grid, THREADS, RING_BYTES, stream>>>(p);
+    e = kgen::opt_in_shared_memory(gemv_kernel<MODE, MAX_M, GROUPED>, RING_BYTES, device, done16);
+    if (e == cudaSuccess)
+      e = launch_pdl(device, gemv_kernel<MODE, MAX_M, GROUPED>, grid, dim3(THREADS), RING_BYTES, stream, p);
   }
-  if (p.splits > 1) {
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess) return e;
-    const int64_t blocks = kgen::cdiv((int64_t)p.M * p.N, 256);
-    combine_kernel<MODE, GROUPED><<<(unsigned)(blocks < 4096 ? blocks : 4096), 256, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  if (e != cudaSuccess || p.splits == 1) return e;
+  const int64_t blocks = kgen::cdiv((int64_t)p.M * p.N, 256);
+  return launch_pdl(device, combine_kernel<MODE, GROUPED>, dim3((unsigned)(blocks < 4096 ? blocks : 4096)), dim3(256),
+                    0, stream, p);
 }
 
 }  // namespace
