@@ -74,6 +74,10 @@ def test_cuda_variant_compiles_with_16_byte_accesses(fba_builds, name):
     width = r.variant.params["vec"] * spec.DTYPES[r.variant.dtype][0] * 8
     assert f"LDG.E.{width}" in sass and f"STG.E.{width}" in sass
     assert "LDL" not in sass and "STL" not in sass  # no local memory
+    # programmatic dependent launches: on sm_90 every kernel waits for the one before it
+    # (griddepcontrol.wait, ACQBULK in SASS) before it touches memory; sm_80 has no such wait
+    waits, kernels = sass.count("ACQBULK"), sass.count("Function : ")
+    assert (waits >= kernels) if r.variant.arch == "sm_90" else waits == 0, (waits, kernels)
     res = toolchain.resource_usage(lib)
     # 5 activations x (with, without y) x (vector, tail); order flat's vector path has two
     # instances, the bias one 16-byte load (cols % vec == 0) or read per element

@@ -12,6 +12,8 @@
 // pointers. Tail path (V = 1): any size or alignment, one element per thread.
 // Order "down": grid (row blocks, column blocks), row blocks fastest: the CTAs resident at
 // once share column blocks across many rows.
+// Every launch is a programmatic dependent launch (common/pdl.cuh.j2; sm_90): it starts while
+// the kernel before it on the stream finishes and waits for it before touching memory.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -114,6 +116,49 @@ __device__ __forceinline__ float activate(float z) {
 
 namespace {
 
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel (launched with launch_pdl) start launching now; its pdl_wait still
+// waits for this grid's completion.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether `device` takes programmatic dependent launches (compute capability 9.0 or later),
+// asked once per device.
+inline bool pdl_supported(int device) {
+  static signed char known[64] = {};  // 0 unknown, 1 yes, -1 no
+  if (device < 0 || device >= 64) return false;
+  if (!known[device]) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    known[device] = major >= 9 ? 1 : -1;
+  }
+  return known[device] > 0;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(int device, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_supported(device) ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 using T = __nv_bfloat16;
 constexpr int THREADS = 256;
 constexpr int VEC = 8;
@@ -124,6 +169,7 @@ template <int ACT, bool HAS_Y, int V>
 __global__ void __launch_bounds__(THREADS)
 fused_bias_act_kernel(const T* x, const T* y, const T* __restrict__ bias, T* out, float alpha,
                       int64_t rows, int64_t cols, unsigned colblocks) {
+  pdl_wait();  // a programmatic dependent launch (common/pdl.cuh.j2): the kernel before has finished
   const unsigned bx = ACROSS ? blockIdx.x % colblocks : blockIdx.y;
   const unsigned by = ACROSS ? blockIdx.x / colblocks : blockIdx.x;
   const int64_t col = ((int64_t)bx * THREADS + threadIdx.x) * V;
@@ -162,7 +208,7 @@ fused_bias_act_kernel(const T* x, const T* y, const T* __restrict__ bias, T* out
 }
 
 template <int ACT>
-cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, float alpha,
+cudaError_t launch(int device, bool has_y, const T* x, const T* y, const T* bias, T* out, float alpha,
                    int64_t rows, int64_t cols, double /* rcols: order flat's */, cudaStream_t stream) {
   const bool vec = cols % VEC == 0 && kgen::aligned_to(x, 16) && kgen::aligned_to(bias, 16) &&
                    kgen::aligned_to(out, 16) && (!has_y || kgen::aligned_to(y, 16));
@@ -172,11 +218,12 @@ cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, fl
     return cudaErrorInvalidConfiguration;  // the caller checks this first
   const dim3 grid = ACROSS ? dim3((unsigned)(rowblocks * colblocks)) : dim3((unsigned)rowblocks, (unsigned)colblocks);
   const unsigned cb = (unsigned)colblocks;
-  if (vec && has_y) fused_bias_act_kernel<ACT, true, VEC><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
-  else if (vec) fused_bias_act_kernel<ACT, false, VEC><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
-  else if (has_y) fused_bias_act_kernel<ACT, true, 1><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
-  else fused_bias_act_kernel<ACT, false, 1><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, rows, cols, cb);
-  return cudaGetLastError();
+  cudaError_t e;
+  if (vec && has_y) e = launch_pdl(device, fused_bias_act_kernel<ACT, true, VEC>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
+  else if (vec) e = launch_pdl(device, fused_bias_act_kernel<ACT, false, VEC>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
+  else if (has_y) e = launch_pdl(device, fused_bias_act_kernel<ACT, true, 1>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
+  else e = launch_pdl(device, fused_bias_act_kernel<ACT, false, 1>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
+  return e;
 }
 
 }  // namespace
@@ -206,11 +253,11 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   T* ot = static_cast<T*>(out);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (act) {
-    case kgen::ACT_NONE: return (int)launch<kgen::ACT_NONE>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_RELU: return (int)launch<kgen::ACT_RELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_SIGMOID: return (int)launch<kgen::ACT_SIGMOID>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_GELU: return (int)launch<kgen::ACT_GELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_SILU: return (int)launch<kgen::ACT_SILU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_NONE: return (int)launch<kgen::ACT_NONE>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_RELU: return (int)launch<kgen::ACT_RELU>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_SIGMOID: return (int)launch<kgen::ACT_SIGMOID>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_GELU: return (int)launch<kgen::ACT_GELU>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_SILU: return (int)launch<kgen::ACT_SILU>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
     default: return (int)cudaErrorInvalidValue;
   }
 }

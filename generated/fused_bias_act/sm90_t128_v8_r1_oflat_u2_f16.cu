@@ -17,6 +17,8 @@
 // hits) unless cols % VEC == 0, where a vector never crosses a row and the bias is one
 // 16-byte load. Needs only 16-byte-aligned x, y and out; the last n % VEC elements are
 // done one by one by the thread that owns the vector they start.
+// Every launch is a programmatic dependent launch (common/pdl.cuh.j2; sm_90): it starts while
+// the kernel before it on the stream finishes and waits for it before touching memory.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -119,6 +121,49 @@ __device__ __forceinline__ float activate(float z) {
 
 namespace {
 
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel (launched with launch_pdl) start launching now; its pdl_wait still
+// waits for this grid's completion.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether `device` takes programmatic dependent launches (compute capability 9.0 or later),
+// asked once per device.
+inline bool pdl_supported(int device) {
+  static signed char known[64] = {};  // 0 unknown, 1 yes, -1 no
+  if (device < 0 || device >= 64) return false;
+  if (!known[device]) {
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    known[device] = major >= 9 ? 1 : -1;
+  }
+  return known[device] > 0;
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_pdl(int device, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl_supported(device) ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 using T = __half;
 constexpr int THREADS = 128;
 constexpr int VEC = 8;
@@ -150,6 +195,7 @@ template <int ACT, bool HAS_Y, int V, bool BIAS_VEC>
 __global__ void __launch_bounds__(THREADS)
 fused_bias_act_flat(const T* x, const T* y, const T* __restrict__ bias, T* out, float alpha,
                     int64_t n, int64_t cols, double rcols) {
+  pdl_wait();  // a programmatic dependent launch (common/pdl.cuh.j2): the kernel before has finished
   const int64_t first = (int64_t)blockIdx.x * THREADS * UNROLL + threadIdx.x;  // a vector index
   const int64_t whole = n / V;
   // the column of the block's first element (one 64-bit remainder); each vector's column
@@ -203,7 +249,7 @@ fused_bias_act_flat(const T* x, const T* y, const T* __restrict__ bias, T* out, 
 }
 
 template <int ACT>
-cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, float alpha,
+cudaError_t launch(int device, bool has_y, const T* x, const T* y, const T* bias, T* out, float alpha,
                    int64_t rows, int64_t cols, double rcols, cudaStream_t stream) {
   const int64_t n = rows * cols;
   const bool vec = kgen::aligned_to(x, 16) && kgen::aligned_to(out, 16) && (!has_y || kgen::aligned_to(y, 16));
@@ -211,13 +257,14 @@ cudaError_t launch(bool has_y, const T* x, const T* y, const T* bias, T* out, fl
   const int64_t blocks = kgen::cdiv(kgen::cdiv(n, vec ? VEC : 1), (int64_t)THREADS * UNROLL);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;  // the caller checks this first
   const dim3 grid((unsigned)blocks);
-  if (bias_vec && has_y) fused_bias_act_flat<ACT, true, VEC, true><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, n, cols, rcols);
-  else if (bias_vec) fused_bias_act_flat<ACT, false, VEC, true><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, n, cols, rcols);
-  else if (vec && has_y) fused_bias_act_flat<ACT, true, VEC, false><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, n, cols, rcols);
-  else if (vec) fused_bias_act_flat<ACT, false, VEC, false><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, n, cols, rcols);
-  else if (has_y) fused_bias_act_flat<ACT, true, 1, false><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, n, cols, rcols);
-  else fused_bias_act_flat<ACT, false, 1, false><<<grid, THREADS, 0, stream>>>(x, y, bias, out, alpha, n, cols, rcols);
-  return cudaGetLastError();
+  cudaError_t e;
+  if (bias_vec && has_y) e = launch_pdl(device, fused_bias_act_flat<ACT, true, VEC, true>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
+  else if (bias_vec) e = launch_pdl(device, fused_bias_act_flat<ACT, false, VEC, true>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
+  else if (vec && has_y) e = launch_pdl(device, fused_bias_act_flat<ACT, true, VEC, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
+  else if (vec) e = launch_pdl(device, fused_bias_act_flat<ACT, false, VEC, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
+  else if (has_y) e = launch_pdl(device, fused_bias_act_flat<ACT, true, 1, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
+  else e = launch_pdl(device, fused_bias_act_flat<ACT, false, 1, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
+  return e;
 }
 
 }  // namespace
@@ -247,11 +294,11 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   T* ot = static_cast<T*>(out);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (act) {
-    case kgen::ACT_NONE: return (int)launch<kgen::ACT_NONE>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_RELU: return (int)launch<kgen::ACT_RELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_SIGMOID: return (int)launch<kgen::ACT_SIGMOID>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_GELU: return (int)launch<kgen::ACT_GELU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
-    case kgen::ACT_SILU: return (int)launch<kgen::ACT_SILU>(has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_NONE: return (int)launch<kgen::ACT_NONE>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_RELU: return (int)launch<kgen::ACT_RELU>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_SIGMOID: return (int)launch<kgen::ACT_SIGMOID>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_GELU: return (int)launch<kgen::ACT_GELU>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
+    case kgen::ACT_SILU: return (int)launch<kgen::ACT_SILU>(device, has_y, xt, yt, bt, ot, alpha, rows, cols, rcols, s);
     default: return (int)cudaErrorInvalidValue;
   }
 }
