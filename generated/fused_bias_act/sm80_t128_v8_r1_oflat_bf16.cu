@@ -257,14 +257,14 @@ cudaError_t launch(int device, bool has_y, const T* x, const T* y, const T* bias
   const int64_t blocks = kgen::cdiv(kgen::cdiv(n, vec ? VEC : 1), (int64_t)THREADS * UNROLL);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;  // the caller checks this first
   const dim3 grid((unsigned)blocks);
-  cudaError_t e;
-  if (bias_vec && has_y) e = launch_pdl(device, fused_bias_act_flat<ACT, true, VEC, true>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
-  else if (bias_vec) e = launch_pdl(device, fused_bias_act_flat<ACT, false, VEC, true>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
-  else if (vec && has_y) e = launch_pdl(device, fused_bias_act_flat<ACT, true, VEC, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
-  else if (vec) e = launch_pdl(device, fused_bias_act_flat<ACT, false, VEC, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
-  else if (has_y) e = launch_pdl(device, fused_bias_act_flat<ACT, true, 1, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
-  else e = launch_pdl(device, fused_bias_act_flat<ACT, false, 1, false>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
-  return e;
+  // one instance per (y, vector path, bias as vectors); they share a signature
+  const auto kernel = bias_vec && has_y ? fused_bias_act_flat<ACT, true, VEC, true>
+                      : bias_vec        ? fused_bias_act_flat<ACT, false, VEC, true>
+                      : vec && has_y    ? fused_bias_act_flat<ACT, true, VEC, false>
+                      : vec             ? fused_bias_act_flat<ACT, false, VEC, false>
+                      : has_y           ? fused_bias_act_flat<ACT, true, 1, false>
+                                        : fused_bias_act_flat<ACT, false, 1, false>;
+  return launch_pdl(device, kernel, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, n, cols, rcols);
 }
 
 }  // namespace

@@ -218,12 +218,11 @@ cudaError_t launch(int device, bool has_y, const T* x, const T* y, const T* bias
     return cudaErrorInvalidConfiguration;  // the caller checks this first
   const dim3 grid = ACROSS ? dim3((unsigned)(rowblocks * colblocks)) : dim3((unsigned)rowblocks, (unsigned)colblocks);
   const unsigned cb = (unsigned)colblocks;
-  cudaError_t e;
-  if (vec && has_y) e = launch_pdl(device, fused_bias_act_kernel<ACT, true, VEC>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
-  else if (vec) e = launch_pdl(device, fused_bias_act_kernel<ACT, false, VEC>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
-  else if (has_y) e = launch_pdl(device, fused_bias_act_kernel<ACT, true, 1>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
-  else e = launch_pdl(device, fused_bias_act_kernel<ACT, false, 1>, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
-  return e;
+  const auto kernel = vec && has_y ? fused_bias_act_kernel<ACT, true, VEC>
+                      : vec         ? fused_bias_act_kernel<ACT, false, VEC>
+                      : has_y       ? fused_bias_act_kernel<ACT, true, 1>
+                                    : fused_bias_act_kernel<ACT, false, 1>;
+  return launch_pdl(device, kernel, grid, dim3(THREADS), 0, stream, x, y, bias, out, alpha, rows, cols, cb);
 }
 
 }  // namespace
