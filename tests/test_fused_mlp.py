@@ -10,6 +10,7 @@ import kgen.ops as ops
 from kgen.families import fused_mlp as fm
 from kgen.nn import FusedMLP
 from kgen.runtime import dispatch
+from tests.conftest import requires_nvcc
 
 SPEC = dispatch.shipped_spec("fused_mlp")
 TOL = SPEC.numerics
@@ -161,7 +162,7 @@ def _kernel_signature(f):
     return constexprs, list(dns or [])
 
 
-@pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.dtype != "float16"])
+@pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.dtype != "float16" and v.backend == "triton"])
 def test_one_compile_serves_every_call(name):
     """What Triton compiles a kernel for: activations, biases, `save` and B are runtime
     values it does not specialise on (B = 1, multiples of 16 and each activation pair were
@@ -191,7 +192,7 @@ from kgen.families.fused_mlp import schema
 from kgen.runtime import build, dispatch, toolchain
 
 config.pin_triton_defaults()
-variants = [v for v in dispatch.shipped_spec("fused_mlp").variants if v.params["widths"]]
+variants = [v for v in dispatch.shipped_spec("fused_mlp").variants if v.params["widths"] and v.backend == "triton"]
 for w in json.loads(sys.argv[1]):
     variants += spec.parse("family: fused_mlp\\nvariants:\\n  - backend: triton\\n    widths: %s\\n    block_m: 16\\n"
                            "    block_k: 64\\n    num_warps: 4\\n    dtypes: [float32]\\n" % w).variants
@@ -219,7 +220,7 @@ def test_exact_variants_compile_without_stack_or_spills():
     import subprocess
     import sys
 
-    exact = [v.name for v in SPEC.variants if v.params["widths"]]
+    exact = [v.name for v in SPEC.variants if v.params["widths"] and v.backend == "triton"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = __import__("pathlib").Path(__file__).resolve().parent.parent
     cases = json.dumps([list(w) for w in PLAN_CASES])
@@ -388,6 +389,61 @@ def test_spec_widths_knob_errors():
     assert [v.name for v in s.variants] == ["triton_5x6_m16_k64_w4_f32", "triton_7x8x9_m16_k64_w4_f32"]
 
 
+# ------------------------------------------------------------------ the CUDA cluster variant
+
+CUDA_VARIANTS = [v.name for v in SPEC.variants if v.backend == "cuda"]
+
+
+def test_cuda_plan_and_checks():
+    """The cluster plan: every layer's column groups covered by the cluster's CTAs (the next
+    layer's padded width, the last layer's N rounded to 8), weight and bias slices and the
+    two activation buffers within sm_90's shared memory; what a CUDA variant cannot be is a
+    SpecError naming the knob."""
+    from kgen import spec
+    from kgen.errors import SpecError
+    from kgen.families.fused_mlp import schema
+
+    p = schema.cuda_plan((367, 512, 256, 1), 16, 32, 8)
+    assert [(l["kp"], l["groups"], l["per_cta"], l["aligned"]) for l in p["layers"]] == [
+        (368, 64, 4, False), (512, 32, 2, True), (256, 1, 1, True)]
+    for l in p["layers"]:
+        assert l["per_cta"] * 16 >= l["groups"] and l["per_cta"] % l["nb"] == 0 and l["sa"] % 16 == 8
+    assert p["smem"] <= schema.SMEM_MAX and p["buf_off"][0] >= p["weights_bytes"]
+    assert len(CUDA_VARIANTS) >= 4 and {SPEC.variant(n).arch for n in CUDA_VARIANTS} == {"sm_90"}
+    head = "family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: sm_90\n"
+    with pytest.raises(SpecError, match="bfloat16 and float16"):
+        spec.parse(head + "    widths: [8, 8]\n    cluster: 2\n    block_m: 16\n    warps: 4\n    dtypes: [float32]\n")
+    with pytest.raises(SpecError, match="shared memory"):
+        spec.parse(head + "    widths: [4096, 4096, 8]\n    cluster: 2\n    block_m: 64\n    warps: 4\n"
+                          "    dtypes: [bfloat16]\n")
+    with pytest.raises(SpecError, match="16-row tiles"):
+        spec.parse(head + "    widths: [8, 8]\n    cluster: 2\n    block_m: 128\n    warps: 4\n"
+                          "    dtypes: [bfloat16]\n")
+
+
+@requires_nvcc
+def test_cuda_variants_sass():
+    """Every shipped CUDA variant compiles for sm_90: mma.sync (HMMA.16816.F32) from ldmatrix
+    (LDSM), distributed shared-memory stores and the cluster barrier, the dependent launch's
+    wait before any memory access (ACQBULK), no local memory or stack."""
+    import re
+
+    from kgen.runtime import build, toolchain
+
+    results = build.build_cuda([SPEC.variant(n) for n in CUDA_VARIANTS])
+    for r in results:
+        assert r.status in ("built", "cached"), r.error
+        lib = r.entry.file(build.CUDA_LIB)
+        sass = toolchain.sass(lib)
+        # (the 16-byte stores into other CTAs' shared memory compile to ST.E.128 through the
+        # cluster window)
+        for op in ("HMMA.16816.F32", "LDSM", "UCGABAR_ARV", "ACQBULK", "ST.E.128"):
+            assert op in sass, (r.variant.name, op)
+        assert not re.search(r"\b(LDL|STL)\b", sass), r.variant.name
+        res = toolchain.resource_usage(lib)
+        assert len(res) == 1 and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+
+
 # ------------------------------------------------------------------ GPU
 
 
@@ -404,6 +460,10 @@ def test_gpu_golden_every_variant(v):
     takes one JIT compile per variant and widths: activations, biases, `save` and B are
     runtime arguments (each used to be one more 5-25 s compile)."""
     k = dispatch.load(v)
+    if v.backend == "cuda":
+        res = fm.golden(k, "cuda", v.dtype, TOL[v.dtype])
+        assert res and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+        return
     before = sum(_compiled(f) for f in _kernels(k.module))
     res = fm.golden(k, "cuda", v.dtype, TOL[v.dtype])
     assert res and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
@@ -427,6 +487,43 @@ def test_gpu_op_dispatch_and_gradients(widths, acts, dtype, B):
     mod = fm.module_for(x.device, dtype, widths, B)
     res = fm.grad_check(mod, "cuda", dtype, B, widths, *acts, tol=tol)
     assert all(r <= max(1.0, 2 * e) for _, r, e in res), res
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CUDA_VARIANTS)
+def test_gpu_cuda_variant(name):
+    """A CUDA cluster variant: the kernel itself runs the inference calls it takes (several
+    row tiles per cluster, the last one partial) against float64 into a poisoned output,
+    bit-identical run to run; an x not 16-byte aligned, and a forward with `save` (the
+    backward's), go to its Triton companion; the op's eager fast path launches it."""
+    from kgen.families.fused_mlp import launch
+    from kgen.families.fused_mlp.cuda import CudaMLP
+    from kgen.runtime.op import error_ratio, poisoned
+
+    v = SPEC.variant(name)
+    widths, dtype = tuple(v.params["widths"]), getattr(torch, v.dtype)
+    impl = fm.implementation(dispatch.load(v), widths)
+    assert type(impl) is CudaMLP
+    acts = ("gelu", "sigmoid")
+    for B in (1, 1000, 40001):
+        x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[True, False] + [True] * (len(widths) - 3))
+        assert impl.takes(x, ws, bs)
+        got = poisoned((B, widths[-1]), dtype, "cuda")
+        launch.forward(impl, x, ws, bs, *acts, out=got)
+        assert error_ratio(got, fm.reference(x, ws, bs, *acts), TOL[v.dtype]) <= 1
+        assert torch.equal(launch.forward(impl, x, ws, bs, *acts)[0], got)
+    buf = torch.empty(B * widths[0] + 1, dtype=dtype, device="cuda")
+    xu = buf[1:].view(B, widths[0])
+    xu.copy_(x)
+    assert not impl.takes(xu, ws, bs)
+    assert error_ratio(launch.forward(impl, xu, ws, bs, *acts)[0], fm.reference(x, ws, bs, *acts), TOL[v.dtype]) <= 1
+    out, zs = launch.forward(impl, x, ws, bs, *acts, save=True)
+    assert len(zs) == len(ws) and error_ratio(out, fm.reference(x, ws, bs, *acts), TOL[v.dtype]) <= 1
+    f = launch.direct(impl, x, ws, bs, *acts)
+    assert f is not None and torch.equal(f(x, ws, bs), got)
+    assert f(xu, ws, bs) is None  # unaligned: the general path
+    with fm.using(impl):
+        assert torch.equal(ops.fused_mlp(x, ws, bs, activation=acts[0], last_activation=acts[1]), got)
 
 
 @pytest.mark.gpu

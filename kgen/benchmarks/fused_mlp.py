@@ -104,7 +104,7 @@ def run(spec=None, quick: bool = False, compile_: bool = True) -> dict:
                     impls["kgen"] = lambda: fused(x)
                     impls["kgen graph"] = _graphed(lambda: fused(x))
                     for v in variants:
-                        mod = dispatch.load(v).module
+                        mod = fm.implementation(dispatch.load(v), widths)  # CUDA: with its Triton companion
                         impls[v.name.removeprefix("triton_")] = (
                             lambda mod=mod: fm.forward(mod, x, list(fused.weights), list(fused.biases), act, last))
                     got = fused(x).double()

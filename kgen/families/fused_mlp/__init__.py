@@ -3,14 +3,15 @@
 The family's modules: `schema` (knobs, variant rules, which widths a variant takes, the
 template context: an exact variant's plan of steps and kernels), `reference` (activations,
 the eager composition, the float64 oracle, the backward's per-layer GEMMs), `checks`
-(arguments), `launch` (how the Triton forward runs and the backward: its docstring), `op`
+(arguments), `launch` (how the Triton forward runs and the backward: its docstring), `cuda`
+(the CUDA cluster variant's forward beside its Triton companion), `op`
 (kernel choice, tuning hooks, the torch.library ops with autograd, `fused_mlp`, golden
 numerics), `train` (the eager training fast path), `fused_backward` (its backward on CUDA:
 every gradient in two or three Triton launches) and `module` (kgen.nn.FusedMLP). This module
 is the contract kgen's core reads.
 
 The forward's Triton kernels live in kgen/templates/fused_mlp/triton.py.j2 (rendered per
-variant); the backward's, generic in the widths (constexprs), in fused_backward_kernels.py
+variant), the CUDA cluster kernel (sm_90, exact widths, inference) in cuda.cu.j2; the backward's, generic in the widths (constexprs), in fused_backward_kernels.py
 (launched by fused_backward.py).
 """
 
@@ -18,7 +19,7 @@ from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.launch import backward, forward, precision
 from kgen.families.fused_mlp.op import (
     DLRM_BOTTOM, DLRM_TOP, GOLDEN_CASES, KERNELS, OPS, TUNE_DIMS, TUNE_SHAPES, fused_mlp, golden, grad_check,
-    make_inputs, module_for, tune_bucket, tune_inputs, tune_runner, using)
+    implementation, make_inputs, module_for, tune_bucket, tune_inputs, tune_runner, using)
 from kgen.families.fused_mlp.reference import act, dact, eager, reference
 from kgen.families.fused_mlp.schema import (
     ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits)

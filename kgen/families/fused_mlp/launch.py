@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.reference import backward as torch_backward, backward_lean
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS
 from kgen.runtime import triton_launch
@@ -47,6 +48,10 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     when `save` (None where the backward does not need one), else []. `out`: a
     given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
     kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
+    if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
+        if not save and mod.takes(x, weights, biases):
+            return mod.run(x, weights, biases, activation, last_activation, out), []
+        mod = mod.triton
     out, zs, launch, _ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
     if launch is not None:
         triton_launch.launch(*launch)
@@ -124,6 +129,10 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     call makes it), or no binary yet (`forward` launched it first, with the same `save`).
     What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launch):
     the same kernel, grid and arguments, only the output, z and scratch buffers new."""
+    if type(mod) is CudaMLP:
+        if not save:
+            return mod.direct(x, weights, biases, activation, last_activation)
+        mod = mod.triton
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     B = x.numel() // widths[0] if widths[0] else 0
     present = [b for b in biases if b is not None]

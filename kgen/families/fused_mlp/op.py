@@ -9,6 +9,7 @@ import os
 import torch
 
 from kgen.families.fused_mlp import launch, train
+from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import fits, widths_of
@@ -65,8 +66,27 @@ def tune_runner(kernel, inputs: dict):
     widths = (x.shape[1], *(w.shape[0] for w in ws))
     if not fits(kernel.params, widths):
         raise ValueError(f"{kernel.name} does not take widths {widths}")
-    mod = kernel.module
+    mod = implementation(kernel, widths)
     return lambda: launch.forward(mod, x, ws, bs, a, last)
+
+
+def implementation(kernel, widths: tuple, device=None):
+    """What the op runs for a loaded variant: a Triton variant's module, or a CUDA variant
+    with its Triton companion (spec order's first Triton variant that takes `widths`: it
+    serves the backward's forward and the inputs the CUDA kernel does not take)."""
+    if kernel.backend == "triton":
+        return kernel.module
+    import torch
+
+    from kgen.runtime import dispatch
+
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    companion = dispatch.select(FAMILY, device, kernel.variant.dtype,
+                                backend="triton", shape={"B": 1, "widths": "-".join(map(str, widths))})
+    if companion is None:
+        raise RuntimeError(f"{FAMILY}: no Triton variant for {kernel.variant.dtype} widths {widths} could be built "
+                           f"to serve the backward of {kernel.name}")
+    return CudaMLP(kernel, companion.module)
 
 
 # --------------------------------------------------------------------------- kernel choice
@@ -93,8 +113,9 @@ using = _FORCED.using
 
 
 def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
-    """The rendered module of the variant dispatch chose for (widths, B bucket, dtype), or
-    None for the eager composition (CPU tensors, nothing fits or builds, or eager won)."""
+    """What runs the variant dispatch chose for (widths, B bucket, dtype): a Triton variant's
+    rendered module, a CUDA variant's CudaMLP, or None for the eager composition (CPU
+    tensors, nothing fits or builds, or eager won)."""
     forced = _FORCED.get()
     if forced is not MISSING:
         return forced
@@ -106,7 +127,17 @@ def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
         kernel = KERNELS.choose(key, device, dtype, {"B": max(B, 1), "widths": "-".join(map(str, widths))})
         if kernel is not None and not fits(kernel.params, widths):  # a forced variant of other widths
             raise ValueError(f"fused_mlp: KGEN_VARIANT={kernel.name} does not take widths {widths}")
-    return kernel.module if kernel is not None else None
+    if kernel is None:
+        return None
+    if kernel.backend == "triton":
+        return kernel.module
+    impl = _CUDA.get((kernel.name, device.index))
+    if impl is None:
+        impl = _CUDA[(kernel.name, device.index)] = implementation(kernel, widths, device)
+    return impl
+
+
+_CUDA: dict = {}  # (CUDA variant name, device index) -> its CudaMLP (an exact variant: one widths)
 
 
 # --------------------------------------------------------------------------- torch.library
@@ -350,11 +381,12 @@ def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
     all_widths = [tuple(p["widths"])] if p["widths"] else [w for w in GOLDEN_GENERIC_WIDTHS if fits(p, w)]
     out = []
     for widths in all_widths:
+        mod = implementation(kernel, widths)
         for B in GOLDEN_B:
             for k, (a, last, bias) in enumerate(GOLDEN_CASES):
                 x, ws, bs = make_inputs(device, t, B, widths, seed=B * 31 + k, bias=bias)
                 got = poisoned((B, widths[-1]), t, device)
-                launch.forward(kernel.module, x, ws, bs, a, last, out=got)
+                launch.forward(mod, x, ws, bs, a, last, out=got)
                 ref = reference(x, ws, bs, a, last)
                 name = f"{'-'.join(map(str, widths))} B={B} {a}/{last}{'' if bias else ' no-bias'}"
                 out.append((name, error_ratio(got, ref, tol)))

@@ -117,7 +117,71 @@ def kernels(widths: tuple[int, ...], block_k: int, dtype: str) -> list[dict]:
     return out
 
 
+# ---------------------------------------------------------------- the CUDA cluster variant
+
+SMEM_MAX = 227 * 1024  # sm_90's dynamic shared memory per block
+NB_MAX = 8  # n8 tiles a warp accumulates at once (4 float32 registers each)
+
+
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def cuda_plan(widths: tuple[int, ...], cluster: int, block_m: int, warps: int, itemsize: int = 2) -> dict:
+    """The CUDA cluster variant's plan (templates/fused_mlp/cuda.cu.j2) for exact widths: a
+    cluster of `cluster` CTAs owns `block_m` rows; every layer's output columns, in groups of
+    8 (an mma n-tile), are split over the cluster's CTAs, each holding its slice of every
+    layer's weights in shared memory for the whole kernel. Per layer: K and N, kp (K rounded
+    up to 16, an mma k-step), sa (the activation rows' stride in elements, kp + 8: an odd
+    number of 16-byte chunks, so ldmatrix's 8 rows hit 8 different bank groups), groups (the
+    n8 groups the layer writes: kp of the next layer / 8, its padding written as zeros; the
+    last layer: N rounded up to 8), per_cta (groups per CTA, a multiple of nb), nb (n-tiles
+    a warp accumulates), units (warp work items: 16-row tiles x nb-group chunks), aligned
+    (rows of K elements are whole 16-byte vectors: cp.async, else element loads), the byte
+    offsets of its weight slice (w_off) and float32 bias slice (b_off); and the two activation buffers' offsets (layer i reads
+    buffer i % 2, writes buffer (i + 1) % 2) and the total."""
+    L, mt = len(widths) - 1, block_m // 16
+    layers, off = [], 0
+    for i in range(L):
+        K, N = widths[i], widths[i + 1]
+        kp = _round(K, 16)
+        groups = _round(N, 16) // 8 if i < L - 1 else -(-N // 8)
+        per = -(-groups // cluster)
+        nb = min(NB_MAX, per, max(1, -(-per // max(1, warps // mt))))
+        per = _round(per, nb)
+        layers.append({"i": i, "K": K, "N": N, "kp": kp, "sa": kp + 8, "groups": groups, "per_cta": per, "nb": nb,
+                       "units": mt * (per // nb), "last": i == L - 1, "aligned": (K * itemsize) % 16 == 0,
+                       "w_off": off})
+        off += per * 8 * (kp + 8) * itemsize
+    for l in layers:  # the CTA's bias slice of each layer, float32 (zeros where absent)
+        l["b_off"] = off
+        off += l["per_cta"] * 8 * 4
+    bufs = [max([block_m * l["sa"] * itemsize for l in layers if l["i"] % 2 == b], default=0) for b in (0, 1)]
+    return {"layers": layers, "buf_off": [off, off + bufs[0]], "smem": off + bufs[0] + bufs[1],
+            "weights_bytes": off}
+
+
+def _check_cuda(dtype: str, k: Mapping[str, Any]):
+    problems = []
+    widths = k["widths"]
+    if dtype not in ("bfloat16", "float16"):
+        problems.append(("dtypes", "the CUDA variant runs bfloat16 and float16 (mma.sync m16n8k16)"))
+    if not 2 <= len(widths) <= MAX_LAYERS + 1:
+        problems.append(("widths", f"{len(widths)} widths make {len(widths) - 1} layers; 1 to {MAX_LAYERS} are supported"))
+        return problems
+    if k["block_m"] // 16 > k["warps"]:
+        problems.append(("block_m", f"{k['block_m']} rows are {k['block_m'] // 16} 16-row tiles, more than the "
+                                    f"{k['warps']} warps"))
+    smem = cuda_plan(widths, k["cluster"], k["block_m"], k["warps"], ITEMSIZE[dtype])["smem"]
+    if smem > SMEM_MAX:
+        problems.append(("cluster", f"{smem} bytes of shared memory (weight slices and two activation tiles) "
+                                    f"exceed {SMEM_MAX}; use a larger cluster or a smaller block_m"))
+    return problems
+
+
 def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
+    if backend == "cuda":
+        return _check_cuda(dtype, k)
     problems = []
     widths, mw = k["widths"], k["max_width"]
     if widths:
@@ -144,14 +208,25 @@ SCHEMA = Schema(
             Knob("num_warps", "w", lo=1, hi=16, pow2=True),
             Knob("num_stages", "s", lo=1, hi=6, default=2),  # the loops' pipeline depth
         ),
+        "cuda": (
+            Knob("widths", "", kind=tuple, lo=1, hi=MAX_WIDTH),  # exact widths, required
+            Knob("cluster", "c", lo=1, hi=16, pow2=True),  # CTAs per cluster (above 8: non-portable)
+            Knob("block_m", "m", lo=16, hi=128, pow2=True),  # rows per cluster tile
+            Knob("warps", "w", lo=4, hi=16, pow2=True),
+        ),
     },
     check=_check_variant,
+    archs=("sm_90",),  # thread-block clusters and distributed shared memory
 )
-TEMPLATES = {"triton": "fused_mlp/triton.py.j2"}
+TEMPLATES = {"triton": "fused_mlp/triton.py.j2", "cuda": "fused_mlp/cuda.cu.j2"}
 
 
 def template_context(variant) -> dict:
     p = variant.params
+    if variant.backend == "cuda":
+        return {"dtype": variant.dtype, "activations": ACTIVATIONS, "widths": tuple(p["widths"]),
+                "CLUSTER": p["cluster"], "BLOCK_M": p["block_m"], "WARPS": p["warps"],
+                **cuda_plan(tuple(p["widths"]), p["cluster"], p["block_m"], p["warps"], ITEMSIZE[variant.dtype])}
     widths = tuple(p["widths"])
     ks = kernels(widths, p["block_k"], variant.dtype) if widths else []
     return {"dtype": variant.dtype, "activations": ACTIVATIONS, "exact": bool(widths), "widths": widths,
