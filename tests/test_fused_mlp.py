@@ -406,6 +406,7 @@ def test_cuda_plan_and_checks():
     p = schema.cuda_plan((367, 512, 256, 1), 16, 32, 8)
     assert [(l["kp"], l["groups"], l["per_cta"], l["aligned"]) for l in p["layers"]] == [
         (368, 64, 4, False), (512, 32, 2, True), (256, 1, 1, True)]
+    assert p["ctas_per_sm"] == 2 and p["x_vectors"] == 1  # 102 KB; 2 rows x 46 vectors of x, 256 threads
     for l in p["layers"]:
         assert l["per_cta"] * 16 >= l["groups"] and l["per_cta"] % l["nb"] == 0 and l["sa"] % 16 == 8
     assert p["smem"] <= schema.SMEM_MAX and p["buf_off"][0] >= p["weights_bytes"]
@@ -414,7 +415,10 @@ def test_cuda_plan_and_checks():
     with pytest.raises(SpecError, match="bfloat16 and float16"):
         spec.parse(head + "    widths: [8, 8]\n    cluster: 2\n    block_m: 16\n    warps: 4\n    dtypes: [float32]\n")
     with pytest.raises(SpecError, match="shared memory"):
-        spec.parse(head + "    widths: [4096, 4096, 8]\n    cluster: 2\n    block_m: 64\n    warps: 4\n"
+        spec.parse(head + "    widths: [4096, 4096, 8]\n    cluster: 2\n    block_m: 16\n    warps: 16\n"
+                          "    dtypes: [bfloat16]\n")
+    with pytest.raises(SpecError, match="16-byte vectors of x"):
+        spec.parse(head + "    widths: [4096, 8]\n    cluster: 1\n    block_m: 64\n    warps: 4\n"
                           "    dtypes: [bfloat16]\n")
     with pytest.raises(SpecError, match="16-row tiles"):
         spec.parse(head + "    widths: [8, 8]\n    cluster: 2\n    block_m: 128\n    warps: 4\n"
@@ -424,8 +428,9 @@ def test_cuda_plan_and_checks():
 @requires_nvcc
 def test_cuda_variants_sass():
     """Every shipped CUDA variant compiles for sm_90: mma.sync (HMMA.16816.F32) from ldmatrix
-    (LDSM), distributed shared-memory stores and the cluster barrier, the dependent launch's
-    wait before any memory access (ACQBULK), no local memory or stack."""
+    (LDSM), st.async into the other CTAs' shared memory with mbarriers (no GPU-wide fence per
+    row tile), the dependent launch's wait before any memory access (ACQBULK), no local memory
+    or stack."""
     import re
 
     from kgen.runtime import build, toolchain
@@ -435,10 +440,12 @@ def test_cuda_variants_sass():
         assert r.status in ("built", "cached"), r.error
         lib = r.entry.file(build.CUDA_LIB)
         sass = toolchain.sass(lib)
-        # (the 16-byte stores into other CTAs' shared memory compile to ST.E.128 through the
-        # cluster window)
-        for op in ("HMMA.16816.F32", "LDSM", "UCGABAR_ARV", "ACQBULK", "ST.E.128"):
+        # STAS.128: st.async of 16 bytes into another CTA's shared memory; SYNCS: the
+        # mbarriers those complete on; the cluster barrier only at the start and the end
+        for op in ("HMMA.16816.F32", "LDSM", "UCGABAR_ARV", "ACQBULK", "STAS.128", "SYNCS"):
             assert op in sass, (r.variant.name, op)
+        # one GPU-wide fence (the start's barrier, after the mbarriers' init), none a row tile
+        assert sass.count("MEMBAR") <= 2, (r.variant.name, sass.count("MEMBAR"))
         assert not re.search(r"\b(LDL|STL)\b", sass), r.variant.name
         res = toolchain.resource_usage(lib)
         assert len(res) == 1 and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res

@@ -10,22 +10,29 @@
 // with float32 accumulation. Plan: schema.cuda_plan.
 //
 // A cluster owns a tile of 64 rows of x at a time (persistent: the grid holds as many
-// clusters as fit at once and each walks the row tiles). Every layer's output columns, in
-// groups of 8 (an mma n-tile), are split over the cluster's CTAs; a CTA keeps its slice of
-// every layer's weights in shared memory for the whole kernel (loaded once, zero-padded to
-// whole k-steps) and a full copy of the layer's input activation tile. Per row tile:
-//  - x: CTA r reads rows r, r + CLUSTER, ... of the tile and stores them into every CTA's
-//    activation buffer 0 (rows past B and columns past w0 as zeros);
+// clusters as fit at once, 1 CTA(s) an SM, and each walks the row tiles). Every layer's
+// output columns, in groups of 8 (an mma n-tile), are split over the cluster's CTAs; a CTA
+// keeps its slice of every layer's weights (zero-padded to whole k-steps) and biases (float32)
+// in shared memory for the whole kernel, and a full copy of the layer's input activation tile.
+// Per row tile:
+//  - x: CTA r holds rows r, r + CLUSTER, ... of the tile in registers (loaded while the tile
+//    before ran) and stores them into every CTA's activation buffer 0 (rows past B and columns
+//    past w0 as zeros);
 //  - layer i: each warp runs 16-row x (nb x 8)-column units of the CTA's columns, A and B
-//    fragments by ldmatrix from shared memory; the epilogue adds the bias in float32,
-//    rounds z to the storage type, applies the activation in float32 and rounds again (eager
-//    PyTorch's F.linear + activation), writes the CTA's columns of the next activation tile
-//    (columns past the layer's width as zeros, so the next layer's padded k-steps add
-//    nothing) and copies them, 16 bytes at a time, into the other CTAs' tiles; the last layer
-//    writes the output instead;
-//  - a cluster barrier after each of these steps (x, then every layer). Layer i reads buffer
-//    i % 2 and writes buffer (i + 1) % 2: a buffer is written only in the step after the
-//    barrier that follows its last read.
+//    fragments by ldmatrix from shared memory, a batch of k-steps' fragments loaded before
+//    their mma.syncs; the epilogue adds the bias in float32, rounds z to the storage type,
+//    applies the activation in float32 and rounds again (eager PyTorch's F.linear +
+//    activation), writes the CTA's columns of the next activation tile (columns past the
+//    layer's width as zeros, so the next layer's padded k-steps add nothing); then the CTA
+//    copies them, 16 bytes at a time, into the other CTAs; the last layer writes the output.
+// The copies are st.async stores, each completing its bytes on the receiving CTA's mbarrier
+// for that layer's input, and every CTA also arrives on the others' mbarrier once it has
+// finished the layer: a CTA starts layer i + 1 when its mbarrier says all of its input is in
+// and every CTA is done with layer i. Layer i reads buffer i % 2 and writes buffer (i + 1) % 2,
+// so a buffer is written only after every CTA finished reading it; where the last layer reads
+// buffer 0 (an odd number of layers) a cluster barrier ends the row tile before the next x.
+// No cluster barrier with memory ordering inside the loop: at cluster scope a release
+// compiles to a GPU-wide fence (MEMBAR.ALL.GPU).
 // No atomics; every output element is written by one thread: bit-identical run to run.
 // Launched as a programmatic dependent launch where the device takes one (common/pdl.cuh.j2).
 #include <cuda_runtime.h>
@@ -238,6 +245,8 @@ constexpr int WARPS = 16;
 constexpr int THREADS = WARPS * 32;
 constexpr int LAYERS = 3;
 constexpr int SMEM = 200736;
+constexpr int CTAS_PER_SM = 1;  // schema.cuda_plan: shared memory and registers allow
+constexpr int X_VECTORS = 1;
 
 struct Params {
   const T* x;
@@ -268,9 +277,50 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 }
 
 // All threads of all CTAs of the cluster; release/acquire order their shared-memory writes
-// (local and remote) before the reads after it.
+// (local and remote) before the reads after it. Once, at the start (a GPU-wide fence).
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Execution only (no memory ordering, so no GPU-wide fence: a release at cluster scope
+// compiles to MEMBAR.ALL.GPU): every CTA of the cluster has reached this point.
+__device__ __forceinline__ void cluster_arrive_wait_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// mbarriers (PTX "mbarrier"): one per layer input in every CTA. The other CTAs' 16-byte
+// stores into this CTA (st.async) complete transaction bytes on it; its phase completes when
+// the bytes armed by the local expect_tx arrived and every expected arrival was made.
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect(uint32_t bar, int bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// An arrival on another CTA's mbarrier (`bar` a shared::cluster address), relaxed: it only says
+// this CTA has passed a point (its reads of a buffer done), no data rides on it.
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra WAIT;\n}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// 16 bytes into another CTA's shared memory (`addr`), completing 16 transaction bytes on its
+// mbarrier `bar` (both shared::cluster addresses).
+__device__ __forceinline__ void st_async_16(uint32_t addr, uint4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
 }
 
 // The same shared-memory offset in CTA `rank`'s window of the cluster.
@@ -280,16 +330,10 @@ __device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
   return r;
 }
 
-// (No "memory" clobber on these stores: __syncthreads and cluster_sync order them before the
-// reads they feed; without one the compiler may issue loads ahead of them.)
-__device__ __forceinline__ void st_cluster_16(uint32_t addr, uint4 v) {
-  asm volatile("st.shared::cluster.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z),
-               "r"(v.w));
-}
-
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+               : "memory");
   return v;
 }
 
@@ -362,28 +406,34 @@ __device__ __forceinline__ void load_bias(const T* __restrict__ b, float* dst, i
   }
 }
 
-// x's rows of row tile `tile` that this CTA reads (rank, rank + CLUSTER, ...) into every CTA's
-// buffer 0 (rows past B and columns past K0 as zeros).
-template <int K0, int KP0, int SA0, bool ALIGNED>
-__device__ __forceinline__ void scatter_x(const T* __restrict__ x, int B, int tile, uint32_t buf, uint32_t rank) {
-  constexpr int CPR = KP0 / 8;
-  constexpr int TOTAL = (BLOCK_M + CLUSTER - 1) / CLUSTER * CPR;
-  for (int i0 = threadIdx.x; i0 < TOTAL; i0 += LOAD_BATCH * THREADS) {
-    uint4 v[LOAD_BATCH];
+// x's rows of row tile `tile` that this CTA reads (rank, rank + CLUSTER, ...), X_VECTORS
+// 16-byte vectors a thread (rows past B and columns past K0 as zeros): loaded into registers
+// one row tile ahead (load_x while the layers of the tile before run), then stored into every
+// CTA's buffer 0 (store_x).
+template <int K0, int KP0, bool ALIGNED>
+__device__ __forceinline__ void load_x(uint4 (&v)[X_VECTORS], const T* __restrict__ x, int B, int tile, uint32_t rank) {
+  constexpr int CPR = KP0 / 8, TOTAL = (BLOCK_M + CLUSTER - 1) / CLUSTER * CPR;
 #pragma unroll
-    for (int q = 0; q < LOAD_BATCH; ++q) {
-      const int idx = i0 + q * THREADS, r = int(rank) + (idx / CPR) * CLUSTER, c = idx % CPR;
-      const int row = tile * BLOCK_M + r;
-      const bool valid = idx < TOTAL && r < BLOCK_M && row < B;
-      v[q] = load8<ALIGNED>(x + (size_t)(valid ? row : 0) * K0, c * 8, K0, valid);
-    }
+  for (int q = 0; q < X_VECTORS; ++q) {
+    const int idx = threadIdx.x + q * THREADS, r = int(rank) + (idx / CPR) * CLUSTER, c = idx % CPR;
+    const int row = tile * BLOCK_M + r;
+    const bool valid = idx < TOTAL && r < BLOCK_M && row < B;
+    v[q] = load8<ALIGNED>(x + (size_t)(valid ? row : 0) * K0, c * 8, K0, valid);
+  }
+}
+
+template <int KP0, int SA0>
+__device__ __forceinline__ void store_x(const uint4 (&v)[X_VECTORS], uint32_t buf, uint32_t bar, uint32_t rank) {
+  constexpr int CPR = KP0 / 8, TOTAL = (BLOCK_M + CLUSTER - 1) / CLUSTER * CPR;
 #pragma unroll
-    for (int q = 0; q < LOAD_BATCH; ++q) {
-      const int idx = i0 + q * THREADS, r = int(rank) + (idx / CPR) * CLUSTER, c = idx % CPR;
-      if (idx >= TOTAL || r >= BLOCK_M) continue;
-      const uint32_t at = buf + uint32_t(r * SA0 + c * 8) * 2u;
+  for (int q = 0; q < X_VECTORS; ++q) {
+    const int idx = threadIdx.x + q * THREADS, r = int(rank) + (idx / CPR) * CLUSTER, c = idx % CPR;
+    if (idx >= TOTAL || r >= BLOCK_M) continue;
+    const uint32_t at = buf + uint32_t(r * SA0 + c * 8) * 2u;
 #pragma unroll
-      for (int d = 0; d < CLUSTER; ++d) st_cluster_16(map_rank(at, (rank + d) % CLUSTER), v[q]);
+    for (int d = 0; d < CLUSTER; ++d) {
+      const uint32_t to = (rank + d) % CLUSTER;
+      st_async_16(map_rank(at, to), v[q], map_rank(bar, to));
     }
   }
 }
@@ -393,8 +443,9 @@ __device__ __forceinline__ void scatter_x(const T* __restrict__ x, int B, int ti
 // (LAST) into out [B, N].
 template <int K, int N, int KP, int SA, int GROUPS, int PER, int NB, int UNITS, bool LAST, int SA_NEXT>
 __device__ __forceinline__ void layer(const Params& p, const float* bias, int act, uint32_t in, uint32_t wt,
-                                      unsigned char* nxt_ptr, uint32_t nxt, int tile, uint32_t rank) {
+                                      unsigned char* nxt_ptr, uint32_t nxt, uint32_t nxt_bar, int tile, uint32_t rank) {
   constexpr int CHUNKS = PER / NB;  // nb-group chunks of the CTA's columns
+  constexpr int KSTEPS = KP / 16, U = NB <= 2 ? 8 : (NB <= 4 ? 4 : 2);  // k-steps a batch
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g0 = int(rank) * PER;  // the CTA's first group
   if (g0 < GROUPS) {
@@ -406,22 +457,28 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
       const uint32_t a_addr = in + uint32_t((mt * 16 + lane % 16) * SA + (lane / 16) * 8) * 2u;
       const uint32_t b_addr = wt + uint32_t((ch * NB * 8 + lane % 8 + (lane / 16) * 8) * SA + ((lane / 8) % 2) * 8) * 2u;
-#pragma unroll 2
-      for (int k = 0; k < KP; k += 16) {
-        uint32_t a[4];
-        kgen::ldmatrix_x4(a, a_addr + k * 2);
+      // K in batches of U k-steps: every fragment of the batch loaded (ldmatrix) before its
+      // mma.syncs, so that one shared-memory latency covers U steps, not one
+      for (int k0 = 0; k0 < KSTEPS; k0 += U) {
+        uint32_t a[U][4], b[U][NB][2];
 #pragma unroll
-        for (int j = 0; j + 1 < NB; j += 2) {
-          uint32_t b[4];
-          kgen::ldmatrix_x4(b, b_addr + uint32_t(j * 8 * SA + k) * 2u);
-          const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-          kgen::mma_m16n8k16<T>(acc[j], a, b0);
-          kgen::mma_m16n8k16<T>(acc[j + 1], a, b1);
+        for (int u = 0; u < U; ++u) {
+          if (KSTEPS % U != 0 && k0 + u >= KSTEPS) break;
+          const int k = (k0 + u) * 16;
+          kgen::ldmatrix_x4(a[u], a_addr + k * 2);
+#pragma unroll
+          for (int j = 0; j + 1 < NB; j += 2) {
+            uint32_t r[4];
+            kgen::ldmatrix_x4(r, b_addr + uint32_t(j * 8 * SA + k) * 2u);
+            b[u][j][0] = r[0], b[u][j][1] = r[1], b[u][j + 1][0] = r[2], b[u][j + 1][1] = r[3];
+          }
+          if constexpr (NB % 2) kgen::ldmatrix_x2(b[u][NB - 1], b_addr + uint32_t((NB - 1) * 8 * SA + k) * 2u);
         }
-        if constexpr (NB % 2) {
-          uint32_t b[2];
-          kgen::ldmatrix_x2(b, b_addr + uint32_t((NB - 1) * 8 * SA + k) * 2u);
-          kgen::mma_m16n8k16<T>(acc[NB - 1], a, b);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (KSTEPS % U != 0 && k0 + u >= KSTEPS) break;
+#pragma unroll
+          for (int j = 0; j < NB; ++j) kgen::mma_m16n8k16<T>(acc[j], a[u], b[u][j]);
         }
       }
       // epilogue: thread (g = lane / 4, t = lane % 4) holds rows g, g + 8 of the unit's 16,
@@ -456,21 +513,37 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
     }
   }
   if constexpr (!LAST) {
-    __syncthreads();  // the CTA's columns of the next tile are complete: copy them out
+    // Every warp is done with this layer (its reads of buffer `in` too): copy the CTA's columns
+    // of the next activation tile, 16 bytes at a time, into the other CTAs (st.async, each
+    // completing bytes on the receiver's mbarrier of the next layer), then arrive on those
+    // mbarriers: a CTA whose next layer's mbarrier completes knows every CTA has finished this
+    // layer, so that the layer after may write into their buffer `in`.
+    __syncthreads();
     const int mine = GROUPS - g0 < PER ? GROUPS - g0 : PER;  // groups (16-byte chunks a row)
-    if (mine > 0) {
-      for (int idx = threadIdx.x; idx < BLOCK_M * mine; idx += THREADS) {
-        const int r = idx / mine, c = idx % mine;
-        const uint32_t at = nxt + uint32_t(r * SA_NEXT + (g0 + c) * 8) * 2u;
-        const uint4 v = ld_shared_16(at);
+    for (int idx = threadIdx.x; idx < BLOCK_M * mine; idx += THREADS) {
+      const int r = idx / mine, c = idx % mine;
+      const uint32_t at = nxt + uint32_t(r * SA_NEXT + (g0 + c) * 8) * 2u;
+      const uint4 v = ld_shared_16(at);
 #pragma unroll
-        for (int d = 1; d < CLUSTER; ++d) st_cluster_16(map_rank(at, (rank + d) % CLUSTER), v);
+      for (int d = 1; d < CLUSTER; ++d) {
+        const uint32_t to = (rank + d) % CLUSTER;
+        st_async_16(map_rank(at, to), v, map_rank(nxt_bar, to));
       }
     }
+    if (threadIdx.x < CLUSTER - 1) mbar_arrive_remote(map_rank(nxt_bar, (rank + 1 + threadIdx.x) % CLUSTER));
   }
 }
 
-__global__ void __launch_bounds__(THREADS, 1) fused_mlp_cluster(const __grid_constant__ Params p) {
+// The bytes the other CTAs send into this one for layer I's input: BLOCK_M rows of their
+// groups of the layer before (GROUPS of them, PER a CTA).
+template <int GROUPS, int PER>
+__device__ __forceinline__ int incoming_bytes(uint32_t rank) {
+  const int g0 = int(rank) * PER;
+  const int mine = g0 >= GROUPS ? 0 : (GROUPS - g0 < PER ? GROUPS - g0 : PER);
+  return BLOCK_M * 16 * (GROUPS - mine);
+}
+
+__global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t rank = cluster_rank();
@@ -485,27 +558,47 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_cluster(const __grid_con
   load_bias<512, 8>((p.bias_mask >> 0) & 1 ? p.b[0] : nullptr, reinterpret_cast<float*>(smem + 85632), rank);
   load_bias<256, 4>((p.bias_mask >> 1) & 1 ? p.b[1] : nullptr, reinterpret_cast<float*>(smem + 85888), rank);
   load_bias<1, 1>((p.bias_mask >> 2) & 1 ? p.b[2] : nullptr, reinterpret_cast<float*>(smem + 86016), rank);
-  cluster_sync();  // every CTA of the cluster runs before any writes into another's memory
-  for (int tile = first; tile < tiles; tile += clusters) {
-    scatter_x<367, 368, 376, false>(p.x, p.B, tile, base + 86048u, rank);
-    kgen::cp_async_wait<0>();
-    cluster_sync();
+  __shared__ __align__(8) uint64_t bars[LAYERS];  // per layer input: x, then each hidden activation
+  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  if (threadIdx.x == 0) {
+    // layer 0's: the local expect_tx only (x comes as bytes); the others': also one arrival
+    // from each other CTA (it finished the layer before)
+    for (int i = 0; i < LAYERS; ++i) mbar_init(bar0 + 8 * i, i == 0 ? 1 : CLUSTER);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  uint4 xv[X_VECTORS];
+  load_x<367, 368, false>(xv, p.x, p.B, first, rank);
+  kgen::cp_async_wait<0>();
+  cluster_sync();  // the weights and mbarriers ready, every CTA of the cluster running
+  uint32_t parity = 0;
+  for (int tile = first; tile < tiles; tile += clusters, parity ^= 1) {
+    if (threadIdx.x == 0) {  // arm this tile's phase of every mbarrier with the bytes it receives
+      mbar_expect(bar0, BLOCK_M * 368 * 2);
+      mbar_expect(bar0 + 8, incoming_bytes<64, 8>(rank));
+      mbar_expect(bar0 + 16, incoming_bytes<32, 4>(rank));
+    }
+    store_x<368, 376>(xv, base + 86048u, bar0, rank);
+    mbar_wait(bar0, parity);
+    if (tile + clusters < tiles)  // the next row tile's x, in flight while this one's layers run
+      load_x<367, 368, false>(xv, p.x, p.B, tile + clusters, rank);
     layer<367, 512, 368, 376, 64, 8, 2, 16, false, 520>(
         p, reinterpret_cast<const float*>(smem + 85632), p.act,
         base + 86048u, base + 0u, smem + 134176,
-        base + 134176u, tile, rank);
-    cluster_sync();
+        base + 134176u, bar0 + 8, tile, rank);
+    mbar_wait(bar0 + 8, parity);
     layer<512, 256, 512, 520, 32, 4, 1, 16, false, 264>(
         p, reinterpret_cast<const float*>(smem + 85888), p.act,
         base + 134176u, base + 48128u, smem + 86048,
-        base + 86048u, tile, rank);
-    cluster_sync();
+        base + 86048u, bar0 + 16, tile, rank);
+    mbar_wait(bar0 + 16, parity);
     layer<256, 1, 256, 264, 1, 1, 1, 4, true, 264>(
         p, reinterpret_cast<const float*>(smem + 86016), p.last_act,
         base + 86048u, base + 81408u, smem + 134176,
-        base + 134176u, tile, rank);
-    cluster_sync();
+        base + 134176u, bar0 + 24, tile, rank);
+    // the last layer read buffer 0, which the next row tile's x overwrites
+    cluster_arrive_wait_relaxed();
   }
+  cluster_arrive_wait_relaxed();  // no CTA leaves while another may still write into it
 }
 
 int max_clusters[64] = {};  // per device: clusters resident at once (0: not asked yet)

@@ -120,6 +120,8 @@ def kernels(widths: tuple[int, ...], block_k: int, dtype: str) -> list[dict]:
 # ---------------------------------------------------------------- the CUDA cluster variant
 
 SMEM_MAX = 227 * 1024  # sm_90's dynamic shared memory per block
+SMEM_SM = 228 * 1024  # and per SM
+X_VECTORS_MAX = 8  # x's 16-byte vectors a thread holds for the next row tile
 NB_MAX = 8  # n8 tiles a warp accumulates at once (4 float32 registers each)
 
 
@@ -157,8 +159,14 @@ def cuda_plan(widths: tuple[int, ...], cluster: int, block_m: int, warps: int, i
         l["b_off"] = off
         off += l["per_cta"] * 8 * 4
     bufs = [max([block_m * l["sa"] * itemsize for l in layers if l["i"] % 2 == b], default=0) for b in (0, 1)]
-    return {"layers": layers, "buf_off": [off, off + bufs[0]], "smem": off + bufs[0] + bufs[1],
-            "weights_bytes": off}
+    smem, threads = off + bufs[0] + bufs[1], warps * 32
+    # CTAs an SM holds (other clusters' row tiles overlap this one's latencies): shared memory
+    # (sm_90: 228 KB an SM, 1 KB of it reserved per CTA) and at least 96 registers a thread
+    ctas = max(1, min(SMEM_SM // (smem + 1024), 65536 // (threads * 96)))
+    # x vectors (16 bytes) a thread loads per row tile: its rows (rank, rank + cluster, ...)
+    x_vectors = -(-(-(-block_m // cluster) * layers[0]["kp"] // 8) // threads)
+    return {"layers": layers, "buf_off": [off, off + bufs[0]], "smem": smem, "weights_bytes": off,
+            "ctas_per_sm": ctas, "x_vectors": x_vectors}
 
 
 def _check_cuda(dtype: str, k: Mapping[str, Any]):
@@ -172,7 +180,11 @@ def _check_cuda(dtype: str, k: Mapping[str, Any]):
     if k["block_m"] // 16 > k["warps"]:
         problems.append(("block_m", f"{k['block_m']} rows are {k['block_m'] // 16} 16-row tiles, more than the "
                                     f"{k['warps']} warps"))
-    smem = cuda_plan(widths, k["cluster"], k["block_m"], k["warps"], ITEMSIZE[dtype])["smem"]
+    plan = cuda_plan(widths, k["cluster"], k["block_m"], k["warps"], ITEMSIZE[dtype])
+    smem = plan["smem"]
+    if plan["x_vectors"] > X_VECTORS_MAX:
+        problems.append(("warps", f"each thread would hold {plan['x_vectors']} 16-byte vectors of x (at most "
+                                  f"{X_VECTORS_MAX}); use more warps, a larger cluster or a smaller block_m"))
     if smem > SMEM_MAX:
         problems.append(("cluster", f"{smem} bytes of shared memory (weight slices and two activation tiles) "
                                     f"exceed {SMEM_MAX}; use a larger cluster or a smaller block_m"))
