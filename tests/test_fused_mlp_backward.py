@@ -370,6 +370,32 @@ def test_gpu_dlrm_training_step(widths, acts, dtype, B):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("widths,acts", DLRM, ids=["top", "bottom"])
+def test_gpu_float32_tf32_large_batch(widths, acts):
+    """float32 with TF32 on (as torch.matmul would use it) at B above the chain's small-B
+    tiles: the fused backward compiles and runs (its 64-row chain crashed Triton 3.6's
+    pipeliner for the top MLP) and matches backward_lean, whose GEMMs use TF32 too, within
+    1e-2 of each gradient's largest element (TF32's 10-bit mantissa, sums in another order:
+    2-3e-3 measured on an H100)."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        B, L = 20000, len(widths) - 1
+        x, ws, bs = fm.make_inputs("cuda", torch.float32, B, widths)
+        mod = fm.module_for(x.device, torch.float32, widths, B)
+        _, zs = fm.launch.forward(mod, x, ws, bs, *acts, save=True)
+        g = torch.randn(B, widths[-1], device="cuda")
+        needs = (True,) * (1 + 2 * L)
+        gx, gws, gbs = fb.backward(g, x, ws, [True] * L, zs, *acts, needs)
+        lx, lws, lbs = ref.backward_lean(g, x, ws, [True] * L, zs, *acts, needs)
+        for a, b in zip([gx, *gws, *gbs], [lx, *lws, *lbs]):
+            scale = float(b.abs().max()) or 1.0
+            torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=1e-2)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_training_step_in_a_cuda_graph(dtype):
     """A training step with the fused backward captured in a CUDA graph replays, for a new

@@ -52,8 +52,12 @@ DEVICES = ("cuda",)  # where the training fast path takes it (tests add "cpu": t
 # dz chain: rows per program (small B: more programs for the serial walk; large B: fewer
 # re-reads of the weights, which every program streams from L2), output chunk, warps; and
 # the input chunk (the dots' K).
+# float32 keeps 32 rows above B = 512: with TF32 on, Triton 3.6's pipeliner fails to compile
+# the DLRM top MLP's chain at 64 rows (8 or 4 warps; "PassManager::run failed"), and 32 rows
+# with 4 warps measured fastest with TF32 off at B = 16384 and 65536 (H100: top 897 / 3385 us
+# against 1174 / 4453 at 64 x 64 x 8; nineteenth session, build/s19/bwd32.py).
 CHAIN = {2: ((512, 16, 128, 4), (4096, 32, 128, 4), (32768, 64, 128, 8), (None, 128, 64, 4)),
-         4: ((512, 16, 64, 4), (4096, 32, 64, 4), (None, 64, 64, 8))}
+         4: ((512, 16, 64, 4), (None, 32, 64, 4))}
 CHAIN_BLOCK_K = {2: 64, 4: 32}
 # dW: the tile of dW_i (TILE_N = TILE_K; small B: more programs), warps; rows per step (the
 # dots' K) and pipeline stages.
