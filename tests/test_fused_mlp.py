@@ -511,6 +511,8 @@ def test_gpu_cuda_variant(name):
     widths, dtype = tuple(v.params["widths"]), getattr(torch, v.dtype)
     impl = fm.implementation(dispatch.load(v), widths)
     assert type(impl) is CudaMLP
+    # B = 40001 is more row tiles than clusters fit at once: the persistent loop runs
+    assert 1 <= impl.max_clusters(torch.cuda.current_device()) < -(-40001 // v.params["block_m"])
     acts = ("gelu", "sigmoid")
     for B in (1, 1000, 40001):
         x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[True, False] + [True] * (len(widths) - 3))
@@ -559,6 +561,7 @@ def test_gpu_compile_dlrm_forward_backward():
         def forward(self, dense, sparse):
             return self.top(torch.cat([self.bot(dense), sparse], dim=1))
 
+    torch.manual_seed(0)
     model = DLRMish()
     dense = torch.randn(1000, 13, device="cuda", dtype=torch.bfloat16)
     sparse = torch.randn(1000, 351, device="cuda", dtype=torch.bfloat16)
@@ -570,8 +573,15 @@ def test_gpu_compile_dlrm_forward_backward():
     ref = model(dense, sparse)
     ref.float().sum().backward()
     torch.testing.assert_close(out, ref)
+    # The compiled step runs the op, whose backward is backward_lean (torch GEMMs and
+    # dz.sum(0)); the eager one, after it, the training fast path and its fused backward
+    # kernels: the same roundings, sums in another order, so a bf16 gradient element may move
+    # by an ulp of the gradient's largest element (2^-8 ~ 4e-3; 1e-2 allowed, as the fused
+    # backward's own tests compare them). Elementwise bf16 tolerances failed on a small bias
+    # element (3e-5 absolute, 2.5 % of it) with unseeded inputs on an H100.
     for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(g, p.grad)
+        scale = float(p.grad.abs().max()) or 1.0
+        torch.testing.assert_close(g / scale, p.grad / scale, rtol=0, atol=1e-2)
 
 
 def test_autocast_takes_fp32_parameters_like_nn_linear():

@@ -610,7 +610,33 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
 int max_clusters[64] = {};  // per device: clusters resident at once (0: not asked yet)
 uint64_t configured = 0;  // per device: the shared-memory opt-in made
 
+// A launch of `clusters` clusters on `stream` (attrs point into `attr`), as a dependent launch
+// where `pdl`.
+cudaLaunchConfig_t launch_config(cudaLaunchAttribute (&attr)[2], int clusters, cudaStream_t stream, bool pdl) {
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(clusters * CLUSTER);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 2 : 1;
+  return cfg;
+}
+
+// Make `device` current, raise the kernel's limits on it and learn how many clusters it holds.
 cudaError_t setup(int device) {
+  if (device < 0 || device >= 64) return cudaErrorInvalidDevice;
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != device) {
+    const cudaError_t e = cudaSetDevice(device);
+    if (e != cudaSuccess) return e;
+  }
   cudaError_t e = kgen::opt_in_shared_memory(fused_mlp_cluster, SMEM, device, configured);
   if (e != cudaSuccess) return e;
   if (max_clusters[device] == 0) {
@@ -618,17 +644,8 @@ cudaError_t setup(int device) {
       e = cudaFuncSetAttribute(fused_mlp_cluster, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
       if (e != cudaSuccess) return e;
     }
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(CLUSTER);
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = SMEM;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr[2];
+    const cudaLaunchConfig_t cfg = launch_config(attr, 1, nullptr, false);
     int n = 0;
     e = cudaOccupancyMaxActiveClusters(&n, fused_mlp_cluster, &cfg);
     if (e != cudaSuccess) return e;
@@ -642,18 +659,13 @@ cudaError_t setup(int device) {
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
 // checked the shapes (x [B, 13], weights and biases of these widths, contiguous,
-// 16-byte aligned) and B >= 1; it launches on the caller's stream.
+// 16-byte aligned) and B >= 1; it launches on the caller's stream, as a persistent grid of at
+// most the clusters the device holds at once.
 //   ints: device, x, out, then per layer w_i, b_i (0 when absent), then B, bias_mask, act,
 //         last_act, stream
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
-  if (device < 0 || device >= 64) return (int)cudaErrorInvalidDevice;
-  int current = -1;
-  if (cudaGetDevice(&current) != cudaSuccess || current != device) {
-    const cudaError_t e = cudaSetDevice(device);
-    if (e != cudaSuccess) return (int)e;
-  }
   Params p;
   p.x = reinterpret_cast<const T*>(ints[1]);
   p.out = reinterpret_cast<T*>(ints[2]);
@@ -668,38 +680,20 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   p.last_act = (int)rest[3];
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(rest[4]);
   if (p.B < 1) return (int)cudaErrorInvalidValue;
-  cudaError_t e = setup(device);
+  const cudaError_t e = setup(device);
   if (e != cudaSuccess) return (int)e;
   const int tiles = (p.B + BLOCK_M - 1) / BLOCK_M;
-  const int clusters = tiles < max_clusters[device] ? tiles : max_clusters[device];
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CLUSTER;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(clusters * CLUSTER);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl_supported(device) ? 2 : 1;
+  const cudaLaunchConfig_t cfg =
+      launch_config(attr, tiles < max_clusters[device] ? tiles : max_clusters[device], stream, pdl_supported(device));
   return (int)cudaLaunchKernelEx(&cfg, fused_mlp_cluster, p);
 }
 
-// How many clusters of this kernel the device holds at once (the persistent grid's size), or
+// How many clusters of this kernel the device holds at once (the persistent grid's most), or
 // a negative CUDA error code.   ints: device
 extern "C" int kgen_max_clusters(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
-  if (device < 0 || device >= 64) return -(int)cudaErrorInvalidDevice;
-  int current = -1;
-  if (cudaGetDevice(&current) != cudaSuccess || current != device) {
-    const cudaError_t e = cudaSetDevice(device);
-    if (e != cudaSuccess) return -(int)e;
-  }
   const cudaError_t e = setup(device);
   return e != cudaSuccess ? -(int)e : max_clusters[device];
 }

@@ -33,6 +33,19 @@ class CudaMLP:
             ptrs |= t.data_ptr()
         return not ptrs & 15
 
+    def max_clusters(self, device_index: int) -> int:
+        """How many clusters of the kernel `device_index` holds at once: the persistent grid's
+        most (a call with more row tiles walks several per cluster). Not a hot path: ctypes."""
+        import ctypes
+
+        fn = self.kernel.lib.kgen_max_clusters
+        fn.argtypes = [ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_double)]
+        fn.restype = ctypes.c_int
+        n = fn((ctypes.c_longlong * 1)(device_index), (ctypes.c_double * 1)())
+        if n < 1:
+            self.kernel.fail(-n)
+        return n
+
     def _args(self, x, out, weights, biases, activation, last_activation):
         args, mask = [x.device.index, x.data_ptr(), out.data_ptr()], 0
         for i, (w, b) in enumerate(zip(weights, biases)):

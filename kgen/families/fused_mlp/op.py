@@ -76,8 +76,6 @@ def implementation(kernel, widths: tuple, device=None):
     serves the backward's forward and the inputs the CUDA kernel does not take)."""
     if kernel.backend == "triton":
         return kernel.module
-    import torch
-
     from kgen.runtime import dispatch
 
     device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
