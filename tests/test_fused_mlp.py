@@ -145,7 +145,7 @@ def test_dlrm_plans():
     assert [(s["kind"], s["src"], s.get("sink")) for s in top_x3["steps"]] == [
         ("chunked", "x", "scratch"), ("chunked", "scratch", "absorb")]
     for v in SPEC.variants:
-        if v.params["widths"]:
+        if v.params["widths"] and v.backend == "triton":  # (the CUDA ones: test_cuda_plan_and_checks)
             assert _module(v.name).SCRATCH_WIDTH == (512 if v.dtype == "float32" else 0), v.name
 
 
