@@ -456,7 +456,8 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
 #pragma unroll
       for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
       const uint32_t a_addr = in + uint32_t((mt * 16 + lane % 16) * SA + (lane / 16) * 8) * 2u;
-      const uint32_t b_addr = wt + uint32_t((ch * NB * 8 + lane % 8 + (lane / 16) * 8) * SA + ((lane / 8) % 2) * 8) * 2u;
+      const uint32_t b_addr =
+          wt + uint32_t((ch * NB * 8 + lane % 8 + (lane / 16) * 8) * SA + ((lane / 8) % 2) * 8) * 2u;
       // K in batches of U k-steps: every fragment of the batch loaded (ldmatrix) before its
       // mma.syncs, so that one shared-memory latency covers U steps, not one
       for (int k0 = 0; k0 < KSTEPS; k0 += U) {

@@ -11,8 +11,9 @@ every gradient in two or three Triton launches) and `module` (kgen.nn.FusedMLP).
 is the contract kgen's core reads.
 
 The forward's Triton kernels live in kgen/templates/fused_mlp/triton.py.j2 (rendered per
-variant), the CUDA cluster kernel (sm_90, exact widths, inference) in cuda.cu.j2; the backward's, generic in the widths (constexprs), in fused_backward_kernels.py
-(launched by fused_backward.py).
+variant), the CUDA cluster kernel (sm_90, exact widths, inference) in cuda.cu.j2; the
+backward's, generic in the widths (constexprs), in fused_backward_kernels.py (launched by
+fused_backward.py).
 """
 
 from kgen.families.fused_mlp.checks import check_inputs

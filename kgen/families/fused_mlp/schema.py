@@ -140,8 +140,10 @@ def cuda_plan(widths: tuple[int, ...], cluster: int, block_m: int, warps: int, i
     last layer: N rounded up to 8), per_cta (groups per CTA, a multiple of nb), nb (n-tiles
     a warp accumulates), units (warp work items: 16-row tiles x nb-group chunks), aligned
     (rows of K elements are whole 16-byte vectors: cp.async, else element loads), the byte
-    offsets of its weight slice (w_off) and float32 bias slice (b_off); and the two activation buffers' offsets (layer i reads
-    buffer i % 2, writes buffer (i + 1) % 2) and the total."""
+    offsets of its weight slice (w_off) and float32 bias slice (b_off). Then the two
+    activation buffers' offsets (layer i reads buffer i % 2, writes buffer (i + 1) % 2), the
+    total shared memory, the CTAs an SM holds (ctas_per_sm, the kernel's launch bound) and
+    x's 16-byte vectors a thread carries to the next row tile (x_vectors)."""
     L, mt = len(widths) - 1, block_m // 16
     layers, off = [], 0
     for i in range(L):
@@ -175,7 +177,8 @@ def _check_cuda(dtype: str, k: Mapping[str, Any]):
     if dtype not in ("bfloat16", "float16"):
         problems.append(("dtypes", "the CUDA variant runs bfloat16 and float16 (mma.sync m16n8k16)"))
     if not 2 <= len(widths) <= MAX_LAYERS + 1:
-        problems.append(("widths", f"{len(widths)} widths make {len(widths) - 1} layers; 1 to {MAX_LAYERS} are supported"))
+        problems.append(("widths", f"{len(widths)} widths make {len(widths) - 1} layers; "
+                                   f"1 to {MAX_LAYERS} are supported"))
         return problems
     if k["block_m"] // 16 > k["warps"]:
         problems.append(("block_m", f"{k['block_m']} rows are {k['block_m'] // 16} 16-row tiles, more than the "
