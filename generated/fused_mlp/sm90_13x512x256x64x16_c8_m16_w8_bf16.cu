@@ -140,6 +140,99 @@ __device__ __forceinline__ int swizzled_chunk(int row, int chunk) {
 }
 
 }  // namespace kgen
+
+namespace kgen {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The same shared-memory offset in CTA `rank`'s window of the cluster.
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+// ---------------------------------------------------------------- clusters
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster: what each wrote to its shared memory before
+// (e.g. barrier initialisation) is visible cluster-wide after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Execution only (no memory ordering, so no GPU-wide fence: a release at cluster scope
+// compiles to MEMBAR.ALL.GPU): every CTA of the cluster has reached this point.
+__device__ __forceinline__ void cluster_arrive_wait_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// ---------------------------------------------------------------- mbarrier
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+
+// Makes the initialised barriers visible to the async proxy (TMA); a CTA barrier follows.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+// One arrival plus the bytes the TMA copies of this phase will deliver.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// One arrival on the barrier at the same shared-memory offset in CTA `cta` of this
+// cluster (the own CTA included): how a consumer frees a ring stage that a peer CTA's TMA
+// multicast writes into. Default (.release.cta) semantics: the stage was read by wgmma,
+// whose completion (wgmma.wait_group) already orders those reads; .release.cluster would
+// add a GPU-wide MEMBAR to every arrive.
+__device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(map_rank(smem_addr(bar), cta)) : "memory");
+}
+
+// Spin until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_addr(bar);
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+// An arrival on another CTA's mbarrier (`remote`: a shared::cluster address, kgen::map_rank),
+// relaxed: it says this CTA has passed a point (e.g. its reads of a buffer are done); no data
+// rides on it, so no GPU-wide fence.
+__device__ __forceinline__ void mbar_arrive_remote_relaxed(uint32_t remote) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// 16 bytes into another CTA's shared memory (`addr`), completing 16 transaction bytes on its
+// mbarrier `bar` (both shared::cluster addresses): the receiver's mbar_wait makes them visible.
+__device__ __forceinline__ void st_async_16(uint32_t addr, uint4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
+}
+
+}  // namespace kgen
 #include <mutex>
 
 namespace kgen {
@@ -270,66 +363,6 @@ __device__ __forceinline__ float activate_rt(int act, float z) {
 }
 
 
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// All threads of all CTAs of the cluster; release/acquire order their shared-memory writes
-// (local and remote) before the reads after it. Once, at the start (a GPU-wide fence).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-// Execution only (no memory ordering, so no GPU-wide fence: a release at cluster scope
-// compiles to MEMBAR.ALL.GPU): every CTA of the cluster has reached this point.
-__device__ __forceinline__ void cluster_arrive_wait_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-
-// mbarriers (PTX "mbarrier"): one per layer input in every CTA. The other CTAs' 16-byte
-// stores into this CTA (st.async) complete transaction bytes on it; its phase completes when
-// the bytes armed by the local expect_tx arrived and every expected arrival was made.
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect(uint32_t bar, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-// An arrival on another CTA's mbarrier (`bar` a shared::cluster address), relaxed: it only says
-// this CTA has passed a point (its reads of a buffer done), no data rides on it.
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar) {
-  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// 16 bytes into another CTA's shared memory (`addr`), completing 16 transaction bytes on its
-// mbarrier `bar` (both shared::cluster addresses).
-__device__ __forceinline__ void st_async_16(uint32_t addr, uint4 v, uint32_t bar) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
-               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
-               : "memory");
-}
-
-// The same shared-memory offset in CTA `rank`'s window of the cluster.
-__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
-}
-
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
@@ -433,7 +466,7 @@ __device__ __forceinline__ void store_x(const uint4 (&v)[X_VECTORS], uint32_t bu
 #pragma unroll
     for (int d = 0; d < CLUSTER; ++d) {
       const uint32_t to = (rank + d) % CLUSTER;
-      st_async_16(map_rank(at, to), v[q], map_rank(bar, to));
+      kgen::st_async_16(kgen::map_rank(at, to), v[q], kgen::map_rank(bar, to));
     }
   }
 }
@@ -528,10 +561,10 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
 #pragma unroll
       for (int d = 1; d < CLUSTER; ++d) {
         const uint32_t to = (rank + d) % CLUSTER;
-        st_async_16(map_rank(at, to), v, map_rank(nxt_bar, to));
+        kgen::st_async_16(kgen::map_rank(at, to), v, kgen::map_rank(nxt_bar, to));
       }
     }
-    if (threadIdx.x < CLUSTER - 1) mbar_arrive_remote(map_rank(nxt_bar, (rank + 1 + threadIdx.x) % CLUSTER));
+    if (threadIdx.x < CLUSTER - 1) kgen::mbar_arrive_remote_relaxed(kgen::map_rank(nxt_bar, (rank + 1 + threadIdx.x) % CLUSTER));
   }
 }
 
@@ -547,7 +580,7 @@ __device__ __forceinline__ int incoming_bytes(uint32_t rank) {
 __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const __grid_constant__ Params p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const uint32_t rank = cluster_rank();
+  const uint32_t rank = kgen::cluster_rank();
   const int clusters = gridDim.x / CLUSTER, first = blockIdx.x / CLUSTER;
   const int tiles = (p.B + BLOCK_M - 1) / BLOCK_M;
   pdl_wait();  // the kernel before on the stream may have written x, the weights or the biases
@@ -562,50 +595,50 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
   load_bias<64, 1>((p.bias_mask >> 2) & 1 ? p.b[2] : nullptr, reinterpret_cast<float*>(smem + 42112), rank);
   load_bias<16, 1>((p.bias_mask >> 3) & 1 ? p.b[3] : nullptr, reinterpret_cast<float*>(smem + 42144), rank);
   __shared__ __align__(8) uint64_t bars[LAYERS];  // per layer input: x, then each hidden activation
-  const uint32_t bar0 = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
+  const uint32_t bar0 = kgen::smem_addr(bars);  // the remote operations address them by offset
   if (threadIdx.x == 0) {
     // layer 0's: the local expect_tx only (x comes as bytes); the others': also one arrival
     // from each other CTA (it finished the layer before)
-    for (int i = 0; i < LAYERS; ++i) mbar_init(bar0 + 8 * i, i == 0 ? 1 : CLUSTER);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int i = 0; i < LAYERS; ++i) kgen::mbar_init(&bars[i], i == 0 ? 1 : CLUSTER);
+    kgen::mbar_init_fence();
   }
   uint4 xv[X_VECTORS];
   load_x<13, 16, false>(xv, p.x, p.B, first, rank);
   kgen::cp_async_wait<0>();
-  cluster_sync();  // the weights and mbarriers ready, every CTA of the cluster running
+  kgen::cluster_sync();  // the weights and mbarriers ready, every CTA of the cluster running
   uint32_t parity = 0;
   for (int tile = first; tile < tiles; tile += clusters, parity ^= 1) {
     if (threadIdx.x == 0) {  // arm this tile's phase of every mbarrier with the bytes it receives
-      mbar_expect(bar0, BLOCK_M * 16 * 2);
-      mbar_expect(bar0 + 8, incoming_bytes<64, 8>(rank));
-      mbar_expect(bar0 + 16, incoming_bytes<32, 4>(rank));
-      mbar_expect(bar0 + 24, incoming_bytes<8, 1>(rank));
+      kgen::mbar_arrive_expect_tx(&bars[0], BLOCK_M * 16 * 2);
+      kgen::mbar_arrive_expect_tx(&bars[1], incoming_bytes<64, 8>(rank));
+      kgen::mbar_arrive_expect_tx(&bars[2], incoming_bytes<32, 4>(rank));
+      kgen::mbar_arrive_expect_tx(&bars[3], incoming_bytes<8, 1>(rank));
     }
     store_x<16, 24>(xv, base + 42176u, bar0, rank);
-    mbar_wait(bar0, parity);
+    kgen::mbar_wait(&bars[0], parity);
     if (tile + clusters < tiles)  // the next row tile's x, in flight while this one's layers run
       load_x<13, 16, false>(xv, p.x, p.B, tile + clusters, rank);
     layer<13, 512, 16, 24, 64, 8, 1, 8, false, 520>(
         p, reinterpret_cast<const float*>(smem + 41728), p.act,
         base + 42176u, base + 0u, smem + 50624,
         base + 50624u, bar0 + 8, tile, rank);
-    mbar_wait(bar0 + 8, parity);
+    kgen::mbar_wait(&bars[1], parity);
     layer<512, 256, 512, 520, 32, 4, 1, 4, false, 264>(
         p, reinterpret_cast<const float*>(smem + 41984), p.act,
         base + 50624u, base + 3072u, smem + 42176,
         base + 42176u, bar0 + 16, tile, rank);
-    mbar_wait(bar0 + 16, parity);
+    kgen::mbar_wait(&bars[2], parity);
     layer<256, 64, 256, 264, 8, 1, 1, 1, false, 72>(
         p, reinterpret_cast<const float*>(smem + 42112), p.act,
         base + 42176u, base + 36352u, smem + 50624,
         base + 50624u, bar0 + 24, tile, rank);
-    mbar_wait(bar0 + 24, parity);
+    kgen::mbar_wait(&bars[3], parity);
     layer<64, 16, 64, 72, 2, 1, 1, 1, true, 72>(
         p, reinterpret_cast<const float*>(smem + 42144), p.last_act,
         base + 50624u, base + 40576u, smem + 42176,
         base + 42176u, bar0 + 32, tile, rank);
   }
-  cluster_arrive_wait_relaxed();  // no CTA leaves while another may still write into it
+  kgen::cluster_arrive_wait_relaxed();  // no CTA leaves while another may still write into it
 }
 
 int max_clusters[64] = {};  // per device: clusters resident at once (0: not asked yet)

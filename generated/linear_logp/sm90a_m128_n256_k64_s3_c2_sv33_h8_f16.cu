@@ -67,10 +67,38 @@ template <> __device__ __forceinline__ __half from_float<__half>(float v) { retu
 #include <cudaTypedefs.h>
 #include <mutex>
 
+
 namespace kgen {
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// The same shared-memory offset in CTA `rank`'s window of the cluster.
+__device__ __forceinline__ uint32_t map_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+// ---------------------------------------------------------------- clusters
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+
+// Every thread of every CTA in the cluster: what each wrote to its shared memory before
+// (e.g. barrier initialisation) is visible cluster-wide after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// Execution only (no memory ordering, so no GPU-wide fence: a release at cluster scope
+// compiles to MEMBAR.ALL.GPU): every CTA of the cluster has reached this point.
+__device__ __forceinline__ void cluster_arrive_wait_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- mbarrier
@@ -100,9 +128,7 @@ __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
 // whose completion (wgmma.wait_group) already orders those reads; .release.cluster would
 // add a GPU-wide MEMBAR to every arrive.
 __device__ __forceinline__ void mbar_arrive_cluster(uint64_t* bar, uint32_t cta) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(bar)), "r"(cta));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(map_rank(smem_addr(bar), cta)) : "memory");
 }
 
 // Spin until the phase with this parity has completed.
@@ -117,6 +143,25 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
         : "memory");
   } while (!done);
 }
+
+// An arrival on another CTA's mbarrier (`remote`: a shared::cluster address, kgen::map_rank),
+// relaxed: it says this CTA has passed a point (e.g. its reads of a buffer are done); no data
+// rides on it, so no GPU-wide fence.
+__device__ __forceinline__ void mbar_arrive_remote_relaxed(uint32_t remote) {
+  asm volatile("mbarrier.arrive.relaxed.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// 16 bytes into another CTA's shared memory (`addr`), completing 16 transaction bytes on its
+// mbarrier `bar` (both shared::cluster addresses): the receiver's mbar_wait makes them visible.
+__device__ __forceinline__ void st_async_16(uint32_t addr, uint4 v, uint32_t bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+               : "memory");
+}
+
+}  // namespace kgen
+
+namespace kgen {
 
 // ---------------------------------------------------------------- TMA
 
@@ -168,20 +213,6 @@ __device__ __forceinline__ void named_bar_arrive(int id, int threads) {
 }
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// ---------------------------------------------------------------- clusters
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA in the cluster: what each wrote to its shared memory before
-// (e.g. barrier initialisation) is visible cluster-wide after.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- WGMMA
