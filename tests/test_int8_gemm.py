@@ -19,8 +19,10 @@ from tests.conftest import HAS_GPU, requires_nvcc
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = spec.load(ROOT / "kgen" / "specs" / "int8_gemm.yaml")
 TRITON = [v.name for v in SPEC.variants if v.backend == "triton"]
-CUDA = [v.name for v in SPEC.variants if v.backend == "cuda" and not ig.plans.is_gemv(v)]
+CUDA = [v.name for v in SPEC.variants
+        if v.backend == "cuda" and not (ig.plans.is_gemv(v) or ig.plans.is_wgmma(v))]
 GEMV = [v.name for v in SPEC.variants if ig.plans.is_gemv(v)]
+WGMMA = [v.name for v in SPEC.variants if ig.plans.is_wgmma(v)]
 DEV = torch.device("cuda" if HAS_GPU else "cpu")
 _LOADED: dict = {}
 
@@ -248,7 +250,7 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
 
 @pytest.fixture(scope="module")
 def cuda_builds():
-    return {r.variant.name: r for r in build.build_cuda([SPEC.variant(n) for n in CUDA + GEMV])}
+    return {r.variant.name: r for r in build.build_cuda([SPEC.variant(n) for n in CUDA + GEMV + WGMMA])}
 
 
 @requires_nvcc
@@ -300,6 +302,53 @@ def test_gemv_variant_sass(cuda_builds, name):
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
     smem = ig.schema.gemv_smem(r.variant.params)
     assert all(k["shared"] <= (1024 if "combine" in kname else smem + 1024) for kname, k in res.items()), res
+
+
+@requires_nvcc
+@pytest.mark.parametrize("name", WGMMA)
+def test_wgmma_variant_sass(cuda_builds, name):
+    """The Hopper kernel: WGMMA with s8 operands (SASS IGMMA) fed by TMA (UTMALDG) through
+    mbarriers (SYNCS), each kernel a programmatic dependent launch's wait (ACQBULK); no local
+    memory or stack in its four kernels (int8_mm and int8_linear, each with its combine)."""
+    r = cuda_builds[name]
+    assert r.status in ("built", "cached"), r.error
+    lib = r.entry.file(build.CUDA_LIB)
+    sass = toolchain.sass(lib)
+    assert "arch = sm_90a" in sass
+    for op in ("IGMMA.64", "UTMALDG.2D", "SYNCS", "WARPGROUP.ARRIVE"):
+        assert op in sass, op
+    assert "IMMA" not in sass.replace("IGMMA", "")  # no mma.sync fallback inside
+    assert not re.search(r"\b(LDL|STL)\b", sass)
+    assert sass.count("ACQBULK") >= sass.count("Function : ") == 12
+    res = toolchain.resource_usage(lib)
+    assert len(res) == 12
+    assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+
+
+def test_wgmma_plans_and_checks():
+    """K splits of the Hopper kernel: none where the tiles fill the SMs, enough CTAs for a
+    wave where they do not, each split >= 4 K panels and the partials at most half the
+    weight; two CTAs an SM only where two rings and their registers fit; the spec rules."""
+    big = {"block_m": 128, "block_n": 256, "block_k": 128, "stages": 4, "warps_m": 2, "warps_n": 1}
+    small = {"block_m": 64, "block_n": 64, "block_k": 128, "stages": 6, "warps_m": 1, "warps_n": 1}
+    assert ig.schema.wgmma_ctas_per_sm(big) == 1 and ig.schema.wgmma_ctas_per_sm(small) == 2
+    assert ig.plans.wgmma_splits(big, 4096, 4096, 4096, 132) == 1
+    s = ig.plans.wgmma_splits(big, 64, 4096, 11008, 132)  # 16 tiles
+    assert 16 * s >= 132 or s == 11008 // (16 * 64)
+    assert 2 * s * 64 * 4096 * 4 <= 4096 * 11008 / 2 and 11008 // 128 // s >= 4
+    assert ig.plans.wgmma_splits(small, 17, 4096, 4096, 132) == 5  # 64 tiles x 2 CTAs an SM
+    assert ig.plans.wgmma_splits(big, 1, 37, 256, 132) == 1  # 2 K panels: no split
+    for knobs, dtype, arch, key in ((dict(big, block_m=256, warps_m=4), "int8", "sm_90a", "block_m"),
+                                    (dict(big, block_k=64), "int8", "sm_90a", "block_k"),
+                                    (dict(big, warps_n=2), "int8", "sm_90a", "warps_m"),
+                                    (dict(big, stages=5), "int8", "sm_90a", "stages"),
+                                    (big, "bfloat16", "sm_90a", "dtypes"),
+                                    (big, "int8", "sm_90", "arch")):
+        problems = ig.schema._check_variant("cuda", arch, dtype, dict(knobs, kernel="wgmma", ring=0))
+        assert key in [k for k, _ in problems], (knobs, dtype, arch, problems)
+    assert not ig.schema._check_variant("cuda", "sm_90a", "int8", dict(big, kernel="wgmma", ring=0))
+    # the tiled mma.sync kernel is not built for sm_90a
+    assert ig.schema._check_variant("cuda", "sm_90a", "int8", dict(big, kernel="mma", ring=0))
 
 
 def test_gemv_plans():
@@ -390,6 +439,59 @@ def test_w8a16_under_autocast_takes_an_fp32_bias():
         out = ops.w8a16_linear(x, b, s, bias)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, ops.w8a16_linear(x, b, s, bias.bfloat16()))
+
+
+# The Hopper kernel: M from 1 to past two 128-row tiles, N and K off every tile (K a multiple
+# of 16, TMA's unit; 272 and 1040 end in a partial 128-byte panel), long K (3008: 24 panels).
+WGMMA_SHAPES = ig.GPU_SHAPES + ((130, 4104, 1040), (300, 333, 128), (1029, 2000, 3008), (17, 1000, 272))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", WGMMA)
+def test_wgmma_variant_golden(name, poisoned_workspace):
+    """The sm_90a kernel itself (cuda_takes asserted: no fallback hides it) unsplit, with the
+    call's own K split and with 1 and 3 forced splits, into poisoned outputs and partial
+    planes: int8_mm equal to the int64 product, int8_linear within the spec's tolerance of
+    float64; a rerun bit-identical; what TMA cannot take (K % 16) goes to Triton."""
+    v = SPEC.variant(name)
+    if not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} does not run here")
+    impl = ig.implementation(_kernel(name))
+    a, b = _ints(130, 1040), _ints(4104, 1040)
+    assert impl.wgmma and impl.cuda_takes(a, b)
+    results = ig.golden(_kernel(name), DEV, "int8", SPEC.numerics["int8"], shapes=WGMMA_SHAPES,
+                        split_options=(None, 1, 3))
+    bad = [(case, r) for case, r in results if not r <= 1.0]
+    assert not bad, bad
+    once = ig.gemm(impl, ig.MODE_MM, a, b, torch.empty(130, 4104, dtype=torch.int32, device=DEV), n_splits=3)
+    again = ig.gemm(impl, ig.MODE_MM, a, b, torch.empty(130, 4104, dtype=torch.int32, device=DEV), n_splits=3)
+    assert torch.equal(once, again)
+    a, b = _ints(33, 40), _ints(50, 40)
+    assert not impl.cuda_takes(a, b)
+    out = ig.gemm(impl, ig.MODE_MM, a, b, torch.empty(33, 50, dtype=torch.int32, device=DEV))
+    assert torch.equal(out.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
+@pytest.mark.gpu
+def test_int8_linear_never_runs_the_reference_where_a_kernel_is_tuned(monkeypatch):
+    """Where the reference (torch._int_mm) won int8_mm's bucket, int8_linear runs the bucket's
+    fastest kgen candidate instead (the reference's epilogue is separate PyTorch passes);
+    int8_mm keeps the reference. Exact / within tolerance either way."""
+    M, N, K = 40, 700, 512
+    cap = torch.cuda.get_device_capability()
+    pick = next(v for v in dispatch.runnable("int8_gemm", "int8", DEV) if v.backend == "triton")
+    entry = {"winner": tune.REFERENCE, "times_us": {tune.REFERENCE: 10.0, pick.name: 11.0}}
+    monkeypatch.setattr(tune, "lookup", lambda k: entry if "int8_gemm" in k and "|int8|" in k else None)
+    monkeypatch.setattr(ig.op, "_IMPLS", {})
+    assert ig.op._impl(DEV, torch.int8, M, N, K, False) is None
+    impl = ig.op._fused_impl(DEV, M, N, K)
+    assert impl is not None and impl.cuda is None and impl.triton is dispatch.load(pick).module, (pick.name, cap)
+    a, b = _ints(M, K), _ints(N, K)
+    sa, sb = torch.rand(M, device=DEV) / 127, torch.rand(N, device=DEV) / 127
+    got = ops.int8_linear(a, b, sa, sb, out_dtype=torch.float32)
+    ref = ig.reference.int8_linear(a, b, sa, sb, None, compute=torch.float64)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)
+    assert torch.equal(ops.int8_mm(a, b).cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
 # gemv: M in {1, 3, 9, 16} (one and two 8-token groups, ragged), N not a multiple of the 64 /

@@ -240,6 +240,11 @@ __device__ __forceinline__ void fence_registers(float (&r)[COUNT]) {
 #pragma unroll
   for (int i = 0; i < COUNT; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+template <int COUNT>
+__device__ __forceinline__ void fence_registers(int (&r)[COUNT]) {  // integer (s32) accumulators
+#pragma unroll
+  for (int i = 0; i < COUNT; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 
 // Register reallocation between warpgroups; needs __launch_bounds__(threads, 1).
 template <int REGS>
@@ -266,10 +271,11 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Tensor maps of 16-bit data, encoded once per (address, shape, box) and reused: a small
-// table replaced round-robin, shared by the threads that launch (launches run without the
-// GIL). Matrices: row-major [rows, cols], box [box_rows, 64], 128-byte swizzle (what the
-// WGMMA descriptors above expect). Vectors: [cols], box [box], no swizzle (rows == 0).
+// Tensor maps of 16-bit or 8-bit data (CU_TENSOR_MAP_DATA_TYPE_UINT8: int8 bytes), encoded once
+// per (address, shape, box) and reused: a small table replaced round-robin, shared by the
+// threads that launch (launches run without the GIL). Matrices: row-major [rows, cols], box
+// [box_rows, 128 bytes of columns], 128-byte swizzle (what the WGMMA descriptors above
+// expect). Vectors: [cols], box [box], no swizzle (rows == 0).
 class TensorMapCache {
  public:
   // Each returns false when the driver refuses (e.g. an address or row pitch not 16-byte
@@ -295,9 +301,10 @@ class TensorMapCache {
     PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
     Slot& s = slots_[next_];
+    const uint32_t elem = dtype == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : 2;  // bytes an element
     const cuuint64_t dims[2] = {cols, rows};
-    const cuuint64_t strides[1] = {cols * 2};
-    const cuuint32_t box_dims[2] = {rows ? 64u : box, box};
+    const cuuint64_t strides[1] = {cols * elem};
+    const cuuint32_t box_dims[2] = {rows ? 128u / elem : box, box};
     const cuuint32_t elem_strides[2] = {1, 1};
     const CUresult r = encode(&s.map, dtype, rows ? 2 : 1, const_cast<void*>(base), dims, strides, box_dims,
                               elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,

@@ -10,9 +10,13 @@ public functions) and `golden` (what `kgen verify` runs). This module is the con
 kgen's core reads and the names callers use.
 
 Kernels: kgen/templates/int8_gemm/triton.py.j2 (a tiled tl.dot GEMM for all three ops,
-split-K with a deterministic combine for small M) and cuda_sm80.cu.j2 (cp.async +
-ldmatrix + mma.sync m16n8k32 s8, int8 x int8 with the W8A8 epilogue; built for sm_80 and
-sm_90). Dispatch picks per (M bucket, N, K) from the tuning table, else by shape
+split-K with a deterministic combine for small M), cuda_sm80.cu.j2 (cp.async + ldmatrix +
+mma.sync m16n8k32 s8, int8 x int8 with the W8A8 epilogue; built for sm_80 and sm_90),
+cuda_sm90a.cu.j2 (Hopper: TMA + mbarrier ring, warp-specialised WGMMA s8, K split with a
+deterministic combine where the tiles do not fill the SMs; int8 x int8 with the epilogue)
+and cuda_gemv.cu.j2 (M <= 16, all three ops). int8_linear runs int8_mm's choice, except
+where that is the reference: then the bucket's fastest kgen candidate (op._fused_impl).
+Dispatch picks per (M bucket, N, K) from the tuning table, else by shape
 (plans.preference) among the variants of the specs; torch._int_mm / the PyTorch W8A16
 expression are the `reference` candidate of the tuner.
 """

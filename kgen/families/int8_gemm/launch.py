@@ -7,6 +7,9 @@ Triton: one GEMM launch writes the finished output; a split-K launch (small M) w
 kernel sums them in a fixed order and applies the epilogue. No atomics: deterministic.
 CUDA (sm_80 mma.sync, int8 only): one launch, epilogue fused; it needs K % 16 == 0 and
 16-byte aligned a and b (cp.async moves 16-byte pieces), else the Triton module runs.
+CUDA wgmma (sm_90a, int8_mm and int8_linear, any M): TMA + WGMMA s8 tiles, with K splits
+(plans.wgmma_splits) where the tiles do not fill the SMs: the gemv kernel's launcher
+arguments and partial planes. It needs K % 16 == 0 and 16-byte aligned a and b (TMA).
 CUDA gemv (M <= 16, all three ops): one launch, or with K splits (plans.gemv_splits) a
 partial workspace [splits, M, N] and the combine kernel, both in one launcher call; it needs
 K % 16 == 0, 16-byte aligned a / x and b, and group_size % 64 == 0 (a 64-k step within one
@@ -39,6 +42,16 @@ class Impl:
         self.triton, self.cuda = triton_mod, cuda
         self.name = cuda.name if cuda is not None else getattr(triton_mod, "VARIANT", "triton")
         self.gemv = cuda is not None and plans.is_gemv(cuda.variant)
+        self.wgmma = cuda is not None and plans.is_wgmma(cuda.variant)
+        # gemv and wgmma take the same launcher arguments (K splits, partial planes)
+        self.split = self.gemv or self.wgmma
+
+    def splits(self, M: int, N: int, K: int, device) -> int:
+        """K splits of a gemv / wgmma call: the plan, within the kernel's K steps."""
+        sms = plans.sm_count(device)
+        if self.gemv:
+            return max(1, min(plans.gemv_splits_of(self.cuda.params, M, N, K, sms), plans.cdiv(K, plans.GEMV_STEP)))
+        return max(1, min(plans.wgmma_splits(self.cuda.params, M, N, K, sms), plans.cdiv(K, plans.WGMMA_BK)))
 
     def cuda_takes(self, a, b, mode: int = MODE_MM, group_size: int | None = None) -> bool:
         if self.cuda is None or a.shape[1] % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
@@ -61,10 +74,9 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
     if impl.gemv:
         if M > plans.GEMV_MAX_M or (group_size or 0) % plans.GEMV_STEP:
             return None
-        steps = plans.cdiv(K, plans.GEMV_STEP)
-        n_splits = max(1, min(plans.gemv_splits_of(impl.cuda.params, M, N, K, plans.sm_count(device)), steps))
     elif mode == MODE_W8A16:
         return None
+    n_splits = impl.splits(M, N, K, device) if impl.split else 1
     kernel, index = impl.cuda, device.index if device.index is not None else -1  # as Tensor.get_device()
     raw, ptr, fail, stream, empty_like = kernel.raw, kernel.ptr, kernel.fail, current_raw_stream, torch.empty_like
     proto = prototype((M, N), out_dtype, device)  # outputs: empty_like of it
@@ -85,7 +97,7 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
         sa = scale_a.data_ptr() if scale_a is not None else 0
         sb = scale_b.data_ptr() if scale_b is not None else 0
         bi = bias.data_ptr() if has_bias else 0
-        if impl.gemv:
+        if impl.split:
             part = _empty((n_splits, M, N), part_dtype, device) if n_splits > 1 else None
             rc = raw(ptr, index, mode, has_bias, ap, bp, out.data_ptr(), part.data_ptr() if part is not None else 0,
                      sa, sb, bi, M, N, K, n_splits, gs, out_code, sb_code, bias_code, stream(index))
@@ -108,8 +120,8 @@ def gemm(impl: Impl, mode: int, a, b, out, scale_a=None, scale_b=None, bias=None
     if M == 0 or N == 0:
         return out
     if impl.cuda_takes(a, b, mode, group_size):
-        if impl.gemv:
-            _gemv(impl.cuda, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits)
+        if impl.split:
+            _split(impl, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits)
         else:
             _cuda(impl.cuda, mode, a, b, out, scale_a, scale_b, bias)
     else:
@@ -127,13 +139,14 @@ def _cuda(kernel, mode, a, b, out, scale_a, scale_b, bias) -> None:
         kernel.fail(rc)
 
 
-def _gemv(kernel, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) -> None:
+def _split(impl, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) -> None:
+    """A gemv or wgmma launch (their launcher arguments are the same), K split by the plan or
+    `n_splits` (tests), within the kernel's K steps."""
     M, K = a.shape
     N = b.shape[0]
-    steps = plans.cdiv(K, plans.GEMV_STEP)
-    if n_splits is None:
-        n_splits = plans.gemv_splits_of(kernel.params, M, N, K, plans.sm_count(a.device))
-    n_splits = max(1, min(n_splits, steps))
+    kernel = impl.cuda
+    step = plans.GEMV_STEP if impl.gemv else plans.WGMMA_BK
+    n_splits = impl.splits(M, N, K, a.device) if n_splits is None else max(1, min(n_splits, plans.cdiv(K, step)))
     part = None
     if n_splits > 1:
         part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kgen.families.int8_gemm.schema import wgmma_ctas_per_sm
 from kgen.runtime.op import sm_count as _sm_count
 
 MODE_MM, MODE_LINEAR, MODE_W8A16 = 0, 1, 2
@@ -72,6 +73,26 @@ GEMV_MAX_SPLITS = 64
 
 def is_gemv(variant) -> bool:
     return variant.backend == "cuda" and variant.params.get("kernel") == "gemv"
+
+
+def is_wgmma(variant) -> bool:
+    return variant.backend == "cuda" and variant.params.get("kernel") == "wgmma"
+
+
+# The Hopper WGMMA kernel (cuda_sm90a.cu.j2): one or two CTAs an SM (schema.wgmma_ctas_per_sm),
+# so a call whose output tiles do not fill the SMs splits K: about one wave of CTAs, each
+# split at least WGMMA_MIN_PANELS 128-byte K panels, and the int32 partials (M x N x 4 bytes
+# a split, written and read back) at most half the weight's N x K bytes.
+WGMMA_BK = 128
+WGMMA_MIN_PANELS = 4
+
+
+def wgmma_splits(params, M: int, N: int, K: int, sms: int) -> int:
+    """K splits of a wgmma call."""
+    tiles = cdiv(M, params["block_m"]) * cdiv(N, params["block_n"])
+    panels = cdiv(K, WGMMA_BK)
+    s = min(cdiv(sms * wgmma_ctas_per_sm(params), tiles), panels // WGMMA_MIN_PANELS, K // (16 * M), 65535)
+    return max(1, s)
 
 
 def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:

@@ -6,8 +6,10 @@ int8, int32 accumulation, the W8A8 epilogue in the same kernel); `bfloat16` / `f
 variants serve w8a16_linear (16-bit x, int8 weight widened in registers, float32
 accumulation). B is always int8 stored N x K.
 
-CUDA variants are of two kernels (knob `kernel`): `mma` (the default, cuda_sm80.cu.j2: the
-tiled cp.async + ldmatrix + mma.sync GEMM, int8 only) and `gemv` (cuda_gemv.cu.j2: the
+CUDA variants are of three kernels (knob `kernel`): `mma` (the default, cuda_sm80.cu.j2: the
+tiled cp.async + ldmatrix + mma.sync GEMM, int8 only), `wgmma` (cuda_sm90a.cu.j2, arch sm_90a,
+int8 only: TMA + mbarrier ring, warp-specialised WGMMA s8 with K splits; block_m = 64 x the
+consumer warpgroups = 64 x warps_m, warps_n = 1, block_k = 128 bytes a stage) and `gemv` (cuda_gemv.cu.j2: the
 small-M streaming kernel for M <= 16, every dtype), which reads the shared knobs as:
 block_m = the most rows of a / x it takes (16), block_n = weight rows per CTA (16-row groups
 per warp x 16 x warps_n), block_k = k per step (64: 4 lanes x 16 bytes), stages = steps of
@@ -76,10 +78,53 @@ def _check_gemv(arch: str | None, k: Mapping[str, Any]) -> list:
     return problems
 
 
+def wgmma_smem(k: Mapping[str, Any]) -> int:
+    """Dynamic shared memory of a wgmma variant: `stages` x (block_m + block_n) rows of one
+    128-byte K panel, plus 1 KB to align the ring for the 128-byte swizzle."""
+    return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] + 1024
+
+
+def wgmma_ctas_per_sm(k: Mapping[str, Any]) -> int:
+    """CTAs of a wgmma variant an SM: 2 where two rings fit in shared memory and the
+    accumulators (block_n / 2 registers a consumer thread) plus ~40 others fit under the
+    register cap that two CTAs put on every thread (ptxas compiles the whole kernel under
+    the launch bound's cap; setmaxnreg moves registers only at run time)."""
+    threads = 128 * (k["block_m"] // 64 + 1)
+    cap = 65536 // (2 * threads)
+    return 2 if 2 * wgmma_smem(k) <= _SMEM_LIMIT["sm_90a"] - 2048 and cap >= k["block_n"] // 2 + 40 else 1
+
+
+def _check_wgmma(arch: str | None, dtype: str, k: Mapping[str, Any]) -> list:
+    problems = []
+    if arch != "sm_90a":
+        problems.append(("arch", f"the wgmma kernel is Hopper's (arch sm_90a), not {arch}"))
+    if dtype != "int8":
+        problems.append(("dtypes", f"the wgmma kernel is int8 x int8 (int8_mm, int8_linear), not {dtype}"))
+    if k["block_m"] not in (64, 128):
+        problems.append(("block_m", f"block_m={k['block_m']}: one or two consumer warpgroups of 64 rows (64 or 128)"))
+    if k["block_n"] % 16 or not 16 <= k["block_n"] <= 256:
+        problems.append(("block_n", f"block_n={k['block_n']}: an int8 wgmma's N is 16..256 in steps of 16"))
+    if k["block_k"] != 128:
+        problems.append(("block_k", f"block_k={k['block_k']}: a stage is one 128-byte swizzle panel of K (128)"))
+    if k["warps_m"] != k["block_m"] // 64 or k["warps_n"] != 1:
+        problems.append(("warps_m", f"warps_m x warps_n = {k['warps_m']} x {k['warps_n']}: the consumer warpgroups "
+                                    f"are block_m / 64 x 1 = {k['block_m'] // 64} x 1"))
+    if k.get("ring", 0):
+        problems.append(("ring", "ring is a knob of the gemv kernel (kernel: gemv)"))
+    if wgmma_smem(k) > _SMEM_LIMIT["sm_90a"] - 1024:
+        problems.append(("stages", f"{k['stages']} stages need {wgmma_smem(k)} bytes of shared memory, above "
+                                   f"{_SMEM_LIMIT['sm_90a'] - 1024}"))
+    return problems
+
+
 def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, Any]):
     problems = []
     if backend == "cuda" and k["kernel"] == "gemv":
         return _check_gemv(arch, k)
+    if backend == "cuda" and k["kernel"] == "wgmma":
+        return _check_wgmma(arch, dtype, k)
+    if backend == "cuda" and arch == "sm_90a":
+        problems.append(("arch", "sm_90a is the wgmma kernel's (kernel: wgmma)"))
     if backend == "triton":
         # tl.dot needs K >= 16 per step; int8 MMAs take K = 32 per instruction.
         if dtype == "int8" and k["block_k"] < 32:
@@ -125,7 +170,7 @@ SCHEMA = Schema(
     knobs={
         "cuda": (
             # which kernel (kgen/templates/int8_gemm/cuda.cu.j2); the default stays out of names
-            Knob("kernel", "", kind=str, choices=("mma", "gemv"), default="mma"),
+            Knob("kernel", "", kind=str, choices=("mma", "gemv", "wgmma"), default="mma"),
             Knob("block_m", "m", lo=16, hi=256, pow2=True),
             Knob("block_n", "n", lo=16, hi=256, pow2=True),
             Knob("block_k", "k", lo=32, hi=128, pow2=True),  # bytes of K per stage
@@ -147,11 +192,11 @@ SCHEMA = Schema(
         ),
     },
     check=_check_variant,
-    archs=("sm_80", "sm_86", "sm_89", "sm_90"),
+    archs=("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a"),
 )
 _CUDA = "int8_gemm/cuda.cu.j2"  # includes cuda_sm80.cu.j2 or cuda_gemv.cu.j2 by the `kernel` knob
 TEMPLATES = {"triton": "int8_gemm/triton.py.j2",
-             "cuda": {"sm_80": _CUDA, "sm_86": _CUDA, "sm_89": _CUDA, "sm_90": _CUDA}}
+             "cuda": {"sm_80": _CUDA, "sm_86": _CUDA, "sm_89": _CUDA, "sm_90": _CUDA, "sm_90a": _CUDA}}
 # Storage codes of the CUDA launchers: 0 int32, 1 bf16, 2 fp16, 3 float32.
 _DTYPE_CODE = {"bfloat16": 1, "float16": 2}
 
@@ -165,6 +210,9 @@ def template_context(variant) -> dict:
                 "UNROLL": p["stages"], "ROWS": p["block_n"],
                 "XTYPE": "" if int8 else {"bfloat16": "__nv_bfloat16", "float16": "__half"}[variant.dtype],
                 "OUT_CODE": 0 if int8 else _DTYPE_CODE[variant.dtype]}
+    if variant.backend == "cuda" and p["kernel"] == "wgmma":
+        return {"KERNEL": "wgmma", "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
+                "CONSUMERS": p["block_m"] // 64, "CTAS_PER_SM": wgmma_ctas_per_sm(p)}
     if variant.backend == "cuda":
         return {"KERNEL": "mma", "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
                 "WARPS_M": p["warps_m"], "WARPS_N": p["warps_n"],
