@@ -473,6 +473,39 @@ def test_wgmma_variant_golden(name, poisoned_workspace):
 
 
 @pytest.mark.gpu
+def test_wgmma_in_a_cuda_graph_and_under_compile():
+    """The sm_90a kernel through the ops (int8_mm with a K split: workspace and combine inside
+    the graph; int8_linear unsplit): graph replay on new inputs equal to eager, and
+    torch.compile(fullgraph=True) equal too."""
+    runs = [n for n in WGMMA if dispatch.arch_runs_on(SPEC.variant(n).arch, torch.cuda.get_device_capability())]
+    if not runs:
+        pytest.skip("no sm_90a device")
+    impl = ig.implementation(_kernel(runs[0]))
+    M, N, K = 40, 1000, 2048  # int8_mm splits K here; int8_linear at M = 300 does not
+    a, b, a2 = _ints(M, K), _ints(N, K), _ints(300, K)
+    sa, sb = torch.rand(300, device=DEV) / 64, torch.rand(N, device=DEV) / 64
+    bias = torch.randn(N, device=DEV)
+    assert impl.splits(M, N, K, DEV) > 1
+    with ig.using(impl):
+        run = lambda: (ops.int8_mm(a, b), ops.int8_linear(a2, b, sa, sb, bias))  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            c, y = run()
+        a.copy_(_ints(M, K))
+        a2.copy_(_ints(300, K))
+        graph.replay()
+        torch.cuda.synchronize()
+        c0, y0 = run()
+        assert torch.equal(c, c0) and torch.equal(y, y0)
+        assert torch.equal(c.cpu().long(), a.cpu().long() @ b.cpu().long().t())
+        f = torch.compile(lambda a, a2: (ops.int8_mm(a, b), ops.int8_linear(a2, b, sa, sb, bias)), fullgraph=True)
+        c2, y2 = f(a, a2)
+    assert torch.equal(c2, c0) and torch.equal(y2, y0)
+
+
+@pytest.mark.gpu
 def test_int8_linear_never_runs_the_reference_where_a_kernel_is_tuned(monkeypatch):
     """Where the reference (torch._int_mm) won int8_mm's bucket, int8_linear runs the bucket's
     fastest kgen candidate instead (the reference's epilogue is separate PyTorch passes);
