@@ -15,8 +15,10 @@
 // thread issues both TMA loads of a stage on its full barrier; every consumer warp arrives
 // on the stage's empty barrier once its wgmmas on it have completed. Rows of a past M and
 // of b past N, and K past its end, arrive from TMA as zeros: they add nothing.
-// Grid (tiles, splits): tile -> (m tile fastest, n tile), so the CTAs resident together share
-// the b tile (read from memory once) and re-read a (M x K, small where M is) from L2. A split
+// Grid (CTAs, splits), persistent: at most the CTAs resident at once, each walking tiles
+// x, x + gridDim.x, ... (m tile fastest, so the CTAs resident together share the b tile, read
+// from memory once, and re-read a, M x K, from L2); the ring runs on across tiles, so the next
+// tile's panels load while this one's epilogue stores. A split
 // takes an equal share of the K panels; with splits > 1 each CTA writes its int32 sums to
 // part[split, M, N] and combine_kernel adds them in split order and finishes (no atomics:
 // bit-identical run to run). Small M (the weight-read-bound calls) uses splits to fill the
@@ -462,7 +464,7 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int m_tiles = (int)kgen::cdiv(p.M, BM);
-  const int tm = blockIdx.x % m_tiles, tn = blockIdx.x / m_tiles;
+  const int tiles = m_tiles * (int)kgen::cdiv(p.N, BN);
   const int panels = (int)kgen::cdiv(p.K, BK);
   const int split = blockIdx.y;
   const int s0 = (int)((int64_t)split * panels / p.splits), s1 = (int)((int64_t)(split + 1) * panels / p.splits);
@@ -478,6 +480,9 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
   __syncthreads();
   pdl_wait();  // a programmatic dependent launch: the kernel before has finished (a, b written)
 
+  // Persistent: CTA x takes tiles x, x + gridDim.x, ... (m tile fastest); the ring's stages and
+  // phases run on from one tile to the next, so the producer loads the next tile's panels
+  // while the consumers finish and store this one.
   if (wg == 0) {  // producer: one thread issues every load
     kgen::regs_dealloc<PRODUCER_REGS>();
     if (threadIdx.x != 0) return;
@@ -485,13 +490,16 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
     kgen::tma_prefetch_map(&map_b);
     int stage = 0;
     uint32_t phase = 0;
-    for (int s = s0; s < s1; ++s) {
-      kgen::mbar_wait(&empty[stage], phase ^ 1);
-      kgen::mbar_arrive_expect_tx(&full[stage], STAGE_BYTES);
-      uint8_t* st = ring + stage * STAGE_BYTES;
-      kgen::tma_load_2d(st, &map_a, s * BK, tm * BM, &full[stage]);
-      kgen::tma_load_2d(st + A_BYTES, &map_b, s * BK, tn * BN, &full[stage]);
-      if (++stage == STAGES) stage = 0, phase ^= 1;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      const int tm = tile % m_tiles, tn = tile / m_tiles;
+      for (int s = s0; s < s1; ++s) {
+        kgen::mbar_wait(&empty[stage], phase ^ 1);
+        kgen::mbar_arrive_expect_tx(&full[stage], STAGE_BYTES);
+        uint8_t* st = ring + stage * STAGE_BYTES;
+        kgen::tma_load_2d(st, &map_a, s * BK, tm * BM, &full[stage]);
+        kgen::tma_load_2d(st + A_BYTES, &map_b, s * BK, tn * BN, &full[stage]);
+        if (++stage == STAGES) stage = 0, phase ^= 1;
+      }
     }
     return;
   }
@@ -499,60 +507,67 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
   // ---------------------------------------------------------------- consumers
   kgen::regs_alloc<CONSUMER_REGS>();
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  // int8_linear: the tile's columns of scale_b and bias, read once into shared memory while
-  // the first stages load (the epilogue then reads no global memory but its rows' scale_a)
-  __shared__ float tile_sb[MODE == 0 ? 1 : BN], tile_bias[MODE == 0 ? 1 : BN];
-  if constexpr (MODE == 1) {
-    for (int i = threadIdx.x - 128; i < BN; i += 128 * CONSUMERS) {
-      const int col = tn * BN + i;
-      tile_sb[i] = col < p.N ? p.scale_b[col] : 0.f;
-      tile_bias[i] = col < p.N && p.bias != nullptr ? kgen::to_float(p.bias[col]) : 0.f;
-    }
-  }
-  int acc[ACC];
-#pragma unroll
-  for (int i = 0; i < ACC; ++i) acc[i] = 0;
-  int stage = 0, prev = 0;
-  uint32_t phase = 0;
-  for (int s = s0; s < s1; ++s) {
-    kgen::mbar_wait(&full[stage], phase);
-    const uint8_t* st = ring + stage * STAGE_BYTES;
-    const uint64_t da = kgen::wgmma_desc_sw128(st + c * 64 * BK);
-    const uint64_t db = kgen::wgmma_desc_sw128(st + A_BYTES);
-    kgen::wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < BK / 32; ++k) wgmma_s8(acc, da + 2 * k, db + 2 * k);  // + 32 bytes of K a step
-    kgen::wgmma_commit();
-    kgen::wgmma_wait<1>();  // the stage before this one is done with: free it
-    if (s > s0 && lane == 0) kgen::mbar_arrive(&empty[prev]);
-    prev = stage;
-    if (++stage == STAGES) stage = 0, phase ^= 1;
-  }
-  kgen::wgmma_wait<0>();
-  kgen::fence_registers(acc);
-  pdl_launch_dependents();
-
-  if (MODE == 1) kgen::named_bar_sync(1, 128 * CONSUMERS);  // tile_sb, tile_bias written
-  // acc[i]: row 16 warp + g + 8 ((i >> 1) & 1) of the consumer's slab, column 8 (i >> 2) + 2 t + (i & 1):
-  // a thread's pairs of adjacent columns, stored as pairs
   const int g = lane / 4, t = lane % 4;
+  // int8_linear: each tile's columns of scale_b and bias, read into shared memory while its
+  // main loop runs (the epilogue then reads no global memory but its rows' scale_a). Two
+  // buffers: a consumer writes tile i + 2's only after every consumer has passed tile i + 1's
+  // barrier, i.e. has finished tile i's epilogue.
+  __shared__ float tile_sb[2][MODE == 0 ? 1 : BN], tile_bias[2][MODE == 0 ? 1 : BN];
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x, i = 0; tile < tiles; tile += gridDim.x, ++i) {
+    const int tm = tile % m_tiles, tn = tile / m_tiles, buf = i & 1;
+    if constexpr (MODE == 1) {
+      for (int q = threadIdx.x - 128; q < BN; q += 128 * CONSUMERS) {
+        const int col = tn * BN + q;
+        tile_sb[buf][q] = col < p.N ? p.scale_b[col] : 0.f;
+        tile_bias[buf][q] = col < p.N && p.bias != nullptr ? kgen::to_float(p.bias[col]) : 0.f;
+      }
+    }
+    int acc[ACC];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = tm * BM + c * 64 + warp * 16 + g + 8 * h;
-    if (row >= p.M) continue;
-    const float sa = MODE == 1 && p.splits == 1 ? __ldg(p.scale_a + row) : 0.f;
+    for (int r = 0; r < ACC; ++r) acc[r] = 0;
+    int prev = 0;
+    for (int s = s0; s < s1; ++s) {
+      kgen::mbar_wait(&full[stage], phase);
+      const uint8_t* st = ring + stage * STAGE_BYTES;
+      const uint64_t da = kgen::wgmma_desc_sw128(st + c * 64 * BK);
+      const uint64_t db = kgen::wgmma_desc_sw128(st + A_BYTES);
+      kgen::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-      const int local = 8 * j + 2 * t, col = tn * BN + local;
-      if (col >= p.N) continue;
-      const int v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-      if (p.splits > 1) {
-        finish_pair<0, int>(p.part + (int64_t)split * p.M * p.N, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
-      } else if constexpr (MODE == 0) {
-        finish_pair<0, OutT>(p.out, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
-      } else {
-        finish_pair<1, OutT>(p.out, p.N, row, col, v0, v1, sa, tile_sb[local], tile_sb[local + 1], tile_bias[local],
-                             tile_bias[local + 1]);
+      for (int k = 0; k < BK / 32; ++k) wgmma_s8(acc, da + 2 * k, db + 2 * k);  // + 32 bytes of K a step
+      kgen::wgmma_commit();
+      kgen::wgmma_wait<1>();  // the stage before this one is done with: free it
+      if (s > s0 && lane == 0) kgen::mbar_arrive(&empty[prev]);
+      prev = stage;
+      if (++stage == STAGES) stage = 0, phase ^= 1;
+    }
+    kgen::wgmma_wait<0>();
+    kgen::fence_registers(acc);
+    if (s1 > s0 && lane == 0) kgen::mbar_arrive(&empty[prev]);  // the tile's last stage
+    if (tile + (int)gridDim.x >= tiles) pdl_launch_dependents();
+
+    if (MODE == 1) kgen::named_bar_sync(1, 128 * CONSUMERS);  // tile_sb, tile_bias written
+    // acc[r]: row 16 warp + g + 8 ((r >> 1) & 1) of the consumer's slab, column 8 (r >> 2) + 2 t + (r & 1):
+    // a thread's pairs of adjacent columns, stored as pairs
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = tm * BM + c * 64 + warp * 16 + g + 8 * h;
+      if (row >= p.M) continue;
+      const float sa = MODE == 1 && p.splits == 1 ? __ldg(p.scale_a + row) : 0.f;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int local = 8 * j + 2 * t, col = tn * BN + local;
+        if (col >= p.N) continue;
+        const int v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        if (p.splits > 1) {
+          finish_pair<0, int>(p.part + (int64_t)split * p.M * p.N, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
+        } else if constexpr (MODE == 0) {
+          finish_pair<0, OutT>(p.out, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
+        } else {
+          finish_pair<1, OutT>(p.out, p.N, row, col, v0, v1, sa, tile_sb[buf][local], tile_sb[buf][local + 1],
+                               tile_bias[buf][local], tile_bias[buf][local + 1]);
+        }
       }
     }
   }
@@ -596,7 +611,11 @@ cudaError_t launch(const CUtensorMap& ma, const CUtensorMap& mb, const long long
   if (e != cudaSuccess) return e;
   const Params<OutT, BiasT> p{(OutT*)ints[5], (int*)ints[6], (const float*)ints[7], (const float*)ints[8],
                               ints[2] ? (const BiasT*)ints[9] : nullptr, M, N, K, splits};
-  const dim3 grid((unsigned)(kgen::cdiv(M, BM) * kgen::cdiv(N, BN)), (unsigned)splits);
+  // persistent: at most the CTAs resident at once (K splits only where the tiles are fewer)
+  static int sms[64] = {};
+  if (!sms[device]) cudaDeviceGetAttribute(&sms[device], cudaDevAttrMultiProcessorCount, device);
+  const int64_t tiles = kgen::cdiv(M, BM) * kgen::cdiv(N, BN), resident = (int64_t)sms[device] * CTAS_PER_SM;
+  const dim3 grid((unsigned)(tiles < resident ? tiles : resident), (unsigned)splits);
   const cudaError_t r = launch_pdl(device, kernel, grid, dim3(THREADS), SMEM_BYTES, stream, ma, mb, p);
   if (r != cudaSuccess || splits == 1) return r;
   const int64_t blocks = kgen::cdiv((int64_t)M * ((N + 1) / 2), 256);
