@@ -323,6 +323,10 @@ def test_wgmma_variant_sass(cuda_builds, name):
     res = toolchain.resource_usage(lib)
     assert len(res) == 12
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+    # static shared memory within what the schema plans with (plus the 1 KB the report may
+    # include): the CTAs-an-SM rule and the spec's shared-memory check read it
+    static = ig.schema.wgmma_static_smem(r.variant.params)
+    assert all(k["shared"] <= static + 1024 for k in res.values()), (static, res)
 
 
 def test_wgmma_plans_and_checks():

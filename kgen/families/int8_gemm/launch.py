@@ -46,12 +46,15 @@ class Impl:
         # gemv and wgmma take the same launcher arguments (K splits, partial planes)
         self.split = self.gemv or self.wgmma
 
-    def splits(self, M: int, N: int, K: int, device) -> int:
-        """K splits of a gemv / wgmma call: the plan, within the kernel's K steps."""
-        sms = plans.sm_count(device)
-        if self.gemv:
-            return max(1, min(plans.gemv_splits_of(self.cuda.params, M, N, K, sms), plans.cdiv(K, plans.GEMV_STEP)))
-        return max(1, min(plans.wgmma_splits(self.cuda.params, M, N, K, sms), plans.cdiv(K, plans.WGMMA_BK)))
+    def splits(self, M: int, N: int, K: int, device, forced: int | None = None) -> int:
+        """K splits of a gemv / wgmma call: the plan (or `forced`, tests), within the
+        kernel's K steps."""
+        step = plans.GEMV_STEP if self.gemv else plans.WGMMA_BK
+        if forced is None:
+            sms = plans.sm_count(device)
+            forced = (plans.gemv_splits_of(self.cuda.params, M, N, K, sms) if self.gemv
+                      else plans.wgmma_splits(self.cuda.params, M, N, K, sms))
+        return max(1, min(forced, plans.cdiv(K, step)))
 
     def cuda_takes(self, a, b, mode: int = MODE_MM, group_size: int | None = None) -> bool:
         if self.cuda is None or a.shape[1] % 16 or a.data_ptr() % 16 or b.data_ptr() % 16:
@@ -145,8 +148,7 @@ def _split(impl, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) 
     M, K = a.shape
     N = b.shape[0]
     kernel = impl.cuda
-    step = plans.GEMV_STEP if impl.gemv else plans.WGMMA_BK
-    n_splits = impl.splits(M, N, K, a.device) if n_splits is None else max(1, min(n_splits, plans.cdiv(K, step)))
+    n_splits = impl.splits(M, N, K, a.device, n_splits)
     part = None
     if n_splits > 1:
         part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)

@@ -84,14 +84,25 @@ def wgmma_smem(k: Mapping[str, Any]) -> int:
     return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] + 1024
 
 
+def wgmma_static_smem(k: Mapping[str, Any]) -> int:
+    """Static shared memory of a wgmma variant's int8_linear kernels (the larger): a full and
+    an empty mbarrier a stage, and two buffers of the tile's scale_b and bias (float32)."""
+    return 16 * k["stages"] + 2 * 2 * 4 * k["block_n"]
+
+
+# Shared memory of an sm_90 SM (228 KB), and what the system reserves for each CTA (1 KB).
+_SM90_SMEM_PER_SM, _SMEM_RESERVED = 233472, 1024
+
+
 def wgmma_ctas_per_sm(k: Mapping[str, Any]) -> int:
-    """CTAs of a wgmma variant an SM: 2 where two rings fit in shared memory and the
+    """CTAs of a wgmma variant an SM: 2 where two CTAs' shared memory fits on the SM and the
     accumulators (block_n / 2 registers a consumer thread) plus ~40 others fit under the
     register cap that two CTAs put on every thread (ptxas compiles the whole kernel under
     the launch bound's cap; setmaxnreg moves registers only at run time)."""
     threads = 128 * (k["block_m"] // 64 + 1)
     cap = 65536 // (2 * threads)
-    return 2 if 2 * wgmma_smem(k) <= _SMEM_LIMIT["sm_90a"] - 2048 and cap >= k["block_n"] // 2 + 40 else 1
+    cta = wgmma_smem(k) + wgmma_static_smem(k) + _SMEM_RESERVED
+    return 2 if 2 * cta <= _SM90_SMEM_PER_SM and cap >= k["block_n"] // 2 + 40 else 1
 
 
 def _check_wgmma(arch: str | None, dtype: str, k: Mapping[str, Any]) -> list:
@@ -111,9 +122,10 @@ def _check_wgmma(arch: str | None, dtype: str, k: Mapping[str, Any]) -> list:
                                     f"are block_m / 64 x 1 = {k['block_m'] // 64} x 1"))
     if k.get("ring", 0):
         problems.append(("ring", "ring is a knob of the gemv kernel (kernel: gemv)"))
-    if wgmma_smem(k) > _SMEM_LIMIT["sm_90a"] - 1024:
-        problems.append(("stages", f"{k['stages']} stages need {wgmma_smem(k)} bytes of shared memory, above "
-                                   f"{_SMEM_LIMIT['sm_90a'] - 1024}"))
+    smem = wgmma_smem(k) + wgmma_static_smem(k)
+    if smem > _SMEM_LIMIT["sm_90a"]:
+        problems.append(("stages", f"{k['stages']} stages need {smem} bytes of shared memory, above "
+                                   f"{_SMEM_LIMIT['sm_90a']}"))
     return problems
 
 
