@@ -18,7 +18,9 @@
 // Grid (CTAs, splits), persistent: at most the CTAs resident at once, each walking tiles
 // x, x + gridDim.x, ... (m tile fastest, so the CTAs resident together share the b tile, read
 // from memory once, and re-read a, M x K, from L2); the ring runs on across tiles, so the next
-// tile's panels load while this one's epilogue stores. A split
+// tile's panels load while this one's epilogue stores (int8_linear: the producer warpgroup's
+// second warp stages each tile's scale_b and bias in shared memory ahead of it, and the
+// epilogue of a tile inside the output stores without bound checks). A split
 // takes an equal share of the K panels; with splits > 1 each CTA writes its int32 sums to
 // part[split, M, N] and combine_kernel adds them in split order and finishes (no atomics:
 // bit-identical run to run). Small M (the weight-read-bound calls) uses splits to fill the
@@ -42,6 +44,7 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
 }  // namespace kgen
+#include <type_traits>
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <mutex>
@@ -393,7 +396,7 @@ constexpr int ACC = BN / 2;                               // s32 accumulators pe
 // main loop then runs while this one stores its tile); registers split between the producer
 // warpgroup and the consumers within 65536 / CTAS_PER_SM a CTA.
 constexpr int CTAS_PER_SM = 1;
-constexpr int PRODUCER_REGS = CTAS_PER_SM == 1 ? 40 : 24;
+constexpr int PRODUCER_REGS = 40;  // the TMA thread and int8_linear's scale-staging warp
 constexpr int CONSUMER_REGS_FIT = (65536 / CTAS_PER_SM - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT > 240 ? 240 : CONSUMER_REGS_FIT;
 static_assert(CONSUMER_REGS >= ACC + 32, "the accumulators and the loop's registers fit");
@@ -464,12 +467,33 @@ __device__ __forceinline__ void finish_pair(OutT* out, int N, int row, int col, 
   }
 }
 
+// Two finished values as one store: a bf16 / fp16 pair converted by one instruction (F2FP
+// packs two floats), a float or int pair as 8 bytes.
+template <typename OutT> struct Pair2;
+template <> struct Pair2<int> { using T = int2; };
+template <> struct Pair2<float> { using T = float2; };
+template <> struct Pair2<__nv_bfloat16> { using T = __nv_bfloat162; };
+template <> struct Pair2<__half> { using T = __half2; };
+template <typename OutT>
+__device__ __forceinline__ typename Pair2<OutT>::T pack2(float a, float b) {
+  if constexpr (std::is_same_v<OutT, __nv_bfloat16>) return __floats2bfloat162_rn(a, b);
+  else if constexpr (std::is_same_v<OutT, __half>) return __floats2half2_rn(a, b);
+  else return make_float2(a, b);
+}
+
 template <int MODE, typename OutT, typename BiasT>
 __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
                 const Params<OutT, BiasT> p) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full[STAGES], empty[STAGES];
+  // int8_linear: each tile's columns of scale_b and bias, staged in shared memory by the
+  // producer warpgroup's second warp two tiles ahead (scales_full / scales_empty, one pair a
+  // buffer), interleaved so that a thread's column pair is one 16-byte read:
+  // [sb(2i), sb(2i + 1), bias(2i), bias(2i + 1)]. The consumers read no global memory but
+  // their rows' scale_a, which they load as a tile starts.
+  __shared__ __align__(16) float tile_sbb[2][MODE == 0 ? 4 : 2 * BN];
+  __shared__ __align__(8) uint64_t scales_full[2], scales_empty[2];
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int m_tiles = (int)kgen::cdiv(p.M, BM);
   const int tiles = m_tiles * (int)kgen::cdiv(p.N, BN);
@@ -483,6 +507,10 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
       kgen::mbar_init(&full[s], 1);
       kgen::mbar_init(&empty[s], 4 * CONSUMERS);  // one arrival per consumer warp
     }
+    for (int b = 0; b < 2; ++b) {
+      kgen::mbar_init(&scales_full[b], 32);  // the staging warp's lanes
+      kgen::mbar_init(&scales_empty[b], 4 * CONSUMERS);
+    }
     kgen::mbar_init_fence();
   }
   __syncthreads();
@@ -491,8 +519,21 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
   // Persistent: CTA x takes tiles x, x + gridDim.x, ... (m tile fastest); the ring's stages and
   // phases run on from one tile to the next, so the producer loads the next tile's panels
   // while the consumers finish and store this one.
-  if (wg == 0) {  // producer: one thread issues every load
+  if (wg == 0) {  // producer: one thread issues every load; int8_linear: warp 1 stages the scales
     kgen::regs_dealloc<PRODUCER_REGS>();
+    if (MODE == 1 && threadIdx.x / 32 == 1) {
+      for (int tile = blockIdx.x, i = 0; tile < tiles; tile += gridDim.x, ++i) {
+        const int tn = tile / m_tiles, buf = i & 1;
+        kgen::mbar_wait(&scales_empty[buf], ((i >> 1) & 1) ^ 1);  // tile i - 2's epilogue is done
+        for (int q = threadIdx.x - 32; q < BN; q += 32) {
+          const int col = tn * BN + q, at = 4 * (q / 2) + (q & 1);
+          tile_sbb[buf][at] = col < p.N ? __ldg(p.scale_b + col) : 0.f;
+          tile_sbb[buf][at + 2] = col < p.N && p.bias != nullptr ? kgen::to_float(p.bias[col]) : 0.f;
+        }
+        kgen::mbar_arrive(&scales_full[buf]);
+      }
+      return;
+    }
     if (threadIdx.x != 0) return;
     kgen::tma_prefetch_map(&map_a);
     kgen::tma_prefetch_map(&map_b);
@@ -516,21 +557,15 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
   kgen::regs_alloc<CONSUMER_REGS>();
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  // int8_linear: each tile's columns of scale_b and bias, read into shared memory while its
-  // main loop runs (the epilogue then reads no global memory but its rows' scale_a). Two
-  // buffers: a consumer writes tile i + 2's only after every consumer has passed tile i + 1's
-  // barrier, i.e. has finished tile i's epilogue.
-  __shared__ float tile_sb[2][MODE == 0 ? 1 : BN], tile_bias[2][MODE == 0 ? 1 : BN];
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x, i = 0; tile < tiles; tile += gridDim.x, ++i) {
     const int tm = tile % m_tiles, tn = tile / m_tiles, buf = i & 1;
-    if constexpr (MODE == 1) {
-      for (int q = threadIdx.x - 128; q < BN; q += 128 * CONSUMERS) {
-        const int col = tn * BN + q;
-        tile_sb[buf][q] = col < p.N ? p.scale_b[col] : 0.f;
-        tile_bias[buf][q] = col < p.N && p.bias != nullptr ? kgen::to_float(p.bias[col]) : 0.f;
-      }
+    const int row0 = tm * BM + c * 64 + warp * 16 + g;  // the thread's rows: row0, row0 + 8
+    float sa[2] = {0.f, 0.f};
+    if (MODE == 1 && p.splits == 1) {  // the rows' scales, in flight while the main loop runs
+      sa[0] = row0 < p.M ? __ldg(p.scale_a + row0) : 0.f;
+      sa[1] = row0 + 8 < p.M ? __ldg(p.scale_a + row0 + 8) : 0.f;
     }
     int acc[ACC];
 #pragma unroll
@@ -555,28 +590,50 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
     if (s1 > s0 && lane == 0) kgen::mbar_arrive(&empty[prev]);  // the tile's last stage
     if (tile + (int)gridDim.x >= tiles) pdl_launch_dependents();
 
-    if (MODE == 1) kgen::named_bar_sync(1, 128 * CONSUMERS);  // tile_sb, tile_bias written
+    if (MODE == 1) kgen::mbar_wait(&scales_full[buf], (i >> 1) & 1);  // tile_sbb[buf] staged
     // acc[r]: row 16 warp + g + 8 ((r >> 1) & 1) of the consumer's slab, column 8 (r >> 2) + 2 t + (r & 1):
-    // a thread's pairs of adjacent columns, stored as pairs
+    // a thread's pairs of adjacent columns, stored as pairs. A tile inside the output (and N
+    // even: pairs aligned) stores without a bound check; an edge tile checks each pair.
+    const bool raw = MODE == 0 || p.splits > 1;  // int32 sums: int8_mm's output or a split's partials
+    int* const sums = p.splits > 1 ? p.part + (int64_t)split * p.M * p.N : reinterpret_cast<int*>(p.out);
+    if ((tm + 1) * BM <= p.M && (tn + 1) * BN <= p.N && p.N % 2 == 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = tm * BM + c * 64 + warp * 16 + g + 8 * h;
-      if (row >= p.M) continue;
-      const float sa = MODE == 1 && p.splits == 1 ? __ldg(p.scale_a + row) : 0.f;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (int64_t)(row0 + 8 * h) * p.N + tn * BN + 2 * t;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int local = 8 * j + 2 * t, col = tn * BN + local;
-        if (col >= p.N) continue;
-        const int v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
-        if (p.splits > 1) {
-          finish_pair<0, int>(p.part + (int64_t)split * p.M * p.N, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
-        } else if constexpr (MODE == 0) {
-          finish_pair<0, OutT>(p.out, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
-        } else {
-          finish_pair<1, OutT>(p.out, p.N, row, col, v0, v1, sa, tile_sb[buf][local], tile_sb[buf][local + 1],
-                               tile_bias[buf][local], tile_bias[buf][local + 1]);
+        for (int j = 0; j < BN / 8; ++j) {
+          const int v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+          if (raw) {
+            *reinterpret_cast<int2*>(sums + at + 8 * j) = make_int2(v0, v1);
+          } else if constexpr (MODE == 1) {
+            const float4 sb = *reinterpret_cast<const float4*>(&tile_sbb[buf][4 * (4 * j + t)]);
+            *reinterpret_cast<typename Pair2<OutT>::T*>(p.out + at + 8 * j) =
+                pack2<OutT>(fmaf((float)v0 * sa[h], sb.x, sb.z), fmaf((float)v1 * sa[h], sb.y, sb.w));
+          }
         }
       }
+    } else {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + 8 * h;
+        if (row >= p.M) continue;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+          const int local = 8 * j + 2 * t, col = tn * BN + local;
+          if (col >= p.N) continue;
+          const int v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+          if (raw) {
+            finish_pair<0, int>(sums, p.N, row, col, v0, v1, 0.f, 0.f, 0.f, 0.f, 0.f);
+          } else if constexpr (MODE == 1) {
+            const float4 sb = *reinterpret_cast<const float4*>(&tile_sbb[buf][2 * local]);
+            finish_pair<1, OutT>(p.out, p.N, row, col, v0, v1, sa[h], sb.x, sb.y, sb.z, sb.w);
+          }
+        }
+      }
+    }
+    if constexpr (MODE == 1) {  // this warp's reads of tile_sbb[buf] are done
+      __syncwarp();
+      if (lane == 0) kgen::mbar_arrive(&scales_empty[buf]);
     }
   }
 }
