@@ -330,17 +330,21 @@ def test_wgmma_variant_sass(cuda_builds, name):
 
 
 def test_wgmma_plans_and_checks():
-    """K splits of the Hopper kernel: none where the tiles fill the SMs, enough CTAs for a
-    wave where they do not, each split >= 4 K panels and the partials at most half the
-    weight; two CTAs an SM only where two rings and their registers fit; the spec rules."""
+    """K splits of the Hopper kernel: about half as many CTAs as SMs where the tiles are fewer,
+    each split >= 4 K panels and the partials at most a quarter of the weight; two CTAs an SM only where two rings and their registers fit; the spec rules."""
     big = {"block_m": 128, "block_n": 256, "block_k": 128, "stages": 4, "warps_m": 2, "warps_n": 1}
     small = {"block_m": 64, "block_n": 64, "block_k": 128, "stages": 6, "warps_m": 1, "warps_n": 1}
     assert ig.schema.wgmma_ctas_per_sm(big) == 1 and ig.schema.wgmma_ctas_per_sm(small) == 2
     assert ig.plans.wgmma_splits(big, 4096, 4096, 4096, 132) == 1
-    s = ig.plans.wgmma_splits(big, 64, 4096, 11008, 132)  # 16 tiles
-    assert 16 * s >= 132 or s == 11008 // (16 * 64)
-    assert 2 * s * 64 * 4096 * 4 <= 4096 * 11008 / 2 and 11008 // 128 // s >= 4
-    assert ig.plans.wgmma_splits(small, 17, 4096, 4096, 132) == 5  # 64 tiles x 2 CTAs an SM
+    assert ig.plans.wgmma_splits(big, 64, 4096, 11008, 132) == 4  # 16 tiles: 64 CTAs
+    assert ig.plans.wgmma_splits(small, 17, 4096, 4096, 132) == 1  # 64 tiles already
+    assert ig.plans.wgmma_splits(small, 64, 1024, 4096, 132) == 4  # 16 tiles
+    for M, N, K in ((64, 4096, 11008), (17, 1000, 272), (64, 22016, 4096), (200, 4096, 4096), (1, 64, 65536)):
+        for knobs in (big, small):
+            s = ig.plans.wgmma_splits(knobs, M, N, K, 132)
+            tiles = -(-M // knobs["block_m"]) * -(-N // knobs["block_n"])
+            assert s == 1 or tiles * s <= 66 + tiles // 2, (M, N, K, s)  # about half as many CTAs as SMs
+            assert s == 1 or (s * M * N <= N * K // 16 and K // 128 // s >= 4)  # partials, panels a split
     assert ig.plans.wgmma_splits(big, 1, 37, 256, 132) == 1  # 2 K panels: no split
     for knobs, dtype, arch, key in ((dict(big, block_m=256, warps_m=4), "int8", "sm_90a", "block_m"),
                                     (dict(big, block_k=64), "int8", "sm_90a", "block_k"),

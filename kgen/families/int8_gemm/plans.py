@@ -79,20 +79,24 @@ def is_wgmma(variant) -> bool:
     return variant.backend == "cuda" and variant.params.get("kernel") == "wgmma"
 
 
-# The Hopper WGMMA kernel (cuda_sm90a.cu.j2): one or two CTAs an SM (schema.wgmma_ctas_per_sm),
-# so a call whose output tiles do not fill the SMs splits K: about one wave of CTAs, each
-# split at least WGMMA_MIN_PANELS 128-byte K panels, and the int32 partials (M x N x 4 bytes
-# a split, written and read back) at most half the weight's N x K bytes.
+# The Hopper WGMMA kernel (cuda_sm90a.cu.j2) at small M streams the weight: a call whose
+# output tiles are few splits K so that about half as many CTAs as SMs stream it (each CTA's
+# ring keeps ~100 KB of loads in flight: ~64 of them saturate the H100's and H200's memory),
+# each split at least WGMMA_MIN_PANELS 128-byte K panels, and the int32 partials (M x N x 4
+# bytes a split, written and read back) at most a quarter of the weight (K // (16 M) splits).
+# Measured (BENCHMARKS.md, twenty-first session: every variant at 1..8 splits, M = 16..256,
+# seven weight shapes, steady state on the H100): a split costs ~0.5-1 us (partials, combine)
+# and a split count that overfills the SMs starts a second wave, so more CTAs than this lose;
+# e.g. M = 64, 4096 x 4096, 64 x 64 tiles: 9.7 us unsplit, 11.4 with 4 splits, 13.3 with 5.
 WGMMA_BK = 128
 WGMMA_MIN_PANELS = 4
 
 
 def wgmma_splits(params, M: int, N: int, K: int, sms: int) -> int:
-    """K splits of a wgmma call."""
+    """K splits of a wgmma call: the count that makes about sms / 2 CTAs of the call's tiles."""
     tiles = cdiv(M, params["block_m"]) * cdiv(N, params["block_n"])
-    panels = cdiv(K, WGMMA_BK)
-    s = min(cdiv(sms * wgmma_ctas_per_sm(params), tiles), panels // WGMMA_MIN_PANELS, K // (16 * M), 65535)
-    return max(1, s)
+    most = min(cdiv(K, WGMMA_BK) // WGMMA_MIN_PANELS, K // (16 * M), 65535)
+    return max(1, min((sms // 2 + tiles // 2) // tiles, most))
 
 
 def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
