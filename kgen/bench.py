@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import platform
 import shlex
 import subprocess
@@ -49,7 +50,7 @@ def print_table(title: str, rows: list[dict]) -> None:
         table.add_column(c, justify="left" if c in ("case", "impl", "what") else "right")
     for r in rows:
         table.add_row(*[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols])
-    Console(width=200).print(table)
+    Console(width=None if "COLUMNS" in os.environ else 200).print(table)  # COLUMNS: a wider table
 
 
 def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list[dict]:

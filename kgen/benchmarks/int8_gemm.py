@@ -4,9 +4,10 @@ with bf16 weights, and the PyTorch W8A16 expression eager and compiled; TOP/s an
 floor beside each time. Floor = max(bytes moved once / measured copy bandwidth, ops / the
 measured library peak (torch._int_mm at 8192^3 for int8, bf16 cuBLAS for W8A16)).
 `variants=True` also times every int8 and bf16 variant alone (what a tuning table would pick).
-At M <= 16 (bandwidth-bound) also in steady state (kgen.benchmarks.steady: CUDA-graph
+At M <= 64 (bandwidth-bound) also in steady state (kgen.benchmarks.steady: CUDA-graph
 replays rotating over enough weight sets that none is found in L2, a clean flush), against
-a floor timed the same way: do_bench's dirty-L2 flush adds several us to a 5-90 us call.
+a floor timed the same way, and torch._int_mm timed alike: do_bench's dirty-L2 flush adds
+several us to a 5-90 us call, the same to every kernel, which hides ratios between them.
 
     python -m kgen.benchmarks.int8_gemm [--quick] [--variants] [--shapes N,K ...] [--ms 1,16]
 """
@@ -28,7 +29,7 @@ from kgen.runtime import dispatch
 SHAPES = ((4096, 11008), (12288, 4096), (22016, 4096), (4096, 4096), (65536, 4096))
 MS = (1, 16, 64, 256, 1024, 4096)
 COMPILED_MS = (1, 16, 64)  # torch.compile of the W8A16 expression: one compile per shape
-STEADY_MS = 16  # M at most this: also timed in steady state
+STEADY_MS = 64  # M at most this: also timed in steady state
 STEADY_BYTES = 128 << 20  # weight sets rotated in steady state: at least this many bytes (> 2 x L2)
 
 
@@ -102,9 +103,9 @@ def cases(shapes, ms, quick, bw, i8_peak, bf_peak, variants=False) -> tuple[list
 
 
 def _steady(M, N, K, a, b, x, sb, sbb) -> dict:
-    """Steady-state us of int8_mm, w8a16_linear and bf16 cuBLAS at a small M, each over
-    enough weight copies that no call finds its weights in L2, and the weight-read floor
-    (N x K int8 bytes at the copy bandwidth measured alike)."""
+    """Steady-state us of int8_mm, torch._int_mm (where it takes M), w8a16_linear and bf16
+    cuBLAS at a small M, each over enough weight copies that no call finds its weights in L2,
+    and the weight-read floor (N x K int8 bytes at the copy bandwidth measured alike)."""
     sets = max(2, -(-STEADY_BYTES // (N * K)))
     bs = [b] + [torch.randint_like(b, -128, 128) for _ in range(sets - 1)]
     bsets = max(2, -(-STEADY_BYTES // (2 * N * K)))
@@ -112,10 +113,12 @@ def _steady(M, N, K, a, b, x, sb, sbb) -> dict:
     _, floor = copy_floor_us(max(N * K, STEADY_BYTES // 2))
     floor *= N * K / max(N * K, STEADY_BYTES // 2)  # the rate of a large copy, for N x K bytes
     mm = steady_us([lambda b=b: ops.int8_mm(a, b) for b in bs])
+    im = steady_us([lambda b=b: torch._int_mm(a, b.t()) for b in bs]) if ig.reference.int_mm_allowed(a, b) else math.nan
     w = steady_us([lambda b=b: ops.w8a16_linear(x, b, sb) for b in bs])
     bf = steady_us([lambda wb=wb: x @ wb.t() for wb in wbs])
     del bs, wbs
     return {"steady: floor us": floor, "steady: int8_mm us": mm, "steady: int8_mm x floor": mm / floor,
+            "steady: _int_mm us": im, "steady: x _int_mm": im / mm,
             "steady: w8a16 us": w, "steady: w8a16 x floor": w / floor, "steady: bf16 cuBLAS us": bf,
             "steady: x cuBLAS": bf / w}
 
@@ -163,9 +166,11 @@ def main(argv=None) -> int:
     rows, vrows = cases(shapes, ms, args.quick, bw, i8, bf, args.variants)
     print_table("int8_gemm via dispatch (us; TOP/s and % of floor of int8_mm; x = peer time / kgen time)", rows)
     print_table("each variant alone (us)", vrows)
-    for name, col in (("int8_mm vs _int_mm", "x _int_mm"), ("w8a16 vs bf16 cuBLAS", "x cuBLAS")):
+    for name, col in (("int8_mm vs _int_mm", "x _int_mm"), ("w8a16 vs bf16 cuBLAS", "x cuBLAS"),
+                      ("steady-state int8_mm vs _int_mm", "steady: x _int_mm")):
         for lo, hi in ((1, 16), (64, 64), (1024, 4096)):
-            vals = [r[col] for r in rows if lo <= int(r["case"].split()[0][2:]) <= hi and not math.isnan(r[col])]
+            vals = [r[col] for r in rows
+                    if lo <= int(r["case"].split()[0][2:]) <= hi and not math.isnan(r.get(col, math.nan))]
             if vals:
                 print(f"geomean {name} at M in [{lo}, {hi}]: {math.exp(sum(map(math.log, vals)) / len(vals)):.3f}x")
     return 0
