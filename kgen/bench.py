@@ -68,6 +68,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
     dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for dtype, shape in cases:
+        shape = tune.with_extras(fam, dtype, shape)
         inputs = fam.tune_inputs(dev, dtype, **shape)
         before = dispatch.select(family, dev, dtype)
         after, why = dispatch.choose(family, dev, dtype, fam.tune_bucket(**shape))

@@ -164,8 +164,8 @@ def _kernel_signature(f):
 
 @pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.dtype != "float16" and v.backend == "triton"])
 def test_one_compile_serves_every_call(name):
-    """What Triton compiles a kernel for: activations, biases, `save` and B are runtime
-    values it does not specialise on (B = 1, multiples of 16 and each activation pair were
+    """What Triton compiles a kernel for: activations, biases, `save`, B (and a generic
+    kernel's scratch row stride) are runtime values it does not specialise on (B = 1, multiples of 16 and each activation pair were
     each one more 5-25 s JIT compile); only the precision, the tile and (generic) the widths
     are constexprs. float32 exact variants: two kernels (TF32 on, off)."""
     kernels = _kernels(_module(name))
@@ -173,7 +173,7 @@ def test_one_compile_serves_every_call(name):
     assert len(kernels) == (2 if exact and name.endswith("_f32") else 1)
     for f in kernels:
         constexprs, dns = _kernel_signature(f)
-        assert set(dns) == {"B", "bias_mask", "act", "last_act", "save"}
+        assert set(dns) == {"B", "bias_mask", "act", "last_act", "save"} | (set() if exact else {"zrow"})
         if exact:
             assert constexprs == ["PRECISION", "BLOCK_M"]
         else:
@@ -374,6 +374,34 @@ def test_spec_variants_and_fits():
     assert fm.tune_bucket(B=2000, widths="13-512-256-64-16") == "w13-512-256-64-16.B<=2048"
 
 
+def test_float32_buckets_carry_the_tf32_setting(monkeypatch):
+    """float32's bucket names its dot precision (TF32 on: "tf32", off: "tf32x3"), taken from
+    torch's setting by the tuner (`tune.with_extras`) as by dispatch: a table entry tuned
+    with TF32 on is never used with it off. The 16-bit dtypes' buckets do not change."""
+    from kgen.runtime import tune
+
+    matmul = torch.backends.cuda.matmul
+    was = matmul.allow_tf32
+    shape = {"B": 100, "widths": "13-512-256-64-16"}
+    seen = []
+    monkeypatch.setattr(fm.KERNELS, "choose", lambda key, device, dtype, shp: seen.append(fm.tune_bucket(**shp)))
+    monkeypatch.setattr(fm.KERNELS, "lookup", lambda key: fm.op.MISSING)
+    cuda = torch.device("cuda", 0)
+    try:
+        for on, p in ((True, "tf32"), (False, "tf32x3")):
+            matmul.allow_tf32 = on
+            tuned = tune.with_extras(fm, "float32", shape)
+            assert fm.tune_bucket(**tuned) == f"w13-512-256-64-16.B<=128.{p}"
+            assert fm.tune_inputs(torch.device("cpu"), "float32", **tuned)["x"].dtype is torch.float32
+            assert tune.with_extras(fm, "bfloat16", shape) == shape
+            fm.module_for(cuda, torch.float32, (13, 512, 256, 64, 16), 100)
+            assert seen[-1] == fm.tune_bucket(**tuned)  # dispatch looks up the bucket the tuner records
+    finally:
+        matmul.allow_tf32 = was
+    fm.module_for(cuda, torch.bfloat16, (13, 512, 256, 64, 16), 100)
+    assert seen[-1] == "w13-512-256-64-16.B<=128"
+
+
 def test_spec_widths_knob_errors():
     from kgen import spec
     from kgen.errors import SpecError
@@ -476,6 +504,39 @@ def test_gpu_golden_every_variant(v):
     assert res and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
     n_widths = 1 if v.params["widths"] else len({r[0].split()[0] for r in res})
     assert 1 <= sum(_compiled(f) for f in _kernels(k.module)) <= before + n_widths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.backend == "triton" and not v.params["widths"]])
+def test_gpu_generic_scratch_rows_are_each_programs_own(name):
+    """A generic variant's hidden layers share two scratch buffers; a layer narrower than the
+    one before used to lay its rows at its own width, onto rows of other programs that could
+    still be reading them. With the whole grid resident at once and a few SMs holding one
+    program where the others hold two (those run ahead), that returned wrong rows at random
+    (float32, TF32 off, DLRM bottom MLP, 256 programs on the H100's 132 SMs: B = 16384 with
+    64-row tiles or 8192 with 32-row ones, 3-5e-2 against 1e-7). Here: grids of 1 to 3
+    programs an SM, a few short of 2, float64 reference, three calls each (the race's outcome
+    varied call to call); tolerance: the dtype's golden one."""
+    from kgen.runtime.op import error_ratio
+
+    v = SPEC.variant(name)
+    dtype = getattr(torch, v.dtype)
+    widths = (13, 512, 256, 64, 16)
+    mod = fm.implementation(dispatch.load(v), widths)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32: the "tf32x3" kernel, the slowest (widest window)
+    try:
+        for programs in (sms, 2 * sms - 20, 2 * sms - 8, 2 * sms - 2, 3 * sms - 8):
+            B = programs * mod.BLOCK_M - 7  # a partial last tile too
+            x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=programs)
+            want = fm.reference(x, ws, bs, "relu", "relu")
+            with fm.using(mod):
+                for _ in range(3):
+                    out = ops.fused_mlp(x, ws, bs, activation="relu", last_activation="relu")
+                    assert error_ratio(out, want, TOL[v.dtype]) <= 1, (B, programs)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.mark.gpu

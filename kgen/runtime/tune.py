@@ -19,7 +19,11 @@ A family takes part by providing (see `kgen.families.fused_bias_act` for an exam
 - `TUNE_SHAPES`: default shapes (dicts) for `kgen tune`; `TUNE_DIMS`: their dimension names;
 - `tune_inputs(device, dtype, **shape) -> dict`: fresh inputs of that shape;
 - `tune_runner(kernel, inputs) -> () -> None`: one launch of a loaded variant (`kernel`,
-  or None for `reference`) that writes only into scratch buffers of its own.
+  or None for `reference`) that writes only into scratch buffers of its own;
+- optionally `bucket_extras(dtype) -> dict`: shape keys from the process's state that change
+  what a call computes or costs and so belong in its bucket (fused_mlp: float32's TF32
+  setting); the tuner adds them to every shape it tunes (`with_extras`), and the family's
+  dispatch adds the same keys to its calls' shapes.
 """
 
 from __future__ import annotations
@@ -340,6 +344,7 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     fam = module_of(family)
     if variants is None:
         variants = dispatch.runnable(family, dtype, device)
+    shape = with_extras(fam, dtype, shape)
     inputs = fam.tune_inputs(device, dtype, **shape)
     timer = timer or cuda_timer
     runners, errors = {}, {}
@@ -370,6 +375,13 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
     k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
     return Result(k, times, winner, errors, again, gpu, again_gpu)
+
+
+def with_extras(fam, dtype: str, shape: dict) -> dict:
+    """`shape` with the family's `bucket_extras(dtype)` keys (the process state its bucket
+    depends on), where it has any."""
+    extras = getattr(fam, "bucket_extras", None)
+    return {**shape, **extras(dtype)} if extras is not None else shape
 
 
 def _keep_min(times: dict, gpu: dict, name: str, t: float) -> None:

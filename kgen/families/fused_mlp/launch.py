@@ -8,7 +8,11 @@ wide for that (SCRATCH_WIDTH; 0 for the DLRM MLPs but in float32's TF32-off kern
 `forward` picks by precision); a generic one writes each hidden layer's z row tile to a
 scratch of B x width elements in x's dtype (two buffers, alternating by layer; the program
 reads back only its own rows after a barrier, so the tile stays in L1/L2) and applies the
-activation when the next layer loads it. With `save`, every layer's z that the
+activation when the next layer loads it. A scratch's rows are the same distance apart at every
+layer (the widest hidden width, the exact kernels' SCRATCH_WIDTH), so that each program's rows
+are its own at every layer: at each layer's own width a narrow layer's rows overlapped wider
+rows of other programs that could still be reading them (wrong rows at random, 3-5e-2 in
+float32, where a grid's programs all ran at once). With `save`, every layer's z that the
 backward needs goes to its own [B, width] buffer instead (the generic kernel's scratch is
 then those buffers).
 
@@ -75,7 +79,7 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     if B == 0:
         return out, zs, None, None
     args = [x, out]
-    scratch = None
+    scratch, zrow = None, 0
     if mod.EXACT:
         zbuf = zs if save else [None] * L
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
@@ -86,9 +90,10 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     else:
         if save:
             zbuf = zs
-        else:  # hidden layers alternate between two halves of one scratch
+        else:  # hidden layers alternate between two halves of one scratch, rows `hidden` apart
             hidden = max(widths[1:-1], default=0)
             if hidden:
+                zrow = hidden
                 scratch = torch.empty(2 * B * hidden, dtype=x.dtype, device=x.device)
                 halves = (scratch[: B * hidden], scratch[B * hidden:])
                 zbuf = [halves[i % 2] if i < L - 1 else None for i in range(L)]
@@ -105,6 +110,8 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
             args += [x, x, x]
     # runtime flags (not constexprs: one compile per variant serves every choice)
     args += [B, bias_mask, ACT_CODE[activation], ACT_CODE[last_activation], int(save) | (int(keep_last) << 1)]
+    if not mod.EXACT:
+        args.append(zrow)
     kw = dict(PRECISION=precision(x.dtype), BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
     if mod.EXACT:  # its loops' pipeline depth (Triton's default, 3, puts the 13-512-256-64-16
         # float32 variant's weight tiles past the 227 KB of shared memory)

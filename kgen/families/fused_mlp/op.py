@@ -28,9 +28,17 @@ TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation
                     for b in (128, 2048, 16384, 65536))
 
 
-def tune_bucket(B: int, widths, **_) -> str:
+def tune_bucket(B: int, widths, precision: str | None = None, **_) -> str:
+    """Widths, B rounded up to a power of two, and for float32 the dot precision (TF32 on
+    or off: different kernels, and eager's own matmuls change speed with it too)."""
     w = "-".join(map(str, widths_of(widths)))
-    return f"w{w}.B<={1 << max(0, (B - 1).bit_length())}"
+    return f"w{w}.B<={1 << max(0, (B - 1).bit_length())}" + (f".{precision}" if precision else "")
+
+
+def bucket_extras(dtype: str) -> dict:
+    """float32's precision from torch.backends.cuda.matmul.allow_tf32 (launch.precision), a
+    part of its bucket; nothing for the 16-bit dtypes."""
+    return {"precision": launch.precision(torch.float32)} if dtype == "float32" else {}
 
 
 KERNELS = Kernels(FAMILY, tune_bucket)
@@ -52,7 +60,8 @@ def make_inputs(device, dtype, B: int, widths, seed: int = 0, bias=True):
     return to(x), [to(w) for w in ws], [to(b) for b in bs]
 
 
-def tune_inputs(device, dtype: str, B: int, widths, activation: str = "relu", last_activation: str = "none") -> dict:
+def tune_inputs(device, dtype: str, B: int, widths, activation: str = "relu", last_activation: str = "none",
+                precision: str | None = None) -> dict:
     x, ws, bs = make_inputs(device, getattr(torch, dtype), B, widths)
     return {"x": x, "weights": ws, "biases": bs, "activation": activation, "last_activation": last_activation}
 
@@ -119,10 +128,12 @@ def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
         return forced
     if device.type != "cuda":
         return None
-    key = (device.index, dtype, widths, B.bit_length())
+    f32 = launch.precision(dtype) if dtype is torch.float32 else None  # its TF32 setting: part of the bucket
+    key = (device.index, dtype, widths, B.bit_length(), f32)
     kernel = KERNELS.lookup(key)
     if kernel is MISSING:
-        kernel = KERNELS.choose(key, device, dtype, {"B": max(B, 1), "widths": "-".join(map(str, widths))})
+        shape = {"B": max(B, 1), "widths": "-".join(map(str, widths)), **({"precision": f32} if f32 else {})}
+        kernel = KERNELS.choose(key, device, dtype, shape)
         if kernel is not None and not fits(kernel.params, widths):  # a forced variant of other widths
             raise ValueError(f"fused_mlp: KGEN_VARIANT={kernel.name} does not take widths {widths}")
     if kernel is None:
