@@ -507,6 +507,28 @@ def test_gpu_golden_every_variant(v):
 
 
 @pytest.mark.gpu
+def test_gpu_eager_dispatch_has_a_fast_path(monkeypatch):
+    """Where dispatch gives a signature to the eager composition, the second inference call
+    runs it without the op around it (fm.op._FAST holds it), bit-identical to the op's; a
+    call needing gradients still takes the op (and its backward)."""
+    monkeypatch.setattr(fm.op, "module_for", lambda *a, **k: None)  # as if eager won the bucket
+    monkeypatch.setattr(fm.op, "_FAST", {})
+    x, ws, bs = fm.make_inputs("cuda", torch.float32, 300, (367, 512, 256, 1))
+    with torch.no_grad():
+        first = ops.fused_mlp(x, ws, bs, activation="relu", last_activation="sigmoid")
+        assert len(fm.op._FAST) == 1
+        calls = []
+        monkeypatch.setattr(fm.op, "_op", lambda *a: calls.append(a))  # the op is not called again
+        again = ops.fused_mlp(x, ws, bs, activation="relu", last_activation="sigmoid")
+    assert not calls and torch.equal(first, again)
+    assert torch.equal(first, fm.eager(x, ws, bs, "relu", "sigmoid")[0])
+    monkeypatch.undo()
+    xg = x.clone().requires_grad_()
+    ops.fused_mlp(xg, ws, bs, activation="relu", last_activation="sigmoid").sum().backward()
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.backend == "triton" and not v.params["widths"]])
 def test_gpu_generic_scratch_rows_are_each_programs_own(name):
     """A generic variant's hidden layers share two scratch buffers; a layer narrower than the

@@ -176,6 +176,8 @@ def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     mod = module_for(x.device, x.dtype, widths, x2.shape[0])
     if mod is None:
         out = eager(x2, weights, bl, activation, last_activation)[0]
+        if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
+            _remember_eager(x, weights, bl, activation, last_activation, widths)
     else:
         out = launch.forward(mod, x2, _contig(weights), _contig(bl), activation, last_activation)[0]
         if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
@@ -213,6 +215,26 @@ def _remember(mod, x, weights, biases, activation, last_activation):
         if len(_FAST) >= FAST_ENTRIES:  # many signatures: keep the memo small
             _FAST.clear()
         _FAST[key] = f
+
+
+def _remember_eager(x, weights, biases, activation, last_activation, widths):
+    """After an inference call dispatch gave to the eager composition (eager won the bucket's
+    tuning, or nothing fits): its fast path, the same composition without the op around it
+    (torch.library's dispatch, the checks and the choice: ~40 us a call on an H100 host)."""
+    if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
+        return
+    key = _signature(x, weights, biases, activation, last_activation)
+    if key in _FAST:
+        return
+    w0, wl = widths[0], widths[-1]
+
+    def f(x, weights, biases):
+        out = eager(x.reshape(-1, w0), weights, list(biases), activation, last_activation)[0]
+        return out.reshape(*x.shape[:-1], wl)
+
+    if len(_FAST) >= FAST_ENTRIES:
+        _FAST.clear()
+    _FAST[key] = f
 
 
 def _forward_fake(x, weights, biases, bias_mask, activation, last_activation):
@@ -338,7 +360,8 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     whose signature (shapes, dtypes, devices, bias pattern, activations) ran before on a
     variant, with contiguous 16-byte-aligned CUDA inputs, take a fast path: the variant, grid
     and constant arguments cached, the kernel launched directly (kgen.runtime.triton_launch),
-    the same launch the op would make. Eager calls that need a gradient take the training
+    the same launch the op would make; where dispatch gave the signature to the eager
+    composition, the composition runs without the op around it. Eager calls that need a gradient take the training
     fast path (train.py) under the same conditions, once the op's backward ran for their
     signature: one forward launch that keeps each layer's z, and on CUDA the fused Triton
     backward on them (fused_backward.py: two or three launches for every gradient, no
