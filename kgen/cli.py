@@ -260,6 +260,9 @@ def _add_tune(sub) -> None:
     t.add_argument("--json", help="also write every measurement here")
     t.add_argument("--out", help="record into this table file instead of the user's (shipped tables)")
     t.add_argument("--min-us", type=float, default=MIN_MEASURE_US, help="GPU time per candidate (default %(default)s)")
+    t.add_argument("--tf32", choices=("on", "off", "both"),
+                   help="float32 buckets that depend on TF32 (fused_mlp's): tune them with it on, off or both "
+                        "(default: torch's current setting)")
     t.add_argument("--show", action="store_true", help="print what the tables hold for this device")
     t.set_defaults(fn=cmd_tune)
 

@@ -23,6 +23,18 @@ def parse_shape(text: str, dims: tuple[str, ...]) -> dict:
     return dict(zip(dims, values))
 
 
+TF32_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
+
+
+def jobs(fam, dtypes, shapes, tf32: str | None = None) -> list[tuple[str, dict, bool | None]]:
+    """(dtype, shape, TF32 setting to tune under, None: as it is) per bucket to tune.
+    `tf32` ("on", "off", "both") applies to float32 where the family's buckets depend on
+    the setting (its `bucket_extras`); elsewhere the setting changes no bucket, so each
+    shape is tuned once."""
+    modes = TF32_MODES[tf32] if tf32 and hasattr(fam, "bucket_extras") else (None,)
+    return [(d, s, m) for d in dtypes for s in shapes for m in (modes if d == "float32" else (None,))]
+
+
 def _fmt_us(us: float | None) -> str:
     return "-" if us is None else (f"{us:.1f}" if us < 1000 else f"{us / 1000:.2f} ms")
 
@@ -96,18 +108,23 @@ def run(args, console) -> int:
     else:
         shapes = list(fam.TUNE_SHAPES)
     device = torch.device("cuda", torch.cuda.current_device())
-    jobs = [(d, s) for d in dtypes for s in shapes]
+    todo = jobs(fam, dtypes, shapes, args.tf32)
+    tf32_was = torch.backends.cuda.matmul.allow_tf32
     results, rows = [], []
     out = Path(args.out) if args.out else None  # None: the user's table
     path = out or tune.user_path()
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=True,
                   disable=not console.is_terminal) as progress:
-        task = progress.add_task("", total=len(jobs))
-        for dtype, shape in jobs:
-            progress.update(task, description=f"{dtype} {shape}")
+        task = progress.add_task("", total=len(todo))
+        for dtype, shape, tf32 in todo:
+            progress.update(task, description=f"{dtype} {shape}" + ("" if tf32 is None else f" tf32={tf32}"))
             variants = dispatch.runnable(spec.family, dtype, device, spec=spec)
-            res = tune.tune(spec.family, device, dtype, shape, variants=variants, min_us=args.min_us)
+            torch.backends.cuda.matmul.allow_tf32 = tf32_was if tf32 is None else tf32
+            try:
+                res = tune.tune(spec.family, device, dtype, shape, variants=variants, min_us=args.min_us)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = tf32_was
             results.append((dtype, shape, res))
             rows.append((dtype, res.key.split("|")[-1], res.times, res.winner))
             # recorded as each bucket ends (an atomic merge): an interrupted run keeps what it

@@ -457,3 +457,20 @@ def test_gpu_timer_reports_the_larger_of_host_and_gpu_time():
 
     assert 180 <= tune.cuda_timer(host_bound, 2000) <= 600
     assert 250 <= tune.cuda_timer(gpu_bound, 3000) <= 450
+
+
+def test_tune_cli_tf32_jobs():
+    """`kgen tune --tf32 both` tunes float32 twice (TF32 off, on) only where the family's
+    buckets depend on the setting (fused_mlp's `bucket_extras`); other dtypes and families
+    once, under the current setting (None)."""
+    from kgen import cli, tune_cli
+    from kgen.families import fused_mlp as fm
+
+    shapes = [{"B": 128, "widths": "13-512-256-64-16"}]
+    both = tune_cli.jobs(fm, ["float32", "bfloat16"], shapes, "both")
+    assert [(d, m) for d, _, m in both] == [("float32", False), ("float32", True), ("bfloat16", None)]
+    assert [m for _, _, m in tune_cli.jobs(fm, ["float32"], shapes, "on")] == [True]
+    assert [m for _, _, m in tune_cli.jobs(fm, ["float32"], shapes, None)] == [None]
+    assert [m for _, _, m in tune_cli.jobs(fba, ["float32"], [SHAPE], "both")] == [None]  # no TF32 in its buckets
+    args = cli.parser().parse_args(["tune", "kgen/specs/fused_mlp.yaml", "--dtype", "float32", "--tf32", "both"])
+    assert args.tf32 == "both"
