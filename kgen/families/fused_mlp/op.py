@@ -176,12 +176,10 @@ def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     mod = module_for(x.device, x.dtype, widths, x2.shape[0])
     if mod is None:
         out = eager(x2, weights, bl, activation, last_activation)[0]
-        if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
-            _remember_eager(x, weights, bl, activation, last_activation, widths)
     else:
         out = launch.forward(mod, x2, _contig(weights), _contig(bl), activation, last_activation)[0]
-        if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
-            _remember(mod, x, weights, bl, activation, last_activation)
+    if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
+        _remember(mod, x, weights, bl, activation, last_activation, widths)
     return out.reshape(*x.shape[:-1], widths[-1])
 
 
@@ -200,41 +198,31 @@ def _signature(x, weights, biases, activation, last_activation):
     return tuple(sig)
 
 
-def _remember(mod, x, weights, biases, activation, last_activation):
-    """After a general-path launch: the fast-path launcher of this call's signature, where
-    it has one (plain tensors, contiguous, 16-byte aligned, the binary bound)."""
+def _remember(mod, x, weights, biases, activation, last_activation, widths=None):
+    """After a general-path call: the fast-path launcher of this call's signature, where it
+    has one (plain tensors; a variant's launch: contiguous, 16-byte aligned, the binary
+    bound). `mod` None: dispatch gave the call to the eager composition, which then runs
+    without the op around it (torch.library's dispatch, the checks and the choice: ~40 us a
+    call on an H100 host); `widths` its widths."""
     if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
         return
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # its prototype output: in the graph's pool
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a launch's prototype output: in the graph's pool
         return
     key = _signature(x, weights, biases, activation, last_activation)
     if key in _FAST:
         return
-    f = launch.direct(mod, x, weights, biases, activation, last_activation)
+    if mod is None:
+        w0, wl = widths[0], widths[-1]
+
+        def f(x, weights, biases):
+            out = eager(x.reshape(-1, w0), weights, list(biases), activation, last_activation)[0]
+            return out.reshape(*x.shape[:-1], wl)
+    else:
+        f = launch.direct(mod, x, weights, biases, activation, last_activation)
     if f is not None:
         if len(_FAST) >= FAST_ENTRIES:  # many signatures: keep the memo small
             _FAST.clear()
         _FAST[key] = f
-
-
-def _remember_eager(x, weights, biases, activation, last_activation, widths):
-    """After an inference call dispatch gave to the eager composition (eager won the bucket's
-    tuning, or nothing fits): its fast path, the same composition without the op around it
-    (torch.library's dispatch, the checks and the choice: ~40 us a call on an H100 host)."""
-    if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
-        return
-    key = _signature(x, weights, biases, activation, last_activation)
-    if key in _FAST:
-        return
-    w0, wl = widths[0], widths[-1]
-
-    def f(x, weights, biases):
-        out = eager(x.reshape(-1, w0), weights, list(biases), activation, last_activation)[0]
-        return out.reshape(*x.shape[:-1], wl)
-
-    if len(_FAST) >= FAST_ENTRIES:
-        _FAST.clear()
-    _FAST[key] = f
 
 
 def _forward_fake(x, weights, biases, bias_mask, activation, last_activation):
