@@ -165,9 +165,10 @@ def _kernel_signature(f):
 @pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.dtype != "float16" and v.backend == "triton"])
 def test_one_compile_serves_every_call(name):
     """What Triton compiles a kernel for: activations, biases, `save`, B (and a generic
-    kernel's scratch row stride) are runtime values it does not specialise on (B = 1, multiples of 16 and each activation pair were
-    each one more 5-25 s JIT compile); only the precision, the tile and (generic) the widths
-    are constexprs. float32 exact variants: two kernels (TF32 on, off)."""
+    kernel's scratch row stride) are runtime values it does not specialise on (B = 1,
+    multiples of 16 and each activation pair were each one more 5-25 s JIT compile); only
+    the precision, the tile and (generic) the widths are constexprs. float32 exact variants:
+    two kernels (TF32 on, off)."""
     kernels = _kernels(_module(name))
     exact = bool(SPEC.variant(name).params["widths"])
     assert len(kernels) == (2 if exact and name.endswith("_f32") else 1)

@@ -331,7 +331,8 @@ def test_wgmma_variant_sass(cuda_builds, name):
 
 def test_wgmma_plans_and_checks():
     """K splits of the Hopper kernel: about half as many CTAs as SMs where the tiles are fewer,
-    each split >= 4 K panels and the partials at most a quarter of the weight; two CTAs an SM only where two rings and their registers fit; the spec rules."""
+    each split >= 4 K panels and the partials at most a quarter of the weight; two CTAs an SM
+    only where two rings and their registers fit; the spec rules."""
     big = {"block_m": 128, "block_n": 256, "block_k": 128, "stages": 4, "warps_m": 2, "warps_n": 1}
     small = {"block_m": 64, "block_n": 64, "block_k": 128, "stages": 6, "warps_m": 1, "warps_n": 1}
     assert ig.schema.wgmma_ctas_per_sm(big) == 1 and ig.schema.wgmma_ctas_per_sm(small) == 2
