@@ -71,6 +71,9 @@ def test_gradients_vs_float64(name, widths, acts, bias):
 PLAN_CASES = {
     (13, 300, 290, 270, 5): [("chunked", "x", "scratch"), ("chunked", "scratch", "scratch"),
                              ("chunked", "scratch", "absorb")],
+    # a scratch buffer written again at another width (300, then 280)
+    (13, 300, 290, 280, 270, 5): [("chunked", "x", "scratch"), ("chunked", "scratch", "scratch"),
+                                  ("chunked", "scratch", "scratch"), ("chunked", "scratch", "absorb")],
     (20, 300, 100, 600, 3): [("chunked", "x", "absorb"), ("chunked", "reg", "absorb")],
     (5, 20, 30, 600): [("chunked", "x", "absorb"), ("chunked", "reg", "out")],
     (5, 20, 30, 7): [("chunked", "x", "absorb"), ("whole", "reg", None)],
@@ -85,6 +88,28 @@ def _user_variant(widths, dtype="float32"):
                    f"    block_m: 16\n    block_k: 64\n    num_warps: 4\n    dtypes: [{dtype}]\n")
     (v,) = s.variants
     return v
+
+
+def test_scratch_rows_one_stride_apart():
+    """Every scratch row a kernel writes or reads is the same distance from the next at every
+    layer (the exact kernels: SCRATCH_WIDTH; the generic ones: ZR<i>, zrow or, for the
+    backward's own buffers, the layer's width), so that each program's rows are its own at
+    every layer. At each layer's own width, a buffer written again by a narrower layer put a
+    program's rows onto another's, which the GPU ran concurrently (wrong rows at random;
+    test_gpu_generic_scratch_rows_are_each_programs_own)."""
+    import re
+
+    from kgen.render import render
+
+    exact = render(_user_variant((13, 300, 290, 280, 270, 5))).text
+    width = int(re.search(r"^SCRATCH_WIDTH = (\d+)", exact, re.M).group(1))
+    strides = re.findall(r"s[01]_ptr \+ rows\[:, None\] \* (\w+)", exact)
+    assert width == 300 and len(strides) >= 6 and set(strides) == {str(width)}, strides
+    generic = render(SPEC.variant("triton_mw4096_m64_k64_w4_bf16")).text
+    hidden = re.findall(r"z\{?\w*\}?\d*_ptr \+ rows\[:, None\] \* (\w+)", generic)
+    assert hidden and all(h.startswith("ZR") or h.startswith("D") for h in hidden), hidden
+    assert sum(h.startswith("D") for h in hidden) == fm.MAX_LAYERS  # only the saved last layer's z
+    assert re.search(r"ZR1 = zrow \+ \(zrow == 0\)", generic)
 
 
 @pytest.mark.parametrize("widths", list(PLAN_CASES), ids=lambda w: "x".join(map(str, w)))
