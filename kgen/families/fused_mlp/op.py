@@ -128,12 +128,11 @@ def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
         return forced
     if device.type != "cuda":
         return None
-    f32 = launch.precision(dtype) if dtype is torch.float32 else None  # its TF32 setting: part of the bucket
-    key = (device.index, dtype, widths, B.bit_length(), f32)
+    extras = bucket_extras(str(dtype).removeprefix("torch."))  # the bucket's process state, as the tuner's
+    key = (device.index, dtype, widths, B.bit_length(), *extras.values())
     kernel = KERNELS.lookup(key)
     if kernel is MISSING:
-        shape = {"B": max(B, 1), "widths": "-".join(map(str, widths)), **({"precision": f32} if f32 else {})}
-        kernel = KERNELS.choose(key, device, dtype, shape)
+        kernel = KERNELS.choose(key, device, dtype, {"B": max(B, 1), "widths": "-".join(map(str, widths)), **extras})
         if kernel is not None and not fits(kernel.params, widths):  # a forced variant of other widths
             raise ValueError(f"fused_mlp: KGEN_VARIANT={kernel.name} does not take widths {widths}")
     if kernel is None:
@@ -346,14 +345,15 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
 
     Eager inference calls (no gradient needed, no autocast, not tracing, no `using` block)
     whose signature (shapes, dtypes, devices, bias pattern, activations) ran before on a
-    variant, with contiguous 16-byte-aligned CUDA inputs, take a fast path: the variant, grid
-    and constant arguments cached, the kernel launched directly (kgen.runtime.triton_launch),
-    the same launch the op would make; where dispatch gave the signature to the eager
-    composition, the composition runs without the op around it. Eager calls that need a gradient take the training
-    fast path (train.py) under the same conditions, once the op's backward ran for their
-    signature: one forward launch that keeps each layer's z, and on CUDA the fused Triton
-    backward on them (fused_backward.py: two or three launches for every gradient, no
-    atomics; KGEN_FUSED_MLP_FUSED_BWD=0 runs per-layer torch GEMMs instead);
+    variant, with contiguous 16-byte-aligned CUDA inputs, take a fast path: the variant,
+    grid and constant arguments cached, the kernel launched directly
+    (kgen.runtime.triton_launch), the same launch the op would make; where dispatch gave the
+    signature to the eager composition, the composition runs without the op around it. Eager
+    calls that need a gradient take the training fast path (train.py) under the same
+    conditions, once the op's backward ran for their signature: one forward launch that
+    keeps each layer's z, and on CUDA the fused Triton backward on them (fused_backward.py:
+    two or three launches for every gradient, no atomics; KGEN_FUSED_MLP_FUSED_BWD=0 runs
+    per-layer torch GEMMs instead);
     KGEN_FUSED_MLP_FAST_TRAIN=0 turns the training fast path off."""
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
     if not _compiling() and FAST_PATH and (_FAST or _TRAIN) and not _USING and not _any_autocast():
