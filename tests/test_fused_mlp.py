@@ -91,12 +91,12 @@ def _user_variant(widths, dtype="float32"):
 
 
 def test_scratch_rows_one_stride_apart():
-    """Every scratch row a kernel writes or reads is the same distance from the next at every
-    layer (the exact kernels: SCRATCH_WIDTH; the generic ones: ZR<i>, zrow or, for the
-    backward's own buffers, the layer's width), so that each program's rows are its own at
-    every layer. At each layer's own width, a buffer written again by a narrower layer put a
-    program's rows onto another's, which the GPU ran concurrently (wrong rows at random;
-    test_gpu_generic_scratch_rows_are_each_programs_own)."""
+    """A scratch region is only ever written at one row width, so that each program's rows
+    are its own at every layer: the exact kernels' scratch rows SCRATCH_WIDTH apart, the
+    generic kernel's hidden layers in regions of their own width (launch.hidden_regions),
+    never the region their input is in. A buffer written again by a narrower layer put a
+    program's rows onto other programs' wider rows, which the GPU ran concurrently (wrong
+    rows at random; test_gpu_generic_scratch_rows_are_each_programs_own)."""
     import re
 
     from kgen.render import render
@@ -105,11 +105,17 @@ def test_scratch_rows_one_stride_apart():
     width = int(re.search(r"^SCRATCH_WIDTH = (\d+)", exact, re.M).group(1))
     strides = re.findall(r"s[01]_ptr \+ rows\[:, None\] \* (\w+)", exact)
     assert width == 300 and len(strides) >= 6 and set(strides) == {str(width)}, strides
-    generic = render(SPEC.variant("triton_mw4096_m64_k64_w4_bf16")).text
-    hidden = re.findall(r"z\{?\w*\}?\d*_ptr \+ rows\[:, None\] \* (\w+)", generic)
-    assert hidden and all(h.startswith("ZR") or h.startswith("D") for h in hidden), hidden
-    assert sum(h.startswith("D") for h in hidden) == fm.MAX_LAYERS  # only the saved last layer's z
-    assert re.search(r"ZR1 = zrow \+ \(zrow == 0\)", generic)
+    for widths in ((13, 512, 256, 64, 16), (5, 100, 100, 100, 100, 3), (5, 100, 200, 100, 200, 100, 3),
+                   (3, 64, 128, 64, 128, 64, 32, 16, 2), (13, 1), (1, 37, 3)):
+        regions, rows = fm.launch.hidden_regions(widths)
+        hidden = widths[1:-1]
+        assert [w for _, w in regions] == list(hidden) and rows <= sum(hidden)
+        written = {}
+        for i, (at, w) in enumerate(regions):
+            assert written.setdefault(at, w) == w, (widths, i)  # one width a region
+            assert at + w <= rows and (i == 0 or at != regions[i - 1][0])  # not its input's region
+            assert all(a + v <= at or at + w <= a for a, v in regions if a != at)  # regions apart
+    assert fm.launch.hidden_regions((5, 100, 100, 100, 100, 3))[1] == 200  # equal widths: two regions
 
 
 @pytest.mark.parametrize("widths", list(PLAN_CASES), ids=lambda w: "x".join(map(str, w)))
@@ -189,17 +195,16 @@ def _kernel_signature(f):
 
 @pytest.mark.parametrize("name", [v.name for v in SPEC.variants if v.dtype != "float16" and v.backend == "triton"])
 def test_one_compile_serves_every_call(name):
-    """What Triton compiles a kernel for: activations, biases, `save`, B (and a generic
-    kernel's scratch row stride) are runtime values it does not specialise on (B = 1,
-    multiples of 16 and each activation pair were each one more 5-25 s JIT compile); only
-    the precision, the tile and (generic) the widths are constexprs. float32 exact variants:
-    two kernels (TF32 on, off)."""
+    """What Triton compiles a kernel for: activations, biases, `save` and B are runtime
+    values it does not specialise on (B = 1, multiples of 16 and each activation pair were
+    each one more 5-25 s JIT compile); only the precision, the tile and (generic) the widths
+    are constexprs. float32 exact variants: two kernels (TF32 on, off)."""
     kernels = _kernels(_module(name))
     exact = bool(SPEC.variant(name).params["widths"])
     assert len(kernels) == (2 if exact and name.endswith("_f32") else 1)
     for f in kernels:
         constexprs, dns = _kernel_signature(f)
-        assert set(dns) == {"B", "bias_mask", "act", "last_act", "save"} | (set() if exact else {"zrow"})
+        assert set(dns) == {"B", "bias_mask", "act", "last_act", "save"}
         if exact:
             assert constexprs == ["PRECISION", "BLOCK_M"]
         else:

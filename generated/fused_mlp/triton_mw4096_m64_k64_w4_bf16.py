@@ -72,7 +72,7 @@ MAX_WIDTH = 4096
 MAX_LAYERS = 8
 
 
-@triton.jit(do_not_specialize=["B", "bias_mask", "act", "last_act", "save", "zrow"])
+@triton.jit(do_not_specialize=["B", "bias_mask", "act", "last_act", "save"])
 def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                          w0_ptr, b0_ptr, z0_ptr,
                          w1_ptr, b1_ptr, z1_ptr,
@@ -82,7 +82,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                          w5_ptr, b5_ptr, z5_ptr,
                          w6_ptr, b6_ptr, z6_ptr,
                          w7_ptr, b7_ptr, z7_ptr,
-                         B, bias_mask, act, last_act, save, zrow,
+                         B, bias_mask, act, last_act, save,
                          D0: tl.constexpr,
                          D1: tl.constexpr,
                          D2: tl.constexpr,
@@ -96,19 +96,8 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          NUM_STAGES: tl.constexpr):
     # bias_mask, act, last_act, save: as in the exact kernel (runtime values: one compile per
-    # widths); hidden z always go to z<i> (the scratch, or the backward's buffers). zrow: the
-    # row stride of a scratch's z, the same for every layer (> 0), so that a program's rows
-    # are its own at every layer (at each layer's own width, a narrow layer's rows would land
-    # on another program's wide rows, which it may still be reading); 0: each z<i> is its own
-    # [B, D<i+1>] buffer (save)
-    ZR1 = zrow + (zrow == 0).to(tl.int64) * D1
-    ZR2 = zrow + (zrow == 0).to(tl.int64) * D2
-    ZR3 = zrow + (zrow == 0).to(tl.int64) * D3
-    ZR4 = zrow + (zrow == 0).to(tl.int64) * D4
-    ZR5 = zrow + (zrow == 0).to(tl.int64) * D5
-    ZR6 = zrow + (zrow == 0).to(tl.int64) * D6
-    ZR7 = zrow + (zrow == 0).to(tl.int64) * D7
-    ZR8 = zrow + (zrow == 0).to(tl.int64) * D8
+    # widths); hidden z always go to z<i> (a scratch region only ever written at its layer's
+    # width, launch.hidden_regions; or the backward's buffers)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
     # layer 0: D0 -> D1; z0 written (the next layer's input; save bit 1: the last one's too), the output if last
@@ -128,10 +117,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
         omask = rmask[:, None] & nmask[None, :]
         if NUM_LAYERS == 1:
             if save & 2:
-                tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)  # a saved buffer
+                tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
             tl.store(out_ptr + rows[:, None] * D1 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
         else:
-            tl.store(z0_ptr + rows[:, None] * ZR1 + nc[None, :], z, mask=omask)
+            tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
     # this program's z0 rows, written by all its threads, are read back by the next layer
     tl.debug_barrier()
 
@@ -144,7 +133,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D1, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D1
-                h = tl.load(z0_ptr + rows[:, None] * ZR1 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z0_ptr + rows[:, None] * D1 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w1_ptr + nc[None, :] * D1 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -154,10 +143,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 2:
                 if save & 2:
-                    tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D2 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z1_ptr + rows[:, None] * ZR2 + nc[None, :], z, mask=omask)
+                tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
         # this program's z1 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
@@ -170,7 +159,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D2, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D2
-                h = tl.load(z1_ptr + rows[:, None] * ZR2 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z1_ptr + rows[:, None] * D2 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w2_ptr + nc[None, :] * D2 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -180,10 +169,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 3:
                 if save & 2:
-                    tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D3 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z2_ptr + rows[:, None] * ZR3 + nc[None, :], z, mask=omask)
+                tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
         # this program's z2 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
@@ -196,7 +185,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D3, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D3
-                h = tl.load(z2_ptr + rows[:, None] * ZR3 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z2_ptr + rows[:, None] * D3 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w3_ptr + nc[None, :] * D3 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -206,10 +195,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 4:
                 if save & 2:
-                    tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D4 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z3_ptr + rows[:, None] * ZR4 + nc[None, :], z, mask=omask)
+                tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
         # this program's z3 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
@@ -222,7 +211,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D4, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D4
-                h = tl.load(z3_ptr + rows[:, None] * ZR4 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z3_ptr + rows[:, None] * D4 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w4_ptr + nc[None, :] * D4 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -232,10 +221,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 5:
                 if save & 2:
-                    tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D5 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z4_ptr + rows[:, None] * ZR5 + nc[None, :], z, mask=omask)
+                tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
         # this program's z4 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
@@ -248,7 +237,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D5, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D5
-                h = tl.load(z4_ptr + rows[:, None] * ZR5 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z4_ptr + rows[:, None] * D5 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w5_ptr + nc[None, :] * D5 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -258,10 +247,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 6:
                 if save & 2:
-                    tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D6 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z5_ptr + rows[:, None] * ZR6 + nc[None, :], z, mask=omask)
+                tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
         # this program's z5 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
@@ -274,7 +263,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D6, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D6
-                h = tl.load(z5_ptr + rows[:, None] * ZR6 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z5_ptr + rows[:, None] * D6 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w6_ptr + nc[None, :] * D6 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -284,10 +273,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 7:
                 if save & 2:
-                    tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D7 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z6_ptr + rows[:, None] * ZR7 + nc[None, :], z, mask=omask)
+                tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
         # this program's z6 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 
@@ -300,7 +289,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             for k0 in tl.range(0, D7, BLOCK_K, num_stages=NUM_STAGES):
                 kc = k0 + tl.arange(0, BLOCK_K)
                 kmask = kc < D7
-                h = tl.load(z6_ptr + rows[:, None] * ZR7 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                h = tl.load(z6_ptr + rows[:, None] * D7 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w7_ptr + nc[None, :] * D7 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
                 acc = tl.dot(h, w, acc, input_precision=PRECISION)
@@ -310,10 +299,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 8:
                 if save & 2:
-                    tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)  # a saved buffer
+                    tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D8 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
-                tl.store(z7_ptr + rows[:, None] * ZR8 + nc[None, :], z, mask=omask)
+                tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
         # this program's z7 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
 

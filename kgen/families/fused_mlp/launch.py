@@ -8,11 +8,11 @@ wide for that (SCRATCH_WIDTH; 0 for the DLRM MLPs but in float32's TF32-off kern
 `forward` picks by precision); a generic one writes each hidden layer's z row tile to a
 scratch of B x width elements in x's dtype (two buffers, alternating by layer; the program
 reads back only its own rows after a barrier, so the tile stays in L1/L2) and applies the
-activation when the next layer loads it. A scratch's rows are the same distance apart at every
-layer (the widest hidden width, the exact kernels' SCRATCH_WIDTH), so that each program's rows
-are its own at every layer: at each layer's own width a narrow layer's rows overlapped wider
-rows of other programs that could still be reading them (wrong rows at random, 3-5e-2 in
-float32, where a grid's programs all ran at once). With `save`, every layer's z that the
+activation when the next layer loads it. A scratch region is only ever written at one row
+width (`hidden_regions`; the exact kernels' rows SCRATCH_WIDTH apart), so that each
+program's rows are its own at every layer: a buffer written again by a narrower layer put a
+program's rows onto other programs' wider rows, which they could still be reading (wrong
+rows at random, 3-5e-2 in float32, where a grid's programs all ran at once). With `save`, every layer's z that the
 backward needs goes to its own [B, width] buffer instead (the generic kernel's scratch is
 then those buffers).
 
@@ -79,7 +79,7 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     if B == 0:
         return out, zs, None, None
     args = [x, out]
-    scratch, zrow = None, 0
+    scratch = None
     if mod.EXACT:
         zbuf = zs if save else [None] * L
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
@@ -90,15 +90,13 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     else:
         if save:
             zbuf = zs
-        else:  # hidden layers alternate between two halves of one scratch, rows `hidden` apart
-            hidden = max(widths[1:-1], default=0)
-            if hidden:
-                zrow = hidden
-                scratch = torch.empty(2 * B * hidden, dtype=x.dtype, device=x.device)
-                halves = (scratch[: B * hidden], scratch[B * hidden:])
-                zbuf = [halves[i % 2] if i < L - 1 else None for i in range(L)]
-            else:
-                zbuf = [None] * L
+        else:  # hidden layers' z in regions of one scratch, each only ever at one width
+            regions, rows = hidden_regions(widths)
+            zbuf = [None] * L
+            if rows:
+                scratch = torch.empty(B * rows, dtype=x.dtype, device=x.device)
+                for i, (at, w) in enumerate(regions):
+                    zbuf[i] = scratch[B * at: B * (at + w)]
     bias_mask = 0
     n_slots = L if mod.EXACT else MAX_LAYERS
     for i in range(n_slots):
@@ -110,8 +108,6 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
             args += [x, x, x]
     # runtime flags (not constexprs: one compile per variant serves every choice)
     args += [B, bias_mask, ACT_CODE[activation], ACT_CODE[last_activation], int(save) | (int(keep_last) << 1)]
-    if not mod.EXACT:
-        args.append(zrow)
     kw = dict(PRECISION=precision(x.dtype), BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
     if mod.EXACT:  # its loops' pipeline depth (Triton's default, 3, puts the 13-512-256-64-16
         # float32 variant's weight tiles past the 227 KB of shared memory)
@@ -123,6 +119,24 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     if kw["PRECISION"] == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
         kernel = mod.fused_mlp_fwd_kernel_x3
     return out, zs, (kernel, grid(B, mod), args, kw), scratch
+
+
+def hidden_regions(widths) -> tuple[list[tuple[int, int]], int]:
+    """Where the generic kernel's hidden layers keep their z: ([(start, width)] per hidden
+    layer, in units of B elements; the scratch's size in the same units). Layer i takes a
+    region of its own width that layer i - 1 (its input) did not write, or a new one: equal
+    widths alternate between two regions, and no region is written at two widths (its rows
+    would then overlap other programs' rows). Never more than the sum of the hidden widths."""
+    regions, slots, rows = [], [], 0  # slots: [width, start, the last layer that wrote it]
+    for i, w in enumerate(widths[1:-1]):
+        slot = next((s for s in slots if s[0] == w and s[2] != i - 1), None)
+        if slot is None:
+            slot = [w, rows, i]
+            slots.append(slot)
+            rows += w
+        slot[2] = i
+        regions.append((slot[1], w))
+    return regions, rows
 
 
 def direct(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False):

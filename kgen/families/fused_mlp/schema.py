@@ -284,8 +284,6 @@ def triton_aot(variant, mod) -> list:
     for i in range(n_slots):
         sig.update({f"w{i}_ptr": f"*{t}", f"b{i}_ptr": f"*{t}", f"z{i}_ptr": f"*{t}"})
     sig.update({"B": "i32", "bias_mask": "i32", "act": "i32", "last_act": "i32", "save": "i32"})
-    if not exact:
-        sig["zrow"] = "i32"
     const = {"BLOCK_M": mod.BLOCK_M}
     if exact:
         opts = {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}
