@@ -238,11 +238,15 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> Timing
 
     The GPU time is measured with every sample's calls queued behind a spin kernel
     (`torch.cuda._sleep`) long enough to cover their launches, so CUDA events see kernels
-    back to back and not the host's gaps; the host time is the wall time of enqueueing
-    them (the GPU still busy, so nothing waits on it). Timing back-to-back calls alone mixes
-    the two: where a Triton launch's ~15-25 us host cost is near the kernel's GPU time it
-    swung timings 30-60 % between processes (H100, BENCHMARKS.md), enough to flip choices.
-    A sample spans ~100 us of GPU time (event resolution); samples cover `min_us` (>= 7)."""
+    back to back and not the host's gaps. The host time is the wall time of enqueueing
+    back-to-back calls on an idle GPU, as a host-bound loop runs them (not behind the spin:
+    launches queued behind a spinning GPU took 1.3-1.6x longer on an H100 host than the same
+    loop's with the GPU running them, which made multi-launch candidates such as an eager
+    composition look up to 40 % slower than they run; BENCHMARKS.md, twenty-second
+    session). Timing back-to-back calls alone mixes the two: where a Triton launch's ~15-25
+    us host cost is near the kernel's GPU time it swung timings 30-60 % between processes
+    (H100, BENCHMARKS.md), enough to flip choices. A GPU sample spans ~100 us of GPU time
+    (event resolution); samples cover `min_us` (>= 7)."""
     import time
 
     import torch
@@ -266,9 +270,9 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> Timing
     samples = max(7, min(200, math.ceil(min_us / (one * per_sample))))
     cycles_per_us = _sleep_cycles_per_us(torch.cuda.current_device())
     gpu, host = [], []
-    # Batches of samples, each queued behind one spin long enough for its launches (2x the
-    # host estimate + 200 us); a batch whose spin ended before its launches did is retried
-    # with a longer spin, so a host time is never inflated by waiting on a full queue.
+    # Batches of GPU samples, each queued behind one spin long enough for its launches (2x
+    # the host estimate + 200 us); a batch whose spin ended before its launches did is
+    # retried with a longer spin, so that no gap between launches reaches the events.
     batch = max(1, min(samples, math.ceil(20_000 / (per_sample * max(host_est, one)))))
     slack = 2.0
     while len(gpu) < samples:
@@ -278,14 +282,11 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> Timing
         torch.cuda.synchronize()
         torch.cuda._sleep(int(cycles_per_us * (slack * host_est * per_sample * n + 200)))
         spin_done.record()
-        walls = []
         for s, e in events:
-            t0 = time.perf_counter()
             s.record()
             for _ in range(per_sample):
                 fn()
             e.record()
-            walls.append((time.perf_counter() - t0) * 1e6 / per_sample)
         if spin_done.query():  # the GPU caught up with the launches: retry, spinning longer
             torch.cuda.synchronize()
             if slack > 64:
@@ -294,7 +295,17 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> Timing
             continue
         events[-1][1].synchronize()
         gpu += [s.elapsed_time(e) * 1000 / per_sample for s, e in events]
-        host += walls
+    # Host samples: `calls` back-to-back calls from an idle GPU, the wall time until the last
+    # one returns (no sync: a launch-bound loop's own rate; a GPU-bound one's host time is
+    # below its GPU time and does not count). Samples cover min_us / 2 of host time (>= 7).
+    calls = max(4, min(64, math.ceil(300 / max(host_est, 1.0))))
+    for _ in range(max(7, min(200, math.ceil(min_us / 2 / (calls * max(host_est, 1.0)))))):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host.append((time.perf_counter() - t0) * 1e6 / calls)
+    torch.cuda.synchronize()
     gpu.sort()
     host.sort()
     g = gpu[len(gpu) // 2]
