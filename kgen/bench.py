@@ -61,6 +61,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
     inputs) -> {name: fn}` adds non-candidates (torch.compile, a GEMM) to the same rounds."""
     import torch
 
+    from kgen.errors import KgenError
     from kgen.families import module_of
     from kgen.runtime import dispatch, tune
 
@@ -70,15 +71,17 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
     for dtype, shape in cases:
         shape = tune.with_extras(fam, dtype, shape)
         inputs = fam.tune_inputs(dev, dtype, **shape)
-        before = dispatch.select(family, dev, dtype)
-        after, why = dispatch.choose(family, dev, dtype, fam.tune_bucket(**shape))
+        # the shape too: a variant built for some shapes only (fused_mlp's exact widths) is
+        # not spec order's choice for others
+        before = dispatch.select(family, dev, dtype, shape=shape)
+        after, why = dispatch.choose(family, dev, dtype, fam.tune_bucket(**shape), shape)
         fns = {}
-        for v in dispatch.runnable(family, dtype, dev):
-            fns[v.name] = fam.tune_runner(dispatch.load(v), inputs)
-        try:
-            fns[tune.REFERENCE] = fam.tune_runner(None, inputs)
-        except ValueError:
-            pass
+        for v in [*dispatch.runnable(family, dtype, dev), None]:
+            try:  # as tune.tune: a candidate that cannot take this shape is left out
+                fns[v.name if v is not None else tune.REFERENCE] = fam.tune_runner(
+                    dispatch.load(v) if v is not None else None, inputs)
+            except (KgenError, RuntimeError, ValueError):
+                pass
         extra = peers(dtype, inputs) if peers else {}
         best = {n: float("inf") for n in (*fns, *extra)}
         gpu = {n: float("inf") for n in fns}  # the GPU part of each candidate's time alone
@@ -101,7 +104,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
         t_after, t_fastest = (paired[a], paired[fastest]) if paired else (best[a], best[fastest])
         row = {"case": f"{dtype} " + "x".join(str(shape[d]) for d in fam.TUNE_DIMS)
                + "".join(f" {k}={int(v)}" for k, v in shape.items() if k not in fam.TUNE_DIMS),
-               "before": name(before), "before us": best[name(before)],
+               "before": name(before), "before us": best.get(name(before), float("nan")),
                "after": a, "why": why, "after us": t_after,
                "fastest": fastest, "fastest us": t_fastest,
                "after / fastest": min(1.0, t_fastest / t_after),

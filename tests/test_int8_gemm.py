@@ -369,6 +369,13 @@ def test_gemv_plans():
             best = sorted(vs, key=lambda v: ig.plans.preference(v, M))[0]
             assert ig.plans.is_gemv(best) == first, (M, dtype, best.name)
             assert not ig.plans.is_gemv(sorted(vs, key=lambda v: ig.plans.preference(v, M))[-1]) or M > 16
+    # above M = 16, int8 prefers the Hopper WGMMA kernel (where the device has it), its tile by M
+    for M, tile in ((17, (64, 64)), (64, (64, 64)), (65, (64, 128)), (256, (64, 128)), (257, (128, 256)),
+                    (8192, (128, 256))):
+        vs = sorted((v for v in SPEC.variants if v.dtype == "int8"), key=lambda v: ig.plans.preference(v, M))
+        assert ig.plans.is_wgmma(vs[0]) and (vs[0].params["block_m"], vs[0].params["block_n"]) == tile, (M, vs[0].name)
+        without = [v for v in vs if not ig.plans.is_wgmma(v)]  # an Ampere GPU's order
+        assert without[0].backend == "triton" or M <= 32, (M, without[0].name)
     assert ig.plans.gemv_splits(64, 1, 4096, 4096, 132) * 64 * 4 >= 12 * 132  # 64 CTAs of 4 warps x splits
     assert ig.plans.gemv_splits(16, 1, 4096, 4096, 132, 1, 8) == 1  # 256 CTAs of 8 K-warps fill the SMs
     assert ig.plans.gemv_splits(16, 1, 1024, 4096, 132, 1, 8) == 2  # ranges of >= 4 steps a warp
@@ -534,6 +541,22 @@ def test_int8_linear_never_runs_the_reference_where_a_kernel_is_tuned(monkeypatc
     ref = ig.reference.int8_linear(a, b, sa, sb, None, compute=torch.float64)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-3)
     assert torch.equal(ops.int8_mm(a, b).cpu().long(), a.cpu().long() @ b.cpu().long().t())
+
+
+@pytest.mark.gpu
+def test_untuned_shapes_run_the_shape_preference(monkeypatch):
+    """With no table entry (nor one nearby), int8 above M = 16 runs the WGMMA kernel on
+    Hopper (its tile by M; on an H200 at 151 x 445 x 1456 8.5 us against the Triton
+    tile's 47.8 a call); exact."""
+    monkeypatch.setattr(tune, "lookup", lambda k: None)
+    monkeypatch.setattr(tune, "nearest", lambda k: None)
+    monkeypatch.setattr(ig.op, "_IMPLS", {})
+    sm90a = torch.cuda.get_device_capability() == (9, 0)
+    for M, N, K in ((151, 445, 1456), (600, 333, 272)):
+        impl = ig.op._impl(DEV, torch.int8, M, N, K, False)
+        assert impl is not None and (impl.wgmma if sm90a else not impl.gemv), (M, impl.name)
+        a, b = _ints(M, K), _ints(N, K)
+        assert torch.equal(ops.int8_mm(a, b).cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
 # gemv: M in {1, 3, 9, 16} (one and two 8-token groups, ragged), N not a multiple of the 64 /

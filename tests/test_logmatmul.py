@@ -312,6 +312,15 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch):
     assert direct[5] == direct[6] == direct[7] == out.data_ptr()
     mod._plans[(B, N, 1024, torch.float32, torch.float32, None)] = (2, 512)
     assert mod.direct(B, N, 1024, torch.float32, torch.float32, x.device) is None  # K split: general path
+    # a signature the kernel does not take (K = 33: rows not whole 16-byte vectors): the
+    # Triton companion's launcher, as the general path would run the companion
+    companion = object()
+    mod.triton = companion
+    seen = []
+    monkeypatch.setattr(launch, "triton_direct", lambda m, *a: seen.append((m, *a)) or "companion's")
+    assert mod.direct(B, N, 33, torch.float32, torch.float32, x.device) == "companion's"
+    assert seen == [(companion, B, N, 33, x.device)] and kernel.calls == [general, direct]
+    mod.triton = None
 
     monkeypatch.setitem(lop._FAST, (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device), fast)
     kernel.calls.clear()

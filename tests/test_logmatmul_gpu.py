@@ -310,3 +310,34 @@ def test_gpu_cuda_block_sparse_op_int64_indices_and_fallbacks(poison, monkeypatc
         assert torch.equal(torch.isneginf(out), torch.isneginf(want))
         torch.testing.assert_close(out[f].double(), want[f], rtol=1e-5, atol=3e-5)
     assert torch.equal(a, b)
+
+
+@gpu
+def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
+    """With nothing tuned (nor nearby): B > 16 with small weights runs the small-batch
+    Triton form (not a 16-row tl.dot tile); B <= 16 where the CUDA kernel cannot take K
+    (rows not whole 16-byte vectors) runs its Triton companion through the fast path. Each
+    within tolerance of float64, forward and gradients, and bitwise equal to a second call."""
+    from kgen.families.logmatmul import op as lop
+    from kgen.runtime import tune
+
+    monkeypatch.setattr(tune, "lookup", lambda k: None)
+    monkeypatch.setattr(tune, "nearest", lambda k: None)
+    monkeypatch.setattr(lop, "_MODULES", {})
+    monkeypatch.setattr(lop, "_BY_SHAPE", {})
+    monkeypatch.setattr(lop, "_FAST", {})
+    dev = torch.device("cuda")
+    for B, N, K in ((31, 23, 545), (370, 188, 22)):
+        mod = lop._module(dev, torch.float32, B, N, K)
+        assert getattr(mod, "DOT", None) == "none", (B, N, K, getattr(mod, "VARIANT", mod))
+        _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev, SPEC.numerics["float32"]))
+    for B, N, K in ((6, 39, 33), (1, 239, 25)):
+        mod = lop._module(dev, torch.float32, B, N, K)
+        if type(mod) is launch.CudaForward:
+            assert not mod.takes(torch.empty(B, K, device=dev), torch.empty(N, K, device=dev))
+            assert mod.direct(B, N, K, torch.float32, torch.float32, dev) is not None
+        x, w = lmm.make_inputs(B, N, K, torch.float32, dev)
+        a, b = lmm.logmatmul(x, w), lmm.logmatmul(x, w)  # the second through the fast path
+        assert torch.equal(a, b)
+        _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev,
+                                       SPEC.numerics["float32"]))

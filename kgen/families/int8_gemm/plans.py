@@ -115,21 +115,33 @@ def gemv_splits_of(params, M: int, N: int, K: int, sms: int) -> int:
     return gemv_splits(params["block_n"], M, N, K, sms, params["warps_n"], params["warps_m"])
 
 
+# The Hopper WGMMA kernel's tile per M where nothing is tuned (the shipped H100 and H200
+# tables' winners by M bucket: 64 x 64 at M <= 64, 64 x 128 or 128 x 128 up to 256,
+# 128 x 256 beyond; smaller tiles give more CTAs where the output is small).
+WGMMA_TILES = ((64, (64, 64)), (256, (64, 128)), (float("inf"), (128, 256)))
+
+
 def preference(variant, M: int) -> tuple:
     """Sort key of a variant for a call with M rows when the tuning table has nothing for
     its bucket (smaller first): at M <= 16 the CUDA gemv variants (weight rows streamed
-    straight into mma.sync registers; spec order among them; last at larger M), at M <= 32
-    the split-K streaming variants (b read once, spread over all SMs), then the row tile that wastes least of M (a 128-row tile at
-    M = 64 computes half zeros), then the largest tiles. Ties keep spec order
-    (sorted is stable). Above M = 128 Triton comes before the CUDA mma.sync kernel: on
-    Hopper Triton's int8 dot is WGMMA, which mma.sync cannot match; the tuning table
-    decides per bucket where the CUDA kernel wins."""
+    straight into mma.sync registers; spec order among them; last at larger M); above it
+    the Hopper WGMMA kernel (int8 on sm_90a; every int8 bucket above M = 16 in the shipped
+    H100 and H200 tables went to it; at untuned shapes on an H200 the op ran 3-6.6x faster
+    than with the Triton tile, BENCHMARKS.md twenty-second session), its tile by M
+    (WGMMA_TILES); then at M <= 32 the split-K streaming variants (b read once, spread over
+    all SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes
+    half zeros), then the largest tiles. Ties keep spec order (sorted is stable). Above M = 128 Triton comes
+    before the CUDA mma.sync kernel: on Hopper Triton's int8 dot is WGMMA, which mma.sync
+    cannot match; the tuning table decides per bucket where the CUDA kernel wins."""
     p = variant.params
     split = p.get("split_k", 1)
     if is_gemv(variant):  # first where it takes M, last elsewhere
         return (-1,) if M <= GEMV_MAX_M else (float("inf"),)
+    if is_wgmma(variant):
+        tile = next(t for m, t in WGMMA_TILES if M <= m)
+        return (0, (p["block_m"], p["block_n"]) != tile, abs(p["block_m"] - tile[0]), abs(p["block_n"] - tile[1]))
     if M <= 32:
-        return (split == 1, p["block_m"])
+        return (1, split == 1, p["block_m"])
     if M <= 128:
-        return (abs(p["block_m"] - 64), split != 1)
-    return (split != 1, -p["block_m"], variant.backend == "cuda")
+        return (1, abs(p["block_m"] - 64), split != 1)
+    return (1, split != 1, -p["block_m"], variant.backend == "cuda")

@@ -141,7 +141,10 @@ class CudaForward:
     def direct(self, B: int, N: int, K: int, x_dtype, w_dtype, device: torch.device):
         """A launcher for one exact call signature whose plan is one launch (no K split):
         `f(x, w)` -> out, or None where x or w is not contiguous or not 16-byte aligned
-        (then the general path runs). The op's fast path keeps it per signature: the plan,
+        (then the general path runs). A signature the kernel does not take (K not whole
+        16-byte rows, B above its rows) gets the Triton companion's launcher instead: the
+        general path would run the companion anyway, at ~4x the host cost of a direct call
+        on an H200 host (BENCHMARKS.md, twenty-second session). The op's fast path keeps it per signature: the plan,
         the kernel's arguments that do not change and the stream getter are bound once."""
         if min(B, N, K) < 1:
             return None
@@ -150,7 +153,9 @@ class CudaForward:
         plan = self._plans.get(key, MISSING)
         if plan is MISSING:
             plan = self._plan(key)
-        if plan is None or plan[0] != 1:
+        if plan is None:  # the kernel does not take the signature: its Triton companion's fast path
+            return triton_direct(self.triton, B, N, K, device)
+        if plan[0] != 1:
             return None
         k_slice = plan[1]
         raw, ptr, fail, w32 = self.kernel.raw, self.kernel.ptr, self.kernel.fail, w_dtype is torch.float32

@@ -68,24 +68,37 @@ def _choose(device, dtype, B, N, K):
     dims = {"B": B, "N": N, "K": K}
     kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
     if why == "spec order" and B >= 16:
-        kernel = _by_batch(device, name, B) or kernel
+        kernel = _by_batch(device, name, B, N, K) or kernel
     if kernel is not None and kernel.backend == "cuda":
         companion = dispatch.select(FAMILY, device, name, backend="triton")
         return CudaForward(kernel, companion.module) if companion is not None else None
     return implementation(kernel)
 
 
-def _by_batch(device, name: str, B: int):
+# Weights (N x K) below which a call is small: its time is launches and host, and the
+# small-batch form (one launch, no exp pre-pass) beats the tl.dot tiles. Up to B = 64:
+# N = K = 1024 (the H100 and H200 tables: the small-batch Triton form won B <= 64 at 512^2
+# and 1024^2, a tl.dot tile at 4096^2); above B = 64, 512^2 (a tl.dot tile won 1024^2).
+SMALL_WEIGHTS = ((64, 1 << 22), (float("inf"), 1 << 20))
+
+
+def _by_batch(device, name: str, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs the first tl.dot variant whose rows per program
     match the batch (16 up to B = 32, 64 below 128, else 128) instead of spec order's
     small-batch form:
     on an H100 at N = K = 4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and
-    89 us against 287 us at B = 64."""
+    89 us against 287 us at B = 64. Small weights (SMALL_WEIGHTS) take spec order at
+    B = 16 (the CUDA kernel: it won B <= 16 at every tuned size) and the small-batch
+    Triton form above it (an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
+    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session)."""
     from kgen.runtime import dispatch
 
+    small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
+    if small and B <= 16:
+        return None
     rows = 16 if B <= 32 else 64 if B < 128 else 128
     for v in dispatch.candidates(FAMILY, name, torch.cuda.get_device_capability(device), "triton"):
-        if v.params["dot"] != "none" and v.params["block_b"] == rows:
+        if (v.params["dot"] == "none") if small else (v.params["dot"] != "none" and v.params["block_b"] == rows):
             try:
                 return dispatch.load(v)
             except Exception:  # noqa: BLE001 - a variant that fails to build: spec order serves
