@@ -241,7 +241,7 @@ def test_dispatch_takes_the_tuned_winner_and_devices_do_not_mix(tables):
     assert (kernel.name, why) == (b.name, "tuned")
     # an untuned bucket with the same flags takes the nearest tuned bucket's winner when it
     # beat spec order's choice clearly there, not on a narrow win
-    near_bucket = fba.tune_bucket(3000, 40, True)
+    near_bucket = fba.tune_bucket(7, 40, True)  # one class (rows 4 -> 8) away
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", near_bucket)
     assert (kernel.name, why) == (b.name, f"tuned nearby ({bucket})")
     tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket):
@@ -268,6 +268,8 @@ def test_nearest_bucket():
         assert near("N<=4.D<=1024")[1]["winner"] == "N<=1.D<=1024"  # 2 classes away vs 4
         assert near("N<=32.D<=1024")[1]["winner"] == "N<=64.D<=1024"
         assert near("N<=8192.D<=2048")[1]["winner"] == "N<=4096.D<=4096"
+        assert near("N<=256.D<=256") is None  # 2 + 2 classes from the nearest: too far
+        assert near("N<=1024.D<=16384") is None and near("N<=128.D<=2048")[1]["winner"] == "N<=64.D<=1024"
         assert near("N<=8.D<=1024.other") is None  # flags must match
         assert tune.nearest(tune.key("f", OTHER_DEVICE, "float32", "N<=1.D<=1024")) is None
         assert tune.nearest(tune.key("f", FAKE_DEVICE, "float16", "N<=1.D<=1024")) is None

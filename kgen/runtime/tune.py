@@ -54,6 +54,11 @@ TIE = 0.02  # candidates within 2 % of the fastest are a tie (see pick)
 # calls (H100 hosts, BENCHMARKS.md), its GPU times a few %
 HOST_TIE = 0.10
 NEAR_MARGIN = 0.10  # a nearby bucket's winner carries over only with this margin (transfers)
+# ... and only from within this many powers of two, summed over the bucket's classes: a tile
+# chosen for 1000 columns wastes most of its work on 59 (fused_bias_act 17527 x 59 fp16 on an
+# H200 took 25 us of GPU time with the winner of cols <= 1024 against 3.1 for spec order's
+# choice; BENCHMARKS.md, twenty-second session)
+NEAR_MAX_DISTANCE = 2
 CONFIRM_ROUNDS = 4  # alternating re-timings of a winner against spec order's choice (confirm)
 
 
@@ -158,8 +163,9 @@ def _parts(bucket: str) -> tuple[dict, tuple]:
 
 def nearest(k: str) -> tuple[str, dict] | None:
     """The tuned entry closest to key `k` on the same family, device and dtype: same flags,
-    smallest summed distance of the numeric classes in powers of two. How a shape between
-    the tuned ones is served; None when nothing comparable is tuned."""
+    smallest summed distance of the numeric classes in powers of two, at most
+    NEAR_MAX_DISTANCE. How a shape between the tuned ones is served; None when nothing
+    comparable is tuned that near."""
     prefix, _, bucket = k.rpartition("|")
     nums, flags = _parts(bucket)
     best = None
@@ -171,7 +177,7 @@ def nearest(k: str) -> tuple[str, dict] | None:
         if o_flags != flags or o_nums.keys() != nums.keys():
             continue
         d = sum(abs(nums[n] - o_nums[n]) for n in nums)
-        if best is None or (d, other) < best[0]:
+        if d <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
             best = ((d, other), entry)
     return (best[0][1], best[1]) if best else None
 
