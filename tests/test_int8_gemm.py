@@ -559,6 +559,23 @@ def test_untuned_shapes_run_the_shape_preference(monkeypatch):
         assert torch.equal(ops.int8_mm(a, b).cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
+@pytest.mark.gpu
+def test_w8a16_reference_within_the_tolerance():
+    """The CUDA reference (the tables' winner for W8A16 at large M) rounds once, within the
+    spec's tolerance against float64, per-channel scales with and without bias."""
+    for dtype in ("bfloat16", "float16"):
+        t = getattr(torch, dtype)
+        for M, N, K, with_bias in ((1025, 300, 512, False), (77, 1000, 4096, True)):
+            x, b = torch.randn(M, K, device=DEV).to(t), _ints(N, K)
+            s = torch.rand(N, device=DEV) / 127
+            bias = torch.randn(N, device=DEV).to(t) if with_bias else None
+            with ig.using(None):
+                got = ops.w8a16_linear(x, b, s, bias)
+            assert got.dtype == t and got.shape == (M, N)
+            want = ig.reference.w8a16_linear(x, b, s, bias, compute=torch.float64)
+            assert error_ratio(got, want, SPEC.numerics[dtype]) <= 1, (dtype, M, N, K)
+
+
 # gemv: M in {1, 3, 9, 16} (one and two 8-token groups, ragged), N not a multiple of the 64 /
 # 128-row CTA (37, 200), K the smallest (16: one partial step), ragged steps (48, 272) and
 # long (1040 = 16 full steps + 16); grouped scales need K % 64 == 0 (192, 1024).

@@ -62,10 +62,16 @@ def w8a16_linear(x, b, scale_b, bias=None, group_size=None, compute=torch.float3
 
 
 def w8a16_pytorch(x, b, scale_b, bias=None, group_size=None):
-    """What a PyTorch user writes on a GPU: the weight widened to x's dtype, a library GEMM,
-    then the scale (per channel) or the dequantized weight (per group)."""
+    """W8A16 by a library GEMM on a GPU (the op's CUDA reference and a tuning candidate):
+    per channel, the weight widened to x's dtype (int8 is exact in 16 bits), cuBLAS with a
+    float32 result (torch.mm's out_dtype), the scale and bias in float32, one rounding to x's
+    dtype, as the kernels round. (F.linear rounds its product to x's dtype and the scale
+    rounds again: 1.3x the bf16 tolerance at K = 512 on an H200, BENCHMARKS.md twenty-second
+    session.) Per group: the dequantized weight rounded to x's dtype, then the GEMM."""
     if group_size is None:
-        c = torch.nn.functional.linear(x, b.to(x.dtype)) * scale_b.to(x.dtype)
-    else:
-        c = torch.nn.functional.linear(x, dequantized(b, scale_b, group_size, torch.float32).to(x.dtype))
+        c = torch.mm(x, b.to(x.dtype).t(), out_dtype=torch.float32) * scale_b.reshape(1, -1).float()
+        if bias is not None:
+            c = c + bias.float()
+        return c.to(x.dtype)
+    c = torch.nn.functional.linear(x, dequantized(b, scale_b, group_size, torch.float32).to(x.dtype))
     return c + bias.to(x.dtype) if bias is not None else c
