@@ -559,21 +559,45 @@ def test_untuned_shapes_run_the_shape_preference(monkeypatch):
         assert torch.equal(ops.int8_mm(a, b).cpu().long(), a.cpu().long() @ b.cpu().long().t())
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_w8a16_library_reference_rounds_once(dtype):
+    """w8a16_pytorch (the op's CUDA reference; here its CPU form of the same math) against
+    float64 on the golden's inputs (small scales and a bias: outputs near zero), per channel
+    and per group, within the spec's tolerance; the formula it replaced (the product rounded
+    to x's dtype, then scaled, or the dequantised weight rounded) is far outside it."""
+    t = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    for M, N, K, group in ((33, 100, 512, 16), (5, 77, 1024, 128), (7, 61, 1040, None)):
+        x = torch.randn(M, K, generator=g).to(t)
+        b = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+        s = (torch.rand(N, K // group if group else 1, generator=g) + 0.5) / (127 * K ** 0.5)
+        s = s.squeeze(1) if group is None else s
+        bias = torch.randn(N, generator=g).to(t)
+        want = ig.reference.w8a16_linear(x, b, s, bias, group, compute=torch.float64)
+        assert error_ratio(ig.reference.w8a16_pytorch(x, b, s, bias, group), want, SPEC.numerics[dtype]) <= 1
+        w = ig.reference.dequantized(b, s, group, torch.float32).to(t)
+        assert error_ratio(torch.nn.functional.linear(x, w) + bias, want, SPEC.numerics[dtype]) > 1
+
+
 @pytest.mark.gpu
 def test_w8a16_reference_within_the_tolerance():
     """The CUDA reference (the tables' winner for W8A16 at large M) rounds once, within the
-    spec's tolerance against float64, per-channel scales with and without bias."""
+    spec's tolerance against float64: per-channel and grouped scales, with and without bias,
+    scales as the golden makes them (outputs near zero) and larger."""
     for dtype in ("bfloat16", "float16"):
         t = getattr(torch, dtype)
-        for M, N, K, with_bias in ((1025, 300, 512, False), (77, 1000, 4096, True)):
+        for M, N, K, group, with_bias in ((1025, 300, 512, None, False), (77, 1000, 4096, None, True),
+                                          (300, 257, 1024, 128, True), (16, 64, 512, 16, False)):
             x, b = torch.randn(M, K, device=DEV).to(t), _ints(N, K)
-            s = torch.rand(N, device=DEV) / 127
-            bias = torch.randn(N, device=DEV).to(t) if with_bias else None
-            with ig.using(None):
-                got = ops.w8a16_linear(x, b, s, bias)
-            assert got.dtype == t and got.shape == (M, N)
-            want = ig.reference.w8a16_linear(x, b, s, bias, compute=torch.float64)
-            assert error_ratio(got, want, SPEC.numerics[dtype]) <= 1, (dtype, M, N, K)
+            for s in (torch.rand(N, K // group if group else 1, device=DEV) / 127,
+                      (torch.rand(N, K // group if group else 1, device=DEV) + 0.5) / (127 * K ** 0.5)):
+                s = s.squeeze(1) if group is None else s
+                bias = torch.randn(N, device=DEV).to(t) if with_bias else None
+                with ig.using(None):
+                    got = ops.w8a16_linear(x, b, s, bias, group_size=group)
+                assert got.dtype == t and got.shape == (M, N)
+                want = ig.reference.w8a16_linear(x, b, s, bias, group, compute=torch.float64)
+                assert error_ratio(got, want, SPEC.numerics[dtype]) <= 1, (dtype, M, N, K, group)
 
 
 # gemv: M in {1, 3, 9, 16} (one and two 8-token groups, ragged), N not a multiple of the 64 /

@@ -61,17 +61,31 @@ def w8a16_linear(x, b, scale_b, bias=None, group_size=None, compute=torch.float3
     return c if compute == torch.float64 else c.to(x.dtype)
 
 
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (16-bit operands) as float32: cuBLAS's float32 result on CUDA (torch.mm's
+    out_dtype), products of the widened operands elsewhere (exact: 16-bit products fit
+    float32)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
 def w8a16_pytorch(x, b, scale_b, bias=None, group_size=None):
-    """W8A16 by a library GEMM on a GPU (the op's CUDA reference and a tuning candidate):
-    per channel, the weight widened to x's dtype (int8 is exact in 16 bits), cuBLAS with a
-    float32 result (torch.mm's out_dtype), the scale and bias in float32, one rounding to x's
-    dtype, as the kernels round. (F.linear rounds its product to x's dtype and the scale
-    rounds again: 1.3x the bf16 tolerance at K = 512 on an H200, BENCHMARKS.md twenty-second
-    session.) Per group: the dequantized weight rounded to x's dtype, then the GEMM."""
+    """W8A16 by library GEMMs (the op's CUDA reference and a tuning candidate): the weight
+    widened to x's dtype (int8 is exact in 16 bits), GEMMs with float32 results, the scales
+    and bias in float32, one rounding to x's dtype, as the kernels round. Per channel one
+    GEMM; per group one GEMM a group, each scaled and summed in float32. (Rounding the
+    product, or the dequantised weight, to x's dtype first puts outputs near zero far
+    outside the tolerance: 88-156x bf16's on an H200, BENCHMARKS.md twenty-second session.)"""
+    wx = b.to(x.dtype)
     if group_size is None:
-        c = torch.mm(x, b.to(x.dtype).t(), out_dtype=torch.float32) * scale_b.reshape(1, -1).float()
-        if bias is not None:
-            c = c + bias.float()
-        return c.to(x.dtype)
-    c = torch.nn.functional.linear(x, dequantized(b, scale_b, group_size, torch.float32).to(x.dtype))
-    return c + bias.to(x.dtype) if bias is not None else c
+        c = _mm_f32(x, wx.t()) * scale_b.reshape(1, -1).float()
+    else:
+        c = None
+        for g in range(b.shape[1] // group_size):
+            k = slice(g * group_size, (g + 1) * group_size)
+            part = _mm_f32(x[:, k], wx[:, k].t()) * scale_b[:, g].reshape(1, -1).float()
+            c = part if c is None else c.add_(part)
+    if bias is not None:
+        c = c + bias.float()
+    return c.to(x.dtype)
