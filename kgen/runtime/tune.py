@@ -303,9 +303,11 @@ def cuda_timer(fn: Callable[[], None], min_us: float = MIN_MEASURE_US) -> Timing
         gpu += [s.elapsed_time(e) * 1000 / per_sample for s, e in events]
     # Host samples: `calls` back-to-back calls from an idle GPU, the wall time until the last
     # one returns (no sync: a launch-bound loop's own rate; a GPU-bound one's host time is
-    # below its GPU time and does not count). Samples cover min_us / 2 of host time (>= 7).
-    calls = max(4, min(64, math.ceil(300 / max(host_est, 1.0))))
-    for _ in range(max(7, min(200, math.ceil(min_us / 2 / (calls * max(host_est, 1.0)))))):
+    # below its GPU time and does not count). A sample spans ~300 us of the call's larger
+    # time, the samples min_us / 2 (>= 5): a GPU-bound call is not run much longer here.
+    per_call = max(host_est, one, 1.0)
+    calls = max(2, min(64, math.ceil(300 / per_call)))
+    for _ in range(max(5, min(200, math.ceil(min_us / 2 / (calls * per_call))))):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(calls):
