@@ -130,9 +130,9 @@ def preference(variant, M: int) -> tuple:
     than with the Triton tile, BENCHMARKS.md twenty-second session), its tile by M
     (WGMMA_TILES); then at M <= 32 the split-K streaming variants (b read once, spread over
     all SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes
-    half zeros), then the largest tiles. Ties keep spec order (sorted is stable). Above M = 128 Triton comes
-    before the CUDA mma.sync kernel: on Hopper Triton's int8 dot is WGMMA, which mma.sync
-    cannot match; the tuning table decides per bucket where the CUDA kernel wins."""
+    half zeros), then the largest tiles. Ties keep spec order (sorted is stable). Above
+    M = 128 Triton comes before the CUDA mma.sync kernel (Ampere's order; on Hopper the
+    WGMMA kernel is first); the tuning table decides per bucket where another wins."""
     p = variant.params
     split = p.get("split_k", 1)
     if is_gemv(variant):  # first where it takes M, last elsewhere

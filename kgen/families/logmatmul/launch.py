@@ -144,8 +144,9 @@ class CudaForward:
         (then the general path runs). A signature the kernel does not take (K not whole
         16-byte rows, B above its rows) gets the Triton companion's launcher instead: the
         general path would run the companion anyway, at ~4x the host cost of a direct call
-        on an H200 host (BENCHMARKS.md, twenty-second session). The op's fast path keeps it per signature: the plan,
-        the kernel's arguments that do not change and the stream getter are bound once."""
+        on an H200 host (BENCHMARKS.md, twenty-second session). The op's fast path keeps it
+        per signature: the plan, the kernel's arguments that do not change and the stream
+        getter are bound once."""
         if min(B, N, K) < 1:
             return None
         index = device.index
