@@ -1,0 +1,132 @@
+"""Dispatch at random shapes (GPU): for each case the public op as a user calls it, every
+candidate of the family that can take the shape (`tune_runner`, as the tuner times them) and
+the reference, all timed by the tuner's own timer (`tune.cuda_timer`) in interleaved rounds.
+One line a case: the op's time and GPU part (and the candidate whose GPU time it matches),
+the fastest candidate, op / fastest (`<<<` past 1.15). Shapes are log-uniform and awkward:
+mostly untuned buckets, where dispatch falls to "tuned nearby" or spec order.
+
+    python3 tools/sweep_dispatch.py FAMILY [--cases 8] [--seed 7] [--min-us 500]
+
+It found the untuned-shape defects of the twenty-second session (BENCHMARKS.md): int8 above
+M = 16 on Triton tiles, logmatmul at tiny K through the op's general path, a winner carried
+16x across columns. The op pays its own host cost (checks, output allocation) on top of a
+bare launch: host-bound cases read ~2x here without any defect; compare GPU parts there."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import torch
+
+from kgen import ops
+from kgen.errors import KgenError
+from kgen.families import module_of
+from kgen.runtime import dispatch, tune
+
+
+def random_case(family: str, rng: random.Random) -> tuple[str, dict]:
+    """(dtype, shape) for the family's tune_inputs, sizes log-uniform over a wide range."""
+
+    def dim(lo, hi):
+        return int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+    if family == "fused_bias_act":
+        return rng.choice(["bfloat16", "float16", "float32"]), {
+            "rows": dim(1, 30000),
+            "cols": dim(1, 30000),
+            "has_y": rng.random() < 0.5,
+        }
+    if family == "linear_logp":
+        return rng.choice(["bfloat16", "float16", "float32"]), {
+            "N": dim(1, 4096),
+            "D": 8 * dim(16, 512),
+            "V": dim(1000, 160000),
+        }
+    if family == "logmatmul":
+        return rng.choice(["float32", "bfloat16", "float16"]), {
+            "B": dim(1, 512),
+            "N": dim(16, 8192),
+            "K": dim(16, 8192),
+        }
+    if family == "int8_gemm":
+        return rng.choice(["int8", "int8", "bfloat16", "float16"]), {
+            "M": dim(1, 8192),
+            "N": dim(256, 16384),
+            "K": 16 * dim(16, 1024),
+        }
+    if family == "fused_mlp":
+        widths = "-".join(str(dim(1, 1024)) for _ in range(rng.randint(2, 6)))
+        return rng.choice(["bfloat16", "float16", "float32"]), {
+            "B": dim(1, 65536),
+            "widths": widths,
+            "activation": "relu",
+            "last_activation": rng.choice(["none", "sigmoid"]),
+        }
+    raise SystemExit(f"no random shapes for {family}")
+
+
+def op_call(family: str, i: dict):
+    """() -> the public op on the tune_inputs `i` (as the family's tune_runner would run the
+    same work)."""
+    if family == "fused_bias_act":
+        return lambda: ops.fused_bias_act(i["x"], i["bias"], i["y"], alpha=0.5, act="gelu")
+    if family == "linear_logp":
+        return lambda: ops.linear_logp(i["hidden"], i["weight"], i["target"])
+    if family == "logmatmul":
+        return lambda: ops.logmatmul(i["x"], i["w"])
+    if family == "int8_gemm":
+        if "a" in i:
+            return lambda: ops.int8_mm(i["a"], i["b"])
+        return lambda: ops.w8a16_linear(i["x"], i["b"], i["scale_b"], None, group_size=i["group_size"])
+    return lambda: ops.fused_mlp(
+        i["x"], i["weights"], i["biases"], activation=i["activation"], last_activation=i["last_activation"]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("family")
+    ap.add_argument("--cases", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--min-us", type=float, default=500.0)
+    args = ap.parse_args()
+    fam, rng, dev = module_of(args.family), random.Random(args.seed), torch.device("cuda")
+    for _ in range(args.cases):
+        dt, shape = random_case(args.family, rng)
+        shape = tune.with_extras(fam, dt, shape)
+        label = f"{dt:8s} {'x'.join(str(shape[d]) for d in fam.TUNE_DIMS):30s}"
+        try:
+            inputs = fam.tune_inputs(dev, dt, **shape)
+            fns = {"OP": op_call(args.family, inputs)}
+            for v in [*dispatch.runnable(args.family, dt, dev), None]:
+                try:
+                    fns[v.name if v else tune.REFERENCE] = fam.tune_runner(dispatch.load(v) if v else None, inputs)
+                except (KgenError, RuntimeError, ValueError):  # cannot take the shape, or does not build
+                    pass
+            best, gpu = {}, {}
+            with torch.no_grad():
+                for _ in range(2):
+                    for k, f in fns.items():
+                        t = tune.cuda_timer(f, args.min_us)
+                        best[k], gpu[k] = min(best.get(k, math.inf), float(t)), min(gpu.get(k, math.inf), t.gpu)
+        except (KgenError, RuntimeError, ValueError) as e:
+            print(f"{label} ERROR {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            continue
+        cands = {k: v for k, v in best.items() if k != "OP"}
+        fastest = min(cands, key=cands.get)
+        like = min(cands, key=lambda k: abs(gpu[k] - gpu["OP"]))
+        ratio = best["OP"] / best[fastest]
+        print(
+            f"{label} op {best['OP']:8.1f} (gpu {gpu['OP']:7.1f}, like {like[-26:]:26s}) | fastest "
+            f"{fastest[-26:]:26s} {best[fastest]:8.1f} (gpu {gpu[fastest]:7.1f}) | op/fastest {ratio:.2f} | "
+            f"ref {best.get(tune.REFERENCE, math.nan):8.1f}{' <<<' if ratio > 1.15 else ''}",
+            flush=True,
+        )
+        del inputs, fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
