@@ -270,6 +270,14 @@ def test_nearest_bucket():
         assert near("N<=8192.D<=2048")[1]["winner"] == "N<=4096.D<=4096"
         assert near("N<=256.D<=256") is None  # 2 + 2 classes from the nearest: too far
         assert near("N<=1024.D<=16384") is None and near("N<=128.D<=2048")[1]["winner"] == "N<=64.D<=1024"
+        # a family's TUNE_FREE_DIMS do not count toward the bound (still toward nearness)
+        free = lambda b: tune.nearest(tune.key("linear_logp", FAKE_DEVICE, "float32", b))  # noqa: E731
+        tune.TABLES._merged = {tune.key("linear_logp", FAKE_DEVICE, "float32", b): _entry(b)
+                               for b in ("N<=4096.D<=4096.V<=65536", "N<=512.D<=4096.V<=65536")}
+        assert free("N<=65536.D<=4096.V<=65536")[1]["winner"] == "N<=4096.D<=4096.V<=65536"
+        assert free("N<=65536.D<=4096.V<=524288") is None  # V: 3 classes over; N does not count
+        assert free("N<=65536.D<=8192.V<=131072")[1]["winner"] == "N<=4096.D<=4096.V<=65536"
+        assert free("N<=4096.D<=512.V<=65536") is None  # D: 3 classes
         assert near("N<=8.D<=1024.other") is None  # flags must match
         assert tune.nearest(tune.key("f", OTHER_DEVICE, "float32", "N<=1.D<=1024")) is None
         assert tune.nearest(tune.key("f", FAKE_DEVICE, "float16", "N<=1.D<=1024")) is None

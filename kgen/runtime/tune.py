@@ -54,10 +54,11 @@ TIE = 0.02  # candidates within 2 % of the fastest are a tie (see pick)
 # calls (H100 hosts, BENCHMARKS.md), its GPU times a few %
 HOST_TIE = 0.10
 NEAR_MARGIN = 0.10  # a nearby bucket's winner carries over only with this margin (transfers)
-# ... and only from within this many powers of two, summed over the bucket's classes: a tile
-# chosen for 1000 columns wastes most of its work on 59 (fused_bias_act 17527 x 59 fp16 on an
-# H200 took 25 us of GPU time with the winner of cols <= 1024 against 3.1 for spec order's
-# choice; BENCHMARKS.md, twenty-second session)
+# ... and only from within this many powers of two, summed over the bucket's classes but
+# those the family names in TUNE_FREE_DIMS (rows that every variant tiles alike, beyond
+# the tuned ones): a tile chosen for 1000 columns wastes most of its work on 59
+# (fused_bias_act 17527 x 59 fp16 on an H200 took 25 us of GPU time with the winner of
+# cols <= 1024 against 3.1 for spec order's choice; BENCHMARKS.md, twenty-second session)
 NEAR_MAX_DISTANCE = 2
 CONFIRM_ROUNDS = 4  # alternating re-timings of a winner against spec order's choice (confirm)
 
@@ -161,13 +162,27 @@ def _parts(bucket: str) -> tuple[dict, tuple]:
     return nums, tuple(flags)
 
 
+def _free_dims(family: str) -> tuple:
+    """The family's TUNE_FREE_DIMS (bucket classes a nearby winner carries across at any
+    distance), () for none or a family that does not load."""
+    from kgen.errors import KgenError
+    from kgen.families import module_of
+
+    try:
+        return tuple(getattr(module_of(family), "TUNE_FREE_DIMS", ()))
+    except KgenError:
+        return ()
+
+
 def nearest(k: str) -> tuple[str, dict] | None:
     """The tuned entry closest to key `k` on the same family, device and dtype: same flags,
     smallest summed distance of the numeric classes in powers of two, at most
-    NEAR_MAX_DISTANCE. How a shape between the tuned ones is served; None when nothing
-    comparable is tuned that near."""
+    NEAR_MAX_DISTANCE over the classes the family does not name free (`TUNE_FREE_DIMS`).
+    How a shape between the tuned ones is served; None when nothing comparable is tuned
+    that near."""
     prefix, _, bucket = k.rpartition("|")
     nums, flags = _parts(bucket)
+    free = _free_dims(prefix.partition("|")[0])
     best = None
     for other, entry in TABLES.entries().items():
         o_prefix, _, o_bucket = other.rpartition("|")
@@ -177,7 +192,8 @@ def nearest(k: str) -> tuple[str, dict] | None:
         if o_flags != flags or o_nums.keys() != nums.keys():
             continue
         d = sum(abs(nums[n] - o_nums[n]) for n in nums)
-        if d <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
+        bounded = sum(abs(nums[n] - o_nums[n]) for n in nums if n not in free)
+        if bounded <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
             best = ((d, other), entry)
     return (best[0][1], best[1]) if best else None
 

@@ -38,6 +38,9 @@ def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
 # variant computes it in registers while memory is the bound, so it does not change which
 # variant wins.
 TUNE_DIMS = ("rows", "cols")
+# Rows beyond the tuned ones take the nearest tuned bucket's winner however many they are
+# (every variant tiles rows alike); columns only from within two powers of two (tune.nearest).
+TUNE_FREE_DIMS = ("rows",)
 TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
 # Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
 # ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner

@@ -87,6 +87,9 @@ def _choose(device: torch.device, dtype: torch.dtype, shape):
 # Buckets: N, D and V each rounded up to a power of two. Bias, entropy and temperature are
 # not in the bucket: they add O(N + V) work that every variant does alike.
 TUNE_DIMS = ("N", "D", "V")
+# Rows beyond the tuned ones (N > 4096) take the nearest tuned bucket's winner however many
+# they are: every variant tiles N alike (tune.nearest).
+TUNE_FREE_DIMS = ("N",)
 TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
                     for d, v in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
                     for n in (1, 8, 64, 512, 4096))
