@@ -22,6 +22,10 @@ FAMILY = "fused_mlp"
 # Buckets: the exact widths (a flag: only the same widths compare) and B rounded up to a
 # power of two. The activations are not in the bucket: they are pointwise work in registers.
 TUNE_DIMS = ("B", "widths")
+# Rows beyond the tuned ones (B > 65536) take the nearest tuned bucket's winner however many
+# they are (tune.nearest): the largest tuned B's, not spec order's first (an exact CUDA
+# variant, 2-7x slower than the Triton tiles from B = 16384).
+TUNE_FREE_DIMS = ("B",)
 DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
 TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last}
                     for w, last in ((DLRM_TOP, "sigmoid"), (DLRM_BOTTOM, "relu"))

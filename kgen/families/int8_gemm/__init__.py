@@ -25,8 +25,8 @@ from kgen.families.int8_gemm.checks import check_int8_linear, check_int8_mm, che
 from kgen.families.int8_gemm.golden import CPU_SHAPES, GPU_SHAPES, golden
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.op import (
-    OPS, TUNE_DIMS, TUNE_SHAPES, implementation, int8_linear, int8_mm, tune_bucket, tune_inputs, tune_runner,
-    using, w8a16_linear)
+    OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, implementation, int8_linear, int8_mm, tune_bucket, tune_inputs,
+    tune_runner, using, w8a16_linear)
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
 from kgen.families.int8_gemm.schema import SCHEMA, TEMPLATES, template_context, triton_aot
 

@@ -137,6 +137,9 @@ def _try_load(v):
 # Buckets: M rounded up to a power of two, N and K exact (a model has a handful of weight
 # shapes, and the best tile and split differ between them), grouped W8A16 scales apart.
 TUNE_DIMS = ("M", "N", "K")
+# Rows beyond the tuned ones (M > 4096) take the nearest tuned bucket's winner however many
+# they are (tune.nearest).
+TUNE_FREE_DIMS = ("M",)
 TUNE_SHAPES = tuple({"M": m, "N": n, "K": k}
                     for n, k in ((4096, 11008), (12288, 4096), (22016, 4096), (4096, 4096), (65536, 4096))
                     for m in (1, 16, 64, 256, 1024, 4096))

@@ -111,6 +111,9 @@ def _by_batch(device, name: str, B: int, N: int, K: int):
 # Buckets: B, N and K each rounded up to a power of two (B decides the tiling: the
 # small-batch forms up to 16, tl.dot tiles beyond).
 TUNE_DIMS = ("B", "N", "K")
+# Rows beyond the tuned ones (B > 256) take the nearest tuned bucket's winner however many
+# they are (tune.nearest).
+TUNE_FREE_DIMS = ("B",)
 TUNE_SHAPES = tuple({"B": b, "N": n, "K": k} for n, k in ((4096, 4096), (1024, 1024), (512, 512))
                     for b in (1, 2, 4, 8, 16, 64, 256))
 _REFERENCE_TUNE_BYTES = 256 << 20
