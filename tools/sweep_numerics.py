@@ -62,6 +62,16 @@ def rejected(op, desc, e):
     print(f"rejected {op} {desc}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
 
 
+def twice(op, desc, f):
+    """(f(), f()): the op called twice on the same inputs; None (counted as rejected) where it
+    refuses them."""
+    try:
+        return f(), f()
+    except (ValueError, TypeError, RuntimeError) as e:
+        rejected(op, desc, e)
+        return None
+
+
 def same(a, b):
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -79,11 +89,10 @@ def case_fba():
     b = torch.randn(cols, device=dev).to(dt)
     y = (torch.randn(*shape, device=dev) * 2).to(dt) if has_y else None
     desc = f"{tuple(shape)} {dt} act={act} y={has_y} alpha={alpha}"
-    try:
-        o1 = ops.fused_bias_act(x, b, y, alpha=alpha, act=act)
-        o2 = ops.fused_bias_act(x, b, y, alpha=alpha, act=act)
-    except (ValueError, TypeError, RuntimeError) as e:
-        return rejected("fused_bias_act", desc, e)
+    outs = twice("fused_bias_act", desc, lambda: ops.fused_bias_act(x, b, y, alpha=alpha, act=act))
+    if outs is None:
+        return
+    o1, o2 = outs
     want = fba.reference(x, b, y, alpha=alpha, act=act, compute=torch.float64)
     report(
         "fused_bias_act",
@@ -257,11 +266,10 @@ def case_fm():
     torch.backends.cuda.matmul.allow_tf32 = tf32
     x, ws, bs = fm.make_inputs(dev, dt, B, tuple(widths), seed=rng.randrange(1000), bias=bias)
     desc = f"B={B} widths={'-'.join(map(str, widths))} {dt} tf32={tf32} act={a}/{last} bias={bias}"
-    try:
-        o1 = ops.fused_mlp(x, ws, bs, activation=a, last_activation=last)
-        o2 = ops.fused_mlp(x, ws, bs, activation=a, last_activation=last)
-    except (ValueError, TypeError, RuntimeError) as e:
-        return rejected("fused_mlp", desc, e)
+    outs = twice("fused_mlp", desc, lambda: ops.fused_mlp(x, ws, bs, activation=a, last_activation=last))
+    if outs is None:
+        return
+    o1, o2 = outs
     want = fm.reference(x, ws, bs, a, last)
     tol = NUM["fused_mlp"][str(dt)[6:]]
     # eager's own error in dt, as the tests compare (16-bit relu masks flip like eager's)
