@@ -61,7 +61,6 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
     inputs) -> {name: fn}` adds non-candidates (torch.compile, a GEMM) to the same rounds."""
     import torch
 
-    from kgen.errors import KgenError
     from kgen.families import module_of
     from kgen.runtime import dispatch, tune
 
@@ -75,13 +74,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
         # not spec order's choice for others
         before = dispatch.select(family, dev, dtype, shape=shape)
         after, why = dispatch.choose(family, dev, dtype, fam.tune_bucket(**shape), shape)
-        fns = {}
-        for v in [*dispatch.runnable(family, dtype, dev), None]:
-            try:  # as tune.tune: a candidate that cannot take this shape is left out
-                fns[v.name if v is not None else tune.REFERENCE] = fam.tune_runner(
-                    dispatch.load(v) if v is not None else None, inputs)
-            except (KgenError, RuntimeError, ValueError):
-                pass
+        fns, _ = tune.candidate_runners(fam, dispatch.runnable(family, dtype, dev), inputs)
         extra = peers(dtype, inputs) if peers else {}
         best = {n: float("inf") for n in (*fns, *extra)}
         gpu = {n: float("inf") for n in fns}  # the GPU part of each candidate's time alone

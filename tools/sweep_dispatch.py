@@ -99,12 +99,8 @@ def main() -> None:
         label = f"{dt:8s} {'x'.join(str(shape[d]) for d in fam.TUNE_DIMS):30s}"
         try:
             inputs = fam.tune_inputs(dev, dt, **shape)
-            fns = {"OP": op_call(args.family, inputs)}
-            for v in [*dispatch.runnable(args.family, dt, dev), None]:
-                try:
-                    fns[v.name if v else tune.REFERENCE] = fam.tune_runner(dispatch.load(v) if v else None, inputs)
-                except (KgenError, RuntimeError, ValueError):  # cannot take the shape, or does not build
-                    pass
+            fns = {"OP": op_call(args.family, inputs),
+                   **tune.candidate_runners(fam, dispatch.runnable(args.family, dt, dev), inputs)[0]}
             best, gpu = {}, {}
             with torch.no_grad():
                 for _ in range(2):

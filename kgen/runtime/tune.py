@@ -382,13 +382,7 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     shape = with_extras(fam, dtype, shape)
     inputs = fam.tune_inputs(device, dtype, **shape)
     timer = timer or cuda_timer
-    runners, errors = {}, {}
-    for v in [*variants, None]:
-        name = v.name if v is not None else REFERENCE
-        try:
-            runners[name] = fam.tune_runner(dispatch.load(v) if v is not None else None, inputs)
-        except (KgenError, RuntimeError, ValueError) as e:  # a candidate that cannot run this shape
-            errors[name] = str(e).splitlines()[0]
+    runners, errors = candidate_runners(fam, variants, inputs)
     # Interleaved rounds, the minimum per candidate: clocks drift and other work interferes
     # over seconds, and a slow round should not decide between candidates a few % apart.
     times, gpu = {}, {}
@@ -410,6 +404,23 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
     k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
     return Result(k, times, winner, errors, again, gpu, again_gpu)
+
+
+def candidate_runners(fam, variants, inputs: dict) -> tuple[dict, dict]:
+    """({name: one call on `inputs`}, {name: why it cannot run}) for `variants` in order,
+    then the reference (REFERENCE): each variant built and loaded, a candidate that cannot
+    take the shape (or fails to build) left out with its reason."""
+    from kgen.errors import KgenError
+    from kgen.runtime import dispatch
+
+    runners, errors = {}, {}
+    for v in [*variants, None]:
+        name = v.name if v is not None else REFERENCE
+        try:
+            runners[name] = fam.tune_runner(dispatch.load(v) if v is not None else None, inputs)
+        except (KgenError, RuntimeError, ValueError) as e:
+            errors[name] = str(e).splitlines()[0]
+    return runners, errors
 
 
 def with_extras(fam, dtype: str, shape: dict) -> dict:
