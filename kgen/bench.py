@@ -96,7 +96,8 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
                                         500 if quick else 3000)
         t_after, t_fastest = (paired[a], paired[fastest]) if paired else (best[a], best[fastest])
         row = {"case": f"{dtype} " + "x".join(str(shape[d]) for d in fam.TUNE_DIMS)
-               + "".join(f" {k}={int(v)}" for k, v in shape.items() if k not in fam.TUNE_DIMS),
+               + "".join(f" {k}={int(v) if isinstance(v, bool) else v}" for k, v in shape.items()
+                         if k not in fam.TUNE_DIMS),
                "before": name(before), "before us": best.get(name(before), float("nan")),
                "after": a, "why": why, "after us": t_after,
                "fastest": fastest, "fastest us": t_fastest,

@@ -25,6 +25,7 @@ import kgen.families.fused_mlp as fm
 import kgen.families.linear_logp as llp
 import kgen.families.logmatmul as lm
 from kgen import ops, spec
+from kgen.families.int8_gemm.golden import w8a16_error_ratio
 from kgen.runtime.op import error_ratio
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -241,13 +242,8 @@ def case_i8():
         desc += f" x={xdt} group={gs} bias={bias is not None}"
         o1 = ops.w8a16_linear(x, b, sb, bias, group_size=gs)
         o2 = ops.w8a16_linear(x, b, sb, bias, group_size=gs)
-        wf = b.double() * (sb.double()[:, None] if gs is None else sb.double().repeat_interleave(gs, 1))
-        want = x.double() @ wf.T + (bias.double() if bias is not None else 0)
-        # accumulation error grows with K (spec: ~K * 2^-24 of sum |terms|): scale atol by the row's |x| @ |w|
-        mag = x.double().abs() @ wf.abs().T
-        tol = NUM["int8_gemm"][str(xdt)[6:]]
-        err = ((o1.double() - want).abs() / (tol.atol + tol.rtol * want.abs() + 2 * K * 2.0**-24 * mag)).max()
-        return report("w8a16_linear", desc, [("out", float(err)), ("repeat", 0.0 if torch.equal(o1, o2) else math.inf)])
+        err = w8a16_error_ratio(o1, x, b, sb, bias, gs, NUM["int8_gemm"][str(xdt)[6:]])
+        return report("w8a16_linear", desc, [("out", err), ("repeat", 0.0 if torch.equal(o1, o2) else math.inf)])
     except (ValueError, TypeError, RuntimeError) as e:
         return rejected("int8_" + which, desc, e)
 
