@@ -24,17 +24,17 @@ GPU_SHAPES = CPU_SHAPES + ((1, 4096, 4096), (16, 1000, 11008), (100, 3000, 1040)
 # cuBLAS at 5.4x the rtol / atol alone, cuBLAS's float32 SGEMM at 0.6x (BENCHMARKS.md,
 # twenty-third session). At K = 8192 the term is ~1e-3 of the sum of |terms|, a few % of a
 # typical output: the goldens' small K (<= 100) hold the kernels to the spec's rtol / atol.
-ACCUMULATION_ULP = 2.0 ** -24
+UNIT_ROUNDOFF = 2.0 ** -24  # float32's u: half an ulp of 1.0
 
 
 def w8a16_error_ratio(out, x, b, scale_b, bias, group_size, tol) -> float:
-    """max |out - want| / (atol + rtol |want| + K ACCUMULATION_ULP sum_k |x w|) against the
+    """max |out - want| / (atol + rtol |want| + K UNIT_ROUNDOFF sum_k |x w|) against the
     float64 W8A16 product; inf where out holds a NaN (an element never written)."""
     if bool(torch.isnan(out).any()):
         return float("inf")
     want = reference.w8a16_linear(x, b, scale_b, bias, group_size, compute=torch.float64)
     terms = x.double().abs() @ reference.dequantized(b, scale_b, group_size, torch.float64).abs().t()
-    bound = tol.atol + tol.rtol * want.abs() + x.shape[1] * ACCUMULATION_ULP * terms
+    bound = tol.atol + tol.rtol * want.abs() + x.shape[1] * UNIT_ROUNDOFF * terms
     return float(((out.double() - want).abs() / bound).max()) if out.numel() else 0.0
 
 
