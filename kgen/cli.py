@@ -263,6 +263,9 @@ def _add_tune(sub) -> None:
     t.add_argument("--tf32", choices=("on", "off", "both"),
                    help="float32 buckets that depend on TF32 (fused_mlp's): tune them with it on, off or both "
                         "(default: torch's current setting)")
+    t.add_argument("--replace", action="store_true",
+                   help="drop what the table holds for the buckets tuned (by default a bucket keeps its other "
+                        "shapes' measurements of the same candidates, and its winner is chosen over all of them)")
     t.add_argument("--show", action="store_true", help="print what the tables hold for this device")
     t.set_defaults(fn=cmd_tune)
 

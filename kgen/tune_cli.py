@@ -35,6 +35,10 @@ def jobs(fam, dtypes, shapes, tf32: str | None = None) -> list[tuple[str, dict, 
     return [(d, s, m) for d in dtypes for s in shapes for m in (modes if d == "float32" else (None,))]
 
 
+def _shape_text(shape: dict | None) -> str:
+    return "?" if not shape else ",".join(f"{k}={v}" for k, v in shape.items())
+
+
 def _fmt_us(us: float | None) -> str:
     return "-" if us is None else (f"{us:.1f}" if us < 1000 else f"{us / 1000:.2f} ms")
 
@@ -71,7 +75,9 @@ def show(console, family: str | None) -> int:
         fam, dev_name, sm, sms, dtype, bucket = k.split("|")
         if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device):
             continue
-        rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"), bucket,
+        n = len(tune.probes(e))
+        rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"),
+                     bucket + (f" ({n} shapes; times: the first)" if n > 1 else ""),
                      e.get("times_us", {}), e["winner"]))
     print(f"tuning tables: {tune.user_path()} over {tune.SHIPPED_DIR}/*.json; device: {device or 'all'}")
     _tables(console, "tuned winners (us)", rows)
@@ -110,7 +116,7 @@ def run(args, console) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     todo = jobs(fam, dtypes, shapes, args.tf32)
     tf32_was = torch.backends.cuda.matmul.allow_tf32
-    results, rows = [], []
+    results, rows, done = [], [], set()
     out = Path(args.out) if args.out else None  # None: the user's table
     path = out or tune.user_path()
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -127,13 +133,21 @@ def run(args, console) -> int:
                 torch.backends.cuda.matmul.allow_tf32 = tf32_was
             results.append((dtype, shape, res))
             rows.append((dtype, res.key.split("|")[-1], res.times, res.winner))
-            # recorded as each bucket ends (an atomic merge): an interrupted run keeps what it
-            # measured; shapes that share a bucket: the last one tuned is kept
-            path = tune.record({res.key: res.entry()}, out)
+            # recorded as each shape ends (an atomic merge): an interrupted run keeps what it
+            # measured; shapes that share a bucket are each one of its probes (tune.merged_entry)
+            path = tune.record({res.key: res.entry()}, out, replace=args.replace and res.key not in done)
+            done.add(res.key)
             progress.advance(task)
-    entries = {res.key for _, _, res in results}
     _tables(console, f"kgen tune {spec.path} on {tune.device_key(device.index).split('|')[0]} (us)", rows)
-    print(f"recorded {len(entries)} buckets in {path}")
+    table = tune._read(path)
+    for k in sorted(done):
+        e = table.get(k)
+        if e is not None and len(tune.probes(e)) > 1:
+            worst = tune.worst_slowdowns(e)
+            print(f"{k.split('|')[-1]} ({k.split('|')[-2]}): {len(tune.probes(e))} shapes "
+                  f"({', '.join(_shape_text(p.get('shape')) for p in tune.probes(e))}); winner {e['winner']}, "
+                  f"at worst {worst.get(e['winner'], float('nan')):.3f}x a shape's own winner")
+    print(f"recorded {len(done)} buckets in {path}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"dtype": d, "shape": s, "key": r.key, "times_us": r.times, "gpu_us": r.gpu, "winner": r.winner,

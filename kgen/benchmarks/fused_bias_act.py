@@ -167,8 +167,11 @@ def _eager_no_y(x, b, y):
 
 
 # (rows, cols): non-powers of two, one row, very wide rows, and the 8192 x 11008
+# The last three: widths between the tuned ones (kgen tune's TUNE_SHAPES), in buckets tuned at
+# two shapes, at one, and with a tail
 DISPATCH_SHAPES = ((1, 4096), (1, 100000), (7, 1000), (333, 4104), (1000, 12345), (4096, 4096),
-                   (8192, 11008), (16384, 4096), (6000, 5000), (30000, 768), (8, 1048576))
+                   (8192, 11008), (16384, 4096), (6000, 5000), (30000, 768), (8, 1048576),
+                   (12000, 2880), (2500, 1800), (777, 20004))
 
 
 def dispatch_section(spec, quick) -> dict:

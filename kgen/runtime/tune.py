@@ -4,7 +4,9 @@ remembered in a table, and read by dispatch.
 A key is `family|device|dtype|bucket`: the device by name, compute capability and SM count
 (`NVIDIA H100 80GB HBM3|sm_90|132`), the bucket by the family's `tune_bucket` (its shape
 classes and specialisations, documented there). An entry holds the winner, every
-candidate's median time in microseconds, kgen's version and the date. Candidates are every
+candidate's median time in microseconds, the shape timed, kgen's version and the date; a
+bucket tuned at several shapes (`kgen tune` runs or lists that share it) keeps each shape's
+times (`probes`) and a winner chosen over all of them (`bucket_winner`). Candidates are every
 variant of the family that runs on the device and `reference`, the family's non-kgen path
 (PyTorch), so kgen uses its own kernel only where it wins.
 
@@ -198,8 +200,11 @@ def nearest(k: str) -> tuple[str, dict] | None:
     return (best[0][1], best[1]) if best else None
 
 
-def record(entries: dict, path: Path | None = None) -> Path:
-    """Merge `entries` into the table at `path` (default: the user's) atomically."""
+def record(entries: dict, path: Path | None = None, replace: bool = False) -> Path:
+    """Merge `entries` into the table at `path` (default: the user's) atomically. An entry
+    measured at a shape (its "shape") joins the table's entry for the same bucket as one more
+    probe where that one was measured at other shapes over the same candidates (`merged`);
+    otherwise, or with `replace`, it replaces it."""
     import hashlib
 
     from kgen.runtime import cache
@@ -210,7 +215,8 @@ def record(entries: dict, path: Path | None = None) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with cache.lock(lock):
         merged = _read(path)
-        merged.update(entries)
+        for k, e in entries.items():
+            merged[k] = e if replace or k not in merged else merged_entry(merged[k], e)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"format": FORMAT, "entries": dict(sorted(merged.items()))}, indent=1) + "\n")
         os.replace(tmp, path)
@@ -348,10 +354,13 @@ class Result:
     confirm: dict[str, float] = field(default_factory=dict)  # the re-timing of `confirm`, if any
     gpu: dict[str, float] = field(default_factory=dict)  # candidate -> its GPU time alone, if timed
     confirm_gpu: dict[str, float] = field(default_factory=dict)
+    shape: dict | None = None  # the shape timed (with the family's extras)
 
     def entry(self) -> dict:
         e = {"winner": self.winner, "times_us": {k: round(v, 3) for k, v in self.times.items()},
              "kgen": kgen.__version__, "date": datetime.date.today().isoformat()}
+        if self.shape is not None:
+            e["shape"] = dict(self.shape)
         if self.gpu:
             e["gpu_us"] = {k: round(v, 3) for k, v in self.gpu.items()}
         if self.confirm:
@@ -403,7 +412,7 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
         gpu = {}  # a timer without GPU parts (a fake): totals alone decide
     winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
     k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
-    return Result(k, times, winner, errors, again, gpu, again_gpu)
+    return Result(k, times, winner, errors, again, gpu, again_gpu, shape)
 
 
 def candidate_runners(fam, variants, inputs: dict) -> tuple[dict, dict]:
@@ -486,14 +495,17 @@ def beats(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None 
 
 def transfers(entry: dict) -> bool:
     """Whether a tuned bucket's winner should serve an untuned bucket near it: only when it
-    beat the spec-order choice (the first candidate measured) there by NEAR_MARGIN. Within
+    beat the spec-order choice (the first candidate measured) there by NEAR_MARGIN, at every
+    shape the bucket was tuned at. Within
     a bucket the fit of a shape to a variant's tile changes (5000 columns in 2048-wide
     tiles waste 19 % where 12288 waste none), so a narrow win does not carry over; measured
     on an H200, carrying every nearby winner over lost up to 25 % at 6000 x 5000."""
-    times = entry.get("times_us") or {}
-    first = next(iter(times), None)
-    w = times.get(entry["winner"])
-    return first is not None and w is not None and w * (1 + NEAR_MARGIN) <= times[first]
+    def by_margin(times: dict) -> bool:
+        first = next(iter(times), None)
+        w = times.get(entry["winner"])
+        return first is not None and w is not None and w * (1 + NEAR_MARGIN) <= times[first]
+
+    return all(by_margin(p.get("times_us") or {}) for p in probes(entry))
 
 
 def _recorded(us: float) -> float:
@@ -523,6 +535,88 @@ def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
         least = min(gpu[n] for n in tied)
         tied = [n for n in tied if gpu[n] <= least * (1 + TIE)]
     return tied[0]
+
+
+# --------------------------------------------------------------------------- buckets of several shapes
+#
+# A bucket spans shapes that fit a variant's tiles differently: fused_bias_act's bucket of
+# 513-1024 columns was tuned at 1024, where a 1024-wide Triton tile wins, and served 768,
+# where that tile idles a quarter of its lanes (0.90 of the fastest candidate, fp16
+# 30000 x 768 on an H200; BENCHMARKS.md, twenty-third session). Tuned at both, the bucket
+# takes the candidate that is least far from the best at its worst shape.
+
+PROBE_FIELDS = ("shape", "times_us", "gpu_us", "confirm_us", "confirm_gpu_us")
+
+
+def probes(entry: dict) -> list[dict]:
+    """An entry's measurements, one per shape tuned in its bucket: the entry's own fields
+    (its first shape's), then `entry["probes"]`."""
+    return [entry, *entry.get("probes", ())]
+
+
+def probe_winner(p: dict) -> str:
+    """The winner the tuner's rules give one shape's recorded times: `pick`, then `confirm`'s
+    paired re-timing against spec order's choice where there is one."""
+    times = p["times_us"]
+    picked, first, again = pick(times, p.get("gpu_us")), next(iter(times)), p.get("confirm_us")
+    if again and picked != first and picked in again and first in again:
+        return picked if beats(picked, first, again, p.get("confirm_gpu_us")) else first
+    return picked
+
+
+def _slowdown(n: str, w: str, p: dict) -> float:
+    """How many times slower candidate n is than w at one probe: by GPU time where their
+    totals tie as `beats` ties them (the host bounds both), else by total time."""
+    times, gpu = p["times_us"], p.get("gpu_us")
+    tie = _tie(n, w, times, gpu)
+    if gpu and n in gpu and w in gpu and times[n] <= times[w] * (1 + tie) and times[w] <= times[n] * (1 + tie):
+        return gpu[n] / gpu[w]
+    return times[n] / times[w]
+
+
+def worst_slowdowns(entry: dict) -> dict[str, float]:
+    """Per candidate timed at every probe of the entry, in measurement order: its largest
+    slowdown (`_slowdown`) against the probe's own winner over the entry's probes."""
+    ps = probes(entry)
+    winners = [probe_winner(p) for p in ps]
+    return {n: max(_slowdown(n, w, p) for p, w in zip(ps, winners))
+            for n in ps[0]["times_us"] if all(n in p["times_us"] for p in ps)}
+
+
+def bucket_winner(entry: dict) -> str:
+    """The winner of a bucket from its probes: the probes' own winner where they agree (one
+    probe: the tuner's rules as ever), else the candidate whose worst slowdown against
+    each probe's winner is least, a tie within TIE going to the one measured first."""
+    winners = {probe_winner(p) for p in probes(entry)}
+    if len(winners) == 1:
+        return winners.pop()
+    worst = worst_slowdowns(entry)
+    least = min(worst.values())
+    return next(n for n, s in worst.items() if s <= least * (1 + TIE))
+
+
+def merged_entry(old: dict, new: dict) -> dict:
+    """`new` (one shape's entry) joined to `old`, the table's entry for the same bucket: a
+    probe more where both name their shapes, `new`'s shape is not among old's (a shape
+    re-tuned replaces its probe) and the same candidates were timed; else `new` alone,
+    replacing `old` (another spec's candidates, a table from before probes)."""
+    if "shape" not in new or any("shape" not in p for p in probes(old)) \
+            or set(old.get("times_us", ())) != set(new["times_us"]):
+        return new
+    kept = [p for p in probes(old) if p["shape"] != new["shape"]]
+    if not kept:
+        return new
+    ps = [{f: p[f] for f in PROBE_FIELDS if f in p} for p in (*kept, new)]
+    e = {**ps[0], "probes": ps[1:], "winner": "", "kgen": new["kgen"], "date": new["date"]}
+    e["winner"] = bucket_winner(e)
+    return e
+
+
+def ranking(entry: dict) -> list[str]:
+    """An entry's candidates, best first by their worst slowdown over its probes (one
+    probe: by time)."""
+    worst = worst_slowdowns(entry)
+    return sorted(worst, key=worst.get)
 
 
 _online_lock = threading.Lock()

@@ -47,9 +47,14 @@ TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shape
 # where it won by a margin (tune.transfers), else spec order. 5000 fills the cols <= 8192
 # vec16 buckets, which spec order served at 6000 x 5000 (bf16 no y: 0.947 of the fastest,
 # H100, BENCHMARKS.md twelfth session); the shipped tables have them from the next re-tune.
+# Three quarters of a power of two (768, 1536, 3072, 24576, 49152) is a second shape in its
+# bucket (tune.bucket_winner), where a tile sized for the bucket's top idles a quarter of
+# its lanes: tuned at 1024 alone, 30000 x 768 fp16 ran at 0.90 of the fastest (H200,
+# BENCHMARKS.md twenty-third session).
 TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
                     for r in (1, 8, 64, 512, 2048, 4096, 8192, 16384, 32768)
-                    for c in (1001, 1024, 4096, 5000, 12288, 12345, 65536, 786432) if r * c <= 1 << 27
+                    for c in (768, 1001, 1024, 1536, 3072, 4096, 5000, 12288, 12345, 24576, 49152, 65536, 786432)
+                    if r * c <= 1 << 27
                     for y in (True, False))
 
 

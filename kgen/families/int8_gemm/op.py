@@ -97,9 +97,8 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
     triton = sorted(dispatch.candidates(FAMILY, name, cap, backend="triton"), key=lambda v: plans.preference(v, M))
     if fused and kernel is None:
         entry = tune.lookup(tune.key(FAMILY, tune.device_key(device.index), name, bucket)) or {}
-        times = entry.get("times_us") or {}
         runnable = {v.name: v for v in dispatch.runnable(FAMILY, name, device)}
-        for winner in sorted((n for n in times if n in runnable), key=times.get):
+        for winner in (n for n in (tune.ranking(entry) if entry.get("times_us") else ()) if n in runnable):
             kernel = _try_load(runnable[winner])
             if kernel is not None:
                 why = "tuned, fastest but the reference (fused epilogue)"
