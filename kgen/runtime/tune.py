@@ -51,6 +51,13 @@ SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning"
 USER_FILE = "tuning.json"
 MIN_MEASURE_US = 1000.0  # each candidate is timed over at least this much GPU time
 TIE = 0.02  # candidates within 2 % of the fastest are a tie (see pick)
+# ... but two that each take LONG_US or more tie within LONG_TIE only: far past L2 their times
+# repeat within ~0.3 % between processes (H100, fused_bias_act float32 8192 x 11008:
+# torch.compile 350.8-351.9 us in four processes, one kgen variant 356.0-357.4), so a
+# steady 1.5 % (8-byte against 16-byte float32 accesses there) is a difference, not noise;
+# shorter calls, partly L2-resident, move up to 5 % between processes (4096 x 4096 fp16)
+LONG_US = 100.0
+LONG_TIE = 0.005
 # host-bound candidates (host time above the GPU time) within 10 % of each other are a tie
 # that their GPU times decide (see pick): a shared host's launch times move 10-30 % between
 # calls (H100 hosts, BENCHMARKS.md), its GPU times a few %
@@ -478,19 +485,27 @@ def _host_bound(n: str, times: dict[str, float], gpu: dict[str, float] | None) -
     return bool(gpu) and n in gpu and times[n] > gpu[n] * (1 + TIE)
 
 
+def _margin(ta: float, tb: float) -> float:
+    """The relative difference below which two times of GPU-bound candidates tie: LONG_TIE
+    where both are LONG_US or more, else TIE."""
+    return LONG_TIE if min(ta, tb) >= LONG_US else TIE
+
+
 def _tie(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None) -> float:
     """How far apart a's and b's totals may be and still tie: HOST_TIE where the host bounds
-    both (its noise), else TIE."""
-    return HOST_TIE if _host_bound(a, times, gpu) and _host_bound(b, times, gpu) else TIE
+    both (its noise), else `_margin`."""
+    if _host_bound(a, times, gpu) and _host_bound(b, times, gpu):
+        return HOST_TIE
+    return _margin(times[a], times[b])
 
 
 def beats(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None = None) -> bool:
     """Whether candidate a wins over b: where their totals tie (`_tie`) and GPU times are
-    known, by TIE in GPU time; else by TIE in total time."""
+    known, by `_margin` in GPU time; else by `_margin` in total time."""
     w = _tie(a, b, times, gpu)
     if gpu and a in gpu and b in gpu and times[a] <= times[b] * (1 + w) and times[b] <= times[a] * (1 + w):
-        return gpu[a] * (1 + TIE) < gpu[b]
-    return times[a] * (1 + TIE) < times[b]
+        return gpu[a] * (1 + _margin(gpu[a], gpu[b])) < gpu[b]
+    return times[a] * (1 + _margin(times[a], times[b])) < times[b]
 
 
 def transfers(entry: dict) -> bool:
@@ -517,9 +532,10 @@ def _recorded(us: float) -> float:
 
 def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
     """The winner: the first candidate in the order measured (spec order, the reference
-    last) whose time is within TIE of the fastest. Candidates that close are a tie within
-    run-to-run noise (a few % between processes, measured on an H100), and a tie goes to
-    the order the spec's author gave, so that noise does not flip choices between tables.
+    last) whose time is within TIE of the fastest (LONG_TIE where both take LONG_US or
+    more). Candidates that close are a tie within run-to-run noise (a few % between
+    processes, measured on an H100), and a tie goes to the order the spec's author gave, so
+    that noise does not flip choices between tables.
 
     With GPU times (`gpu`, candidate -> GPU part of its time), a host-bound candidate ties
     with a host-bound fastest one within HOST_TIE, and the tied candidates are narrowed
@@ -533,7 +549,7 @@ def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
     tied = [n for n, t in times.items() if t <= times[f] * (1 + _tie(n, f, times, gpu))]
     if gpu and all(n in gpu for n in tied):
         least = min(gpu[n] for n in tied)
-        tied = [n for n in tied if gpu[n] <= least * (1 + TIE)]
+        tied = [n for n in tied if gpu[n] <= least * (1 + _margin(gpu[n], least))]
     return tied[0]
 
 
@@ -592,7 +608,9 @@ def bucket_winner(entry: dict) -> str:
         return winners.pop()
     worst = worst_slowdowns(entry)
     least = min(worst.values())
-    return next(n for n, s in worst.items() if s <= least * (1 + TIE))
+    # a slowdown's noise is its probe's: LONG_TIE only where every probe's winner is long
+    long = all(p["times_us"][probe_winner(p)] >= LONG_US for p in probes(entry))
+    return next(n for n, s in worst.items() if s <= least * (1 + (LONG_TIE if long else TIE)))
 
 
 def merged_entry(old: dict, new: dict) -> dict:
