@@ -54,11 +54,13 @@ def _fake_timer(times_by_name):
 
 @pytest.fixture
 def labelled_runners(monkeypatch):
-    """tune_runner returns a labelled no-op so the fake timer knows which candidate it times."""
+    """tune_runner returns a labelled no-op so the fake timer knows which candidate it times
+    (and at what width: `cols`)."""
     def runner(kernel, inputs):
         def fn():
             pass
         fn.candidate = kernel.name if kernel is not None else tune.REFERENCE
+        fn.cols = inputs["x"].shape[1]
         return fn
     monkeypatch.setattr(fba, "tune_runner", runner)
 
@@ -206,19 +208,7 @@ def test_buckets():
             assert same_key == (b(r, c) == b(r2, c2))
 
 
-@pytest.fixture
-def shaped_runners(monkeypatch):
-    """tune_runner returns a no-op labelled with its candidate and the inputs' width."""
-    def runner(kernel, inputs):
-        def fn():
-            pass
-        fn.candidate = kernel.name if kernel is not None else tune.REFERENCE
-        fn.cols = inputs["x"].shape[1]
-        return fn
-    monkeypatch.setattr(fba, "tune_runner", runner)
-
-
-def test_a_bucket_tuned_at_two_shapes_takes_the_least_bad_candidate_at_its_worst_shape(tables, shaped_runners):
+def test_a_bucket_tuned_at_two_shapes_takes_the_least_bad_candidate_at_its_worst_shape(tables, labelled_runners):
     a, b, c = _triton_f32()[:3]
     # 40 and 48 columns share a bucket; a wins at 40, c at 48, b is within 5 % at both
     times = {40: {a.name: 10.0, b.name: 10.5, c.name: 13.0, tune.REFERENCE: 50.0},
@@ -554,7 +544,7 @@ def test_tune_cli_tf32_jobs():
     assert args.tf32 == "both"
 
 
-def test_tune_cli_keeps_every_shape_of_a_bucket_and_says_so(tables, shaped_runners, monkeypatch, tmp_path, capsys):
+def test_tune_cli_keeps_every_shape_of_a_bucket_and_says_so(tables, labelled_runners, monkeypatch, tmp_path, capsys):
     """`kgen tune --shapes` with two shapes of one bucket (the CLI's own path, the tuner's
     timer faked): both are the entry's probes, the winner is chosen over them and the run
     says which; `--replace` starts the bucket afresh."""
