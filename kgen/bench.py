@@ -56,13 +56,13 @@ def print_table(title: str, rows: list[dict]) -> None:
 def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list[dict]:
     """What the tuning table does, per (dtype, shape) case: the variant spec order picks
     ("before"), the table's pick ("after", and why), and the fastest candidate measured here,
-    each timed by the tuner's own method (`tune.cuda_timer`: the larger of the GPU time
+    each timed by the tuner's own method (`timing.cuda_timer`: the larger of the GPU time
     and the host's launch time, so host cost counts where it bounds) in interleaved rounds, minimum per candidate. `peers(dtype,
     inputs) -> {name: fn}` adds non-candidates (torch.compile, a GEMM) to the same rounds."""
     import torch
 
     from kgen.families import module_of
-    from kgen.runtime import dispatch, tune
+    from kgen.runtime import dispatch, timing, tune
 
     fam = module_of(family)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -80,7 +80,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
         gpu = {n: float("inf") for n in fns}  # the GPU part of each candidate's time alone
         for _ in range(2 if quick else 3):
             for n, fn in (*fns.items(), *extra.items()):
-                t = tune.cuda_timer(fn, 500 if quick else 3000)
+                t = timing.cuda_timer(fn, 500 if quick else 3000)
                 best[n] = min(best[n], t)
                 if n in gpu:
                     gpu[n] = min(gpu[n], t.gpu)
@@ -92,7 +92,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
         # alternating, and the ratio is taken from that paired measurement.
         paired = {}
         if fastest != a:
-            _, paired, _ = tune.confirm({a: best[a], fastest: best[fastest]}, fastest, fns, tune.cuda_timer,
+            _, paired, _ = tune.confirm({a: best[a], fastest: best[fastest]}, fastest, fns, timing.cuda_timer,
                                         500 if quick else 3000)
         t_after, t_fastest = (paired[a], paired[fastest]) if paired else (best[a], best[fastest])
         row = {"case": f"{dtype} " + "x".join(str(shape[d]) for d in fam.TUNE_DIMS)

@@ -249,7 +249,7 @@ def cmd_tune(args) -> int:
 
 
 def _add_tune(sub) -> None:
-    from kgen.runtime.tune import MIN_MEASURE_US
+    from kgen.runtime.timing import MIN_MEASURE_US
 
     t = sub.add_parser("tune", help="measure which variant wins per shape bucket on this GPU and record it")
     t.add_argument("spec", nargs="?")

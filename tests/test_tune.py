@@ -16,7 +16,7 @@ import torch
 from kgen import spec as spec_mod
 from kgen.families import fused_bias_act as fba
 from kgen.families import linear_logp as llp
-from kgen.runtime import dispatch, tune
+from kgen.runtime import dispatch, timing, tune
 
 FAKE_DEVICE = "Fake GPU|sm_90|132"
 OTHER_DEVICE = "Other GPU|sm_80|108"
@@ -152,7 +152,7 @@ def test_host_bound_ties_go_to_the_least_gpu_time():
 
 def test_the_re_timing_keeps_a_host_bound_winner_by_its_gpu_time():
     def timer(totals, gpus):
-        return lambda fn, us: tune.Timing(totals[fn], gpus[fn])
+        return lambda fn, us: timing.Timing(totals[fn], gpus[fn])
 
     runners = {"a": "A", "b": "B"}
     # totals tie (host-bound), b's kernel takes 30 % less GPU time: b stays
@@ -179,7 +179,7 @@ def test_tuning_records_gpu_times_and_decides_on_them(tables, labelled_runners):
     totals = {a.name: 75.0, b.name: 74.8, tune.REFERENCE: 200.0}
     gpus = {a.name: 70.0, b.name: 40.0, tune.REFERENCE: 150.0}
     res = tune.tune("fused_bias_act", torch.device("cpu"), "float32", SHAPE, variants=[a, b],
-                    timer=lambda fn, us: tune.Timing(totals[fn.candidate], gpus[fn.candidate]))
+                    timer=lambda fn, us: timing.Timing(totals[fn.candidate], gpus[fn.candidate]))
     assert res.winner == b.name
     e = res.entry()
     assert e["gpu_us"] == gpus and e["confirm_gpu_us"] == {a.name: 70.0, b.name: 40.0}
@@ -512,7 +512,7 @@ def test_gpu_timer_reports_the_larger_of_host_and_gpu_time():
     import time
 
     x = torch.zeros(1, device="cuda")
-    cycles = tune._sleep_cycles_per_us(torch.cuda.current_device())
+    cycles = timing._sleep_cycles_per_us(torch.cuda.current_device())
 
     def host_bound():
         t0 = time.perf_counter()
@@ -523,8 +523,8 @@ def test_gpu_timer_reports_the_larger_of_host_and_gpu_time():
     def gpu_bound():
         torch.cuda._sleep(int(300 * cycles))
 
-    assert 180 <= tune.cuda_timer(host_bound, 2000) <= 600
-    assert 250 <= tune.cuda_timer(gpu_bound, 3000) <= 450
+    assert 180 <= timing.cuda_timer(host_bound, 2000) <= 600
+    assert 250 <= timing.cuda_timer(gpu_bound, 3000) <= 450
 
 
 def test_tune_cli_tf32_jobs():

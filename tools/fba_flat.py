@@ -1,7 +1,7 @@
 """fused_bias_act: every CUDA variant (orders down / across / flat) and the Triton ones against
 torch.compile and a copy of the same bytes, gelu(x + 0.5 y + b), at large, odd and tiny shapes;
 each variant's output checked against the float32 reference first. Interleaved rounds, min of
-the per-round medians (kgen.runtime.tune.cuda_timer).
+the per-round medians (kgen.runtime.timing.cuda_timer).
 Usage on a GPU machine (repo root): PYTHONPATH=$PWD python3 tools/fba_flat.py [--rounds N] [--dump-inductor]"""
 import argparse
 import os
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kgen import spec
 from kgen.families import fused_bias_act as fba
 from kgen.runtime import dispatch
-from kgen.runtime.tune import cuda_timer
+from kgen.runtime.timing import cuda_timer
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--rounds", type=int, default=5)

@@ -5,7 +5,7 @@ import torch, torch.nn.functional as F
 from kgen import spec
 from kgen.families import fused_bias_act as fba
 from kgen.runtime import dispatch
-from kgen.runtime.tune import cuda_timer
+from kgen.runtime.timing import cuda_timer
 
 S = spec.load("kgen/specs/fused_bias_act.yaml")
 print(torch.cuda.get_device_name(), torch.__version__, flush=True)

@@ -1,6 +1,6 @@
 """Dispatch at random shapes (GPU): for each case the public op as a user calls it, every
 candidate of the family that can take the shape (`tune_runner`, as the tuner times them) and
-the reference, all timed by the tuner's own timer (`tune.cuda_timer`) in interleaved rounds.
+the reference, all timed by the tuner's own timer (`timing.cuda_timer`) in interleaved rounds.
 One line a case: the op's time and GPU part (and the candidate whose GPU time it matches),
 the fastest candidate, op / fastest (`<<<` past 1.15). Shapes are log-uniform and awkward:
 mostly untuned buckets, where dispatch falls to "tuned nearby" or spec order.
@@ -23,7 +23,7 @@ import torch
 from kgen import ops
 from kgen.errors import KgenError
 from kgen.families import module_of
-from kgen.runtime import dispatch, tune
+from kgen.runtime import dispatch, timing, tune
 
 
 def random_case(family: str, rng: random.Random) -> tuple[str, dict]:
@@ -105,7 +105,7 @@ def main() -> None:
             with torch.no_grad():
                 for _ in range(2):
                     for k, f in fns.items():
-                        t = tune.cuda_timer(f, args.min_us)
+                        t = timing.cuda_timer(f, args.min_us)
                         best[k], gpu[k] = min(best.get(k, math.inf), float(t)), min(gpu.get(k, math.inf), t.gpu)
         except (KgenError, RuntimeError, ValueError) as e:
             print(f"{label} ERROR {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
