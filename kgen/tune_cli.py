@@ -70,17 +70,25 @@ def show(console, family: str | None) -> int:
     from kgen.runtime import tune
 
     device = tune.device_key(torch.cuda.current_device()) if torch.cuda.is_available() else None
-    rows = []
+    rows, stale = [], 0
     for k, e in sorted(tune.TABLES.entries().items()):
         fam, dev_name, sm, sms, dtype, bucket = k.split("|")
         if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device):
             continue
         n = len(tune.probes(e))
+        notes = [f"{n} shapes; times: the first"] if n > 1 else []
+        if not all("gpu_us" in p for p in tune.probes(e)):
+            notes.append("no host timing: re-tune")
+            stale += 1
         rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"),
-                     bucket + (f" ({n} shapes; times: the first)" if n > 1 else ""),
-                     e.get("times_us", {}), e["winner"]))
+                     bucket + (f" ({'; '.join(notes)})" if notes else ""), e.get("times_us", {}), e["winner"]))
     print(f"tuning tables: {tune.user_path()} over {tune.SHIPPED_DIR}/*.json; device: {device or 'all'}")
     _tables(console, "tuned winners (us)", rows)
+    if stale:
+        # entries timed before the tuner measured host cost (GPU time alone): where a call is
+        # host-bound they can name a candidate whose launch costs the most (BENCHMARKS.md,
+        # twenty-fourth session: linear_logp on the H200, 0.70 of the fastest)
+        print(f"{stale} of {len(rows)} entries were timed without the host's launch cost: `kgen tune` them again")
     return 0
 
 

@@ -574,3 +574,17 @@ def test_tune_cli_keeps_every_shape_of_a_bucket_and_says_so(tables, labelled_run
     assert cli.main([*argv, "--shapes", "3x40", "--replace"]) == 0
     entries = json.loads(out.read_text())["entries"]
     assert all(len(tune.probes(e)) == 1 and e["winner"] == a.name for e in entries.values())
+
+
+def test_tune_show_marks_entries_timed_without_host_cost(tables, capsys):
+    """`kgen tune --show` lists the tables and names the entries from before the tuner timed
+    the host's launch cost (no `gpu_us`), which can be wrong where calls are host-bound."""
+    from kgen import cli
+
+    old = tune.key("fused_bias_act", FAKE_DEVICE, "float32", "rows<=4.cols<=64.vec16.y")
+    new = tune.key("fused_bias_act", FAKE_DEVICE, "float32", "rows<=4.cols<=64.vec16.no-y")
+    tune.record({old: {"winner": "a", "times_us": {"a": 5.0, "reference": 9.0}},
+                 new: {"winner": "a", "times_us": {"a": 5.0, "reference": 9.0}, "gpu_us": {"a": 4.0, "reference": 9.0}}})
+    assert cli.main(["tune", "--show"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("no host timing") == 1 and "1 of 2 entries were timed without" in out
