@@ -147,7 +147,7 @@ def run(args, console) -> int:
             done.add(res.key)
             progress.advance(task)
     _tables(console, f"kgen tune {spec.path} on {tune.device_key(device.index).split('|')[0]} (us)", rows)
-    table = tune._read(path)
+    table = tune.read_table(path)
     for k in sorted(done):
         e = table.get(k)
         if e is not None and len(tune.probes(e)) > 1:

@@ -94,7 +94,7 @@ def pow2_at_least(n: int) -> int:
 # --------------------------------------------------------------------------- tables
 
 
-def _read(path: Path) -> dict:
+def read_table(path: Path) -> dict:
     """The entries of one table file; {} (with one warning) when absent, corrupt or foreign."""
     try:
         raw = json.loads(path.read_text())
@@ -127,7 +127,7 @@ def user_path() -> Path:
 def _shipped() -> dict:
     entries: dict = {}
     for f in sorted(SHIPPED_DIR.glob("*.json")):
-        entries.update(_read(f))
+        entries.update(read_table(f))
     return entries
 
 
@@ -143,7 +143,7 @@ class _Tables:
         if self._merged is None:
             with self._lock:
                 if self._merged is None:
-                    self._merged = {**_shipped(), **_read(user_path())}
+                    self._merged = {**_shipped(), **read_table(user_path())}
         return self._merged
 
     def invalidate(self) -> None:
@@ -220,7 +220,7 @@ def record(entries: dict, path: Path | None = None, replace: bool = False) -> Pa
     lock = cache.root() / ".locks" / f"tuning-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with cache.lock(lock):
-        merged = _read(path)
+        merged = read_table(path)
         for k, e in entries.items():
             merged[k] = e if replace or k not in merged else merged_entry(merged[k], e)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -380,13 +380,17 @@ def _tie(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None) 
     return _margin(times[a], times[b])
 
 
+def _by_gpu(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None) -> bool:
+    """Whether a and b are compared by GPU time: both have one and their totals tie (`_tie`)."""
+    w = _tie(a, b, times, gpu)
+    return bool(gpu) and a in gpu and b in gpu and times[a] <= times[b] * (1 + w) and times[b] <= times[a] * (1 + w)
+
+
 def beats(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None = None) -> bool:
     """Whether candidate a wins over b: where their totals tie (`_tie`) and GPU times are
     known, by `_margin` in GPU time; else by `_margin` in total time."""
-    w = _tie(a, b, times, gpu)
-    if gpu and a in gpu and b in gpu and times[a] <= times[b] * (1 + w) and times[b] <= times[a] * (1 + w):
-        return gpu[a] * (1 + _margin(gpu[a], gpu[b])) < gpu[b]
-    return times[a] * (1 + _margin(times[a], times[b])) < times[b]
+    t = gpu if _by_gpu(a, b, times, gpu) else times
+    return t[a] * (1 + _margin(t[a], t[b])) < t[b]
 
 
 def transfers(entry: dict) -> bool:
@@ -462,35 +466,37 @@ def probe_winner(p: dict) -> str:
 
 
 def _slowdown(n: str, w: str, p: dict) -> float:
-    """How many times slower candidate n is than w at one probe: by GPU time where their
-    totals tie as `beats` ties them (the host bounds both), else by total time."""
+    """How many times slower candidate n is than w at one probe, compared as `beats`
+    compares them (by GPU time where the host bounds both)."""
     times, gpu = p["times_us"], p.get("gpu_us")
-    tie = _tie(n, w, times, gpu)
-    if gpu and n in gpu and w in gpu and times[n] <= times[w] * (1 + tie) and times[w] <= times[n] * (1 + tie):
-        return gpu[n] / gpu[w]
-    return times[n] / times[w]
+    t = gpu if _by_gpu(n, w, times, gpu) else times
+    return t[n] / t[w]
+
+
+def _worst(ps: list[dict], winners: list[str]) -> dict[str, float]:
+    return {n: max(_slowdown(n, w, p) for p, w in zip(ps, winners))
+            for n in ps[0]["times_us"] if all(n in p["times_us"] for p in ps)}
 
 
 def worst_slowdowns(entry: dict) -> dict[str, float]:
     """Per candidate timed at every probe of the entry, in measurement order: its largest
     slowdown (`_slowdown`) against the probe's own winner over the entry's probes."""
     ps = probes(entry)
-    winners = [probe_winner(p) for p in ps]
-    return {n: max(_slowdown(n, w, p) for p, w in zip(ps, winners))
-            for n in ps[0]["times_us"] if all(n in p["times_us"] for p in ps)}
+    return _worst(ps, [probe_winner(p) for p in ps])
 
 
 def bucket_winner(entry: dict) -> str:
     """The winner of a bucket from its probes: the probes' own winner where they agree (one
     probe: the tuner's rules as ever), else the candidate whose worst slowdown against
     each probe's winner is least, a tie within TIE going to the one measured first."""
-    winners = {probe_winner(p) for p in probes(entry)}
-    if len(winners) == 1:
-        return winners.pop()
-    worst = worst_slowdowns(entry)
+    ps = probes(entry)
+    winners = [probe_winner(p) for p in ps]
+    if len(set(winners)) == 1:
+        return winners[0]
+    worst = _worst(ps, winners)
     least = min(worst.values())
     # a slowdown's noise is its probe's: LONG_TIE only where every probe's winner is long
-    long = all(p["times_us"][probe_winner(p)] >= LONG_US for p in probes(entry))
+    long = all(p["times_us"][w] >= LONG_US for p, w in zip(ps, winners))
     return next(n for n, s in worst.items() if s <= least * (1 + (LONG_TIE if long else TIE)))
 
 
