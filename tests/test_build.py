@@ -97,15 +97,27 @@ def llp_builds():
 @needs_nvcc
 @pytest.mark.parametrize("name", [v.name for v in LLP_CUDA])
 def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
-    """sm_90a: WGMMA from TMA-loaded shared memory; the mma.sync template: ldmatrix + HMMA.
-    No local memory, and none of the ptxas warnings that mean a WGMMA was serialised
-    (C7511, C7515) or register reallocation ignored (C7508)."""
+    """sm_90a: WGMMA from TMA-loaded shared memory; the mma.sync template: ldmatrix + HMMA;
+    the gemv kernel: HMMA fed by 16-byte weight loads that skip L1 (and on sm_90 the wait of
+    a programmatic dependent launch). No local memory, and none of the ptxas warnings that
+    mean a WGMMA was serialised (C7511, C7515) or register reallocation ignored (C7508)."""
     r = llp_builds[name]
     assert r.status in ("built", "cached"), r.error
     lib = r.entry.file(build.CUDA_LIB)
     sass = toolchain.sass(lib)
     assert f"arch = {r.variant.arch}" in sass
-    wanted = ("HGMMA.64x", "UTMALDG", "SYNCS") if r.variant.arch == "sm_90a" else ("HMMA.16816.F32", "LDSM", "LDGSTS")
+    gemv = r.variant.params["kernel"] == "gemv"
+    if gemv:  # hidden through L1 (LDG.E.128.CONSTANT), and the weight not: cp.async or no-allocate loads
+        wanted = ("HMMA.16816.F32", "LDG.E.128.CONSTANT")
+        wanted += ("ACQBULK",) if r.variant.arch == "sm_90" else ()
+        ring = r.variant.params["ring"] > 0
+        wanted += ("LDGSTS.E.BYPASS", "LDS.128") if ring else ()
+        assert ring or re.search(r"LDG\.E\.NA\.LTC\d+B\.128\.CONSTANT", sass)  # straight into registers
+        assert "LDSM" not in sass
+    elif r.variant.arch == "sm_90a":
+        wanted = ("HGMMA.64x", "UTMALDG", "SYNCS")
+    else:
+        wanted = ("HMMA.16816.F32", "LDSM", "LDGSTS")
     if r.variant.params["cluster"] > 1:  # weight panels multicast to the cluster, freed in every CTA
         wanted += ("UTMALDG.2D.MULTICAST", "SYNCS.ARRIVE.TRANS64.RED", "UCGABAR_WAIT")
     for op in wanted:
@@ -113,9 +125,11 @@ def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
     assert "LDL" not in sass and "STL" not in sass
     res = toolchain.resource_usage(lib)
     # the partials kernel: (bias, no bias) x (entropy, no entropy), and on sm_90a also its dz
-    # form (no bias) x (entropy, no entropy); its combine: (entropy, no entropy)
-    kernels = 6 if r.variant.arch == "sm_90a" else 4
-    assert sum("fwd_sm" in k for k in res) == kernels and sum("combine" in k for k in res) == 2, list(res)
+    # form (no bias) x (entropy, no entropy), the gemv kernel at 8 and at block_m rows a pass;
+    # its combine: (entropy, no entropy)
+    kernels = 8 if gemv else 6 if r.variant.arch == "sm_90a" else 4
+    fwd = "fwd_gemv" if gemv else "fwd_sm"
+    assert sum(fwd in k for k in res) == kernels and sum("combine" in k for k in res) == 2, list(res)
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
     log = r.entry.file(build.BUILD_LOG).read_text()
     assert not re.search(r"C75(08|11|15)", log), log

@@ -774,3 +774,52 @@ def test_cuda_forward_grids(monkeypatch):
     assert cuda.dz_splits(8192, 3584, dev) == plans.wave_splits(32, 1, 14, 66) == 14
     assert cuda.dz_splits(8, 1024, dev) == 4  # one row group: a split a tile
     assert cuda.group(8192, 4096) == 8  # 16 MB of hidden rows: 8 row groups of 2 MB
+
+
+def test_gemv_forward_takes_and_grid(monkeypatch):
+    """The small-N CUDA kernel (kernel: gemv) on a fake 132-SM sm_90 device: it takes at
+    most block_m rows (more go to the Triton companion) and the tiled kernels' 16-byte rules;
+    one CTA of 16 warps an SM at 128 registers, so one wave of CTAs, fewer where the
+    vocabulary has fewer 256-row passes; no dz kernel."""
+    from types import SimpleNamespace
+
+    params = {"kernel": "gemv", "block_m": 16, "block_n": 256, "block_k": 64, "stages": 2, "consumers": 1,
+              "split_v": 1, "cluster": 1, "hidden_stages": 0, "ring": 0}
+    variant_ = SimpleNamespace(arch="sm_90", dtype="bfloat16", params=params)
+    entry = SimpleNamespace(manifest={"resources": {"fwd": {"registers": 128}}})
+    kernel = SimpleNamespace(params=params, name="fake", variant=variant_, lib=None, entry=entry)
+    monkeypatch.setattr(plans, "_device_props", lambda index: SimpleNamespace(
+        multi_processor_count=132, shared_memory_per_multiprocessor=233472))
+    cuda = llp.CudaForward(kernel, None)
+    assert cuda.gemv and cuda._dz_ptr is None
+    w = torch.empty(1000, 1024, dtype=torch.bfloat16)
+    assert cuda.takes(torch.empty(16, 1024, dtype=torch.bfloat16), w, None)
+    assert not cuda.takes(torch.empty(17, 1024, dtype=torch.bfloat16), w, None)
+    assert not cuda.takes(torch.empty(4, 1020, dtype=torch.bfloat16), torch.empty(1000, 1020, dtype=torch.bfloat16), None)
+    assert not cuda.takes_dz(torch.empty(4, 1024, dtype=torch.bfloat16), w, None)
+    dev = torch.device("cuda", 0)
+    assert cuda.splits(8, 151936, dev) == 132
+    assert cuda.splits(8, 1000, dev) == 4
+
+
+def test_gemv_knob_rules():
+    """What the gemv kernel's spec entries may say, each rule its own problem."""
+    from kgen.families.linear_logp.schema import _check_variant
+
+    ok = dict(kernel="gemv", block_m=16, block_n=256, block_k=64, stages=2, consumers=1, split_v=1, cluster=1,
+              hidden_stages=0, ring=0)
+    assert _check_variant("cuda", "sm_90", "bfloat16", ok) == []
+    assert _check_variant("cuda", "sm_80", "float16", {**ok, "block_m": 8, "block_n": 64, "block_k": 32}) == []
+    for knob, value in (("block_m", 32), ("block_n", 200), ("stages", 4), ("consumers", 2), ("cluster", 2),
+                        ("hidden_stages", 8), ("ring", 4)):  # ring 4: 256 KB of rings
+        assert [p for p, _ in _check_variant("cuda", "sm_90", "bfloat16", {**ok, knob: value})] == [knob], knob
+    # a ring holds the trips in flight, so registers hold one trip: 4 steps of 64 columns fit
+    assert _check_variant("cuda", "sm_90", "bfloat16", {**ok, "block_n": 128, "stages": 4, "ring": 3}) == []
+    assert [p for p, _ in _check_variant("cuda", "sm_80", "bfloat16", {**ok, "ring": 3})] == ["ring"]  # 164 KB
+    assert [p for p, _ in _check_variant("cuda", "sm_90a", "bfloat16", ok)] == ["arch"]
+    assert [p for p, _ in _check_variant("cuda", "sm_90", "float32", ok)] == ["dtypes"]
+    # the tiled kernels keep their ring of at least two stages
+    tile = dict(kernel="tile", block_m=128, block_n=128, block_k=32, stages=1, consumers=2, split_v=16, cluster=1,
+                hidden_stages=0, ring=0)
+    assert [p for p, _ in _check_variant("cuda", "sm_80", "bfloat16", tile)] == ["stages"]
+    assert [p for p, _ in _check_variant("cuda", "sm_80", "bfloat16", {**tile, "stages": 4, "ring": 2})] == ["ring"]

@@ -59,14 +59,19 @@ def _check(got, h, w, t, b, T, dtype_name):
         torch.testing.assert_close(a.double(), e, rtol=tol.rtol, atol=tol.atol, msg=name)
 
 
+def _rows(impl, N: int) -> int:
+    """N rows, or for the small-N kernel (gemv) the most it takes less 3 where N is more."""
+    return N if not impl.gemv or N <= impl.block_m else impl.block_m - 3
+
+
 @pytest.mark.parametrize("name", CUDA)
-@pytest.mark.parametrize("N", [1, 7, 4099])
+@pytest.mark.parametrize("N", [1, 7, 16, 4099])
 @pytest.mark.parametrize("V,D", [(50257, 2048), (128256, 4096), (151936, 2048), (151936, 4096)])
 def test_forward_against_float64(monkeypatch, name, N, V, D):
     """Bias, ignored rows, temperature 0.8 and entropy; the kernel itself takes these inputs."""
     impl = _impl(name)
-    if N == 4099 and V * D > 151936 * 2048 and name != CUDA[0]:
-        pytest.skip("the largest size runs for the first variant only (time)")
+    if N == 4099 and (impl.gemv or V * D > 151936 * 2048 and name != CUDA[0]):
+        pytest.skip("the largest size runs for the first tiled variant only (time; gemv: N <= block_m)")
     dtype = getattr(torch, impl.kernel.variant.dtype)
     h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
     assert impl.takes(h, w, b)
@@ -79,7 +84,8 @@ def test_forward_against_float64(monkeypatch, name, N, V, D):
 def test_without_bias_and_entropy(monkeypatch, name):
     impl = _impl(name)
     dtype = getattr(torch, impl.kernel.variant.dtype)
-    h, w, _, t = _inputs(333, 32003, 1024, dtype, seed=2, bias=False)
+    h, w, _, t = _inputs(_rows(impl, 333), 32003, 1024, dtype, seed=2, bias=False)
+    assert impl.takes(h, w, None)
     _poison(monkeypatch)
     logp, ent, lse2, ez2 = llp.forward(impl, h, w, t, None, 1.0, -100, False)
     assert ent.numel() == 0 and ez2.numel() == 0
@@ -98,8 +104,9 @@ def test_logits_far_above_the_first_tiles(monkeypatch, name, splits):
     tiles must take the refold path, with and without V splits."""
     impl = _impl(name)
     dtype = getattr(torch, impl.kernel.variant.dtype)
-    N, V, D = 131, 40009, 264
+    N, V, D = _rows(impl, 131), 40009, 264
     h, w, b, t = _inputs(N, V, D, dtype, seed=11)
+    assert impl.takes(h, w, b)
     b = b.float()
     b[V // 3::1237] += 100.0
     b = b.to(dtype)
@@ -115,7 +122,8 @@ def test_split_invariance(name):
     """Any number of splits, including more than there are V tiles: rounding only."""
     impl = _impl(name)
     dtype = getattr(torch, impl.kernel.variant.dtype)
-    h, w, b, t = _inputs(517, 50257, 1024, dtype, seed=7)
+    h, w, b, t = _inputs(_rows(impl, 517), 50257, 1024, dtype, seed=7)
+    assert impl.takes(h, w, b)
     tiles = -(-50257 // impl.block_n)
     outs = [llp.forward(impl, h, w, t, b, 1.0, -100, True, splits=s) for s in (1, 5, None, tiles + 3)]
     for logp, ent, _, _ in outs[1:]:
@@ -146,7 +154,7 @@ def test_cuda_graph_replay(name):
     from test_linear_logp_gpu import check_graph_replay
 
     impl = _impl(name)
-    check_graph_replay(llp.using(impl), getattr(torch, impl.kernel.variant.dtype))
+    check_graph_replay(llp.using(impl), getattr(torch, impl.kernel.variant.dtype), N=_rows(impl, 129))
 
 
 def test_dispatch_prefers_the_cuda_kernel():
@@ -304,3 +312,25 @@ def test_cuda_dz_in_a_cuda_graph_and_under_torch_compile(name):
         grads = torch.autograd.grad(compiled(hl, wl), (hl, wl))
     for a, b in zip(grads, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+GEMV = [n for n in CUDA if SPEC.variant(n).params["kernel"] == "gemv"]
+
+
+@pytest.mark.parametrize("name", GEMV)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_gemv_shares_that_split_groups(monkeypatch, name, splits):
+    """The small-N kernel's warps take equal shares of the vocabulary's (16-row group, step)
+    sequence, so a share may start or end inside a group (D = 1032: 17 or 33 steps a group,
+    never a whole number of groups a warp): every row count up to block_m (both pass widths),
+    against float64 with poisoned buffers, and the same bits on a second call."""
+    impl = _impl(name)
+    dtype = getattr(torch, impl.kernel.variant.dtype)
+    for N in sorted({1, 2, 8, 9, impl.block_m}):
+        h, w, b, t = _inputs(N, 3001, 1032, dtype, seed=N)
+        assert impl.takes(h, w, b)
+        _poison(monkeypatch)
+        got = llp.forward(impl, h, w, t, b, 0.9, -100, True, splits=splits)
+        _check(got[:2], h, w, t, b, 0.9, impl.kernel.variant.dtype)
+        again = llp.forward(impl, h, w, t, b, 0.9, -100, True, splits=splits)
+        assert all(torch.equal(a, c) for a, c in zip(got, again)), N

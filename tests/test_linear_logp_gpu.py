@@ -159,9 +159,9 @@ def test_cuda_graph_replay(monkeypatch, path):
     check_graph_replay(_path(monkeypatch, path, torch.bfloat16), torch.bfloat16)
 
 
-def check_graph_replay(context, dtype):
+def check_graph_replay(context, dtype, N: int = 129):
     """Capture the op once (inside `context`), replay it on new inputs, compare with float64."""
-    h, w, b, t = _inputs(129, 50257, 512, dtype, seed=3)
+    h, w, b, t = _inputs(N, 50257, 512, dtype, seed=3)
     with context:
         ops.linear_logp(h, w, t, b)  # build, load, tensor maps: outside the capture
         torch.cuda.synchronize()

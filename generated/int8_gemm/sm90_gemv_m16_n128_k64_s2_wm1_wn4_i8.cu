@@ -151,7 +151,7 @@ __device__ __forceinline__ void store_f(void* p, int code, int64_t i, float v) {
 
 
 // 16 bytes of the weight, or zeros where !ok: read once, so kept out of L1; the L2 prefetch
-// hint pulls the rest of the 256-byte line the warp's next trip reads.
+// hint pulls the rest of the 256-byte line the warp's next steps read.
 __device__ __forceinline__ void load_stream(uint32_t (&r)[4], const void* p, bool ok) {
   asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
                " mov.b32 %3, 0;\n @q ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}"
@@ -169,7 +169,7 @@ __device__ __forceinline__ void load_shared(uint32_t (&r)[4], uint32_t a) {
                : "memory");
 }
 
-// 16 bytes of x, or zeros where !ok: read by every warp of the SM, so cached.
+// 16 bytes of the activations, or zeros where !ok: read by every warp of the SM, so cached.
 __device__ __forceinline__ void load_cached(uint32_t* r, const void* p, bool ok) {
   asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n"
                " mov.b32 %3, 0;\n @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n}"

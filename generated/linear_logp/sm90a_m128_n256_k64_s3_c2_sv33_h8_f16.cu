@@ -3,7 +3,7 @@
 // variant: linear_logp/sm90a_m128_n256_k64_s3_c2_sv33_h8_f16
 // backend: cuda, arch: sm_90a
 // dtype:   float16
-// knobs:   block_m=128, block_n=256, block_k=64, stages=3, consumers=2, split_v=33, cluster=1, hidden_stages=8
+// knobs:   kernel=tile, block_m=128, block_n=256, block_k=64, stages=3, consumers=2, split_v=33, cluster=1, hidden_stages=8, ring=0
 //
 // linear_logp forward partials on Hopper: TMA + mbarrier rings, warp-specialised WGMMA,
 // online softmax in registers. The N x V logits are never written. The backward's dz
@@ -973,25 +973,31 @@ kgen::TensorMapCache tensor_maps;
 // target logit, sum of exp2(z - m) * (z - m); base 2, z = logit * log2(e) / temperature),
 // launched by kgen_launch right after the partials kernel on the same stream: one launch
 // for the whole forward on the host (the Triton combine, linear_logp_combine_kernel with
-// TARGET_DOT off, is the same contract and arithmetic). One thread a row, the splits
-// merged in order: no atomics, the same bits every run.
+// TARGET_DOT off, is the same contract). No atomics: the same bits every run.
 //   logp = (z_t - lse) * ln 2 (0 on ignored rows, NaN where the target is outside [0, V)),
 //   lse2 = m + log2(s); with entropy: entropy = (log2(s) - E) * ln 2 and ez2 = m + E,
 //   E = sum exp2(z - m) (z - m) / s.
 constexpr int COMBINE_THREADS = 128;
+constexpr int COMBINE_ROWS = COMBINE_THREADS / 32;  // a warp a row
 
+// One warp a row: lane l merges splits l, l + 32, ... in order, then the lanes' sums are
+// added by a butterfly (the same tree every run, and every lane ends with the same bits).
+// A thread walking all splits alone took ~15 us at N = 1 with 132 splits, its loads one
+// L2 round trip after another (BENCHMARKS.md, twenty-fifth session).
 template <bool ENTROPY>
 __global__ void __launch_bounds__(COMBINE_THREADS)
 linear_logp_combine(const float* __restrict__ part, const int64_t* __restrict__ target, float* __restrict__ logp,
                     float* __restrict__ entropy, float* __restrict__ lse2, float* __restrict__ ez2, int N, int V,
                     int splits, long long ignore_index) {
-  const int row = blockIdx.x * COMBINE_THREADS + threadIdx.x;
-  if (row >= N) return;
+  const int row = blockIdx.x * COMBINE_ROWS + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= N) return;  // the whole warp
   const int64_t plane = (int64_t)splits * N;
   float m = -INFINITY;
-  for (int k = 0; k < splits; ++k) m = fmaxf(m, part[(int64_t)k * N + row]);
+  for (int k = lane; k < splits; k += 32) m = fmaxf(m, part[(int64_t)k * N + row]);
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
   float s = 0.f, ent = 0.f, zt = 0.f;
-  for (int k = 0; k < splits; ++k) {
+  for (int k = lane; k < splits; k += 32) {
     const float* at = part + (int64_t)k * N + row;
     const float m_k = at[0], s_k = at[plane];
     zt += at[2 * plane];
@@ -1001,6 +1007,13 @@ linear_logp_combine(const float* __restrict__ part, const int64_t* __restrict__ 
     s += alpha * s_k;
     if (ENTROPY) ent += alpha * (at[3 * plane] + delta * s_k);
   }
+#pragma unroll
+  for (int d = 16; d >= 1; d >>= 1) {
+    s += __shfl_xor_sync(0xffffffffu, s, d);
+    zt += __shfl_xor_sync(0xffffffffu, zt, d);
+    if (ENTROPY) ent += __shfl_xor_sync(0xffffffffu, ent, d);
+  }
+  if (lane != 0) return;
   constexpr float LN2_F = 0.6931471805599453f;
   const float log_s = log2f(s), lse = m + log_s;
   const long long t = target[row];
@@ -1020,7 +1033,7 @@ inline cudaError_t launch_combine(const float* part, const int64_t* target, floa
                                   float* ez2, int N, int V, int splits, long long ignore_index, bool with_entropy,
                                   cudaStream_t stream) {
   if (logp == nullptr) return cudaSuccess;
-  const unsigned grid = (unsigned)kgen::cdiv(N, COMBINE_THREADS);
+  const unsigned grid = (unsigned)kgen::cdiv(N, COMBINE_ROWS);
   if (with_entropy)
     linear_logp_combine<true><<<grid, COMBINE_THREADS, 0, stream>>>(part, target, logp, entropy, lse2, ez2, N, V,
                                                                     splits, ignore_index);

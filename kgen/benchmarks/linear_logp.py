@@ -59,7 +59,8 @@ import triton
 
 SHAPES = [(4096, 2048, 151936), (8192, 4096, 128256)]
 # Environment: KGEN_BENCH_LLP_SHAPES="N,D,V;N,D,V" replaces SHAPES; KGEN_BENCH_LLP_VARIANTS=0
-# leaves out the rows of the individual kgen variants (dispatch's choice stays).
+# leaves out the rows of the individual kgen variants (dispatch's choice stays);
+# KGEN_BENCH_LLP_NS="1,8,16" replaces the row counts of `--dispatch`.
 
 
 def _shapes() -> list[tuple[int, int, int]]:
@@ -348,7 +349,8 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
 
 def dispatch_section(spec, quick) -> dict:
     """kgen's forward choice before (spec order) and after (tuning table) against the
-    fastest candidate and the cuBLAS GEMM hidden @ weight.T, N in {1, 8, 64, 512, 4096}."""
+    fastest candidate and the cuBLAS GEMM hidden @ weight.T, N in {1, 8, 16, 64, 512, 4096}
+    (KGEN_BENCH_LLP_NS="1,8" replaces them)."""
     from kgen.bench import dispatch_effect
 
     def peers(dtype, inp):
@@ -356,8 +358,9 @@ def dispatch_section(spec, quick) -> dict:
         return {"GEMM": lambda: h @ w.T}
 
     shapes = ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
+    ns = tuple(int(n) for n in os.environ.get("KGEN_BENCH_LLP_NS", "1,8,16,64,512,4096").split(","))
     cases = [(d, {"N": n, "D": dd, "V": v}) for d in ("bfloat16", "float16")
-             for dd, v in shapes[: 1 if quick else None] for n in (1, 8, 64, 512, 4096)]
+             for dd, v in shapes[: 1 if quick else None] for n in ns]
     return {"dispatch: spec order (before) vs tuning table (after), forward": dispatch_effect(
         "linear_logp", cases, peers, quick)}
 

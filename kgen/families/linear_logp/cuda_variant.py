@@ -30,10 +30,11 @@ CUDA_DZ_MAX_FLOP = 2e10
 
 
 class CudaForward:
-    """A CUDA variant (sm_90a WGMMA or sm_80 mma.sync): its kernels write the forward
-    partials and combine them; the Triton module `triton` supplies the backward and the whole
-    forward for inputs the CUDA kernel cannot take (`takes`): D not a multiple of 8 or a
-    pointer not 16-byte aligned (TMA and cp.async move 16-byte pieces).
+    """A CUDA variant (sm_90a WGMMA, sm_80 mma.sync, or the small-N streaming kernel, `gemv`):
+    its kernels write the forward partials and combine them; the Triton module `triton`
+    supplies the backward and the whole forward for inputs the CUDA kernel cannot take
+    (`takes`): D not a multiple of 8 or a pointer not 16-byte aligned (TMA, cp.async and the
+    gemv kernel's loads move 16-byte pieces), and for the gemv kernel more than block_m rows.
 
     The number of splits is chosen per call by wave_splits, with the spec's split_v as the
     minimum, over row groups (the `cluster` row blocks one cluster takes) and the clusters
@@ -43,6 +44,8 @@ class CudaForward:
         self.kernel, self.triton = kernel, triton_mod
         p = kernel.params
         self.block_m, self.block_n, self.split_v = p["block_m"], p["block_n"], p["split_v"]
+        # the small-N streaming kernel (cuda_gemv.cu.j2): one CTA covers all N <= block_m rows
+        self.gemv = p.get("kernel") == "gemv"
         self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
         self.name = kernel.name
         self._resident: dict[int, int] = {}
@@ -56,6 +59,8 @@ class CudaForward:
 
     def takes(self, hidden, weight, bias) -> bool:
         if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
+            return False
+        if self.gemv and hidden.shape[0] > self.block_m:  # the small-N kernel's most rows
             return False
         # TMA (sm_90a) reads the bias too; the sm_80 kernel reads it element by element.
         tensors = (hidden, weight, bias) if self.kernel.variant.arch == "sm_90a" else (hidden, weight)
@@ -96,8 +101,8 @@ class CudaForward:
         per_sm_smem = getattr(props, "shared_memory_per_multiprocessor", smem)
         resources = self.kernel.entry.manifest.get("resources", {})
         regs = max((r["registers"] for r in resources.values()), default=255)
-        threads = 128 * v.params["consumers"]
-        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1))))
+        threads = 2 * v.params["block_n"] if self.gemv else 128 * v.params["consumers"]  # gemv: a warp a 16 rows
+        return max(1, min(per_sm_smem // smem, 65536 // (threads * max(regs, 1)), 2048 // threads))
 
     def takes_dz(self, hidden, weight, bias) -> bool:
         """Whether the backward's dz pass runs this variant's CUDA dz kernel: sm_90a, no bias

@@ -33,19 +33,57 @@ def _check_triton(dtype: str, k: Mapping[str, Any]):
 
 def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
     size = DTYPES[dtype][0]
+    if k.get("kernel") == "gemv":  # per warp: its rows' final states (16 B) and sums of a shared group (64 B),
+        warps = k["block_n"] // 16  # and its ring of `ring` trips of 2 x stages x block_k / 32 16-byte pieces a lane
+        return warps * (80 * k["block_m"] + k["ring"] * k["stages"] * (k["block_k"] // 32) * 2 * 32 * 16)
     if arch == "sm_90a":  # a hidden ring, a weight ring of block_n / consumers rows per consumer, two bias tiles
         ring = (k["hidden_stages"] * k["block_m"] + k["stages"] * k["block_n"]) * k["block_k"] * size
         return ring + _CUDA_SMEM_EXTRA + 4 * k["block_n"]
     return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] * size + _CUDA_SMEM_EXTRA
 
 
+# gemv: the most 32-bit registers the weight a warp keeps in flight may take per thread (two
+# trips of stages x block_k / 32 16-byte pieces of 2 rows)
+_GEMV_WEIGHT_REGS = 64
+
+
+def _check_gemv(arch: str, k: Mapping[str, Any]):
+    """The small-N kernel's rules (kgen/templates/linear_logp/cuda_gemv.cu.j2)."""
+    problems = []
+    if arch == "sm_90a":
+        problems.append(("arch", "the gemv kernel uses no sm_90a instruction: build it for sm_80 / sm_90"))
+    if k["block_m"] not in (8, 16):
+        problems.append(("block_m", f"block_m={k['block_m']}: the gemv kernel takes N up to 8 or 16 rows (one or "
+                                    "two 8-row MMA column groups; 32 needed a stack)"))
+    if k["block_n"] % 16 or not 16 <= k["block_n"] <= 512:
+        problems.append(("block_n", f"block_n={k['block_n']} must be 16 vocabulary rows a warp, 1 to 32 warps"))
+    regs = (1 if k["ring"] else 2) * k["stages"] * (k["block_k"] // 32) * 8
+    if regs > _GEMV_WEIGHT_REGS:
+        problems.append(("stages", f"{k['stages']} steps of {k['block_k']} columns in flight take {regs} registers "
+                                   f"a thread with the trip computing, above {_GEMV_WEIGHT_REGS}"))
+    for name, want in (("consumers", 1), ("cluster", 1), ("hidden_stages", 0)):
+        if k[name] != want:
+            problems.append((name, f"{name}={k[name]}: the gemv kernel takes {want}"))
+    smem = _cuda_smem(arch, "bfloat16", k)
+    if smem > _SMEM_LIMIT[arch]:
+        problems.append(("ring", f"{k['ring']} trips of weight a warp need {smem} bytes of shared memory, above "
+                                 f"{arch}'s {_SMEM_LIMIT[arch]}-byte limit"))
+    return problems
+
+
 def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
-    """The instruction-shape and shared-memory rules of the two CUDA templates."""
+    """The instruction-shape and shared-memory rules of the CUDA templates."""
     problems = []
     if dtype not in ("bfloat16", "float16"):
         problems.append(("dtypes", f"the CUDA kernels take 16-bit operands (bfloat16, float16), not {dtype}; "
                                    "float32 inputs use the Triton variants"))
+    if k["kernel"] == "gemv":
+        return problems + _check_gemv(arch, k)
     bm, bn, bk, c = k["block_m"], k["block_n"], k["block_k"], k["consumers"]
+    if k["ring"]:
+        problems.append(("ring", "ring is a gemv knob: the tiled kernels have their own rings (stages)"))
+    if k["stages"] < 2:
+        problems.append(("stages", f"stages={k['stages']}: the tiled kernels' rings need at least 2"))
     if arch == "sm_90a":
         # WGMMA: M = 64, N a multiple of 8 up to 256, K = 16. Each consumer warpgroup owns all
         # block_m rows (block_m / 64 chains) and block_n / consumers columns; the 128-byte
@@ -108,11 +146,18 @@ SCHEMA = Schema(
     dtypes=("bfloat16", "float16", "float32"),
     knobs={
         "cuda": (
-            Knob("block_m", "m", lo=32, hi=256, pow2=True),  # rows of hidden per CTA
-            Knob("block_n", "n", lo=8, hi=256),  # vocabulary tile (the MMA's N)
+            # which kernel: the tiled GEMM with the softmax in its epilogue (sm_90a WGMMA or
+            # mma.sync by arch), or the small-N streaming kernel (cuda_gemv.cu.j2); the default
+            # stays out of names
+            Knob("kernel", "", kind=str, choices=("tile", "gemv"), default="tile"),
+            # rows of hidden per CTA (gemv: the most rows N it takes)
+            Knob("block_m", "m", lo=8, hi=256, pow2=True),
+            # vocabulary tile, the MMA's N (gemv: vocabulary rows per pass, 16 a warp)
+            Knob("block_n", "n", lo=8, hi=256),
             Knob("block_k", "k", lo=32, hi=128, pow2=True),  # reduction step over D
-            # shared-memory ring depth (sm_90a: of each consumer's weight ring)
-            Knob("stages", "s", lo=2, hi=8),
+            # shared-memory ring depth (sm_90a: of each consumer's weight ring; gemv: steps of
+            # block_k a warp loads one trip ahead into registers)
+            Knob("stages", "s", lo=1, hi=8),
             # sm_90a: consumer warpgroups beside one TMA producer warpgroup;
             # sm_80: warpgroups (4 warps) that all load and compute
             Knob("consumers", "c", lo=1, hi=2),
@@ -124,6 +169,9 @@ SCHEMA = Schema(
             # sm_90a: stages of the hidden ring the consumers share (they lag one another by
             # hidden_stages - 3 panels); 0 for the mma.sync template, which has one ring
             Knob("hidden_stages", "h", lo=0, hi=16, default=0),
+            # gemv: trips of weight each warp keeps in flight through a cp.async ring in shared
+            # memory (0: one trip ahead in registers); the default stays out of names
+            Knob("ring", "r", lo=0, hi=8, default=0),
         ),
         "triton": (
             Knob("block_n", "n", lo=16, hi=256, pow2=True),  # rows of hidden per program
@@ -136,18 +184,18 @@ SCHEMA = Schema(
     },
     check=_check_variant,
 )
-_SM80_TEMPLATE = "linear_logp/cuda_sm80.cu.j2"
-TEMPLATES = {
-    "triton": "linear_logp/triton.py.j2",
-    "cuda": {"sm_90a": "linear_logp/cuda_sm90a.cu.j2", "sm_80": _SM80_TEMPLATE, "sm_86": _SM80_TEMPLATE,
-             "sm_89": _SM80_TEMPLATE, "sm_90": _SM80_TEMPLATE},
-}
+# cuda.cu.j2 includes cuda_gemv.cu.j2 (kernel: gemv), cuda_sm90a.cu.j2 or cuda_sm80.cu.j2
+TEMPLATES = {"triton": "linear_logp/triton.py.j2", "cuda": "linear_logp/cuda.cu.j2"}
 
 
 def template_context(variant) -> dict:
     p = variant.params
+    if variant.backend == "cuda" and p["kernel"] == "gemv":
+        return {"dtype": variant.dtype, "KERNEL": "gemv", "MAX_N": p["block_m"], "WARPS": p["block_n"] // 16,
+                "STEP": p["block_k"], "UNROLL": p["stages"], "RING": p["ring"]}
     if variant.backend == "cuda":
-        return {"dtype": variant.dtype, "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"],
+        return {"dtype": variant.dtype, "KERNEL": "sm90a" if variant.arch == "sm_90a" else "sm80",
+                "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"],
                 "STAGES": p["stages"], "CONSUMERS": p["consumers"], "SPLIT_V": p["split_v"],
                 "CLUSTER": p["cluster"], "HSTAGES": p["hidden_stages"], "BNC": p["block_n"] // p["consumers"]}
     return {"BLOCK_N": p["block_n"], "BLOCK_V": p["block_v"], "BLOCK_D": p["block_d"],
