@@ -29,6 +29,7 @@ SPLIT_V = 16
 
 LN2 = tl.constexpr(0.6931471805599453)
 NEG_INF = tl.constexpr(float("-inf"))
+COMBINE_SPLITS = tl.constexpr(32)  # partials a combine step reads per row
 # The logit of a column past V: exp2 of it is 0 and 0 times it is 0, so masked columns
 # drop out of every sum with no select (-inf would give 0 * -inf = NaN in the entropy).
 # The CUDA kernels' MASKED_LOGIT (common/online_softmax.cuh.j2).
@@ -196,24 +197,33 @@ def linear_logp_combine_kernel(
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
     plane = splits * N
+    # COMBINE_SPLITS splits a step ([splits, rows] tiles, summed over splits in a fixed
+    # order): at N = 1 the forward has ~one split an SM, and one split a step was a chain of
+    # dependent L2 round trips (the CUDA combine's ~12 us, BENCHMARKS.md, twenty-fifth session).
+    ks = tl.arange(0, COMBINE_SPLITS)
     m = tl.full((BLOCK,), NEG_INF, tl.float32)
-    for k in range(splits):
-        m = tl.maximum(m, tl.load(part_ptr + k * N + rows, mask=ok, other=NEG_INF))
+    for k0 in range(0, splits, COMBINE_SPLITS):
+        k = k0 + ks
+        live_k = (k < splits)[:, None] & ok[None, :]
+        m_k = tl.load(part_ptr + k[:, None] * N + rows[None, :], mask=live_k, other=NEG_INF)
+        m = tl.maximum(m, tl.max(m_k, axis=0))
     s = tl.zeros((BLOCK,), tl.float32)
     ent = tl.zeros((BLOCK,), tl.float32)
     z_t = tl.zeros((BLOCK,), tl.float32)
-    for k in range(splits):
-        at = part_ptr + k * N + rows
-        m_k = tl.load(at, mask=ok, other=NEG_INF)
-        s_k = tl.load(at + plane, mask=ok, other=0.0)
+    for k0 in range(0, splits, COMBINE_SPLITS):
+        k = k0 + ks
+        live_k = (k < splits)[:, None] & ok[None, :]
+        at = part_ptr + k[:, None] * N + rows[None, :]
+        m_k = tl.load(at, mask=live_k, other=NEG_INF)
+        s_k = tl.load(at + plane, mask=live_k, other=0.0)
         if not TARGET_DOT:
-            z_t += tl.load(at + 2 * plane, mask=ok, other=0.0)
+            z_t += tl.sum(tl.load(at + 2 * plane, mask=live_k, other=0.0), axis=0)
         live = m_k > NEG_INF  # an empty slice (no V tiles) contributes nothing
-        delta = tl.where(live, m_k - m, 0.0)
+        delta = tl.where(live, m_k - m[None, :], 0.0)
         alpha = tl.where(live, tl.exp2(delta), 0.0)
-        s += alpha * s_k
+        s += tl.sum(alpha * s_k, axis=0)
         if WITH_ENTROPY:
-            ent += alpha * (tl.load(at + 3 * plane, mask=ok, other=0.0) + delta * s_k)
+            ent += tl.sum(alpha * (tl.load(at + 3 * plane, mask=live_k, other=0.0) + delta * s_k), axis=0)
     log_s = tl.log2(s)
     lse = m + log_s
     target = tl.load(t_ptr + rows, mask=ok, other=ignore_index)
