@@ -15,11 +15,13 @@ The Triton kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` in `la
 `op` is that template rendered and imported (module constants BLOCK_N, BLOCK_V, BLOCK_D,
 NUM_WARPS, NUM_STAGES, SPLIT_V plus the kernels), or a `CudaForward`: a CUDA variant's
 forward-partials kernel (cuda_sm90a.cu.j2: TMA + mbarrier + warp-specialised WGMMA;
-cuda_sm80.cu.j2: cp.async + ldmatrix + mma.sync, also built for sm_90) paired with a Triton
-module that supplies the combine and the backward. Dispatch takes the forward the tuning
-table names for the device, dtype and (N, D, V) bucket, else the CUDA variants whose arch
-runs on the device first; inputs they cannot take (D % 8 != 0, pointers off 16-byte
-alignment) run the Triton forward of the same pair. The backward's Triton kernels are
+cuda_sm80.cu.j2: cp.async + ldmatrix + mma.sync, also built for sm_90; cuda_gemv.cu.j2, the
+`kernel: gemv` variants: N <= 16 rows, the weight streamed once into mma.sync registers) with
+its own combine, paired with a Triton module that supplies the backward. Dispatch takes the
+forward the tuning table names for the device, dtype and (N, D, V) bucket, else the CUDA
+variants whose arch runs on the device first; inputs they cannot take (D % 8 != 0, pointers
+off 16-byte alignment, more rows than a gemv variant's block_m) run the Triton forward of the
+same pair. The backward's Triton kernels are
 always spec order's.
 
 Outputs are float32: logp [N], and optionally the entropy [N] of the tempered softmax.

@@ -12,14 +12,15 @@ Forward (O(N) extra memory, the N x V logits never exist):
      running max, sum of exp, sum of exp * (z - max). Per logit the fold is one FMA,
      z = acc * scale + colterm[j] (colterm: bias * scale, or -1e30 past V), then max,
      exp2 and sums; no target compare.
-  2. `linear_logp_combine_kernel`, grid cdiv(N, 16), merges the `splits` partials and takes
-     the target logit as one float32 gather-dot (hidden[i] . weight[target[i]] + bias) *
-     scale per non-ignored row (2 * D * elsize bytes a row). Exception: float32 inputs
+  2. `linear_logp_combine_kernel`, grid cdiv(N, 16), merges the `splits` partials (32 a
+     step) and takes the target logit as one float32 gather-dot (hidden[i] .
+     weight[target[i]] + bias) * scale per non-ignored row (2 * D * elsize bytes a row). Exception: float32 inputs
      under TF32 keep the target logit in the fwd fold (a fourth partial, summed by the
      combine), so that it is rounded like the logits; see _target_in_tile.
-  The CUDA forwards write all four partials, target logit included; their own combine
-  (combine.cuh.j2, the same contract) runs in the same launcher call, after them on the
-  stream: one host call for the forward.
+  The CUDA forwards (tiled, or at N <= 16 the weight-streaming gemv kernel) write all four
+  partials, target logit included; their own combine (combine.cuh.j2, the same contract,
+  one warp a row) runs in the same launcher call, after them on the stream: one host call
+  for the forward.
   Extra memory: 16 * splits * N bytes of partials, and 8 * N bytes (lse, E[z]) saved.
 
 Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
