@@ -47,7 +47,7 @@ def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
 _GEMV_WEIGHT_REGS = 64
 
 
-def _check_gemv(arch: str, k: Mapping[str, Any]):
+def _check_gemv(arch: str, dtype: str, k: Mapping[str, Any]):
     """The small-N kernel's rules (kgen/templates/linear_logp/cuda_gemv.cu.j2)."""
     problems = []
     if arch == "sm_90a":
@@ -55,8 +55,8 @@ def _check_gemv(arch: str, k: Mapping[str, Any]):
     if k["block_m"] not in (8, 16):
         problems.append(("block_m", f"block_m={k['block_m']}: the gemv kernel takes N up to 8 or 16 rows (one or "
                                     "two 8-row MMA column groups; 32 needed a stack)"))
-    if k["block_n"] % 16 or not 16 <= k["block_n"] <= 512:
-        problems.append(("block_n", f"block_n={k['block_n']} must be 16 vocabulary rows a warp, 1 to 32 warps"))
+    if k["block_n"] % 16:
+        problems.append(("block_n", f"block_n={k['block_n']} must be a multiple of 16: 16 vocabulary rows a warp"))
     regs = (1 if k["ring"] else 2) * k["stages"] * (k["block_k"] // 32) * 8
     if regs > _GEMV_WEIGHT_REGS:
         problems.append(("stages", f"{k['stages']} steps of {k['block_k']} columns in flight take {regs} registers "
@@ -64,7 +64,7 @@ def _check_gemv(arch: str, k: Mapping[str, Any]):
     for name, want in (("consumers", 1), ("cluster", 1), ("hidden_stages", 0)):
         if k[name] != want:
             problems.append((name, f"{name}={k[name]}: the gemv kernel takes {want}"))
-    smem = _cuda_smem(arch, "bfloat16", k)
+    smem = _cuda_smem(arch, dtype, k)
     if smem > _SMEM_LIMIT[arch]:
         problems.append(("ring", f"{k['ring']} trips of weight a warp need {smem} bytes of shared memory, above "
                                  f"{arch}'s {_SMEM_LIMIT[arch]}-byte limit"))
@@ -78,7 +78,7 @@ def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
         problems.append(("dtypes", f"the CUDA kernels take 16-bit operands (bfloat16, float16), not {dtype}; "
                                    "float32 inputs use the Triton variants"))
     if k["kernel"] == "gemv":
-        return problems + _check_gemv(arch, k)
+        return problems + _check_gemv(arch, dtype, k)
     bm, bn, bk, c = k["block_m"], k["block_n"], k["block_k"], k["consumers"]
     if k["ring"]:
         problems.append(("ring", "ring is a gemv knob: the tiled kernels have their own rings (stages)"))
