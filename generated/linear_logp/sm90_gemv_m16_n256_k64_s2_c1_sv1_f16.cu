@@ -274,9 +274,14 @@ struct SoftmaxRow {
 
   // Merge the quad's four states (butterfly): afterwards every lane holds the row's state,
   // equal across lanes up to rounding (callers store one lane's).
-  __device__ __forceinline__ void reduce_quad() {
+  __device__ __forceinline__ void reduce_quad() { reduce_lanes<1, 2>(); }
+
+  // The same butterfly over the lanes whose ids differ in bits FIRST..LAST (powers of two):
+  // <1, 2> a quad, <4, 16> the 8 lanes of a quad position.
+  template <int FIRST, int LAST>
+  __device__ __forceinline__ void reduce_lanes() {
 #pragma unroll
-    for (int d = 1; d <= 2; d <<= 1) {
+    for (int d = FIRST; d <= LAST; d <<= 1) {
       SoftmaxRow o;
       o.m = __shfl_xor_sync(0xffffffffu, m, d);
       o.s = __shfl_xor_sync(0xffffffffu, s, d);
@@ -620,15 +625,7 @@ linear_logp_fwd_gemv(const T* __restrict__ hidden, const T* __restrict__ weight,
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       kgen::SoftmaxRow& st = state[h][e];
-#pragma unroll
-      for (int d = 4; d <= 16; d <<= 1) {
-        kgen::SoftmaxRow o;
-        o.m = __shfl_xor_sync(0xffffffffu, st.m, d);
-        o.s = __shfl_xor_sync(0xffffffffu, st.s, d);
-        o.ent = __shfl_xor_sync(0xffffffffu, st.ent, d);
-        o.zt = __shfl_xor_sync(0xffffffffu, st.zt, d);
-        st.merge(o);
-      }
+      st.reduce_lanes<4, 16>();
       if (g == 0) scratch[warp][8 * h + 2 * t + e] = make_float4(st.m, st.s, st.ent, st.zt);
     }
   __syncthreads();

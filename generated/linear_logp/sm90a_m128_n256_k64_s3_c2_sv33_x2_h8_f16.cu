@@ -473,9 +473,14 @@ struct SoftmaxRow {
 
   // Merge the quad's four states (butterfly): afterwards every lane holds the row's state,
   // equal across lanes up to rounding (callers store one lane's).
-  __device__ __forceinline__ void reduce_quad() {
+  __device__ __forceinline__ void reduce_quad() { reduce_lanes<1, 2>(); }
+
+  // The same butterfly over the lanes whose ids differ in bits FIRST..LAST (powers of two):
+  // <1, 2> a quad, <4, 16> the 8 lanes of a quad position.
+  template <int FIRST, int LAST>
+  __device__ __forceinline__ void reduce_lanes() {
 #pragma unroll
-    for (int d = 1; d <= 2; d <<= 1) {
+    for (int d = FIRST; d <= LAST; d <<= 1) {
       SoftmaxRow o;
       o.m = __shfl_xor_sync(0xffffffffu, m, d);
       o.s = __shfl_xor_sync(0xffffffffu, s, d);
