@@ -314,6 +314,42 @@ def test_dispatch_takes_the_tuned_winner_and_devices_do_not_mix(tables):
     assert why != "tuned"
 
 
+def test_a_winner_that_cannot_take_the_shape_gives_way_to_its_buckets_runner_up(tables, monkeypatch):
+    # a variant built for part of a bucket's range (linear_logp's gemv kernel: N <= 16) must
+    # not serve a call it cannot take: the same entry's next-best candidate that can does
+    a, b, c = _triton_f32()[:3]
+    monkeypatch.setattr(fba, "variant_fits", lambda v, shape: v.name != b.name or shape["rows"] < 8, raising=False)
+    bucket = fba.tune_bucket(**SHAPE)
+    times = {a.name: 2.0, b.name: 1.0, c.name: 1.5, tune.REFERENCE: 1.8}
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): {"winner": b.name, "times_us": times}})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, SHAPE)
+    assert (kernel.name, why) == (b.name, "tuned")  # rows 3: the winner takes it
+    big = {**SHAPE, "rows": 9}
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, big)
+    assert kernel.name == c.name and why == f"tuned, runner-up ({b.name} does not take the shape)"
+    # the reference, when it is the runner-up
+    times[c.name] = 3.0
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): {"winner": b.name, "times_us": times}})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, big)
+    assert kernel is None and why.startswith("tuned, runner-up")
+    # a nearby bucket's entry, carried over, gives way the same way
+    near = fba.tune_bucket(17, 40, True)
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", near, {**SHAPE, "rows": 17})
+    assert kernel is None and why == f"tuned nearby ({bucket}), runner-up ({b.name} does not take the shape)"
+
+
+def test_linear_logp_gemv_variants_fit_up_to_block_m_rows():
+    vs = dispatch.shipped_spec("linear_logp").variants
+    gemv = [v for v in vs if v.params.get("kernel") == "gemv"]
+    tiled = [v for v in vs if v.backend == "cuda" and v.params.get("kernel") != "gemv"]
+    assert gemv and tiled
+    for v in gemv:
+        m = v.params["block_m"]
+        assert llp.variant_fits(v, {"N": m, "D": 64, "V": 100})
+        assert not llp.variant_fits(v, {"N": m + 1, "D": 64, "V": 100})
+    assert all(llp.variant_fits(v, {"N": 5000, "D": 64, "V": 100}) for v in tiled + [v for v in vs if v.backend == "triton"])
+
+
 def test_nearest_bucket():
     def entries(*buckets):
         return {tune.key("f", FAKE_DEVICE, "float32", b): _entry(b) for b in buckets}

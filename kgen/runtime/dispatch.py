@@ -233,14 +233,18 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     winner, why = (entry["winner"], "tuned") if entry else (None, None)
     if winner is None and shape is not None and tune.autotune_enabled():
         winner, why = tune.tune_online(family, device, dtype, shape), "autotuned"
+        entry = tune.lookup(k)
     if winner is None:
         near = tune.nearest(k)
         if near is not None and tune.transfers(near[1]):
-            winner, why = near[1]["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
+            entry = near[1]
+            winner, why = entry["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
+    fits = _fits(family, shape)
+    if winner not in (None, tune.REFERENCE) and fits is not None and entry is not None:
+        winner, why = _runner_up(family, dtype, device, entry, winner, why, fits)
     if winner == tune.REFERENCE:
         return None, why
     if winner is not None:
-        fits = _fits(family, shape)
         match = [v for v in runnable(family, dtype, device) if v.name == winner and (fits is None or fits(v))]
         if not match:
             log.warning("kgen: the tuned winner %s for %s %s [%s] is not a variant of the specs dispatch "
@@ -254,6 +258,22 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
                             str(e).splitlines()[0])
     kernel = select(family, device, dtype, shape=shape)
     return kernel, "spec order" if kernel is not None else "fallback"
+
+
+def _runner_up(family: str, dtype: str, device, entry: dict, winner: str, why: str, fits):
+    """(winner, why) where the bucket's winner takes the call's shape; else the candidate of
+    the same entry with the least worst slowdown there (`tune.worst_slowdowns`) that does —
+    a variant built for part of a bucket's range (linear_logp's gemv kernel: N <= 16) serves
+    a shape it cannot take, e.g. N = 24 through the N <= 16 bucket nearby — and why says so."""
+    from kgen.runtime import tune
+
+    known = {v.name: v for v in runnable(family, dtype, device)}
+    if winner not in known or fits(known[winner]):
+        return winner, why
+    for name, _ in sorted(tune.worst_slowdowns(entry).items(), key=lambda kv: kv[1]):
+        if name == tune.REFERENCE or (name in known and fits(known[name])):
+            return name, f"{why}, runner-up ({winner} does not take the shape)"
+    return winner, why
 
 
 def choose_logged(family: str, device, dtype: str, bucket: str, shape: dict | None = None):

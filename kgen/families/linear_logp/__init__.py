@@ -50,6 +50,6 @@ from kgen.families.linear_logp.plans import (
     COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _precision, _target_in_tile, _tma,
     combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits, wave_splits)
 from kgen.families.linear_logp.reference import reference, reference_backward, reference_dz
-from kgen.families.linear_logp.schema import SCHEMA, TEMPLATES, template_context, triton_aot
+from kgen.families.linear_logp.schema import SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits
 # Registers torch.ops.kgen.linear_logp_dist(_backward) (group=...; imports op).
 from kgen.families.linear_logp import dist  # noqa: E402,F401  isort: skip

@@ -188,6 +188,14 @@ SCHEMA = Schema(
 TEMPLATES = {"triton": "linear_logp/triton.py.j2", "cuda": "linear_logp/cuda.cu.j2"}
 
 
+def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
+    """Whether `variant` can run a forward of `shape` ({"N", "D", "V"}) itself: the gemv
+    kernel takes at most block_m rows (dispatch then takes the bucket's runner-up instead
+    of letting the variant hand the call to its Triton companion)."""
+    p = variant.params
+    return p.get("kernel") != "gemv" or shape["N"] <= p["block_m"]
+
+
 def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda" and p["kernel"] == "gemv":
