@@ -98,6 +98,20 @@ def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dispatch_serves_every_row_count_with_a_variant_that_takes_it(dtype):
+    # the gemv kernel takes N <= block_m: a bucket (or a nearby one) whose winner it is must
+    # not serve more rows through it (dispatch takes the entry's runner-up instead)
+    dev = torch.device("cuda")
+    for D, V in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257), (700, 5000)):
+        for N in (1, 5, 9, 16, 17, 24, 32, 33, 48, 64, 100):
+            llp._MODULES.clear()
+            impl = llp._module(dev, dtype, (N, D, V))
+            if isinstance(impl, launch.CudaForward):
+                assert not impl.gemv or N <= impl.block_m, (N, D, V, impl.name)
+    llp._MODULES.clear()
+
+
 def test_split_v_invariance_on_gpu():
     h, w, b, t = _inputs(517, 50257, 1024, torch.bfloat16, seed=7)
     outs = []
