@@ -60,7 +60,7 @@ import triton
 SHAPES = [(4096, 2048, 151936), (8192, 4096, 128256)]
 # Environment: KGEN_BENCH_LLP_SHAPES="N,D,V;N,D,V" replaces SHAPES; KGEN_BENCH_LLP_VARIANTS=0
 # leaves out the rows of the individual kgen variants (dispatch's choice stays);
-# KGEN_BENCH_LLP_NS="1,8,16" replaces the row counts of `--dispatch`.
+# KGEN_BENCH_LLP_NS="1,8,16" replaces the row counts of `--dispatch` (default: TUNE_SHAPES').
 
 
 def _shapes() -> list[tuple[int, int, int]]:
@@ -349,16 +349,19 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
 
 def dispatch_section(spec, quick) -> dict:
     """kgen's forward choice before (spec order) and after (tuning table) against the
-    fastest candidate and the cuBLAS GEMM hidden @ weight.T, N in {1, 8, 16, 64, 512, 4096}
-    (KGEN_BENCH_LLP_NS="1,8" replaces them)."""
+    fastest candidate and the cuBLAS GEMM hidden @ weight.T, at the tuner's probes
+    (TUNE_SHAPES: its (D, V) pairs, each at its row counts; KGEN_BENCH_LLP_NS="1,8" replaces
+    the row counts)."""
     from kgen.bench import dispatch_effect
+    from kgen.families.linear_logp import TUNE_SHAPES
 
     def peers(dtype, inp):
         h, w = inp["hidden"], inp["weight"]
         return {"GEMM": lambda: h @ w.T}
 
-    shapes = ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
-    ns = tuple(int(n) for n in os.environ.get("KGEN_BENCH_LLP_NS", "1,8,16,64,512,4096").split(","))
+    shapes = tuple(dict.fromkeys((s["D"], s["V"]) for s in TUNE_SHAPES))
+    default_ns = ",".join(str(n) for n in dict.fromkeys(s["N"] for s in TUNE_SHAPES))
+    ns = tuple(int(n) for n in os.environ.get("KGEN_BENCH_LLP_NS", default_ns).split(","))
     cases = [(d, {"N": n, "D": dd, "V": v}) for d in ("bfloat16", "float16")
              for dd, v in shapes[: 1 if quick else None] for n in ns]
     return {"dispatch: spec order (before) vs tuning table (after), forward": dispatch_effect(

@@ -245,11 +245,15 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     if winner == tune.REFERENCE:
         return None, why
     if winner is not None:
-        match = [v for v in runnable(family, dtype, device) if v.name == winner and (fits is None or fits(v))]
-        if not match:
+        named = [v for v in runnable(family, dtype, device) if v.name == winner]
+        match = [v for v in named if fits is None or fits(v)]
+        if not named:
             log.warning("kgen: the tuned winner %s for %s %s [%s] is not a variant of the specs dispatch "
                         "knows; put its spec on KGEN_SPEC_PATH (or kgen.add_spec). Using spec order.",
                         winner, family, dtype, bucket)
+        elif not match:  # no candidate of its entry takes the shape either
+            log.info("kgen: the tuned winner %s for %s %s [%s] does not take %s; using spec order.",
+                     winner, family, dtype, bucket, shape)
         if match:
             try:
                 return load(match[0]), why
@@ -262,9 +266,10 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
 
 def _runner_up(family: str, dtype: str, device, entry: dict, winner: str, why: str, fits):
     """(winner, why) where the bucket's winner takes the call's shape; else the candidate of
-    the same entry with the least worst slowdown there (`tune.worst_slowdowns`) that does —
-    a variant built for part of a bucket's range (linear_logp's gemv kernel: N <= 16) serves
-    a shape it cannot take, e.g. N = 24 through the N <= 16 bucket nearby — and why says so."""
+    the same entry with the least worst slowdown there (`tune.worst_slowdowns`) that does, and
+    a `why` that says so. A variant built for part of a bucket's range (linear_logp's gemv
+    kernel: N <= 16) would otherwise be handed shapes it cannot take, e.g. N = 24 through the
+    nearby N <= 16 bucket."""
     from kgen.runtime import tune
 
     known = {v.name: v for v in runnable(family, dtype, device)}
