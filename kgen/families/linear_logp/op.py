@@ -92,7 +92,7 @@ TUNE_DIMS = ("N", "D", "V")
 TUNE_FREE_DIMS = ("N",)
 TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
                     for d, v in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
-                    for n in (1, 8, 16, 32, 64, 512, 4096))
+                    for n in (1, 8, 16, 32, 64, 128, 512, 4096))
 # The reference materialises float32 logits and their softmax: a candidate only where that
 # stays within the op's extra-memory promise (launch's docstring: < 64 MiB).
 _REFERENCE_TUNE_BYTES = 64 << 20
