@@ -60,7 +60,7 @@ import triton
 SHAPES = [(4096, 2048, 151936), (8192, 4096, 128256)]
 # Environment: KGEN_BENCH_LLP_SHAPES="N,D,V;N,D,V" replaces SHAPES; KGEN_BENCH_LLP_VARIANTS=0
 # leaves out the rows of the individual kgen variants (dispatch's choice stays);
-# KGEN_BENCH_LLP_NS="1,8,16" replaces the row counts of `--dispatch` (default: TUNE_SHAPES').
+# KGEN_BENCH_LLP_NS="1,8,16" replaces the row counts of `--dispatch` (default: TUNE_SHAPES' own).
 
 
 def _shapes() -> list[tuple[int, int, int]]:
