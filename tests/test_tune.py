@@ -336,6 +336,10 @@ def test_a_winner_that_cannot_take_the_shape_gives_way_to_its_buckets_runner_up(
     near = fba.tune_bucket(17, 40, True)
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", near, {**SHAPE, "rows": 17})
     assert kernel is None and why == f"tuned nearby ({bucket}), runner-up ({b.name} does not take the shape)"
+    # an entry that recorded no times (a hand-written table) names no runner-up: spec order
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): {"winner": b.name}})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, big)
+    assert why in ("spec order", "fallback") and (kernel is None or kernel.name != b.name)
 
 
 def test_linear_logp_gemv_variants_fit_up_to_block_m_rows():

@@ -273,8 +273,8 @@ def _runner_up(family: str, dtype: str, device, entry: dict, winner: str, why: s
     from kgen.runtime import tune
 
     known = {v.name: v for v in runnable(family, dtype, device)}
-    if winner not in known or fits(known[winner]):
-        return winner, why
+    if winner not in known or fits(known[winner]) or not all(p.get("times_us") for p in tune.probes(entry)):
+        return winner, why  # (an entry without times names no runner-up: spec order serves)
     for name, _ in sorted(tune.worst_slowdowns(entry).items(), key=lambda kv: kv[1]):
         if name == tune.REFERENCE or (name in known and fits(known[name])):
             return name, f"{why}, runner-up ({winner} does not take the shape)"
