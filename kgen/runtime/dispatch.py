@@ -220,8 +220,9 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     """The loaded variant an op runs for one shape bucket (None: the family's reference),
     and why: "forced", "tuned", "autotuned", "tuned nearby (<bucket>)" (the closest tuned
     bucket of the same device and dtype, where its winner clearly beat spec order), "spec
-    order" or "fallback". `shape` (the call's
-    dimensions) lets KGEN_AUTOTUNE tune an untuned bucket on the spot."""
+    order" or "fallback"; ", runner-up (...)" appended where the winner cannot take `shape`
+    (the call's dimensions, which also let KGEN_AUTOTUNE tune an untuned bucket on the
+    spot) and the same entry's next-best can (`_runner_up`)."""
     if device.type != "cuda":
         return None, "fallback"
     if os.environ.get("KGEN_VARIANT") or os.environ.get("KGEN_BACKEND"):
@@ -240,23 +241,24 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
             entry = near[1]
             winner, why = entry["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
     fits = _fits(family, shape)
-    if winner not in (None, tune.REFERENCE) and fits is not None and entry is not None:
-        winner, why = _runner_up(family, dtype, device, entry, winner, why, fits)
+    if winner not in (None, tune.REFERENCE):
+        known = {v.name: v for v in reversed(runnable(family, dtype, device))}  # a name's first listing
+        if fits is not None and entry is not None:
+            winner, why = _runner_up(entry, winner, why, known, fits)
     if winner == tune.REFERENCE:
         return None, why
     if winner is not None:
-        named = [v for v in runnable(family, dtype, device) if v.name == winner]
-        match = [v for v in named if fits is None or fits(v)]
-        if not named:
+        v = known.get(winner)
+        if v is None:
             log.warning("kgen: the tuned winner %s for %s %s [%s] is not a variant of the specs dispatch "
                         "knows; put its spec on KGEN_SPEC_PATH (or kgen.add_spec). Using spec order.",
                         winner, family, dtype, bucket)
-        elif not match:  # no candidate of its entry takes the shape either
+        elif fits is not None and not fits(v):  # no candidate of its entry takes the shape either
             log.info("kgen: the tuned winner %s for %s %s [%s] does not take %s; using spec order.",
                      winner, family, dtype, bucket, shape)
-        if match:
+        else:
             try:
-                return load(match[0]), why
+                return load(v), why
             except KgenError as e:
                 log.warning("kgen: tuned winner %s unavailable, using spec order: %s", winner,
                             str(e).splitlines()[0])
@@ -264,7 +266,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     return kernel, "spec order" if kernel is not None else "fallback"
 
 
-def _runner_up(family: str, dtype: str, device, entry: dict, winner: str, why: str, fits):
+def _runner_up(entry: dict, winner: str, why: str, known: dict, fits):
     """(winner, why) where the bucket's winner takes the call's shape; else the candidate of
     the same entry with the least worst slowdown there (`tune.worst_slowdowns`) that does, and
     a `why` that says so. A variant built for part of a bucket's range (linear_logp's gemv
@@ -272,7 +274,6 @@ def _runner_up(family: str, dtype: str, device, entry: dict, winner: str, why: s
     nearby N <= 16 bucket."""
     from kgen.runtime import tune
 
-    known = {v.name: v for v in runnable(family, dtype, device)}
     if winner not in known or fits(known[winner]) or not all(p.get("times_us") for p in tune.probes(entry)):
         return winner, why  # (an entry without times names no runner-up: spec order serves)
     for name, _ in sorted(tune.worst_slowdowns(entry).items(), key=lambda kv: kv[1]):

@@ -14,7 +14,7 @@ import torch
 
 from kgen.families.linear_logp import plans
 from kgen.families.linear_logp.plans import GROUP_BYTES, LOG2E, _cdiv, wave_splits
-from kgen.families.linear_logp.schema import _cuda_smem
+from kgen.families.linear_logp.schema import _cuda_smem, max_rows
 from kgen.runtime.streams import current_raw_stream
 
 # Which dz kernel the backward's chunks run on sm_90a variants without a bias
@@ -47,6 +47,7 @@ class CudaForward:
         # the small-N streaming kernel (cuda_gemv.cu.j2): one CTA covers all N <= block_m rows
         self.gemv = p.get("kernel") == "gemv"
         self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
+        self.max_rows = max_rows(p)  # the most rows its forward takes (None: any)
         self.name = kernel.name
         self._resident: dict[int, int] = {}
         self._splits: dict[tuple, int] = {}  # (N, V, device) -> the forward's splits
@@ -60,7 +61,7 @@ class CudaForward:
     def takes(self, hidden, weight, bias) -> bool:
         if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
             return False
-        if self.gemv and hidden.shape[0] > self.block_m:  # the small-N kernel's most rows
+        if self.max_rows is not None and hidden.shape[0] > self.max_rows:  # the gemv kernel's
             return False
         # TMA (sm_90a) reads the bias too; the sm_80 kernel reads it element by element.
         tensors = (hidden, weight, bias) if self.kernel.variant.arch == "sm_90a" else (hidden, weight)

@@ -188,12 +188,18 @@ SCHEMA = Schema(
 TEMPLATES = {"triton": "linear_logp/triton.py.j2", "cuda": "linear_logp/cuda.cu.j2"}
 
 
+def max_rows(params: Mapping[str, Any]) -> int | None:
+    """The most rows of hidden a variant's own forward takes: block_m for the gemv kernel
+    (one CTA covers all rows), None (any) for the others."""
+    return params["block_m"] if params.get("kernel") == "gemv" else None
+
+
 def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
-    """Whether `variant` can run a forward of `shape` ({"N", "D", "V"}) itself: the gemv
-    kernel takes at most block_m rows (dispatch then takes the bucket's runner-up instead
-    of letting the variant hand the call to its Triton companion)."""
-    p = variant.params
-    return p.get("kernel") != "gemv" or shape["N"] <= p["block_m"]
+    """Whether `variant` can run a forward of `shape` ({"N", "D", "V"}) itself (`max_rows`):
+    dispatch takes the bucket's runner-up instead of letting the variant hand the call to
+    its Triton companion."""
+    m = max_rows(variant.params)
+    return m is None or shape["N"] <= m
 
 
 def template_context(variant) -> dict:
