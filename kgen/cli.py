@@ -266,7 +266,10 @@ def _add_tune(sub) -> None:
     t.add_argument("--replace", action="store_true",
                    help="drop what the table holds for the buckets tuned (by default a bucket keeps its other "
                         "shapes' measurements of the same candidates, and its winner is chosen over all of them)")
-    t.add_argument("--show", action="store_true", help="print what the tables hold for this device")
+    t.add_argument("--show", action="store_true",
+                   help="print what the tables hold for this device (every device's without a GPU): per "
+                        "bucket the winner, its time and the runner-up; SPEC and --dtype narrow it")
+    t.add_argument("--times", action="store_true", help="with --show: every candidate's time, a column each")
     t.set_defaults(fn=cmd_tune)
 
 

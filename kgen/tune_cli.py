@@ -64,7 +64,45 @@ def _tables(console, title: str, rows: list[tuple[str, str, dict, str]]):
         _table(console, f"{title}, {dtype}", [r[1:] for r in rows if r[0] == dtype])
 
 
-def show(console, family: str | None) -> int:
+def _summary_row(e: dict) -> tuple[str, str, float | None, str, str]:
+    """One entry as (winner's us, runner-up, its slowdown, candidates, shapes): the winner's
+    time at the bucket's first shape, and the candidate the bucket would take without it —
+    the next by worst slowdown over its shapes (`tune.ranking`) — with its worst slowdown ÷
+    the winner's (below 1: the two tied and the tuner's rules gave it to the winner). "-"
+    (None) where the entry recorded no times (a hand-written one)."""
+    from kgen.runtime import tune
+
+    ps, winner = tune.probes(e), e["winner"]
+    times = e.get("times_us") or {}
+    if not all(p.get("times_us") for p in ps) or winner not in times:
+        return "-", "-", None, str(len(times) or "-"), str(len(ps))
+    worst = tune.worst_slowdowns(e)
+    runner = next((n for n in tune.ranking(e) if n != winner), None)
+    slower = worst[runner] / worst[winner] if runner and winner in worst else None
+    return _fmt_us(times[winner]), runner or "-", slower, str(len(times)), str(len(ps))
+
+
+def _summary(console, title: str, rows: list[tuple[str, list[str], dict]]):
+    """One row per bucket: (bucket, notes, entry)."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for col in ("bucket", "winner", "us", "runner-up", "slower", "candidates", "shapes", "note"):
+        t.add_column(col, justify="right" if col in ("us", "slower", "candidates", "shapes") else "left",
+                     overflow="fold")
+    for bucket, notes, e in rows:
+        us, runner, slower, cands, shapes = _summary_row(e)
+        if slower is not None and slower < 1:
+            notes = ["a tie: spec order or a re-timing chose", *notes]
+        t.add_row(bucket, e["winner"], us, runner, "-" if slower is None else f"{slower:.3f}x", cands, shapes,
+                  "; ".join(notes))
+    console.print(t)
+
+
+def show(console, family: str | None, dtypes=None, every_time: bool = False) -> int:
+    """What the tables hold for this GPU (every device's without one): by default one row a
+    bucket (winner, runner-up and its slowdown: readable at any width); `every_time`: every
+    candidate's time as columns, as `kgen tune` prints a run."""
     import torch
 
     from kgen.runtime import tune
@@ -73,17 +111,22 @@ def show(console, family: str | None) -> int:
     rows, stale = [], 0
     for k, e in sorted(tune.TABLES.entries().items()):
         fam, dev_name, sm, sms, dtype, bucket = k.split("|")
-        if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device):
+        if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device) \
+                or (dtypes and dtype not in dtypes):
             continue
         n = len(tune.probes(e))
-        notes = [f"{n} shapes; times: the first"] if n > 1 else []
+        notes = [f"{n} shapes; times: the first"] if n > 1 and every_time else []
         if not all("gpu_us" in p for p in tune.probes(e)):
             notes.append("no host timing: re-tune")
             stale += 1
-        rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"),
-                     bucket + (f" ({'; '.join(notes)})" if notes else ""), e.get("times_us", {}), e["winner"]))
+        rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"), bucket, notes, e))
     print(f"tuning tables: {tune.user_path()} over {tune.SHIPPED_DIR}/*.json; device: {device or 'all'}")
-    _tables(console, "tuned winners (us)", rows)
+    if every_time:
+        _tables(console, "tuned winners (us)", [(t, b + (f" ({'; '.join(ns)})" if ns else ""), e.get("times_us", {}),
+                                                 e["winner"]) for t, b, ns, e in rows])
+    else:
+        for title in dict.fromkeys(r[0] for r in rows):
+            _summary(console, f"tuned winners, {title}", [r[1:] for r in rows if r[0] == title])
     if stale:
         # entries timed before the tuner measured host cost (GPU time alone): where a call is
         # host-bound they can name a candidate whose launch costs the most (BENCHMARKS.md,
@@ -102,7 +145,10 @@ def run(args, console) -> int:
 
     if args.show:
         family = spec_mod.load(args.spec).family if args.spec else None
-        return show(console, family)
+        return show(console, family, args.dtype, args.times)
+    if args.times:
+        print("kgen tune: --times goes with --show", file=sys.stderr)
+        return 2
     if not args.spec:
         print("kgen tune: give a SPEC (or --show)", file=sys.stderr)
         return 2

@@ -628,3 +628,32 @@ def test_tune_show_marks_entries_timed_without_host_cost(tables, capsys):
     assert cli.main(["tune", "--show"]) == 0
     out = capsys.readouterr().out
     assert out.count("no host timing") == 1 and "1 of 2 entries were timed without" in out
+
+
+def test_tune_show_one_row_a_bucket_and_every_time_on_request(tables, capsys):
+    """`kgen tune --show`: per bucket the winner, its time, the runner-up and how much slower
+    it is (readable however many candidates a family has); `--times` every candidate's time
+    as a column; SPEC and --dtype narrow what is shown."""
+    from kgen import cli
+
+    a, b, c = "sm90_a", "sm90_b", "sm90_c"
+    k = tune.key("fused_bias_act", FAKE_DEVICE, "float32", "rows<=4.cols<=64.vec16.y")
+    times = {a: 5.0, b: 4.0, c: 4.6, "reference": 9.0}
+    tune.record({k: {"winner": b, "times_us": times, "gpu_us": dict(times)},
+                 tune.key("fused_bias_act", FAKE_DEVICE, "bfloat16", "rows<=4.cols<=64.vec16.y"):
+                     {"winner": a, "times_us": {a: 1.0}, "gpu_us": {a: 1.0}},
+                 tune.key("linear_logp", FAKE_DEVICE, "float32", "N<=1.D<=64.V<=128"): {"winner": c}})
+    assert cli.main(["tune", "--show", "kgen/specs/fused_bias_act.yaml", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if "rows<=4.cols<=64.vec16.y" in line)
+    cells = [x.strip() for x in row.strip("│ ").split("│")]
+    assert cells[:7] == ["rows<=4.cols<=64.vec16.y", b, "4.0", c, "1.150x", "4", "1"]
+    assert "bfloat16" not in out and "linear_logp" not in out and "sm90_a" not in out
+    assert cli.main(["tune", "--show", "--times"]) == 0
+    out = capsys.readouterr().out
+    assert all(n in out for n in (a, b, c)) and "linear_logp" in out and "9.0" in out
+    # an entry without times (a hand-written table) shows its winner and dashes
+    assert cli.main(["tune", "--show", "kgen/specs/linear_logp.yaml"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if "N<=1.D<=64.V<=128" in line)
+    assert [x.strip() for x in row.strip("│ ").split("│")][1:4] == [c, "-", "-"]
+    assert cli.main(["tune", "kgen/specs/fused_bias_act.yaml", "--times"]) == 2  # --times goes with --show
