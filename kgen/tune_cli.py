@@ -59,9 +59,11 @@ def _table(console, title: str, rows: list[tuple[str, dict, str]]):
     console.print(t)
 
 
-def _tables(console, title: str, rows: list[tuple[str, str, dict, str]]):
-    for dtype in dict.fromkeys(r[0] for r in rows):
-        _table(console, f"{title}, {dtype}", [r[1:] for r in rows if r[0] == dtype])
+def _tables(console, title: str, rows: list[tuple], table=None):
+    """`table` (default `_table`) once per distinct first field of `rows` (the dtype, or
+    family, dtype and device), given the rest of each of its rows."""
+    for group in dict.fromkeys(r[0] for r in rows):
+        (table or _table)(console, f"{title}, {group}", [r[1:] for r in rows if r[0] == group])
 
 
 def _summary_row(e: dict) -> tuple[str, str, float | None, str, str]:
@@ -76,8 +78,8 @@ def _summary_row(e: dict) -> tuple[str, str, float | None, str, str]:
     times = e.get("times_us") or {}
     if not all(p.get("times_us") for p in ps) or winner not in times:
         return "-", "-", None, str(len(times) or "-"), str(len(ps))
-    worst = tune.worst_slowdowns(e)
-    runner = next((n for n in tune.ranking(e) if n != winner), None)
+    worst = tune.worst_slowdowns(e)  # (tune.ranking's order)
+    runner = min((n for n in worst if n != winner), key=worst.get, default=None)
     slower = worst[runner] / worst[winner] if runner and winner in worst else None
     return _fmt_us(times[winner]), runner or "-", slower, str(len(times)), str(len(ps))
 
@@ -125,8 +127,7 @@ def show(console, family: str | None, dtypes=None, every_time: bool = False) -> 
         _tables(console, "tuned winners (us)", [(t, b + (f" ({'; '.join(ns)})" if ns else ""), e.get("times_us", {}),
                                                  e["winner"]) for t, b, ns, e in rows])
     else:
-        for title in dict.fromkeys(r[0] for r in rows):
-            _summary(console, f"tuned winners, {title}", [r[1:] for r in rows if r[0] == title])
+        _tables(console, "tuned winners", rows, _summary)
     if stale:
         # entries timed before the tuner measured host cost (GPU time alone): where a call is
         # host-bound they can name a candidate whose launch costs the most (BENCHMARKS.md,
