@@ -537,6 +537,54 @@ def test_gpu_golden_every_variant(v):
     assert 1 <= sum(_compiled(f) for f in _kernels(k.module)) <= before + n_widths
 
 
+def test_tune_runner_runs_the_variant_and_eager():
+    """The tuner's runner of a variant (on CPU: `forward`, no bound launch) writes fresh
+    outputs equal to the op's forward of that variant, bit for bit; the reference's runner is
+    the eager composition; a variant that does not take the widths is refused."""
+    from kgen.families.fused_mlp import launch
+
+    widths = (13, 512, 256, 64, 16)
+    inputs = fm.tune_inputs("cpu", "float32", 3, "-".join(map(str, widths)), "gelu", "sigmoid")
+    x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
+    k = dispatch.load(SPEC.variant("triton_13x512x256x64x16_m64_k64_w8_f32"))
+    run = fm.tune_runner(k, inputs)
+    a, b = run(), run()
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, b)
+    assert torch.equal(a, launch.forward(k.module, x, ws, bs, "gelu", "sigmoid")[0])
+    assert torch.equal(fm.tune_runner(None, inputs)(), fm.eager(x, ws, bs, "gelu", "sigmoid")[0])
+    with pytest.raises(ValueError, match="does not take widths"):
+        fm.tune_runner(dispatch.load(SPEC.variant("triton_367x512x256x1_m32_k64_w8_bf16")), inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["triton", "cuda"])
+def test_gpu_tune_runner_times_the_fast_path(monkeypatch, kind):
+    """The tuner times a variant as the op runs a repeated call (its eager fast path): a
+    Triton variant's runner launches through the bound replay (triton_launch counts a direct
+    launch a call, no plain one), a CUDA variant's through its bound launcher (CudaMLP.run,
+    the general path's, is not called); outputs bit-identical to `forward`'s."""
+    from kgen.families.fused_mlp import launch
+    from kgen.families.fused_mlp.cuda import CudaMLP
+    from kgen.runtime import triton_launch
+
+    widths = (13, 512, 256, 64, 16)
+    name = "triton_13x512x256x64x16_m32_k64_w8_bf16" if kind == "triton" else "sm90_13x512x256x64x16_c8_m16_w8_bf16"
+    v = SPEC.variant(name)
+    if kind == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("sm_90 code")
+    inputs = fm.tune_inputs("cuda", "bfloat16", 300, "-".join(map(str, widths)), "relu", "relu")
+    x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
+    k = dispatch.load(v)
+    run = fm.tune_runner(k, inputs)
+    want = launch.forward(fm.implementation(k, widths), x, ws, bs, "relu", "relu")[0]
+    before = dict(triton_launch.STATS)
+    monkeypatch.setattr(CudaMLP, "run", lambda *a, **kw: pytest.fail("the general path ran"))
+    outs = [run() for _ in range(3)]
+    assert all(torch.equal(o, want) for o in outs)
+    direct, plain = (triton_launch.STATS[s] - before[s] for s in ("direct", "plain"))
+    assert (direct, plain) == ((3, 0) if kind == "triton" else (0, 0))
+
+
 @pytest.mark.gpu
 def test_gpu_eager_dispatch_has_a_fast_path(monkeypatch):
     """Where dispatch gives a signature to the eager composition, the second inference call

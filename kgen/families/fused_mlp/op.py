@@ -71,16 +71,34 @@ def tune_inputs(device, dtype: str, B: int, widths, activation: str = "relu", la
 
 
 def tune_runner(kernel, inputs: dict):
-    """One inference forward of `kernel` (None: the eager composition)."""
+    """One inference forward of `kernel` (None: the eager composition, as the op's fast path
+    runs it for a signature eager won) into fresh outputs."""
     x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
     a, last = inputs["activation"], inputs["last_activation"]
     if kernel is None:
-        return lambda: eager(x, ws, bs, a, last)
+        return lambda: eager(x, ws, bs, a, last)[0]
     widths = (x.shape[1], *(w.shape[0] for w in ws))
     if not fits(kernel.params, widths):
         raise ValueError(f"{kernel.name} does not take widths {widths}")
-    mod = implementation(kernel, widths)
-    return lambda: launch.forward(mod, x, ws, bs, a, last)
+    return runner(implementation(kernel, widths), x, ws, bs, a, last)
+
+
+def runner(mod, x, weights, biases, activation: str, last_activation: str):
+    """() -> out: one forward of the implementation `mod` as the op runs it when called again
+    with this signature: its eager fast path (launch.direct, bound by one `forward` first)
+    where it has one, else `forward`. The tuner times this, so that a Triton variant's host
+    cost is the op's (a bound launch), not `forward`'s: timed through `forward`, the H200's
+    Triton variants of the bottom MLP at B <= 2048 paid ~29 us a call against 15 us of GPU
+    time and lost to a CUDA variant taking 28 us of GPU time (BENCHMARKS.md, twenty-eighth
+    session)."""
+    def plain():
+        return launch.forward(mod, x, weights, biases, activation, last_activation)[0]
+
+    if not x.is_cuda:
+        return plain
+    plain()
+    fast = launch.direct(mod, x, weights, biases, activation, last_activation)
+    return plain if fast is None else (lambda: fast(x, weights, biases))
 
 
 def implementation(kernel, widths: tuple, device=None):
