@@ -537,6 +537,33 @@ def test_gpu_golden_every_variant(v):
     assert 1 <= sum(_compiled(f) for f in _kernels(k.module)) <= before + n_widths
 
 
+def _untuned(widths, B, dtype="bfloat16"):
+    vs = [v for v in dispatch._ordered("fused_mlp", dtype, (9, 0)) if fm.variant_fits(v, {"widths": widths})]
+    return [v.name for v in fm.untuned_order(vs, {"B": B, "widths": "-".join(map(str, widths))})]
+
+
+def test_untuned_widths_keep_generic_variants_to_small_networks():
+    """Widths nothing was tuned for: the generic variants only while weights (and weights x
+    B) are small, smaller row tiles first up to B = 8192; none (the eager composition) for a
+    wide network; the exact variants for their widths, the CUDA cluster ones first only up
+    to B = 128, the Triton tiles by size."""
+    assert _untuned((1024, 4096, 1024), 256) == []  # 8.4 M weights
+    assert _untuned((784, 512, 512, 10), 256) == []  # 669 k
+    tiny = (32, 64, 64, 1)
+    assert _untuned(tiny, 300) == ["triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_bf16"]
+    assert _untuned(tiny, 65536) == ["triton_mw4096_m64_k64_w4_bf16", "triton_mw4096_m32_k64_w4_bf16"]
+    nerf = (63, 256, 256, 256, 256, 4)  # 214 k weights: small, but not at B = 65536
+    assert _untuned(nerf, 4096)[0] == "triton_mw4096_m32_k64_w4_bf16" and _untuned(nerf, 65536) == []
+    top = (367, 512, 256, 1)  # 319 k weights: the exact variants only
+    small, large = _untuned(top, 100), _untuned(top, 65536)
+    assert small[0].startswith("sm90_") and not any("mw4096" in n for n in small)
+    assert sorted(small) == sorted(large) and large[-1].startswith("sm90_")
+    tiles = [int(n.split("_m")[1].split("_")[0]) for n in large if n.startswith("triton_")]
+    assert tiles == sorted(tiles, reverse=True) and len(tiles) >= 2
+    assert [n for n in _untuned(top, 2048) if n.startswith("triton_")] == [n for n in reversed(large) if n.startswith("triton_")]
+    assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m64_k64_w8_f32"]
+
+
 def test_tune_runner_runs_the_variant_and_eager():
     """The tuner's runner of a variant (on CPU: `forward`, no bound launch) writes fresh
     outputs equal to the op's forward of that variant, bit for bit; the reference's runner is
@@ -596,11 +623,18 @@ def test_gpu_eager_dispatch_has_a_fast_path(monkeypatch):
     with torch.no_grad():
         first = ops.fused_mlp(x, ws, bs, activation="relu", last_activation="sigmoid")
         assert len(fm.op._FAST) == 1
-        calls = []
+        calls, real_op = [], fm.op._op
         monkeypatch.setattr(fm.op, "_op", lambda *a: calls.append(a))  # the op is not called again
         again = ops.fused_mlp(x, ws, bs, activation="relu", last_activation="sigmoid")
+        x3 = x.view(3, 100, x.shape[-1])  # a 3-D x: its own signature, reshaped around eager
+        monkeypatch.setattr(fm.op, "_op", real_op)
+        first3 = ops.fused_mlp(x3, ws, bs, activation="relu", last_activation="sigmoid")
+        monkeypatch.setattr(fm.op, "_op", lambda *a: calls.append(a))
+        again3 = ops.fused_mlp(x3, ws, bs, activation="relu", last_activation="sigmoid")
     assert not calls and torch.equal(first, again)
     assert torch.equal(first, fm.eager(x, ws, bs, "relu", "sigmoid")[0])
+    assert len(fm.op._FAST) == 2 and first3.shape == (3, 100, 1) and torch.equal(first3, again3)
+    assert torch.equal(first3.reshape(300, 1), first)
     monkeypatch.undo()
     xg = x.clone().requires_grad_()
     ops.fused_mlp(xg, ws, bs, activation="relu", last_activation="sigmoid").sum().backward()

@@ -342,6 +342,25 @@ def test_a_winner_that_cannot_take_the_shape_gives_way_to_its_buckets_runner_up(
     assert why in ("spec order", "fallback") and (kernel is None or kernel.name != b.name)
 
 
+def test_untuned_shapes_go_by_the_familys_rule(tables):
+    """Step 5 with a family's `untuned_order` (fused_mlp): its order, not spec order's, and
+    the reference where it leaves nothing; a tuned bucket still takes its winner."""
+    import kgen.families.fused_mlp as fm
+
+    def choose(widths, B):
+        shape = {"B": B, "widths": "-".join(map(str, widths))}
+        return dispatch.choose("fused_mlp", CUDA0, "bfloat16", fm.tune_bucket(**shape), shape)
+
+    assert choose((1024, 4096, 1024), 256) == (None, "untuned rule")  # spec order: a generic variant
+    kernel, why = choose((32, 64, 64, 1), 300)
+    assert (kernel.name, why) == ("triton_mw4096_m32_k64_w4_bf16", "untuned rule")
+    shape = {"B": 300, "widths": "1024-4096-1024"}
+    tune.record({tune.key("fused_mlp", FAKE_DEVICE, "bfloat16", fm.tune_bucket(**shape)):
+                 _entry("triton_mw4096_m64_k64_w4_bf16")})
+    kernel, why = choose((1024, 4096, 1024), 300)
+    assert (kernel.name, why) == ("triton_mw4096_m64_k64_w4_bf16", "tuned")
+
+
 def test_linear_logp_gemv_variants_fit_up_to_block_m_rows():
     vs = dispatch.shipped_spec("linear_logp").variants
     gemv = [v for v in vs if v.params.get("kernel") == "gemv"]

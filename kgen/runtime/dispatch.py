@@ -11,7 +11,9 @@ For one (family, device, dtype, shape bucket), most specific first:
    (`tune.transfers`).
 4. Spec order (nothing tuned for this device and dtype): CUDA variants whose arch runs on
    the device (exact arch before an older minor of the same major), then Triton variants;
-   the op falls back to its PyTorch reference when none can be built.
+   the op falls back to its PyTorch reference when none can be built. A family's optional
+   `untuned_order(variants, shape)` reorders or thins that list for the call's shape (an
+   empty list: the reference).
 Variants come from the family's shipped specs and the user's (KGEN_SPEC_PATH, add_spec).
 """
 
@@ -189,17 +191,41 @@ def select(family: str, device, dtype: str, backend: str | None = None,
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     fits = _fits(family, shape)
-    for v in candidates(family, dtype, capability, backend):
-        if fits is not None and not fits(v):
-            continue
+    kernel = _first_loadable(v for v in candidates(family, dtype, capability, backend) if fits is None or fits(v))
+    if kernel is None and os.environ.get("KGEN_VARIANT"):
+        raise KgenError(f"KGEN_VARIANT={os.environ['KGEN_VARIANT']} could not be built")
+    return kernel
+
+
+def _first_loadable(variants) -> loader.Kernel | None:
+    """The first of `variants` that builds and loads; each failure logged with its reason."""
+    for v in variants:
         try:
             return load(v)
         except KgenError as e:
             log.warning("kgen: %s unavailable, trying the next variant: %s", v.qualname,
                         str(e).splitlines()[0])
-    if os.environ.get("KGEN_VARIANT"):
-        raise KgenError(f"KGEN_VARIANT={os.environ['KGEN_VARIANT']} could not be built")
     return None
+
+
+def _untuned(family: str, device, dtype: str, shape: dict):
+    """Step 5 by the family's optional `untuned_order(variants, shape) -> variants`: the
+    variants that fit `shape`, in spec order, reordered or thinned for a shape nothing was
+    tuned for (an empty list: the reference). (kernel, why), or None without such a rule."""
+    from kgen.families import module_of
+
+    order = getattr(module_of(family), "untuned_order", None)
+    if order is None or shape is None:
+        return None
+    import torch
+
+    fits = _fits(family, shape)
+    capability = torch.cuda.get_device_capability(device)
+    chosen = order([v for v in candidates(family, dtype, capability) if fits is None or fits(v)], shape)
+    if not chosen:
+        return None, "untuned rule"
+    kernel = _first_loadable(chosen)
+    return kernel, "untuned rule" if kernel is not None else "fallback"
 
 
 def triton_companion(family: str, kernel: loader.Kernel, purpose: str) -> loader.Kernel:
@@ -220,7 +246,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     """The loaded variant an op runs for one shape bucket (None: the family's reference),
     and why: "forced", "tuned", "autotuned", "tuned nearby (<bucket>)" (the closest tuned
     bucket of the same device and dtype, where its winner clearly beat spec order), "spec
-    order" or "fallback"; ", runner-up (...)" appended where the winner cannot take `shape`
+    order", "untuned rule" (the family's `untuned_order`, in spec order's stead) or "fallback"; ", runner-up (...)" appended where the winner cannot take `shape`
     (the call's dimensions, which also let KGEN_AUTOTUNE tune an untuned bucket on the
     spot) and the same entry's next-best can (`_runner_up`)."""
     if device.type != "cuda":
@@ -262,6 +288,9 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
             except KgenError as e:
                 log.warning("kgen: tuned winner %s unavailable, using spec order: %s", winner,
                             str(e).splitlines()[0])
+    by_rule = _untuned(family, device, dtype, shape)
+    if by_rule is not None:
+        return by_rule
     kernel = select(family, device, dtype, shape=shape)
     return kernel, "spec order" if kernel is not None else "fallback"
 

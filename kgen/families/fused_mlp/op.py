@@ -120,6 +120,36 @@ def implementation(kernel, widths: tuple, device=None):
 
 # --------------------------------------------------------------------------- kernel choice
 
+# Where nothing was tuned for the widths (dispatch's step 5, in spec order's stead): the
+# exact variants built for them, and the generic ones only while the network is small. A
+# generic program runs every layer of its row tile in turn, so its time grows with the
+# weights and the rows a program walks: spec order's generic variant took 1669 us of GPU time
+# where eager took 18.8 (a 1024-4096-1024 FFN, bf16, B = 256), 121 against 17 (784-512-512-10),
+# and beat eager only up to ~2^18 weights (32-64-64-1: 4.8 against 14.4 us; 63-256x4-4 at
+# B <= 4096: 44 against eager's 105 us a call in a loop; H200, BENCHMARKS.md, twenty-eighth
+# session). The CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile:
+# first only up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs),
+# largest first beyond (the tuned tables' winners on both GPUs).
+UNTUNED_MAX_WEIGHTS = 1 << 18  # sum of w(i) * w(i+1)
+UNTUNED_MAX_WORK = 1 << 31  # the weights times B (rounded up to a power of two, as the bucket)
+UNTUNED_CLUSTER_B = 128
+UNTUNED_SMALL_TILES_B = 8192
+
+
+def untuned_order(variants, shape: dict) -> list:
+    """dispatch's hook for widths nothing was tuned for: `variants` (those that take the
+    widths, in spec order) to try in turn; none left means the eager composition."""
+    widths = widths_of(shape["widths"])
+    B = 1 << max(0, (int(shape["B"]) - 1).bit_length())
+    weights = sum(a * b for a, b in zip(widths, widths[1:]))
+    by_tile = {"key": lambda v: v.params["block_m"], "reverse": B > UNTUNED_SMALL_TILES_B}
+    cuda = [v for v in variants if v.backend == "cuda"]
+    exact = sorted((v for v in variants if v.backend == "triton" and v.params["widths"]), **by_tile)
+    generic = []
+    if weights <= UNTUNED_MAX_WEIGHTS and weights * B <= UNTUNED_MAX_WORK:
+        generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]), **by_tile)
+    return cuda + exact + generic if B <= UNTUNED_CLUSTER_B else exact + generic + cuda
+
 _FORCED = Override()
 # The eager fast path (`fused_mlp`): per exact call signature (_signature), the variant's
 # bound launcher (launch.direct), at most FAST_ENTRIES of them; the `using` blocks open in
@@ -232,11 +262,14 @@ def _remember(mod, x, weights, biases, activation, last_activation, widths=None)
     key = _signature(x, weights, biases, activation, last_activation)
     if key in _FAST:
         return
-    if mod is None:
+    if mod is None and x.dim() == 2:  # (the signature fixes x's shape) no reshapes: ~3 us a call
+        def f(x, weights, biases):
+            return eager(x, weights, biases, activation, last_activation)[0]
+    elif mod is None:
         w0, wl = widths[0], widths[-1]
 
         def f(x, weights, biases):
-            out = eager(x.reshape(-1, w0), weights, list(biases), activation, last_activation)[0]
+            out = eager(x.reshape(-1, w0), weights, biases, activation, last_activation)[0]
             return out.reshape(*x.shape[:-1], wl)
     else:
         f = launch.direct(mod, x, weights, biases, activation, last_activation)
