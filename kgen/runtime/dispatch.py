@@ -209,9 +209,10 @@ def _first_loadable(variants) -> loader.Kernel | None:
 
 
 def _untuned(family: str, device, dtype: str, shape: dict):
-    """Step 5 by the family's optional `untuned_order(variants, shape) -> variants`: the
-    variants that fit `shape`, in spec order, reordered or thinned for a shape nothing was
-    tuned for (an empty list: the reference). (kernel, why), or None without such a rule."""
+    """Spec order's step through the family's optional `untuned_order(variants, shape) ->
+    variants`: the variants that fit `shape`, in spec order, reordered or thinned for a shape
+    nothing was tuned for (an empty list: the reference). (kernel, why), or None where the
+    family has no such rule."""
     from kgen.families import module_of
 
     order = getattr(module_of(family), "untuned_order", None)
@@ -246,9 +247,10 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     """The loaded variant an op runs for one shape bucket (None: the family's reference),
     and why: "forced", "tuned", "autotuned", "tuned nearby (<bucket>)" (the closest tuned
     bucket of the same device and dtype, where its winner clearly beat spec order), "spec
-    order", "untuned rule" (the family's `untuned_order`, in spec order's stead) or "fallback"; ", runner-up (...)" appended where the winner cannot take `shape`
-    (the call's dimensions, which also let KGEN_AUTOTUNE tune an untuned bucket on the
-    spot) and the same entry's next-best can (`_runner_up`)."""
+    order", "untuned rule" (the family's `untuned_order`, in spec order's stead) or
+    "fallback"; ", runner-up (...)" appended where the winner cannot take `shape` (the
+    call's dimensions, which also let KGEN_AUTOTUNE tune an untuned bucket on the spot) and
+    the same entry's next-best can (`_runner_up`)."""
     if device.type != "cuda":
         return None, "fallback"
     if os.environ.get("KGEN_VARIANT") or os.environ.get("KGEN_BACKEND"):

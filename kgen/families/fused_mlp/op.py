@@ -120,7 +120,7 @@ def implementation(kernel, widths: tuple, device=None):
 
 # --------------------------------------------------------------------------- kernel choice
 
-# Where nothing was tuned for the widths (dispatch's step 5, in spec order's stead): the
+# Where nothing was tuned for the widths (dispatch's spec-order step, in its stead): the
 # exact variants built for them, and the generic ones only while the network is small. A
 # generic program runs every layer of its row tile in turn, so its time grows with the
 # weights and the rows a program walks: spec order's generic variant took 1669 us of GPU time
@@ -149,6 +149,7 @@ def untuned_order(variants, shape: dict) -> list:
     if weights <= UNTUNED_MAX_WEIGHTS and weights * B <= UNTUNED_MAX_WORK:
         generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]), **by_tile)
     return cuda + exact + generic if B <= UNTUNED_CLUSTER_B else exact + generic + cuda
+
 
 _FORCED = Override()
 # The eager fast path (`fused_mlp`): per exact call signature (_signature), the variant's
