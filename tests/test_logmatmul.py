@@ -261,6 +261,24 @@ def test_tune_hooks():
     assert lmm.tune_runner(None, inputs)().shape == (2, 8)
 
 
+def test_untuned_shapes_put_the_batchs_tile_first():
+    """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
+    at B = 16; from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
+    64 below 128, else 128), small weights the small-batch Triton form; the rest after it."""
+    vs = dispatch._ordered("logmatmul", "float32", (9, 0))
+
+    def order(B, N, K):
+        return lmm.untuned_order(vs, {"B": B, "N": N, "K": K})
+
+    assert order(8, 4096, 4096) == vs and order(16, 512, 512) == vs
+    for B, rows in ((16, 16), (32, 16), (64, 64), (127, 64), (128, 128), (4096, 128)):
+        first, *rest = order(B, 4096, 4096)
+        assert first.backend == "triton" and first.params["block_b"] == rows and first.params["dot"] != "none"
+        assert rest == [v for v in vs if v is not first]
+    first = order(64, 512, 512)[0]
+    assert first.backend == "triton" and first.params["dot"] == "none"
+
+
 def test_cuda_backward_chunks_cover_n_within_shared_memory():
     from kgen.families.logmatmul.plans import BWD_B, BWD_CUDA_SMEM, bwd_cuda_chunks
 

@@ -66,9 +66,7 @@ def _choose(device, dtype, B, N, K):
 
     name = str(dtype).removeprefix("torch.")
     dims = {"B": B, "N": N, "K": K}
-    kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
-    if why == "spec order" and B >= 16:
-        kernel = _by_batch(device, name, B, N, K) or kernel
+    kernel, _ = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
     if kernel is not None and kernel.backend == "cuda":
         companion = dispatch.select(FAMILY, device, name, backend="triton")
         return CudaForward(kernel, companion.module) if companion is not None else None
@@ -82,7 +80,14 @@ def _choose(device, dtype, B, N, K):
 SMALL_WEIGHTS = ((64, 1 << 22), (float("inf"), 1 << 20))
 
 
-def _by_batch(device, name: str, B: int, N: int, K: int):
+def untuned_order(variants, shape: dict) -> list:
+    """dispatch's hook where nothing is tuned for the shape: spec order, with `_by_batch`'s
+    variant first where it names one."""
+    first = _by_batch(variants, shape["B"], shape["N"], shape["K"])
+    return variants if first is None else [first, *(v for v in variants if v is not first)]
+
+
+def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs the first tl.dot variant whose rows per program
     match the batch (16 up to B = 32, 64 below 128, else 128) instead of spec order's
     small-batch form:
@@ -90,19 +95,17 @@ def _by_batch(device, name: str, B: int, N: int, K: int):
     89 us against 287 us at B = 64. Small weights (SMALL_WEIGHTS) take spec order at
     B = 16 (the CUDA kernel: it won B <= 16 at every tuned size) and the small-batch
     Triton form above it (an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
-    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session)."""
-    from kgen.runtime import dispatch
-
+    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session). None: spec order."""
+    if B < 16:
+        return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
     if small and B <= 16:
         return None
     rows = 16 if B <= 32 else 64 if B < 128 else 128
-    for v in dispatch.candidates(FAMILY, name, torch.cuda.get_device_capability(device), "triton"):
-        if (v.params["dot"] == "none") if small else (v.params["dot"] != "none" and v.params["block_b"] == rows):
-            try:
-                return dispatch.load(v)
-            except Exception:  # noqa: BLE001 - a variant that fails to build: spec order serves
-                return None
+    for v in variants:
+        if v.backend == "triton" and ((v.params["dot"] == "none") if small
+                                      else (v.params["dot"] != "none" and v.params["block_b"] == rows)):
+            return v
     return None
 
 
