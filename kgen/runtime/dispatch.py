@@ -187,14 +187,19 @@ def select(family: str, device, dtype: str, backend: str | None = None,
     """The first candidate for (device, dtype) that builds and loads (and, given the call's
     `shape`, that the family's `variant_fits` accepts); None means "use the reference".
     Each failure is logged once with its reason, then the next is tried."""
+    kernel = _first_loadable(_fitting(family, device, dtype, shape, backend))
+    if kernel is None and os.environ.get("KGEN_VARIANT"):
+        raise KgenError(f"KGEN_VARIANT={os.environ['KGEN_VARIANT']} could not be built")
+    return kernel
+
+
+def _fitting(family: str, device, dtype: str, shape: dict | None, backend: str | None = None) -> list:
+    """`candidates` for `device` that the family's `variant_fits` accepts for `shape`."""
     import torch
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     fits = _fits(family, shape)
-    kernel = _first_loadable(v for v in candidates(family, dtype, capability, backend) if fits is None or fits(v))
-    if kernel is None and os.environ.get("KGEN_VARIANT"):
-        raise KgenError(f"KGEN_VARIANT={os.environ['KGEN_VARIANT']} could not be built")
-    return kernel
+    return [v for v in candidates(family, dtype, capability, backend) if fits is None or fits(v)]
 
 
 def _first_loadable(variants) -> loader.Kernel | None:
@@ -218,11 +223,7 @@ def _untuned(family: str, device, dtype: str, shape: dict):
     order = getattr(module_of(family), "untuned_order", None)
     if order is None or shape is None:
         return None
-    import torch
-
-    fits = _fits(family, shape)
-    capability = torch.cuda.get_device_capability(device)
-    chosen = order([v for v in candidates(family, dtype, capability) if fits is None or fits(v)], shape)
+    chosen = order(_fitting(family, device, dtype, shape), shape)
     if not chosen:
         return None, "untuned rule"
     kernel = _first_loadable(chosen)
