@@ -4,9 +4,9 @@ The family's modules: `schema` (knobs, variant rules, which widths a variant tak
 template context: an exact variant's plan of steps and kernels), `reference` (activations,
 the eager composition, the float64 oracle, the backward's per-layer GEMMs), `checks`
 (arguments), `launch` (how the Triton forward runs and the backward: its docstring), `cuda`
-(the CUDA cluster variant's forward beside its Triton companion), `op`
-(kernel choice, tuning hooks, the torch.library ops with autograd, `fused_mlp`, golden
-numerics), `train` (the eager training fast path), `fused_backward` (its backward on CUDA:
+(the CUDA cluster variant's forward beside its Triton companion), `tuning` (the tuning
+hooks, what the op runs for a variant, the order for untuned widths), `op` (kernel choice,
+the torch.library ops with autograd, `fused_mlp`, golden numerics), `train` (the eager training fast path), `fused_backward` (its backward on CUDA:
 every gradient in two or three Triton launches) and `module` (kgen.nn.FusedMLP). This module
 is the contract kgen's core reads.
 

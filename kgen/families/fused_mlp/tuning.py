@@ -1,0 +1,147 @@
+"""fused_mlp's tuning hooks (buckets, inputs, what the tuner times: `runner`, the op's own
+fast path), what the op runs for a loaded variant (`implementation`), and the order dispatch
+tries for widths nothing was tuned for (`untuned_order`). kgen's core reads them through the
+family package; `op` uses them to choose a kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from kgen.families.fused_mlp import launch
+from kgen.families.fused_mlp.cuda import CudaMLP
+from kgen.families.fused_mlp.reference import eager
+from kgen.families.fused_mlp.schema import fits, widths_of
+
+FAMILY = "fused_mlp"
+
+# --------------------------------------------------------------------------- tuning
+
+# Buckets: the exact widths (a flag: only the same widths compare) and B rounded up to a
+# power of two. The activations are not in the bucket: they are pointwise work in registers.
+TUNE_DIMS = ("B", "widths")
+# Rows beyond the tuned ones (B > 65536) take the nearest tuned bucket's winner however many
+# they are (tune.nearest): the largest tuned B's, not spec order's first (an exact CUDA
+# variant, 2-7x slower than the Triton tiles from B = 16384).
+TUNE_FREE_DIMS = ("B",)
+DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
+TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last}
+                    for w, last in ((DLRM_TOP, "sigmoid"), (DLRM_BOTTOM, "relu"))
+                    for b in (128, 2048, 16384, 65536))
+
+
+def tune_bucket(B: int, widths, precision: str | None = None, **_) -> str:
+    """Widths, B rounded up to a power of two, and for float32 the dot precision (TF32 on
+    or off: different kernels, and eager's own matmuls change speed with it too)."""
+    w = "-".join(map(str, widths_of(widths)))
+    return f"w{w}.B<={1 << max(0, (B - 1).bit_length())}" + (f".{precision}" if precision else "")
+
+
+def bucket_extras(dtype: str) -> dict:
+    """float32's precision from torch.backends.cuda.matmul.allow_tf32 (launch.precision), a
+    part of its bucket; nothing for the 16-bit dtypes."""
+    return {"precision": launch.precision(torch.float32)} if dtype == "float32" else {}
+
+
+
+
+def make_inputs(device, dtype, B: int, widths, seed: int = 0, bias=True):
+    """x ~ N(0, 1) and nn.Linear's initialisation U(-1/sqrt(in), 1/sqrt(in)) for weights and
+    biases; `bias`: True, False or a per-layer list."""
+    widths = widths_of(widths)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, widths[0], generator=g)
+    ws, bs = [], []
+    for i in range(len(widths) - 1):
+        k = widths[i] ** -0.5
+        ws.append((torch.rand(widths[i + 1], widths[i], generator=g) * 2 - 1) * k)
+        on = bias[i] if isinstance(bias, (list, tuple)) else bias
+        bs.append((torch.rand(widths[i + 1], generator=g) * 2 - 1) * k if on else None)
+    to = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return to(x), [to(w) for w in ws], [to(b) for b in bs]
+
+
+def tune_inputs(device, dtype: str, B: int, widths, activation: str = "relu", last_activation: str = "none",
+                precision: str | None = None) -> dict:
+    x, ws, bs = make_inputs(device, getattr(torch, dtype), B, widths)
+    return {"x": x, "weights": ws, "biases": bs, "activation": activation, "last_activation": last_activation}
+
+
+def tune_runner(kernel, inputs: dict):
+    """One inference forward of `kernel` (None: the eager composition, as the op's fast path
+    runs it for a signature eager won) into fresh outputs."""
+    x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
+    a, last = inputs["activation"], inputs["last_activation"]
+    if kernel is None:
+        return lambda: eager(x, ws, bs, a, last)[0]
+    widths = (x.shape[1], *(w.shape[0] for w in ws))
+    if not fits(kernel.params, widths):
+        raise ValueError(f"{kernel.name} does not take widths {widths}")
+    return runner(implementation(kernel, widths), x, ws, bs, a, last)
+
+
+def runner(mod, x, weights, biases, activation: str, last_activation: str):
+    """() -> out: one forward of the implementation `mod` as the op runs it when called again
+    with this signature: its eager fast path (launch.direct, bound by one `forward` first)
+    where it has one, else `forward`. The tuner times this, so that a Triton variant's host
+    cost is the op's (a bound launch), not `forward`'s: timed through `forward`, the H200's
+    Triton variants of the bottom MLP at B <= 2048 paid ~29 us a call against 15 us of GPU
+    time and lost to a CUDA variant taking 28 us of GPU time (BENCHMARKS.md, twenty-eighth
+    session)."""
+    def plain():
+        return launch.forward(mod, x, weights, biases, activation, last_activation)[0]
+
+    if not x.is_cuda:
+        return plain
+    plain()
+    fast = launch.direct(mod, x, weights, biases, activation, last_activation)
+    return plain if fast is None else (lambda: fast(x, weights, biases))
+
+
+def implementation(kernel, widths: tuple, device=None):
+    """What the op runs for a loaded variant: a Triton variant's module, or a CUDA variant
+    with its Triton companion (spec order's first Triton variant that takes `widths`: it
+    serves the backward's forward and the inputs the CUDA kernel does not take)."""
+    if kernel.backend == "triton":
+        return kernel.module
+    from kgen.runtime import dispatch
+
+    device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    companion = dispatch.select(FAMILY, device, kernel.variant.dtype,
+                                backend="triton", shape={"B": 1, "widths": "-".join(map(str, widths))})
+    if companion is None:
+        raise RuntimeError(f"{FAMILY}: no Triton variant for {kernel.variant.dtype} widths {widths} could be built "
+                           f"to serve the backward of {kernel.name}")
+    return CudaMLP(kernel, companion.module)
+
+
+# --------------------------------------------------------------------------- kernel choice
+
+# Where nothing was tuned for the widths (dispatch's spec-order step, in its stead): the
+# exact variants built for them, and the generic ones only while the network is small. A
+# generic program runs every layer of its row tile in turn, so its time grows with the
+# weights and the rows a program walks: spec order's generic variant took 1669 us of GPU time
+# where eager took 18.8 (a 1024-4096-1024 FFN, bf16, B = 256), 121 against 17 (784-512-512-10),
+# and beat eager only up to ~2^18 weights (32-64-64-1: 4.8 against 14.4 us; 63-256x4-4 at
+# B <= 4096: 44 against eager's 105 us a call in a loop; H200, BENCHMARKS.md, twenty-eighth
+# session). The CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile:
+# first only up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs),
+# largest first beyond (the tuned tables' winners on both GPUs).
+UNTUNED_MAX_WEIGHTS = 1 << 18  # sum of w(i) * w(i+1)
+UNTUNED_MAX_WORK = 1 << 31  # the weights times B (rounded up to a power of two, as the bucket)
+UNTUNED_CLUSTER_B = 128
+UNTUNED_SMALL_TILES_B = 8192
+
+
+def untuned_order(variants, shape: dict) -> list:
+    """dispatch's hook for widths nothing was tuned for: `variants` (those that take the
+    widths, in spec order) to try in turn; none left means the eager composition."""
+    widths = widths_of(shape["widths"])
+    B = 1 << max(0, (int(shape["B"]) - 1).bit_length())
+    weights = sum(a * b for a, b in zip(widths, widths[1:]))
+    by_tile = {"key": lambda v: v.params["block_m"], "reverse": B > UNTUNED_SMALL_TILES_B}
+    cuda = [v for v in variants if v.backend == "cuda"]
+    exact = sorted((v for v in variants if v.backend == "triton" and v.params["widths"]), **by_tile)
+    generic = []
+    if weights <= UNTUNED_MAX_WEIGHTS and weights * B <= UNTUNED_MAX_WORK:
+        generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]), **by_tile)
+    return cuda + exact + generic if B <= UNTUNED_CLUSTER_B else exact + generic + cuda
