@@ -234,7 +234,7 @@ for v in variants:
                            target=GPUTarget("cuda", 90, 32), options=opts)
         (tmp / "k.cubin").write_bytes(c.asm["cubin"])
         (usage,) = toolchain.resource_usage(tmp / "k.cubin").values()
-        print(json.dumps({"name": v.name, "kernel": fn.__name__, "precision": const["PRECISION"], **usage,
+        print(json.dumps({"name": v.name, "kernel": fn.__name__, "precision": const.get("PRECISION"), **usage,
                           "shared": int(c.metadata.shared)}))
 """
 
@@ -258,6 +258,12 @@ def test_exact_variants_compile_without_stack_or_spills():
     r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, cases], capture_output=True, text=True, env=env, cwd=root)
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    pads = [row for row in rows if row["kernel"] == "pad_rows_kernel"]
+    rows = [row for row in rows if row["kernel"] != "pad_rows_kernel"]
+    # the weight pads: the shipped top-MLP variants reading a 368-wide copy of W0 (all but m128)
+    assert {row["name"] for row in pads if row["name"] in exact} == {
+        n for n in exact if n.startswith("triton_367x") and SPEC.variant(n).params["align"]}
+    assert all(row["local"] == 0 and row["stack"] == 0 for row in pads), pads
     f32 = [n for n in exact if n.endswith("_f32")]
     assert len(rows) == len(exact) + len(f32) + 2 * len(PLAN_CASES), rows
     assert {(row["name"], row["precision"]) for row in rows} >= {(n, p) for n in f32 for p in ("tf32", "tf32x3")}
@@ -560,7 +566,9 @@ def test_untuned_widths_keep_generic_variants_to_small_networks():
     assert sorted(small) == sorted(large) and large[-1].startswith("sm90_")
     tiles = [int(n.split("_m")[1].split("_")[0]) for n in large if n.startswith("triton_")]
     assert tiles == sorted(tiles, reverse=True) and len(tiles) >= 2
-    assert [n for n in _untuned(top, 2048) if n.startswith("triton_")] == [n for n in reversed(large) if n.startswith("triton_")]
+    mid = [n for n in _untuned(top, 2048) if n.startswith("triton_")]
+    assert sorted(mid) == sorted(n for n in large if n.startswith("triton_"))
+    assert [int(n.split("_m")[1].split("_")[0]) for n in mid] == sorted(tiles)  # ties: spec order
     assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m64_k64_w8_f32"]
 
 
@@ -814,6 +822,10 @@ def _faked(name):
     for k in _kernels(real):
         fakes[k.fn.__name__] = FakeTriton(k.fn, do_not_specialize=["B", "bias_mask", "act", "last_act", "save"])
         ns[k.fn.__name__] = fakes[k.fn.__name__].jit
+    if real.EXACT:  # the weight pads (WEIGHT_STRIDES)
+        ns.update(WEIGHT_STRIDES=real.WEIGHT_STRIDES, PAD_ROWS=real.PAD_ROWS)
+        fakes["pad_rows_kernel"] = FakeTriton(real.pad_rows_kernel.fn)
+        ns["pad_rows_kernel"] = fakes["pad_rows_kernel"].jit
     return SimpleNamespace(**ns), fakes
 
 
@@ -878,9 +890,14 @@ def _fast_path_case(monkeypatch, name, widths, bias, tf32, acts):
     # the scratch halves (general: slices of one buffer): the same offsets from a new buffer
     scratch = [i for i, a in enumerate(general[5]) if isinstance(a, torch.Tensor) and i > 1
                and a.data_ptr() not in {t.data_ptr() for t in (x, *ws, *(b for b in bs if b is not None))}]
-    assert bool(scratch) == (kname.endswith("x3") or not mod.EXACT)
+    padded = [i for i, w in enumerate(ws) if mod.EXACT and mod.WEIGHT_STRIDES[i] != w.shape[1]]
+    assert padded == ([0] if widths[0] == 367 else [])  # W0's 734-byte rows: a 368-wide copy
+    assert bool(scratch) == (kname.endswith("x3") or not mod.EXACT or bool(padded))
     for i in scratch:
         assert args[i] - args[scratch[0]] == want[i] - want[scratch[0]]
+    for i in padded:  # pad_rows replayed first: this call's weight into this call's scratch
+        pad = fakes["pad_rows_kernel"].launches[-1]
+        assert pad[0] == "direct" and pad[5][:2] == (ws[i].data_ptr(), args[4 + 3 * i])
     same = [i for i in range(len(args)) if i != 1 and i not in scratch]
     assert [args[i] for i in same] == [want[i] for i in same]
     assert all(type(a) is not torch.Tensor for a in args)
@@ -946,7 +963,10 @@ def test_gpu_fast_path_bit_identical_graph_and_compile(widths, acts, dtype, tf32
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, bias=[i % 2 == 0 for i in range(len(widths) - 1)])
-    assert fm.module_for(x.device, dtype, widths, B).__class__.__name__ != "CudaMLP"  # a Triton variant runs
+    mod = fm.module_for(x.device, dtype, widths, B)
+    assert mod.__class__.__name__ != "CudaMLP"  # a Triton variant runs
+    # launches a call: a pad_rows for each weight read from a padded copy, then the forward
+    per_call = 1 + sum(s != w.shape[1] for s, w in zip(getattr(mod, "WEIGHT_STRIDES", ()), ws))
 
     def call(t):
         return ops.fused_mlp(t, ws, bs, activation=acts[0], last_activation=acts[1])
@@ -969,8 +989,10 @@ def test_gpu_fast_path_bit_identical_graph_and_compile(widths, acts, dtype, tf32
             n = tlaunch.STATS["direct"]
             with torch.cuda.graph(g):
                 captured = call(x)
-            assert tlaunch.STATS["direct"] == n + 1  # the fast path was captured
+            assert tlaunch.STATS["direct"] == n + per_call  # the fast path was captured
             x.copy_(torch.randn_like(x))
+            for w in ws:  # weights changed in place: the replay's pads copy them again
+                w.neg_()
             g.replay()
             fm.op.FAST_PATH = False
             tlaunch.set_enabled(False)
@@ -986,7 +1008,7 @@ def test_gpu_fast_path_bit_identical_graph_and_compile(widths, acts, dtype, tf32
             try:
                 n = tlaunch.STATS["direct"]
                 assert torch.equal(call(x), captured)
-                assert len(seen) == 1 and tlaunch.STATS["direct"] == n  # Triton's launch ran, with its hook
+                assert len(seen) == per_call and tlaunch.STATS["direct"] == n  # Triton's launches ran, with its hook
             finally:
                 knobs.runtime.launch_enter_hook.remove(hook)
 

@@ -3,7 +3,7 @@
 # variant: fused_mlp/triton_13x512x256x64x16_m64_k64_w8_f16
 # backend: triton
 # dtype:   float16
-# knobs:   widths=(13, 512, 256, 64, 16), max_width=0, block_m=64, block_k=64, num_warps=8, num_stages=2
+# knobs:   widths=(13, 512, 256, 64, 16), max_width=0, block_m=64, block_k=64, block_n=0, num_warps=8, num_stages=2, align=1
 #
 # fused_mlp: out = act_L(... act(x @ W0.T + b0) ... @ W(L-1).T + b(L-1)) in one launch.
 # The host side (checks, scratch, autograd) is the package kgen/families/fused_mlp/.
@@ -75,6 +75,21 @@ MAX_WIDTH = 0
 MAX_LAYERS = 8
 
 SCRATCH_WIDTH = 0
+# each layer's weight row stride (schema.weight_strides): a weight whose rows are shorter
+# is read from a zero-padded copy pad_rows_kernel makes each call (launch._plan)
+WEIGHT_STRIDES = [13, 512, 256, 64]
+PAD_ROWS = 16
+
+
+@triton.jit
+def pad_rows_kernel(src_ptr, dst_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, KP: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    # dst [N, KS] = src [N, K] with zero columns K..KS-1: the forward's loads of it are then
+    # whole 16-byte vectors (its K mask runs to KS); KP: KS's power of two
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, KP)
+    v = tl.load(src_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    tl.store(dst_ptr + n[:, None] * KS + k[None, :], v, mask=(n[:, None] < N) & (k[None, :] < KS))
 
 
 

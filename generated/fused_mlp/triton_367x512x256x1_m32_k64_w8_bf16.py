@@ -3,7 +3,7 @@
 # variant: fused_mlp/triton_367x512x256x1_m32_k64_w8_bf16
 # backend: triton
 # dtype:   bfloat16
-# knobs:   widths=(367, 512, 256, 1), max_width=0, block_m=32, block_k=64, num_warps=8, num_stages=2
+# knobs:   widths=(367, 512, 256, 1), max_width=0, block_m=32, block_k=64, block_n=0, num_warps=8, num_stages=2, align=1
 #
 # fused_mlp: out = act_L(... act(x @ W0.T + b0) ... @ W(L-1).T + b(L-1)) in one launch.
 # The host side (checks, scratch, autograd) is the package kgen/families/fused_mlp/.
@@ -74,6 +74,21 @@ MAX_WIDTH = 0
 MAX_LAYERS = 8
 
 SCRATCH_WIDTH = 0
+# each layer's weight row stride (schema.weight_strides): a weight whose rows are shorter
+# is read from a zero-padded copy pad_rows_kernel makes each call (launch._plan)
+WEIGHT_STRIDES = [368, 512, 256]
+PAD_ROWS = 16
+
+
+@triton.jit
+def pad_rows_kernel(src_ptr, dst_ptr, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, KP: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    # dst [N, KS] = src [N, K] with zero columns K..KS-1: the forward's loads of it are then
+    # whole 16-byte vectors (its K mask runs to KS); KP: KS's power of two
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, KP)
+    v = tl.load(src_ptr + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+    tl.store(dst_ptr + n[:, None] * KS + k[None, :], v, mask=(n[:, None] < N) & (k[None, :] < KS))
 
 
 
@@ -109,17 +124,17 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
     for n0 in tl.range(0, 512, 64):
         nc0 = n0 + tl.arange(0, 64)
         acc0 = tl.zeros([BLOCK_M, 64], dtype=tl.float32)
-        w0_0 = tl.load(w0_ptr + nc0[None, :] * 367 + kc0_0[:, None])
+        w0_0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_0[:, None])
         acc0 = tl.dot(a0_0, w0_0, acc0, input_precision=PRECISION)
-        w0_1 = tl.load(w0_ptr + nc0[None, :] * 367 + kc0_1[:, None])
+        w0_1 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_1[:, None])
         acc0 = tl.dot(a0_1, w0_1, acc0, input_precision=PRECISION)
-        w0_2 = tl.load(w0_ptr + nc0[None, :] * 367 + kc0_2[:, None])
+        w0_2 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_2[:, None])
         acc0 = tl.dot(a0_2, w0_2, acc0, input_precision=PRECISION)
-        w0_3 = tl.load(w0_ptr + nc0[None, :] * 367 + kc0_3[:, None])
+        w0_3 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_3[:, None])
         acc0 = tl.dot(a0_3, w0_3, acc0, input_precision=PRECISION)
-        w0_4 = tl.load(w0_ptr + nc0[None, :] * 367 + kc0_4[:, None])
+        w0_4 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_4[:, None])
         acc0 = tl.dot(a0_4, w0_4, acc0, input_precision=PRECISION)
-        w0_5 = tl.load(w0_ptr + nc0[None, :] * 367 + kc0_5[:, None], mask=(kc0_5[:, None] < 367), other=0.0)
+        w0_5 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_5[:, None], mask=(kc0_5[:, None] < 368), other=0.0)
         acc0 = tl.dot(a0_5, w0_5, acc0, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc0 += tl.load(b0_ptr + nc0).to(tl.float32)[None, :]

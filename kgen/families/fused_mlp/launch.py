@@ -56,16 +56,18 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
         if not save and mod.takes(x, weights, biases):
             return mod.run(x, weights, biases, activation, last_activation, out), []
         mod = mod.triton
-    out, zs, launch, _ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
-    if launch is not None:
+    out, zs, launches, _ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
+    for launch in launches:
         triton_launch.launch(*launch)
     return out, zs
 
 
 def _plan(mod, x, weights, biases, activation, last_activation, save, out):
-    """(out, zs, (kernel, grid, args, kw) or None for B = 0, the scratch or None): what
-    `forward` launches, with its buffers allocated (the scratch: the one allocation whose
-    views the launch takes, if any)."""
+    """(out, zs, [(kernel, grid, args, kw)] ([] for B = 0), the scratch or None): what
+    `forward` launches, in order, with its buffers allocated (the scratch: the one
+    allocation whose views the launches take, if any: the hidden layers' rows, and the
+    zero-padded copies of the weights the kernel reads at a wider stride (WEIGHT_STRIDES),
+    each made by a pad_rows launch before the forward's)."""
     B, L = x.shape[0], len(weights)
     widths = [x.shape[1]] + [w.shape[0] for w in weights]
     if out is None:
@@ -77,14 +79,29 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     else:
         zs = []
     if B == 0:
-        return out, zs, None, None
+        return out, zs, [], None
     args = [x, out]
-    scratch = None
+    scratch, launches = None, []
     if mod.EXACT:
         zbuf = zs if save else [None] * L
+        # the padded weights' regions after the hidden rows, each 16-byte aligned
+        pads = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, mod.WEIGHT_STRIDES)) if w.shape[1] != s]
+        rows = 2 * B * mod.SCRATCH_WIDTH
+        at = [-(-rows // 64) * 64]
+        for _, n, s in pads:
+            at.append(at[-1] + -(-n * s // 64) * 64)
+        if at[-1]:
+            scratch = torch.empty(at[-1], dtype=x.dtype, device=x.device)
+        if pads:
+            weights = list(weights)
+            for (i, n, s), a in zip(pads, at):
+                dst = scratch[a: a + n * s]
+                launches.append((mod.pad_rows_kernel, (-(-n // mod.PAD_ROWS),), [weights[i], dst],
+                                 dict(N=n, K=weights[i].shape[1], KS=s, KP=1 << (s - 1).bit_length(),
+                                      BLOCK_N=mod.PAD_ROWS, num_warps=4)))
+                weights[i] = dst
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
-            scratch = torch.empty(2 * B * mod.SCRATCH_WIDTH, dtype=x.dtype, device=x.device)
-            args += [scratch[: B * mod.SCRATCH_WIDTH], scratch[B * mod.SCRATCH_WIDTH:]]
+            args += [scratch[: B * mod.SCRATCH_WIDTH], scratch[B * mod.SCRATCH_WIDTH: rows]]
         else:
             args += [x, x]
     else:
@@ -118,7 +135,8 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     kernel = mod.fused_mlp_fwd_kernel
     if kw["PRECISION"] == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
         kernel = mod.fused_mlp_fwd_kernel_x3
-    return out, zs, (kernel, grid(B, mod), args, kw), scratch
+    launches.append((kernel, grid(B, mod), args, kw))
+    return out, zs, launches, scratch
 
 
 def hidden_regions(widths) -> tuple[list[tuple[int, int]], int]:
@@ -148,8 +166,9 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     another device, ...). None where the signature has no fast form: B = 0, `x`, the
     weights or biases given here not contiguous or not 16-byte aligned or aliased (a later
     call makes it), or no binary yet (`forward` launched it first, with the same `save`).
-    What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launch):
-    the same kernel, grid and arguments, only the output, z and scratch buffers new."""
+    What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launches:
+    the weight pads, if any, then the forward): the same kernels, grids and arguments, only
+    the output, z and scratch buffers new."""
     if type(mod) is CudaMLP:
         if not save:
             return mod.direct(x, weights, biases, activation, last_activation)
@@ -162,9 +181,9 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     if x.device.index != triton_launch.current_device():
         return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
     x2 = x.reshape(B, widths[0])
-    out, zs, launch_, scratch = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
+    out, zs, launches, scratch = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
     z_on = [z is not None for z in zs]
-    rep = triton_launch.replay([launch_], (x2, out, *weights, *present, *(z for z in zs if z is not None),
+    rep = triton_launch.replay(launches, (x2, out, *weights, *present, *(z for z in zs if z is not None),
                                            *((scratch,) if scratch is not None else ())))
     if rep is None:
         return None

@@ -38,6 +38,7 @@ WEIGHT_TILE_BYTES = 64 * 1024
 K_UNROLL_MAX = 8
 HOIST_BYTES = 1024
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ALIGN_MIN_BYTES = 64 * 1024  # weight_strides: the smallest weight padded to whole vectors
 
 
 def padded(width: int) -> int:
@@ -56,7 +57,21 @@ def chunks(width: int, block: int) -> list[dict]:
     return out
 
 
-def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = REG_MAX) -> list[dict]:
+def weight_strides(widths: tuple[int, ...], itemsize: int, align: bool = True) -> tuple[int, ...]:
+    """Each layer's weight row stride in the exact Triton kernels: with `align`, a weight of
+    at least ALIGN_MIN_BYTES whose rows are not whole 16-byte vectors (K = 367 in bf16: 734
+    bytes, every odd row 2 bytes off a 4-byte boundary) is read at K rounded up to whole
+    vectors, from a zero-padded copy the op makes each call (launch._plan: pad_rows); every
+    other weight at its own width. Unpadded, Triton loads such a weight 2 bytes at a time
+    and its pipeliner leaves those loads synchronous; a small weight is not worth a copy's
+    launch."""
+    v = 16 // itemsize
+    return tuple(_round(k, v) if align and k * n * itemsize >= ALIGN_MIN_BYTES else k
+                 for k, n in zip(widths[:-1], widths[1:]))
+
+
+def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = REG_MAX,
+         align: bool = True, block_n: int = 0) -> list[dict]:
     """How an exact variant runs its layers: a list of steps, each running one layer (or two,
     when the second is absorbed), its column loops left to Triton (tl.range), not unrolled.
 
@@ -66,26 +81,34 @@ def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = RE
     - "chunked": a loop over `bn`-column chunks of its output; each chunk then goes to the
       output (last layer), into the next layer's accumulator (`absorb`: that layer's output
       fits a register tile, so the wide hidden layer never exists whole, as attention's
-      P @ V), or to a scratch row tile the next layer reads back (anything wider)."""
+      P @ V), or to a scratch row tile the next layer reads back (anything wider).
+
+    A step's weight W_i is read at row stride `ws` (weight_strides), its padding columns
+    zero: a weight tile's K mask then runs to `ws`, not K, and is only there where a K chunk
+    runs past `ws` (`wk_masked`; per unrolled chunk `wmasked`; an absorbed W_j: `jws`,
+    `jk_masked`). The activations' own masks stay at K (their padding is zero too)."""
     L, P = len(widths) - 1, [padded(w) for w in widths]
+    WS = weight_strides(widths, itemsize, align)
     steps, src, i = [], "x", 0
     while i < L:
         K, N = widths[i], widths[i + 1]
-        base = {"i": i, "K": K, "N": N, "kp": P[i], "np": P[i + 1], "src": src, "last": i == L - 1}
+        base = {"i": i, "K": K, "N": N, "kp": P[i], "np": P[i + 1], "src": src, "last": i == L - 1,
+                "ws": WS[i]}
         if src == "reg" and P[i + 1] <= reg_max and P[i] * P[i + 1] * itemsize <= WEIGHT_TILE_BYTES:
-            steps.append(dict(base, kind="whole", n_masked=N != P[i + 1]))
+            steps.append(dict(base, kind="whole", n_masked=N != P[i + 1], wk_masked=P[i] > WS[i]))
             i += 1
             continue
-        bn, bk = min(block_k, P[i + 1]), min(block_k, P[i])
-        kc = chunks(K, bk)
+        bn, bk = min(block_n or block_k, P[i + 1]), min(block_k, P[i])
+        kc = [dict(c, wmasked=c["start"] + c["size"] > WS[i]) for c in chunks(K, bk)]
         # a memory input's K chunks unrolled and loaded once, or a K loop (a register input: one dot)
         unroll = src != "reg" and len(kc) <= K_UNROLL_MAX and P[i] * itemsize <= HOIST_BYTES
+        k_end = P[i] if src == "reg" else _round(K, bk)  # where the K loop's last chunk ends
         step = dict(base, kind="chunked", bn=bn, bk=bk, n_masked=N % bn != 0, k_masked=K % bk != 0,
-                    k_chunks=kc, unroll=unroll,
+                    wk_masked=k_end > WS[i], k_chunks=kc, unroll=unroll,
                     sink="out" if i == L - 1 else "scratch")
         if i < L - 1 and P[i + 2] <= reg_max and bn * P[i + 2] * itemsize <= WEIGHT_TILE_BYTES:
             step.update(sink="absorb", j=i + 1, jN=widths[i + 2], jp=P[i + 2], j_last=i + 1 == L - 1,
-                        j_masked=widths[i + 2] != P[i + 2])
+                        j_masked=widths[i + 2] != P[i + 2], jws=WS[i + 1], jk_masked=_round(N, bn) > WS[i + 1])
         if src == "reg" and P[i] * bn * itemsize > WEIGHT_TILE_BYTES:
             raise ValueError(f"layer {i} ({K} -> {N}): a {P[i]} x {bn} weight tile is too large; "
                              "use a smaller block_k")
@@ -105,13 +128,15 @@ def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = RE
     return steps
 
 
-def kernels(widths: tuple[int, ...], block_k: int, dtype: str) -> list[dict]:
+def kernels(widths: tuple[int, ...], block_k: int, dtype: str, align: bool = True, block_n: int = 0) -> list[dict]:
     """An exact variant's kernels: the one every call uses, and for float32 the one calls
     with TF32 off use ("tf32x3", see REG_MAX)."""
-    out = [{"name": "fused_mlp_fwd_kernel", "steps": plan(widths, block_k, ITEMSIZE[dtype])}]
+    out = [{"name": "fused_mlp_fwd_kernel", "steps": plan(widths, block_k, ITEMSIZE[dtype], align=align,
+                                                          block_n=block_n)}]
     if dtype == "float32":
+        x3 = min(block_k, X3_BLOCK_K)
         out.append({"name": "fused_mlp_fwd_kernel_x3",
-                    "steps": plan(widths, min(block_k, X3_BLOCK_K), ITEMSIZE[dtype], X3_REG_MAX)})
+                    "steps": plan(widths, x3, ITEMSIZE[dtype], X3_REG_MAX, align, min(block_n or x3, x3))})
     for k in out:
         k["scratch"] = max([s["N"] for s in k["steps"] if s.get("sink") == "scratch"], default=0)
     return out
@@ -220,8 +245,14 @@ SCHEMA = Schema(
             Knob("max_width", "mw", lo=0, hi=MAX_WIDTH, default=0),
             Knob("block_m", "m", lo=16, hi=256, pow2=True),  # rows per program
             Knob("block_k", "k", lo=16, hi=256, pow2=True),  # column chunk (the dots' N and K)
+            # exact variants: a chunked layer's output columns a step (0: block_k); fewer
+            # columns, smaller weight tiles a pipeline stage
+            Knob("block_n", "n", choices=(0, 16, 32, 64, 128, 256), default=0),
             Knob("num_warps", "w", lo=1, hi=16, pow2=True),
             Knob("num_stages", "s", lo=1, hi=6, default=2),  # the loops' pipeline depth
+            # exact variants: read each weight at a 16-byte row stride (1: the op passes a
+            # zero-padded copy of a weight whose rows are not whole vectors; 0: in place)
+            Knob("align", "a", lo=0, hi=1, default=1),
         ),
         "cuda": (
             Knob("widths", "", kind=tuple, lo=1, hi=MAX_WIDTH),  # exact widths, required
@@ -243,8 +274,10 @@ def template_context(variant) -> dict:
                 "CLUSTER": p["cluster"], "BLOCK_M": p["block_m"], "WARPS": p["warps"],
                 **cuda_plan(tuple(p["widths"]), p["cluster"], p["block_m"], p["warps"], ITEMSIZE[variant.dtype])}
     widths = tuple(p["widths"])
-    ks = kernels(widths, p["block_k"], variant.dtype) if widths else []
+    align = bool(p["align"])
+    ks = kernels(widths, p["block_k"], variant.dtype, align, p["block_n"]) if widths else []
     return {"dtype": variant.dtype, "activations": ACTIVATIONS, "exact": bool(widths), "widths": widths,
+            "weight_strides": weight_strides(widths, ITEMSIZE[variant.dtype], align) if widths else (),
             "kernels": ks, "scratch_width": max([k["scratch"] for k in ks], default=0),
             "max_width": p["max_width"], "max_layers": MAX_LAYERS,
             "block_m": p["block_m"], "block_k": p["block_k"], "num_warps": p["num_warps"],
@@ -299,4 +332,10 @@ def triton_aot(variant, mod) -> list:
     for fn, prec in fns:
         c = dict(const, PRECISION=prec)
         out.append((fn, dict(sig, **{k: "constexpr" for k in c}), c, opts))
+    if exact:  # the weight pads a call launches first (launch._plan)
+        for k, n, ks in zip(widths, widths[1:], mod.WEIGHT_STRIDES):
+            if ks != k:
+                c = {"N": n, "K": k, "KS": ks, "KP": _pow2_at_least(ks), "BLOCK_N": mod.PAD_ROWS}
+                out.append((mod.pad_rows_kernel, {"src_ptr": f"*{t}", "dst_ptr": f"*{t}", **{k: "constexpr" for k in c}},
+                            c, {"num_warps": 4}))
     return out
