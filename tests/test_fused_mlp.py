@@ -78,6 +78,9 @@ PLAN_CASES = {
     (5, 20, 30, 600): [("chunked", "x", "absorb"), ("chunked", "reg", "out")],
     (5, 20, 30, 7): [("chunked", "x", "absorb"), ("whole", "reg", None)],
     (1, 5): [("chunked", "x", "out")],
+    # padded weights (schema.weight_strides, float32): W1 [127, 130] absorbed at stride 132,
+    # its K mask past the stride (130 columns in 64-wide chunks); (13, 300, 290, ...)'s W2 at 292
+    (5, 130, 127, 3): [("chunked", "x", "absorb"), ("whole", "reg", None)],
 }
 
 
@@ -128,6 +131,7 @@ def test_exact_plans_golden(widths, tf32):
     v = _user_variant(widths)
     main, x3 = fm.schema.kernels(widths, 64, "float32")
     assert [(s["kind"], s["src"], s.get("sink")) for s in main["steps"]] == PLAN_CASES[widths]
+    assert dispatch.load(v).module.WEIGHT_STRIDES == list(fm.schema.weight_strides(widths, 4))
     assert x3["name"] == "fused_mlp_fwd_kernel_x3"
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32

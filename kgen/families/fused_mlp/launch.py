@@ -1,7 +1,10 @@
 """How fused_mlp's Triton kernels run.
 
 Forward (one launch, grid = cdiv(B, BLOCK_M) programs): each program owns BLOCK_M rows of
-x and runs every layer on them (templates/fused_mlp/triton.py.j2). An exact variant keeps
+x and runs every layer on them (templates/fused_mlp/triton.py.j2). An exact variant reads a
+large weight whose rows are not whole 16-byte vectors (DLRM top's 367-wide W0) at a rounded-up
+stride (WEIGHT_STRIDES), from a zero-padded copy that a pad_rows_kernel launch before the
+forward writes into the call's scratch (`_plan`). An exact variant keeps
 its activations on chip as its plan says (schema.plan: a wide hidden layer streamed chunk by
 chunk into the next layer's accumulator), with a B x width scratch pair only for layers too
 wide for that (SCRATCH_WIDTH; 0 for the DLRM MLPs but in float32's TF32-off kernel, which
@@ -81,27 +84,13 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     if B == 0:
         return out, zs, [], None
     args = [x, out]
-    scratch, launches = None, []
+    scratch, launches = None, []  # (the generic kernel's scratch, below)
     if mod.EXACT:
         zbuf = zs if save else [None] * L
-        # the padded weights' regions after the hidden rows, each 16-byte aligned
-        pads = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, mod.WEIGHT_STRIDES)) if w.shape[1] != s]
-        rows = 2 * B * mod.SCRATCH_WIDTH
-        at = [-(-rows // 64) * 64]
-        for _, n, s in pads:
-            at.append(at[-1] + -(-n * s // 64) * 64)
-        if at[-1]:
-            scratch = torch.empty(at[-1], dtype=x.dtype, device=x.device)
-        if pads:
-            weights = list(weights)
-            for (i, n, s), a in zip(pads, at):
-                dst = scratch[a: a + n * s]
-                launches.append((mod.pad_rows_kernel, (-(-n // mod.PAD_ROWS),), [weights[i], dst],
-                                 dict(N=n, K=weights[i].shape[1], KS=s, KP=1 << (s - 1).bit_length(),
-                                      BLOCK_N=mod.PAD_ROWS, num_warps=4)))
-                weights[i] = dst
+        scratch, weights, launches = _exact_scratch(mod, x, weights)
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
-            args += [scratch[: B * mod.SCRATCH_WIDTH], scratch[B * mod.SCRATCH_WIDTH: rows]]
+            rows = B * mod.SCRATCH_WIDTH
+            args += [scratch[:rows], scratch[rows: 2 * rows]]
         else:
             args += [x, x]
     else:
@@ -137,6 +126,26 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
         kernel = mod.fused_mlp_fwd_kernel_x3
     launches.append((kernel, grid(B, mod), args, kw))
     return out, zs, launches, scratch
+
+
+def _exact_scratch(mod, x, weights):
+    """(the scratch or None, the weights as the exact kernel reads them, the launches that
+    make them): one allocation with the hidden rows first (2 x B x SCRATCH_WIDTH) and after
+    them, each 16-byte aligned, a zero-padded copy of every weight the kernel reads at a
+    wider stride than its width (WEIGHT_STRIDES), with the pad_rows launch that writes it."""
+    pads = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, mod.WEIGHT_STRIDES)) if w.shape[1] != s]
+    at = [-(-2 * x.shape[0] * mod.SCRATCH_WIDTH // 64) * 64]  # 64 elements: 16-byte aligned in any dtype
+    for _, n, s in pads:
+        at.append(at[-1] + -(-n * s // 64) * 64)
+    scratch = torch.empty(at[-1], dtype=x.dtype, device=x.device) if at[-1] else None
+    weights, launches = list(weights), []
+    for (i, n, s), a in zip(pads, at):
+        dst = scratch[a: a + n * s]
+        launches.append((mod.pad_rows_kernel, (-(-n // mod.PAD_ROWS),), [weights[i], dst],
+                         dict(N=n, K=weights[i].shape[1], KS=s, KP=1 << (s - 1).bit_length(), BLOCK_N=mod.PAD_ROWS,
+                              num_warps=4)))
+        weights[i] = dst
+    return scratch, weights, launches
 
 
 def hidden_regions(widths) -> tuple[list[tuple[int, int]], int]:
