@@ -333,9 +333,9 @@ def triton_aot(variant, mod) -> list:
         c = dict(const, PRECISION=prec)
         out.append((fn, dict(sig, **{k: "constexpr" for k in c}), c, opts))
     if exact:  # the weight pads a call launches first (launch._plan)
-        for k, n, ks in zip(widths, widths[1:], mod.WEIGHT_STRIDES):
-            if ks != k:
-                c = {"N": n, "K": k, "KS": ks, "KP": _pow2_at_least(ks), "BLOCK_N": mod.PAD_ROWS}
-                out.append((mod.pad_rows_kernel, {"src_ptr": f"*{t}", "dst_ptr": f"*{t}", **{k: "constexpr" for k in c}},
-                            c, {"num_warps": 4}))
+        for width, n, stride in zip(widths, widths[1:], mod.WEIGHT_STRIDES):
+            if stride != width:
+                c = {"N": n, "K": width, "KS": stride, "KP": _pow2_at_least(stride), "BLOCK_N": mod.PAD_ROWS}
+                pad_sig = {"src_ptr": f"*{t}", "dst_ptr": f"*{t}", **{name: "constexpr" for name in c}}
+                out.append((mod.pad_rows_kernel, pad_sig, c, {"num_warps": 4}))
     return out
