@@ -453,6 +453,13 @@ def test_spec_widths_knob_errors():
     with pytest.raises(SpecError, match="above the maximum"):
         spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    widths: [5, 5000]\n    block_m: 16\n"
                    "    block_k: 64\n    num_warps: 4\n")
+    for knob in ("align: 0", "block_n: 32"):  # exact variants' knobs
+        with pytest.raises(SpecError, match="exact variants"):
+            spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    max_width: 256\n    block_m: 16\n"
+                       f"    block_k: 64\n    num_warps: 4\n    {knob}\n")
+    with pytest.raises(SpecError, match="block_n"):
+        spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    widths: [5, 6]\n    block_m: 16\n"
+                   "    block_k: 64\n    block_n: 48\n    num_warps: 4\n")
     s = spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    widths: [[5, 6], [7, 8, 9]]\n"
                    "    block_m: 16\n    block_k: 64\n    num_warps: 4\n    dtypes: [float32]\n")
     assert [v.name for v in s.variants] == ["triton_5x6_m16_k64_w4_f32", "triton_7x8x9_m16_k64_w4_f32"]

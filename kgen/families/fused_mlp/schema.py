@@ -111,7 +111,7 @@ def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = RE
                         j_masked=widths[i + 2] != P[i + 2], jws=WS[i + 1], jk_masked=_round(N, bn) > WS[i + 1])
         if src == "reg" and P[i] * bn * itemsize > WEIGHT_TILE_BYTES:
             raise ValueError(f"layer {i} ({K} -> {N}): a {P[i]} x {bn} weight tile is too large; "
-                             "use a smaller block_k")
+                             "use a smaller block_n (or block_k)")
         steps.append(step)
         if step["sink"] == "absorb":
             src, i = "reg", i + 2
@@ -232,6 +232,11 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
             problems.append(("max_width", "max_width bounds a generic variant; an exact one (widths) has none"))
     elif not mw:
         problems.append(("max_width", "a generic variant (no widths) needs max_width, its bound on every width"))
+    if not widths:
+        for knob, default in (("block_n", 0), ("align", 1)):
+            if k[knob] != default:
+                problems.append((knob, "applies to exact variants (widths) only: a generic one reads every weight "
+                                       "in place, block_k columns a step"))
     return problems
 
 
