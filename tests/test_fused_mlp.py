@@ -834,7 +834,7 @@ def _faked(name):
         fakes[k.fn.__name__] = FakeTriton(k.fn, do_not_specialize=["B", "bias_mask", "act", "last_act", "save"])
         ns[k.fn.__name__] = fakes[k.fn.__name__].jit
     if real.EXACT:  # the weight pads (WEIGHT_STRIDES)
-        ns.update(WEIGHT_STRIDES=real.WEIGHT_STRIDES, PAD_ROWS=real.PAD_ROWS)
+        ns["WEIGHT_STRIDES"] = real.WEIGHT_STRIDES
         fakes["pad_rows_kernel"] = FakeTriton(real.pad_rows_kernel.fn)
         ns["pad_rows_kernel"] = fakes["pad_rows_kernel"].jit
     return SimpleNamespace(**ns), fakes

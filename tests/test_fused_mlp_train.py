@@ -198,7 +198,7 @@ def test_gpu_train_fast_path_gradients_and_graph(widths, acts, dtype):
         if mod is not None:  # a variant, not the eager composition
             assert entry.go is not None
             # a CUDA variant's training forward: its Triton companion's
-            tri = mod.triton if type(mod).__name__ == "CudaMLP" else mod
+            tri = mod.triton if isinstance(mod, fm.cuda.CudaMLP) else mod
             pads = sum(s != w.shape[1] for s, w in zip(getattr(tri, "WEIGHT_STRIDES", ()), m.weights))
             assert forward_launches == 1 + pads  # one forward launch (after a pad of each padded weight), replayed
         assert torch.equal(out_a, out_b)

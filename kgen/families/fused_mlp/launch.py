@@ -4,8 +4,8 @@ Forward (one launch, grid = cdiv(B, BLOCK_M) programs): each program owns BLOCK_
 x and runs every layer on them (templates/fused_mlp/triton.py.j2). An exact variant reads a
 large weight whose rows are not whole 16-byte vectors (DLRM top's 367-wide W0) at a rounded-up
 stride (WEIGHT_STRIDES), from a zero-padded copy that a pad_rows_kernel launch before the
-forward writes into the call's scratch (`_plan`). An exact variant keeps
-its activations on chip as its plan says (schema.plan: a wide hidden layer streamed chunk by
+forward writes into the call's scratch (`_exact_scratch`). An exact variant keeps its
+activations on chip as its plan says (schema.plan: a wide hidden layer streamed chunk by
 chunk into the next layer's accumulator), with a B x width scratch pair only for layers too
 wide for that (SCRATCH_WIDTH; 0 for the DLRM MLPs but in float32's TF32-off kernel, which
 `forward` picks by precision); a generic one writes each hidden layer's z row tile to a
@@ -31,7 +31,7 @@ import torch
 
 from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.reference import backward as torch_backward, backward_lean
-from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS
+from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, pad_launch
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 
@@ -133,17 +133,19 @@ def _exact_scratch(mod, x, weights):
     make them): one allocation with the hidden rows first (2 x B x SCRATCH_WIDTH) and after
     them, each 16-byte aligned, a zero-padded copy of every weight the kernel reads at a
     wider stride than its width (WEIGHT_STRIDES), with the pad_rows launch that writes it."""
+    def up(n):  # to 64 elements: 16-byte aligned in any dtype
+        return -(-n // 64) * 64
+
     pads = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, mod.WEIGHT_STRIDES)) if w.shape[1] != s]
-    at = [-(-2 * x.shape[0] * mod.SCRATCH_WIDTH // 64) * 64]  # 64 elements: 16-byte aligned in any dtype
+    at = [up(2 * x.shape[0] * mod.SCRATCH_WIDTH)]
     for _, n, s in pads:
-        at.append(at[-1] + -(-n * s // 64) * 64)
+        at.append(at[-1] + up(n * s))
     scratch = torch.empty(at[-1], dtype=x.dtype, device=x.device) if at[-1] else None
     weights, launches = list(weights), []
     for (i, n, s), a in zip(pads, at):
         dst = scratch[a: a + n * s]
-        launches.append((mod.pad_rows_kernel, (-(-n // mod.PAD_ROWS),), [weights[i], dst],
-                         dict(N=n, K=weights[i].shape[1], KS=s, KP=1 << (s - 1).bit_length(), BLOCK_N=mod.PAD_ROWS,
-                              num_warps=4)))
+        grid_, constexprs, opts = pad_launch(n, weights[i].shape[1], s)
+        launches.append((mod.pad_rows_kernel, grid_, [weights[i], dst], {**constexprs, **opts}))
         weights[i] = dst
     return scratch, weights, launches
 

@@ -70,6 +70,18 @@ def weight_strides(widths: tuple[int, ...], itemsize: int, align: bool = True) -
                  for k, n in zip(widths[:-1], widths[1:]))
 
 
+# pad_rows_kernel (templates/fused_mlp/triton.py.j2): rows a program, warps
+PAD_ROWS, PAD_WARPS = 16, 4
+
+
+def pad_launch(n: int, k: int, stride: int) -> tuple[tuple[int], dict, dict]:
+    """(grid, constexprs, options) of the pad_rows_kernel launch that copies an [n, k]
+    weight into an [n, stride] zero-padded one: what the op launches (launch._plan) and
+    what `kgen build` compiles ahead of time (triton_aot), from one place."""
+    return (-(-n // PAD_ROWS),), {"N": n, "K": k, "KS": stride, "KP": _pow2_at_least(stride),
+                                  "BLOCK_N": PAD_ROWS}, {"num_warps": PAD_WARPS}
+
+
 def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = REG_MAX,
          align: bool = True, block_n: int = 0) -> list[dict]:
     """How an exact variant runs its layers: a list of steps, each running one layer (or two,
@@ -340,7 +352,7 @@ def triton_aot(variant, mod) -> list:
     if exact:  # the weight pads a call launches first (launch._plan)
         for width, n, stride in zip(widths, widths[1:], mod.WEIGHT_STRIDES):
             if stride != width:
-                c = {"N": n, "K": width, "KS": stride, "KP": _pow2_at_least(stride), "BLOCK_N": mod.PAD_ROWS}
+                _, c, pad_opts = pad_launch(n, width, stride)
                 pad_sig = {"src_ptr": f"*{t}", "dst_ptr": f"*{t}", **{name: "constexpr" for name in c}}
-                out.append((mod.pad_rows_kernel, pad_sig, c, {"num_warps": 4}))
+                out.append((mod.pad_rows_kernel, pad_sig, c, pad_opts))
     return out
