@@ -202,10 +202,13 @@ def run(args, console) -> int:
             print(f"{k.split('|')[-1]} ({k.split('|')[-2]}): {len(tune.probes(e))} shapes "
                   f"({', '.join(_shape_text(p.get('shape')) for p in tune.probes(e))}); winner {e['winner']}, "
                   f"at worst {worst.get(e['winner'], float('nan')):.3f}x a shape's own winner")
+        for name, opt in ((e or {}).get("choices") or {}).items():
+            timed = ", ".join(f"{o} {t:.1f} us" for o, t in e["choices_us"].get(name, {}).items())
+            print(f"{k.split('|')[-1]} ({k.split('|')[-2]}): {name}: {opt} ({timed})")
     print(f"recorded {len(done)} buckets in {path}")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"dtype": d, "shape": s, "key": r.key, "times_us": r.times, "gpu_us": r.gpu, "winner": r.winner,
-              "errors": r.errors}
+              "choices_us": r.choices, "errors": r.errors}
              for d, s, r in results], indent=1))
     return 0

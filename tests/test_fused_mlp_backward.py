@@ -286,6 +286,28 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
     entry.plans.clear()
     _step(x, ws, bs, acts, g, need_x)
     assert not entry.plans
+    # a bucket whose tuned choice is backward_lean: no plan, the same gradients
+    monkeypatch.setattr(fb, "ENABLED", True)
+    monkeypatch.setattr(train, "backward_choice", lambda *a: "lean")
+    again = _step(x, ws, bs, acts, g, need_x)
+    assert list(entry.plans.values()) == [None]
+    for a, b in zip(again, lean):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_backward_choice_default_rule():
+    """Where no table holds the bucket (the CPU has none): the fused backward for 16-bit
+    dtypes at any B, for float32 up to F32_FUSED_MAX_B rows (measured: it lost to per-layer
+    GEMMs above; tuning.py)."""
+    from kgen.families.fused_mlp import tuning
+
+    cpu, top = torch.device("cpu"), (367, 512, 256, 1)
+    assert tuning.backward_choice(cpu, torch.bfloat16, top, 1 << 20) == "fused"
+    assert tuning.backward_choice(cpu, torch.float16, top, 1) == "fused"
+    assert tuning.backward_choice(cpu, torch.float32, top, tuning.F32_FUSED_MAX_B) == "fused"
+    assert tuning.backward_choice(cpu, torch.float32, top, tuning.F32_FUSED_MAX_B + 1) == "lean"
 
 
 def test_train_fast_path_falls_back_where_it_does_not_build(monkeypatch):
@@ -331,6 +353,8 @@ def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B):
     # a memo of its own: another test's step of the same signature (the DLRM compile test's,
     # x without a gradient) would leave a second plan in the shared entry
     monkeypatch.setattr(fm.op, "_TRAIN", {})
+    # the fused kernels whatever the tables choose (float32's buckets go to backward_lean)
+    monkeypatch.setattr(train, "backward_choice", lambda *a: "fused")
     torch.manual_seed(0)
     m = FusedMLP(widths, *acts, dtype=dtype, device="cuda")
     x = torch.randn(B, widths[0], device="cuda", dtype=dtype, requires_grad=True)
@@ -403,9 +427,13 @@ def test_gpu_float32_tf32_large_batch(widths, acts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_training_step_in_a_cuda_graph(dtype):
-    """A training step with the fused backward captured in a CUDA graph replays, for a new
-    input, bitwise the gradients an eager step gives (the same kernels, no atomics)."""
+@pytest.mark.parametrize("backward", ["fused", "lean"])
+def test_gpu_training_step_in_a_cuda_graph(monkeypatch, dtype, backward):
+    """A training step with the fused backward (or backward_lean, where the tables choose
+    it) captured in a CUDA graph replays, for a new input, bitwise the gradients an eager
+    step gives (the same kernels, no atomics)."""
+    monkeypatch.setattr(train, "backward_choice", lambda *a: backward)
+    monkeypatch.setattr(fm.op, "_TRAIN", {})
     widths, acts = DLRM[0]
     m = FusedMLP(widths, *acts, dtype=dtype, device="cuda")
     x = torch.randn(4096, widths[0], device="cuda", dtype=dtype, requires_grad=True)
@@ -425,7 +453,10 @@ def test_gpu_training_step_in_a_cuda_graph(dtype):
             step()
     torch.cuda.current_stream().wait_stream(s)
     entry = fm.op._TRAIN[fm.op._signature(x, list(m.weights), list(m.biases), *acts)]
-    assert any(isinstance(p, fb.Plan) and p.state == "ok" for p in entry.plans.values())
+    if backward == "fused":
+        assert any(isinstance(p, fb.Plan) and p.state == "ok" for p in entry.plans.values())
+    else:
+        assert list(entry.plans.values()) == [None]
     m.zero_grad(set_to_none=True)
     x.grad = None
     graph = torch.cuda.CUDAGraph()

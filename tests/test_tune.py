@@ -247,6 +247,62 @@ def test_a_bucket_tuned_at_two_shapes_takes_the_least_bad_candidate_at_its_worst
     assert tune.probes(tune.lookup(r40.key)) == [tune.lookup(r40.key)]
 
 
+def test_family_choices_are_timed_recorded_and_chosen_over_probes(tables, labelled_runners, monkeypatch):
+    """A family's `tune_choices` (fused_mlp: its training backward) are timed beside the
+    candidates: the entry keeps each option's time and the winner per choice (`pick`: a tie
+    goes to the option listed first), a failing option is left out with its reason, and a
+    bucket tuned at two shapes takes the option least far from each shape's best."""
+    a, b = _triton_f32()[:2]
+    opt_times = {40: {"x": 10.0, "y": 5.0, "z": 1.0}, 48: {"x": 10.0, "y": 10.1, "z": 1.0}}
+
+    def choices(inputs):
+        cols = inputs["x"].shape[1]
+
+        def option(name):
+            def fn():
+                if name == "z":
+                    raise RuntimeError("z does not build\nmore")
+            fn.candidate, fn.cols = f"c:{name}", cols
+            return fn
+        return {"c": {n: option(n) for n in ("x", "y", "z")}}
+
+    monkeypatch.setattr(fba, "tune_choices", choices, raising=False)
+    def timer(fn, us):
+        fn()  # as cuda_timer runs it: z raises
+        return opt_times[fn.cols][fn.candidate[2:]] if fn.candidate.startswith("c:") else 9.0
+
+    s40, s48 = dict(SHAPE, cols=40), dict(SHAPE, cols=48)
+    r40 = tune.tune("fused_bias_act", torch.device("cpu"), "float32", s40, variants=[a, b], timer=timer)
+    assert r40.choices == {"c": {"x": 10.0, "y": 5.0}} and r40.errors["c:z"] == "z does not build"
+    assert r40.entry()["choices"] == {"c": "y"} and r40.entry()["choices_us"] == r40.choices
+    r48 = tune.tune("fused_bias_act", torch.device("cpu"), "float32", s48, variants=[a, b], timer=timer)
+    assert r48.entry()["choices"] == {"c": "x"}  # 1 % apart: a tie, to the first listed
+    tune.record({r40.key: r40.entry()})
+    assert tune.choice(r40.key, "c") == "y" and tune.choice(r40.key, "other") is None
+    tune.record({r48.key: r48.entry()})
+    e = tune.lookup(r40.key)
+    assert len(tune.probes(e)) == 2
+    assert e["choices"] == {"c": "y"}  # y at worst 1.01x (at 48), x 2x (at 40)
+    assert tune.choice(tune.key("fused_bias_act", FAKE_DEVICE, "float16", "none"), "c") is None
+
+
+def test_fused_mlp_backward_choice_reads_the_table(tables):
+    """fused_mlp's training backward takes the bucket's tuned choice (or the nearest tuned B's
+    for the same widths and dtype), else the default rule."""
+    from kgen.families import fused_mlp as fm
+    from kgen.families.fused_mlp import tuning
+
+    top, cuda = (367, 512, 256, 1), types.SimpleNamespace(type="cuda", index=0)
+    bucket = fm.tune_bucket(16384, top)
+    e = {"winner": tune.REFERENCE, "times_us": {tune.REFERENCE: 1.0}, "choices_us": {"backward": {"fused": 3.0, "lean": 1.0}},
+         "choices": {"backward": "lean"}, "kgen": "0", "date": "2026-11-29"}
+    tune.record({tune.key("fused_mlp", FAKE_DEVICE, "bfloat16", bucket): e})
+    assert tuning.backward_choice(cuda, torch.bfloat16, top, 16384) == "lean"
+    assert tuning.backward_choice(cuda, torch.bfloat16, top, 100) == "lean"  # B is free: the nearest tuned
+    assert tuning.backward_choice(cuda, torch.bfloat16, (367, 512, 1), 16384) == "fused"  # other widths: default
+    assert tuning.backward_choice(cuda, torch.float16, top, 16384) == "fused"
+
+
 def test_a_winner_carries_to_near_buckets_only_with_its_margin_at_every_probe():
     one = {"winner": "b", "times_us": {"a": 12.0, "b": 10.0}, "shape": {"cols": 40}}
     assert tune.transfers(one)

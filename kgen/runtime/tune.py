@@ -25,7 +25,12 @@ A family takes part by providing (see `kgen.families.fused_bias_act` for an exam
 - optionally `bucket_extras(dtype) -> dict`: shape keys from the process's state that change
   what a call computes or costs and so belong in its bucket (fused_mlp: float32's TF32
   setting); the tuner adds them to every shape it tunes (`with_extras`), and the family's
-  dispatch adds the same keys to its calls' shapes.
+  dispatch adds the same keys to its calls' shapes;
+- optionally `tune_choices(inputs) -> {choice: {option: () -> None}}`: further ways of running
+  a call that the family picks per bucket besides the kernel (fused_mlp: its training
+  backward, fused kernels or per-layer GEMMs), the family's default option first. Each
+  option is timed as the candidates are; the entry keeps the times (`choices_us`) and the
+  winner per choice (`choices`, read through `choice`).
 """
 
 from __future__ import annotations
@@ -157,6 +162,16 @@ def lookup(k: str) -> dict | None:
     return TABLES.entries().get(k)
 
 
+def choice(k: str, name: str) -> str | None:
+    """The option a table holds for choice `name` (see `tune_choices`) in key `k`'s bucket, or
+    in the nearest tuned one (`nearest`); None where neither was tuned with that choice."""
+    e = lookup(k)
+    if e is None:
+        near = nearest(k)
+        e = near[1] if near else None
+    return (e or {}).get("choices", {}).get(name)
+
+
 def _parts(bucket: str) -> tuple[dict, tuple]:
     """A bucket string's numeric classes (`rows<=1024` -> {"rows": 10.0}, log2) and its
     other parts (flags such as `vec16`), which must match exactly."""
@@ -243,6 +258,8 @@ class Result:
     gpu: dict[str, float] = field(default_factory=dict)  # candidate -> its GPU time alone, if timed
     confirm_gpu: dict[str, float] = field(default_factory=dict)
     shape: dict | None = None  # the shape timed (with the family's extras)
+    choices: dict[str, dict[str, float]] = field(default_factory=dict)  # choice -> option -> us
+    choices_gpu: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def entry(self) -> dict:
         e = {"winner": self.winner, "times_us": {k: round(v, 3) for k, v in self.times.items()},
@@ -255,6 +272,11 @@ class Result:
             e["confirm_us"] = {k: round(v, 3) for k, v in self.confirm.items()}
         if self.confirm_gpu:
             e["confirm_gpu_us"] = {k: round(v, 3) for k, v in self.confirm_gpu.items()}
+        if self.choices:
+            e["choices_us"] = self.choices
+            if self.choices_gpu:
+                e["choices_gpu_us"] = self.choices_gpu
+            e["choices"] = bucket_choices(e)
         return e
 
     def margin(self) -> float:
@@ -300,7 +322,37 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
         gpu = {}  # a timer without GPU parts (a fake): totals alone decide
     winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
     k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
-    return Result(k, times, winner, errors, again, gpu, again_gpu, shape)
+    ch, ch_gpu = time_choices(fam, inputs, timer, min_us, rounds, errors)
+    return Result(k, times, winner, errors, again, gpu, again_gpu, shape, ch, ch_gpu)
+
+
+def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: dict
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """The family's `tune_choices` timed as the candidates are (interleaved rounds, the
+    minimum): ({choice: {option: us}}, the same for the GPU parts, {} where the timer gives
+    none). An option that fails is left out with its reason in `errors` (`choice:option`)."""
+    from kgen.errors import KgenError
+
+    hook = getattr(fam, "tune_choices", None)
+    out, out_gpu = {}, {}
+    for name, options in (hook(inputs) if hook is not None else {}).items():
+        options, times, gpu = dict(options), {}, {}
+        for _ in range(rounds):
+            for opt, fn in list(options.items()):
+                try:
+                    t = timer(fn, min_us)
+                except (KgenError, RuntimeError, ValueError) as e:
+                    errors[f"{name}:{opt}"] = str(e).splitlines()[0]
+                    del options[opt]
+                    times.pop(opt, None)
+                    gpu.pop(opt, None)
+                    continue
+                _keep_min(times, gpu, opt, t)
+        if times:
+            out[name] = times
+            if len(gpu) == len(times):
+                out_gpu[name] = gpu
+    return out, out_gpu
 
 
 def candidate_runners(fam, variants, inputs: dict) -> tuple[dict, dict]:
@@ -446,7 +498,7 @@ def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
 # 30000 x 768 on an H200; BENCHMARKS.md, twenty-third session). Tuned at both, the bucket
 # takes the candidate that is least far from the best at its worst shape.
 
-PROBE_FIELDS = ("shape", "times_us", "gpu_us", "confirm_us", "confirm_gpu_us")
+PROBE_FIELDS = ("shape", "times_us", "gpu_us", "confirm_us", "confirm_gpu_us", "choices_us", "choices_gpu_us")
 
 
 def probes(entry: dict) -> list[dict]:
@@ -514,7 +566,28 @@ def merged_entry(old: dict, new: dict) -> dict:
     ps = [{f: p[f] for f in PROBE_FIELDS if f in p} for p in (*kept, new)]
     e = {**ps[0], "probes": ps[1:], "winner": "", "kgen": new["kgen"], "date": new["date"]}
     e["winner"] = bucket_winner(e)
+    if any("choices_us" in p for p in probes(e)):
+        e["choices"] = bucket_choices(e)
     return e
+
+
+def bucket_choices(entry: dict) -> dict[str, str]:
+    """Per choice the entry's probes timed (`choices_us`): the option `pick` gives where the
+    probes agree, else the one whose worst slowdown against each probe's pick is least (a tie
+    within TIE going to the option timed first, the family's default)."""
+    ps = [p for p in probes(entry) if "choices_us" in p]
+    out = {}
+    for name in ps[0]["choices_us"] if ps else ():
+        timed = [(p["choices_us"][name], p.get("choices_gpu_us", {}).get(name)) for p in ps if name in p["choices_us"]]
+        picks = [pick(t, g) for t, g in timed]
+        if len(set(picks)) == 1:
+            out[name] = picks[0]
+            continue
+        worst = {o: max(t[o] / t[w] for (t, _), w in zip(timed, picks))
+                 for o in timed[0][0] if all(o in t for t, _ in timed)}
+        least = min(worst.values())
+        out[name] = next(o for o, s in worst.items() if s <= least * (1 + TIE))
+    return out
 
 
 def ranking(entry: dict) -> list[str]:

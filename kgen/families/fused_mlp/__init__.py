@@ -20,8 +20,8 @@ from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.launch import backward, forward, precision
 from kgen.families.fused_mlp.op import (
     DLRM_BOTTOM, DLRM_TOP, GOLDEN_CASES, KERNELS, OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, bucket_extras,
-    fused_mlp, golden, grad_check, implementation, make_inputs, module_for, tune_bucket, tune_inputs, tune_runner,
-    untuned_order, using)
+    fused_mlp, golden, grad_check, implementation, make_inputs, module_for, tune_bucket, tune_choices, tune_inputs,
+    tune_runner, untuned_order, using)
 from kgen.families.fused_mlp.reference import act, dact, eager, reference
 from kgen.families.fused_mlp.schema import (
     ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits)

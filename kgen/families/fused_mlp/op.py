@@ -16,7 +16,7 @@ from kgen.families.fused_mlp.schema import fits, widths_of
 from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package and tests read them here too)
     DLRM_BOTTOM, DLRM_TOP, FAMILY, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, UNTUNED_CLUSTER_B, UNTUNED_MAX_WEIGHTS,
     UNTUNED_MAX_WORK, UNTUNED_SMALL_TILES_B, bucket_extras, implementation, make_inputs, runner, tune_bucket,
-    tune_inputs, tune_runner, untuned_order)
+    tune_choices, tune_inputs, tune_runner, untuned_order)
 from kgen.runtime.op import Kernels, MISSING, Override, _any_autocast, autocast, define, error_ratio, poisoned
 
 KERNELS = Kernels(FAMILY, tune_bucket)

@@ -3,8 +3,9 @@ variant once with `save` through a bound launcher (launch.direct, as the inferen
 and keeps each layer's z, and whose backward runs on them — no second forward, no
 torch.library dispatch, no per-call checks or kernel choice. The backward: on CUDA, the
 fused Triton backward (fused_backward.py: two or three launches for every gradient, its
-plan kept per entry and `needs`); on the CPU, for B = 0, with KGEN_FUSED_MLP_FUSED_BWD=0 or
-where its kernels fail to build, reference.backward_lean (per layer 4-5 torch calls).
+plan kept per entry and `needs`) where the bucket's tuned choice (tuning.backward_choice)
+says it wins; elsewhere (that choice "lean", the CPU, B = 0, KGEN_FUSED_MLP_FUSED_BWD=0, its
+kernels failing to build) reference.backward_lean (per layer 4-5 torch calls).
 
 Why: a training step at B <= 16384 is host-bound. The general path (the op through autograd)
 runs check_inputs and the kernel choice, launches the forward, and in the backward launches
@@ -21,6 +22,7 @@ import torch
 
 from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.reference import backward_lean, eager
+from kgen.families.fused_mlp.tuning import backward_choice
 from kgen.runtime.triton_launch import current_device
 
 
@@ -37,7 +39,8 @@ class Entry:
         self.plans = {}  # (needs, precision) -> fused_backward.Plan, or None: backward_lean
 
     def fused(self, x, ws, B: int, needs):
-        """The fused backward's plan for this call (None: backward_lean serves it)."""
+        """The fused backward's plan for this call (None: backward_lean serves it: where the
+        tuning table's choice for the bucket, or the default, is "lean"; tuning.backward_choice)."""
         if not fused_backward.ENABLED or B == 0 or x.device.type not in fused_backward.DEVICES:
             return None
         if x.is_cuda and x.device.index != current_device():  # Triton launches on the current device
@@ -46,7 +49,10 @@ class Entry:
         p = self.plans.get(key, False)
         if p is False:
             widths = (self.w0, *(w.shape[0] for w in ws))
-            p = self.plans[key] = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs)
+            p = None
+            if backward_choice(x.device, x.dtype, widths, B) == "fused":
+                p = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs)
+            self.plans[key] = p
         return p
 
     def forward(self, x, weights, biases):

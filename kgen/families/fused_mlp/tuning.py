@@ -1,15 +1,16 @@
 """fused_mlp's tuning hooks (buckets, inputs, what the tuner times: `runner`, the op's own
-fast path), what the op runs for a loaded variant (`implementation`), and the order dispatch
-tries for widths nothing was tuned for (`untuned_order`). kgen's core reads them through the
+fast path; `tune_choices`: the training backward's two forms), what the op runs for a loaded
+variant (`implementation`), the training backward a call takes (`backward_choice`), and the
+order dispatch tries for widths nothing was tuned for (`untuned_order`). kgen's core reads them through the
 family package; `op` uses them to choose a kernel."""
 
 from __future__ import annotations
 
 import torch
 
-from kgen.families.fused_mlp import launch
+from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.cuda import CudaMLP
-from kgen.families.fused_mlp.reference import eager
+from kgen.families.fused_mlp.reference import backward_lean, eager
 from kgen.families.fused_mlp.schema import fits, widths_of
 
 FAMILY = "fused_mlp"
@@ -112,6 +113,63 @@ def implementation(kernel, widths: tuple, device=None):
         raise RuntimeError(f"{FAMILY}: no Triton variant for {kernel.variant.dtype} widths {widths} could be built "
                            f"to serve the backward of {kernel.name}")
     return CudaMLP(kernel, companion.module)
+
+
+# --------------------------------------------------------------------------- the training backward
+
+# The training fast path's backward (train.Entry.fused) is a choice per bucket, timed by the
+# tuner beside the kernels (`tune_choices`) and kept in the table's entry: "fused" (the fused
+# Triton backward, fused_backward.py: 2-3 launches) or "lean" (reference.backward_lean: per
+# layer the activation's backward and cuBLAS GEMMs, 4-5 torch calls). Measured on an H200
+# (GPU us in a CUDA graph, DLRM top / bottom at B = 128, 2048, 16384, 65536; BENCHMARKS.md,
+# thirtieth session): bf16 fused 48.6 / 68.9 / 207 / 567 against lean 48.7 / 94.3 / 274 / 806
+# (top), 17.9 / 32.2 / 90.9 / 299 against 59.8 / 91.8 / 206 / 578 (bottom); float32 with TF32
+# fused lost at every top B (69.5 / 147 / 656 / 2399 against 48.7 / 106 / 346 / 1127) and at
+# the bottom's B >= 16384 (388 / 1391 against 291 / 883), won at its B <= 2048 (36.8 / 79.0
+# against 72.1 / 107). Where no table holds the bucket: fused for the 16-bit dtypes, and for
+# float32 up to F32_FUSED_MAX_B rows (host-bound steps, where its fewer launches pay).
+BACKWARDS = ("fused", "lean")
+F32_FUSED_MAX_B = 2048
+
+
+def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: int) -> str:
+    """"fused" or "lean": the training backward for B rows of `widths` in `dtype` (float32
+    under the process's TF32 setting) on `device`: the tuning table's choice for the bucket or
+    the nearest tuned one, else the default above."""
+    from kgen.runtime import tune
+
+    d = str(dtype).removeprefix("torch.")
+    if device.type == "cuda":
+        k = tune.key(FAMILY, tune.device_key(device.index), d, tune_bucket(B, widths, **bucket_extras(d)))
+        got = tune.choice(k, "backward")
+        if got in BACKWARDS:
+            return got
+    return "fused" if dtype != torch.float32 or B <= F32_FUSED_MAX_B else "lean"
+
+
+def tune_choices(inputs: dict) -> dict:
+    """{"backward": {option: one backward of every gradient}} on CUDA inputs: the fused Triton
+    kernels (first: the default) and backward_lean, on the pre-activations of one eager
+    forward and a random upstream gradient. The fused one is left out where its kernels do
+    not build or take the call (its plan returns None), or KGEN_FUSED_MLP_FUSED_BWD=0."""
+    x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
+    a, last = inputs["activation"], inputs["last_activation"]
+    B, L = x.shape[0], len(ws)
+    if not x.is_cuda or B == 0:
+        return {}
+    with torch.no_grad():
+        _, zs = eager(x, ws, bs, a, last, save=True)
+    g = torch.randn(B, ws[-1].shape[0], device=x.device, dtype=x.dtype)
+    has_bias, needs = tuple(b is not None for b in bs), (True,) * (1 + 2 * L)
+    options = {}
+    p = None
+    if fused_backward.ENABLED:
+        widths = (x.shape[1], *(w.shape[0] for w in ws))
+        p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs)
+    if p is not None and p(g, x, ws, zs) is not None:  # the first call builds (and may fail)
+        options["fused"] = lambda: p(g, x, ws, zs)
+    options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
+    return {"backward": options}
 
 
 # --------------------------------------------------------------------------- kernel choice
