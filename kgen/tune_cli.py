@@ -209,6 +209,6 @@ def run(args, console) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"dtype": d, "shape": s, "key": r.key, "times_us": r.times, "gpu_us": r.gpu, "winner": r.winner,
-              "choices_us": r.choices, "errors": r.errors}
+              **r.choices, "errors": r.errors}
              for d, s, r in results], indent=1))
     return 0

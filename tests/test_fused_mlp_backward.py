@@ -286,8 +286,19 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
     entry.plans.clear()
     _step(x, ws, bs, acts, g, need_x)
     assert not entry.plans
-    # a bucket whose tuned choice is backward_lean: no plan, the same gradients
+    # a bucket whose tuned choice is another chain tile: a plan with that tile, the same gradients
     monkeypatch.setattr(fb, "ENABLED", True)
+    entry.plans.clear()
+    monkeypatch.setattr(train, "backward_choice", lambda *a: "fused_c128")
+    tiled = _step(x, ws, bs, acts, g, need_x)
+    (p,) = entry.plans.values()
+    assert (p.chain_kw["BLOCK_M"], p.chain_kw["BLOCK_N"], p.chain_kw["num_warps"]) == fb.CHAIN_OPTIONS["fused_c128"]
+    for a, b in zip(tiled, lean):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # a bucket whose tuned choice is backward_lean: no plan, the same gradients
+    entry.plans.clear()
     monkeypatch.setattr(train, "backward_choice", lambda *a: "lean")
     again = _step(x, ws, bs, acts, g, need_x)
     assert list(entry.plans.values()) == [None]
@@ -345,16 +356,20 @@ DLRM = [((367, 512, 256, 1), ("relu", "sigmoid")), ((13, 512, 256, 64, 16), ("re
 @pytest.mark.parametrize("widths,acts", DLRM, ids=["top", "bottom"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("B", [1000, 20000])
-def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B):
+@pytest.mark.parametrize("backward", ["fused", "fused_c128"])
+def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B, backward):
     """A training step through kgen.nn.FusedMLP on CUDA at DLRM's widths takes the fused
     backward (after the general path's first step), its gradients match float64 (the
     spec's tolerance, or twice eager PyTorch's own error in the dtype) and backward_lean's,
     a second step gives bitwise the same gradients, and both B run the split over B."""
+    if backward in fb.CHAIN_OPTIONS and dtype == torch.float32:
+        pytest.skip("the chain options are tuned for 16-bit dtypes only (tuning.backward_choice)")
     # a memo of its own: another test's step of the same signature (the DLRM compile test's,
     # x without a gradient) would leave a second plan in the shared entry
     monkeypatch.setattr(fm.op, "_TRAIN", {})
-    # the fused kernels whatever the tables choose (float32's buckets go to backward_lean)
-    monkeypatch.setattr(train, "backward_choice", lambda *a: "fused")
+    # the fused kernels whatever the tables choose (float32's buckets go to backward_lean), with
+    # the shipped chain tiles or a tuned option's (fused_backward.CHAIN_OPTIONS)
+    monkeypatch.setattr(train, "backward_choice", lambda *a: backward)
     torch.manual_seed(0)
     m = FusedMLP(widths, *acts, dtype=dtype, device="cuda")
     x = torch.randn(B, widths[0], device="cuda", dtype=dtype, requires_grad=True)

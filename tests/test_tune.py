@@ -273,8 +273,9 @@ def test_family_choices_are_timed_recorded_and_chosen_over_probes(tables, labell
 
     s40, s48 = dict(SHAPE, cols=40), dict(SHAPE, cols=48)
     r40 = tune.tune("fused_bias_act", torch.device("cpu"), "float32", s40, variants=[a, b], timer=timer)
-    assert r40.choices == {"c": {"x": 10.0, "y": 5.0}} and r40.errors["c:z"] == "z does not build"
-    assert r40.entry()["choices"] == {"c": "y"} and r40.entry()["choices_us"] == r40.choices
+    assert r40.choices["choices_us"] == {"c": {"x": 10.0, "y": 5.0}} and r40.errors["c:z"] == "z does not build"
+    assert r40.choices["choices_confirm_us"] == {"c": {"x": 10.0, "y": 5.0}}  # y re-timed against x, the first
+    assert r40.entry()["choices"] == {"c": "y"} and r40.entry()["choices_us"] == r40.choices["choices_us"]
     r48 = tune.tune("fused_bias_act", torch.device("cpu"), "float32", s48, variants=[a, b], timer=timer)
     assert r48.entry()["choices"] == {"c": "x"}  # 1 % apart: a tie, to the first listed
     tune.record({r40.key: r40.entry()})
@@ -284,6 +285,18 @@ def test_family_choices_are_timed_recorded_and_chosen_over_probes(tables, labell
     assert len(tune.probes(e)) == 2
     assert e["choices"] == {"c": "y"}  # y at worst 1.01x (at 48), x 2x (at 40)
     assert tune.choice(tune.key("fused_bias_act", FAKE_DEVICE, "float16", "none"), "c") is None
+    # a lucky first timing (the winner's curse) does not survive the paired re-timing
+    calls = {}
+
+    def lucky(fn, us):
+        calls[fn.candidate] = calls.get(fn.candidate, 0) + 1
+        if fn.candidate == "c:y":
+            return 5.0 if calls["c:y"] == 1 else 10.0
+        return 10.0 if fn.candidate == "c:x" else 9.0
+
+    opt_times[40].pop("z")
+    r = tune.tune("fused_bias_act", torch.device("cpu"), "float32", s40, variants=[a, b], timer=lucky)
+    assert r.choices["choices_us"]["c"]["y"] == 5.0 and r.entry()["choices"] == {"c": "x"}
 
 
 def test_fused_mlp_backward_choice_reads_the_table(tables):
@@ -301,6 +314,12 @@ def test_fused_mlp_backward_choice_reads_the_table(tables):
     assert tuning.backward_choice(cuda, torch.bfloat16, top, 100) == "lean"  # B is free: the nearest tuned
     assert tuning.backward_choice(cuda, torch.bfloat16, (367, 512, 1), 16384) == "fused"  # other widths: default
     assert tuning.backward_choice(cuda, torch.float16, top, 16384) == "fused"
+    e["choices"] = {"backward": "fused_c128"}  # a chain option: 16-bit only
+    f32_bucket = fm.tune_bucket(16384, top, **fm.bucket_extras("float32"))
+    tune.record({tune.key("fused_mlp", FAKE_DEVICE, "bfloat16", bucket): e,
+                 tune.key("fused_mlp", FAKE_DEVICE, "float32", f32_bucket): e})
+    assert tuning.backward_choice(cuda, torch.bfloat16, top, 16384) == "fused_c128"
+    assert tuning.backward_choice(cuda, torch.float32, top, 16384) == "fused"  # not the default's "lean"
 
 
 def test_a_winner_carries_to_near_buckets_only_with_its_margin_at_every_probe():
@@ -558,6 +577,12 @@ def test_shipped_tables_are_valid():
                 shapes = [json.dumps(p.get("shape"), sort_keys=True) for p in tune.probes(e)]
                 assert "null" not in shapes and len(set(shapes)) == len(shapes), (f.name, k)
             assert e["winner"] == tune.bucket_winner(e), (f.name, k)
+            if "choices_us" in e:  # a family's further choices (fused_mlp's backward): known options, as timed
+                assert e["choices"] == tune.bucket_choices(e), (f.name, k)
+                if family == "fused_mlp":
+                    from kgen.families.fused_mlp import tuning as fm_tuning
+
+                    assert set(e["choices_us"]["backward"]) <= set(fm_tuning.BACKWARDS), (f.name, k)
 
 
 # --------------------------------------------------------------------------- GPU

@@ -258,8 +258,7 @@ class Result:
     gpu: dict[str, float] = field(default_factory=dict)  # candidate -> its GPU time alone, if timed
     confirm_gpu: dict[str, float] = field(default_factory=dict)
     shape: dict | None = None  # the shape timed (with the family's extras)
-    choices: dict[str, dict[str, float]] = field(default_factory=dict)  # choice -> option -> us
-    choices_gpu: dict[str, dict[str, float]] = field(default_factory=dict)
+    choices: dict[str, dict] = field(default_factory=dict)  # time_choices' fields (CHOICE_FIELDS)
 
     def entry(self) -> dict:
         e = {"winner": self.winner, "times_us": {k: round(v, 3) for k, v in self.times.items()},
@@ -273,9 +272,7 @@ class Result:
         if self.confirm_gpu:
             e["confirm_gpu_us"] = {k: round(v, 3) for k, v in self.confirm_gpu.items()}
         if self.choices:
-            e["choices_us"] = self.choices
-            if self.choices_gpu:
-                e["choices_gpu_us"] = self.choices_gpu
+            e.update(self.choices)
             e["choices"] = bucket_choices(e)
         return e
 
@@ -322,19 +319,21 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
         gpu = {}  # a timer without GPU parts (a fake): totals alone decide
     winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
     k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
-    ch, ch_gpu = time_choices(fam, inputs, timer, min_us, rounds, errors)
-    return Result(k, times, winner, errors, again, gpu, again_gpu, shape, ch, ch_gpu)
+    return Result(k, times, winner, errors, again, gpu, again_gpu, shape,
+                  time_choices(fam, inputs, timer, min_us, rounds, errors))
 
 
-def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: dict
-                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: dict) -> dict[str, dict]:
     """The family's `tune_choices` timed as the candidates are (interleaved rounds, the
-    minimum): ({choice: {option: us}}, the same for the GPU parts, {} where the timer gives
-    none). An option that fails is left out with its reason in `errors` (`choice:option`)."""
+    minimum; an option other than the first that wins is re-timed against the first,
+    `confirm`): {"choices_us": {choice: {option: us}}, "choices_gpu_us": the GPU parts (where
+    the timer gives them), "choices_confirm_us" / "choices_confirm_gpu_us": the re-timings},
+    each left out where empty. An option that fails is left out with its reason in `errors`
+    (`choice:option`)."""
     from kgen.errors import KgenError
 
     hook = getattr(fam, "tune_choices", None)
-    out, out_gpu = {}, {}
+    out = {f: {} for f in CHOICE_FIELDS}
     for name, options in (hook(inputs) if hook is not None else {}).items():
         options, times, gpu = dict(options), {}, {}
         for _ in range(rounds):
@@ -348,11 +347,15 @@ def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: d
                     gpu.pop(opt, None)
                     continue
                 _keep_min(times, gpu, opt, t)
-        if times:
-            out[name] = times
-            if len(gpu) == len(times):
-                out_gpu[name] = gpu
-    return out, out_gpu
+        if not times:
+            continue
+        if len(gpu) != len(times):
+            gpu = {}
+        _, again, again_gpu = confirm(times, pick(times, gpu), options, timer, min_us, gpu=gpu)
+        for f, d in zip(CHOICE_FIELDS, (times, gpu, again, again_gpu)):
+            if d:
+                out[f][name] = d
+    return {f: d for f, d in out.items() if d}
 
 
 def candidate_runners(fam, variants, inputs: dict) -> tuple[dict, dict]:
@@ -498,7 +501,8 @@ def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
 # 30000 x 768 on an H200; BENCHMARKS.md, twenty-third session). Tuned at both, the bucket
 # takes the candidate that is least far from the best at its worst shape.
 
-PROBE_FIELDS = ("shape", "times_us", "gpu_us", "confirm_us", "confirm_gpu_us", "choices_us", "choices_gpu_us")
+CHOICE_FIELDS = ("choices_us", "choices_gpu_us", "choices_confirm_us", "choices_confirm_gpu_us")
+PROBE_FIELDS = ("shape", "times_us", "gpu_us", "confirm_us", "confirm_gpu_us", *CHOICE_FIELDS)
 
 
 def probes(entry: dict) -> list[dict]:
@@ -571,20 +575,31 @@ def merged_entry(old: dict, new: dict) -> dict:
     return e
 
 
+def probe_choice(p: dict, name: str) -> str:
+    """The option one shape's recorded times give choice `name`, as `probe_winner` gives the
+    winner: `pick`, then the paired re-timing against the first option where there is one."""
+    times, gpu = p["choices_us"][name], p.get("choices_gpu_us", {}).get(name)
+    picked, first = pick(times, gpu), next(iter(times))
+    again = p.get("choices_confirm_us", {}).get(name)
+    if again and picked != first and picked in again and first in again:
+        return picked if beats(picked, first, again, p.get("choices_confirm_gpu_us", {}).get(name)) else first
+    return picked
+
+
 def bucket_choices(entry: dict) -> dict[str, str]:
-    """Per choice the entry's probes timed (`choices_us`): the option `pick` gives where the
-    probes agree, else the one whose worst slowdown against each probe's pick is least (a tie
-    within TIE going to the option timed first, the family's default)."""
+    """Per choice the entry's probes timed (`choices_us`): the option `probe_choice` gives
+    where the probes agree, else the one whose worst slowdown against each probe's choice is
+    least (a tie within TIE going to the option timed first, the family's default)."""
     ps = [p for p in probes(entry) if "choices_us" in p]
     out = {}
     for name in ps[0]["choices_us"] if ps else ():
-        timed = [(p["choices_us"][name], p.get("choices_gpu_us", {}).get(name)) for p in ps if name in p["choices_us"]]
-        picks = [pick(t, g) for t, g in timed]
+        timed = [p for p in ps if name in p["choices_us"]]
+        picks = [probe_choice(p, name) for p in timed]
         if len(set(picks)) == 1:
             out[name] = picks[0]
             continue
-        worst = {o: max(t[o] / t[w] for (t, _), w in zip(timed, picks))
-                 for o in timed[0][0] if all(o in t for t, _ in timed)}
+        ts = [p["choices_us"][name] for p in timed]
+        worst = {o: max(t[o] / t[w] for t, w in zip(ts, picks)) for o in ts[0] if all(o in t for t in ts)}
         least = min(worst.values())
         out[name] = next(o for o, s in worst.items() if s <= least * (1 + TIE))
     return out

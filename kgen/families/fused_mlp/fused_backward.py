@@ -59,6 +59,11 @@ DEVICES = ("cuda",)  # where the training fast path takes it (tests add "cpu": t
 CHAIN = {2: ((512, 16, 128, 4), (4096, 32, 128, 4), (32768, 64, 128, 8), (None, 128, 64, 4)),
          4: ((512, 16, 64, 4), (None, 32, 64, 4))}
 CHAIN_BLOCK_K = {2: 64, 4: 32}
+# Chain tiles the tuner may choose per bucket instead of CHAIN's row (tuning.tune_choices,
+# 16-bit only): 128 rows x 128 columns with 8 warps took the top MLP's chain 105.9 -> 81.7 us
+# at B = 16384 and 208.9 -> 161.9 at 32768, and cost the bottom MLP's 29.9 -> 35.1 and
+# 60.4 -> 69.9 (H200, bf16; BENCHMARKS.md, thirtieth session): it depends on the widths.
+CHAIN_OPTIONS = {"fused_c128": (128, 128, 8)}
 # dW: the tile of dW_i (TILE_N = TILE_K; small B: more programs), warps; rows per step (the
 # dots' K) and pipeline stages.
 DW_TILES = {2: ((4096, 64, 4), (None, 128, 4)), 4: ((4096, 64, 4), (None, 128, 8))}
@@ -102,7 +107,7 @@ class Plan:
     the first call) their replay. Built by `plan`; called as
     plan(grad, x, weights, zs) -> (grad_x or None, [grad_w or None], [grad_b or None])."""
 
-    def __init__(self, widths, dtype, device, B, has_bias, acts, needs, precision):
+    def __init__(self, widths, dtype, device, B, has_bias, acts, needs, precision, chain=None):
         L = len(widths) - 1
         self.widths, self.dtype, self.device, self.B, self.L = widths, dtype, device, B, L
         need_x, need_w, need_b = needs[0], needs[1:1 + L], needs[1 + L:]
@@ -127,7 +132,7 @@ class Plan:
                 self.b_at[i], at = at, _up(at + widths[i + 1])
         self.E = max(at, ALIGN)
         # dz chain
-        block_m, block_n, warps = _by_b(CHAIN[item], B)
+        block_m, block_n, warps = chain or _by_b(CHAIN[item], B)
         ds, ps = tuple(widths), tuple(padded(w) for w in widths)
         self.chain_grid = (-(-B // block_m),)
         self.chain_kw = dict(DS=ds, PS=ps, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x), BLOCK_M=block_m,
@@ -227,15 +232,17 @@ class Plan:
 _strided = torch.as_strided
 
 
-def plan(widths, dtype, device, B, has_bias, acts, needs) -> Plan | None:
+def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None) -> Plan | None:
     """The fused backward for this signature and `needs` (x, weight per layer, bias per
     layer), or None where it does not apply: nothing needed, B = 0, more layers than the
-    kernels' slots."""
+    kernels' slots. `chain`: the dz chain's (rows, output chunk, warps) instead of CHAIN's
+    row for B (a tuned option: CHAIN_OPTIONS)."""
     L = len(widths) - 1
     wanted = any(needs[:1 + L]) or any(n and on for n, on in zip(needs[1 + L:], has_bias))
     if B <= 0 or not 1 <= L <= MAX_LAYERS or not wanted:
         return None
-    return Plan(tuple(widths), dtype, device, B, tuple(has_bias), acts, tuple(needs), fwd_launch.precision(dtype))
+    return Plan(tuple(widths), dtype, device, B, tuple(has_bias), acts, tuple(needs), fwd_launch.precision(dtype),
+                chain)
 
 
 def backward(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs):

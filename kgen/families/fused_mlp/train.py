@@ -49,9 +49,10 @@ class Entry:
         p = self.plans.get(key, False)
         if p is False:
             widths = (self.w0, *(w.shape[0] for w in ws))
-            p = None
-            if backward_choice(x.device, x.dtype, widths, B) == "fused":
-                p = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs)
+            p, choice = None, backward_choice(x.device, x.dtype, widths, B)
+            if choice != "lean":
+                p = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs,
+                                        fused_backward.CHAIN_OPTIONS.get(choice))
             self.plans[key] = p
         return p
 

@@ -6,6 +6,8 @@ family package; `op` uses them to choose a kernel."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kgen.families.fused_mlp import fused_backward, launch
@@ -127,21 +129,27 @@ def implementation(kernel, widths: tuple, device=None):
 # fused lost at every top B (69.5 / 147 / 656 / 2399 against 48.7 / 106 / 346 / 1127) and at
 # the bottom's B >= 16384 (388 / 1391 against 291 / 883), won at its B <= 2048 (36.8 / 79.0
 # against 72.1 / 107). Where no table holds the bucket: fused for the 16-bit dtypes, and for
-# float32 up to F32_FUSED_MAX_B rows (host-bound steps, where its fewer launches pay).
-BACKWARDS = ("fused", "lean")
+# float32 up to F32_FUSED_MAX_B rows (host-bound steps, where its fewer launches pay). For
+# 16-bit dtypes the tuner also times the fused backward with other dz-chain tiles
+# (fused_backward.CHAIN_OPTIONS, named "fused_<tile>"): which chain tile wins depends on the
+# widths (the DLRM top MLP's wider first layer takes 128 x 128 at B >= 16384, the bottom's not).
+BACKWARDS = ("fused", *fused_backward.CHAIN_OPTIONS, "lean")
 F32_FUSED_MAX_B = 2048
 
 
 def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: int) -> str:
-    """"fused" or "lean": the training backward for B rows of `widths` in `dtype` (float32
-    under the process's TF32 setting) on `device`: the tuning table's choice for the bucket or
-    the nearest tuned one, else the default above."""
+    """One of BACKWARDS ("fused", a "fused_<tile>" of CHAIN_OPTIONS, or "lean"): the training
+    backward for B rows of `widths` in `dtype` (float32 under the process's TF32 setting) on
+    `device`: the tuning table's choice for the bucket or the nearest tuned one, else the
+    default above."""
     from kgen.runtime import tune
 
     d = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
         k = tune.key(FAMILY, tune.device_key(device.index), d, tune_bucket(B, widths, **bucket_extras(d)))
         got = tune.choice(k, "backward")
+        if got in fused_backward.CHAIN_OPTIONS and dtype == torch.float32:
+            return "fused"  # (tune_choices times them for 16-bit dtypes only)
         if got in BACKWARDS:
             return got
     return "fused" if dtype != torch.float32 or B <= F32_FUSED_MAX_B else "lean"
@@ -149,9 +157,10 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
 
 def tune_choices(inputs: dict) -> dict:
     """{"backward": {option: one backward of every gradient}} on CUDA inputs: the fused Triton
-    kernels (first: the default) and backward_lean, on the pre-activations of one eager
-    forward and a random upstream gradient. The fused one is left out where its kernels do
-    not build or take the call (its plan returns None), or KGEN_FUSED_MLP_FUSED_BWD=0."""
+    kernels (first: the default), for 16-bit dtypes also with CHAIN_OPTIONS' chain tiles, and
+    backward_lean, on the pre-activations of one eager forward and a random upstream
+    gradient. A fused option is left out where its kernels do not build or take the call (its
+    plan returns None), or KGEN_FUSED_MLP_FUSED_BWD=0."""
     x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
     a, last = inputs["activation"], inputs["last_activation"]
     B, L = x.shape[0], len(ws)
@@ -162,12 +171,19 @@ def tune_choices(inputs: dict) -> dict:
     g = torch.randn(B, ws[-1].shape[0], device=x.device, dtype=x.dtype)
     has_bias, needs = tuple(b is not None for b in bs), (True,) * (1 + 2 * L)
     options = {}
-    p = None
     if fused_backward.ENABLED:
         widths = (x.shape[1], *(w.shape[0] for w in ws))
-        p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs)
-    if p is not None and p(g, x, ws, zs) is not None:  # the first call builds (and may fail)
-        options["fused"] = lambda: p(g, x, ws, zs)
+        tiles = {"fused": None}
+        if x.dtype != torch.float32:
+            tiles.update(fused_backward.CHAIN_OPTIONS)
+        for name, chain in tiles.items():
+            p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs, chain)
+            try:  # the first call builds: None where it did not (a warning), or Triton's own error
+                built = p is not None and p(g, x, ws, zs) is not None
+            except RuntimeError:  # e.g. Triton 3.6's pipeliner: "PassManager::run failed"
+                built = False
+            if built:
+                options[name] = functools.partial(p, g, x, ws, zs)
     options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     return {"backward": options}
 
