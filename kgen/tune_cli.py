@@ -118,6 +118,7 @@ def show(console, family: str | None, dtypes=None, every_time: bool = False) -> 
             continue
         n = len(tune.probes(e))
         notes = [f"{n} shapes; times: the first"] if n > 1 and every_time else []
+        notes += [f"{name}: {opt}" for name, opt in (e.get("choices") or {}).items()]  # the family's further choices
         if not all("gpu_us" in p for p in tune.probes(e)):
             notes.append("no host timing: re-tune")
             stale += 1

@@ -299,7 +299,7 @@ def test_family_choices_are_timed_recorded_and_chosen_over_probes(tables, labell
     assert r.choices["choices_us"]["c"]["y"] == 5.0 and r.entry()["choices"] == {"c": "x"}
 
 
-def test_fused_mlp_backward_choice_reads_the_table(tables):
+def test_fused_mlp_backward_choice_reads_the_table(tables, capsys, monkeypatch):
     """fused_mlp's training backward takes the bucket's tuned choice (or the nearest tuned B's
     for the same widths and dtype), else the default rule."""
     from kgen.families import fused_mlp as fm
@@ -320,6 +320,14 @@ def test_fused_mlp_backward_choice_reads_the_table(tables):
                  tune.key("fused_mlp", FAKE_DEVICE, "float32", f32_bucket): e})
     assert tuning.backward_choice(cuda, torch.bfloat16, top, 16384) == "fused_c128"
     assert tuning.backward_choice(cuda, torch.float32, top, 16384) == "fused"  # not the default's "lean"
+    # `kgen tune --show` names a bucket's choices in its notes
+    from kgen import cli
+
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "400")  # one line a row
+    assert cli.main(["tune", "--show", "kgen/specs/fused_mlp.yaml", "--dtype", "bfloat16"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if bucket in line)
+    assert "backward: fused_c128" in row
 
 
 def test_a_winner_carries_to_near_buckets_only_with_its_margin_at_every_probe():
