@@ -321,9 +321,11 @@ def test_backward_choice_default_rule():
     assert tuning.backward_choice(cpu, torch.float32, top, tuning.F32_FUSED_MAX_B + 1) == "lean"
 
 
-def test_train_fast_path_falls_back_where_it_does_not_build(monkeypatch):
-    """A plan whose kernels fail to build warns once and leaves the signature on
-    backward_lean (same gradients)."""
+@pytest.mark.parametrize("failure", ["compile", "pass_manager"])
+def test_train_fast_path_falls_back_where_it_does_not_build(monkeypatch, failure):
+    """A plan whose kernels fail to build (a CompilationError, or Triton's MLIR pipeline
+    failing: a RuntimeError "PassManager::run failed") warns once and leaves the signature
+    on backward_lean (same gradients); any other RuntimeError of a launch propagates."""
     from triton.compiler.errors import CompilationError
 
     widths, acts = (4, 7, 3), ("relu", "none")
@@ -333,8 +335,18 @@ def test_train_fast_path_falls_back_where_it_does_not_build(monkeypatch):
     want = _step(x, ws, bs, acts, g)
     monkeypatch.setattr(fb, "DEVICES", ("cuda", "cpu"))
 
+    def other(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(fb.triton_launch, "launch", other)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        _step(x, ws, bs, acts, g)
+    entry.plans.clear()
+
     def broken(*a, **k):
-        raise CompilationError("src", None, "no")
+        if failure == "compile":
+            raise CompilationError("src", None, "no")
+        raise RuntimeError("PassManager::run failed")
 
     monkeypatch.setattr(fb.triton_launch, "launch", broken)
     with pytest.warns(UserWarning, match="did not build"):

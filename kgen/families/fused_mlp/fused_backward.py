@@ -182,8 +182,8 @@ class Plan:
             try:
                 for launch in launches:
                     triton_launch.launch(*launch)
-            except (CompilationError, OutOfResources) as e:
-                if self.state == "ok":
+            except (CompilationError, OutOfResources, RuntimeError) as e:
+                if self.state == "ok" or (type(e) is RuntimeError and not _build_failure(e)):
                     raise
                 self.state = "failed"
                 warnings.warn(f"fused_mlp: the fused backward did not build for widths {self.widths} "
@@ -230,6 +230,13 @@ class Plan:
 
 
 _strided = torch.as_strided
+
+
+def _build_failure(e: RuntimeError) -> bool:
+    """Whether a RuntimeError from a first launch is Triton failing to compile the kernel (an
+    MLIR pass pipeline that fails, as Triton 3.6's pipeliner did for the float32 chain at 64
+    rows: "PassManager::run failed"), not an error of the launch itself."""
+    return "PassManager::run failed" in str(e)
 
 
 def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None) -> Plan | None:

@@ -178,11 +178,7 @@ def tune_choices(inputs: dict) -> dict:
             tiles.update(fused_backward.CHAIN_OPTIONS)
         for name, chain in tiles.items():
             p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs, chain)
-            try:  # the first call builds: None where it did not (a warning), or Triton's own error
-                built = p is not None and p(g, x, ws, zs) is not None
-            except RuntimeError:  # e.g. Triton 3.6's pipeliner: "PassManager::run failed"
-                built = False
-            if built:
+            if p is not None and p(g, x, ws, zs) is not None:  # the first call builds: None where it did not
                 options[name] = functools.partial(p, g, x, ws, zs)
     options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     return {"backward": options}
