@@ -13,7 +13,7 @@ import kgen.ops as ops
 from kgen.nn import FusedMLP
 from kgen.families import fused_mlp as fm
 from kgen.families.fused_mlp import fused_backward as fb
-from kgen.families.fused_mlp import train
+from kgen.families.fused_mlp import train, tuning
 from kgen.runtime import dispatch
 from kgen.runtime.op import error_ratio
 
@@ -292,7 +292,7 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
     monkeypatch.setattr(train, "backward_choice", lambda *a: "fused_c128")
     tiled = _step(x, ws, bs, acts, g, need_x)
     (p,) = entry.plans.values()
-    assert (p.chain_kw["BLOCK_M"], p.chain_kw["BLOCK_N"], p.chain_kw["num_warps"]) == fb.CHAIN_OPTIONS["fused_c128"]
+    assert (p.chain_kw["BLOCK_M"], p.chain_kw["BLOCK_N"], p.chain_kw["num_warps"]) == fb.CHAIN_OPTIONS["c128"]
     for a, b in zip(tiled, lean):
         assert (a is None) == (b is None)
         if a is not None:
@@ -306,6 +306,44 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
         assert (a is None) == (b is None)
         if a is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_padded_copies_give_the_same_gradients(monkeypatch, dtype):
+    """`pad` (a tuned option): x and the chain's weights whose rows are not whole 16-byte
+    vectors are read from zero-padded copies in the scratch, one pad launch each before the
+    chain; the gradients are bitwise those of the plan without it (the same products, the
+    padding's zeros added). Under the interpreter, every weight padded (ALIGN_MIN_BYTES 0)."""
+    from kgen.families.fused_mlp import schema
+
+    monkeypatch.setattr(schema, "ALIGN_MIN_BYTES", 0)
+    widths, acts, B = (13, 21, 6, 3), ("gelu", "sigmoid"), 37
+    x, ws, bs = fm.make_inputs("cpu", dtype, B, widths)
+    g = torch.randn(B, 3, generator=torch.Generator().manual_seed(6)).to(dtype)
+    zs = fm.eager(x, ws, bs, *acts, save=True)[1]
+    needs = (True,) * 7
+    plain = fb.plan(widths, dtype, x.device, B, (True,) * 3, acts, needs)
+    padded = fb.plan(widths, dtype, x.device, B, (True,) * 3, acts, needs, pad=True)
+    v = 16 // dtype.itemsize
+    assert fb.pads(widths, dtype) and not fb.pads((16, 24, 8, 3), dtype)
+    assert padded.xs == 16 and padded.ws == tuple(-(-k // v) * v for k in widths[:-1])
+    assert [w for w, *_ in padded.pads] == ["x", 0, 1, 2] and not plain.pads
+    launched = []
+    real = fb.triton_launch.launch
+    monkeypatch.setattr(fb.triton_launch, "launch", lambda *a: launched.append(a[0]) or real(*a))
+    want, got = plain(g, x, ws, zs), padded(g, x, ws, zs)
+    assert launched.count(fb.fused_mlp_bwd_pad_kernel) == 4
+    flat = lambda r: [r[0], *r[1], *r[2]]  # noqa: E731
+    for a, b in zip(flat(got), flat(want)):
+        assert torch.equal(a, b)
+
+
+def test_fused_options_parse():
+    assert tuning.fused_option("fused") == (None, False)
+    assert tuning.fused_option("fused_pad") == (None, True)
+    assert tuning.fused_option("fused_c128") == (fb.CHAIN_OPTIONS["c128"], False)
+    assert tuning.fused_option("fused_c128_pad") == (fb.CHAIN_OPTIONS["c128"], True)
+    assert tuning.BACKWARDS == ("fused", "fused_c128", "fused_pad", "fused_c128_pad", "lean")
 
 
 def test_backward_choice_default_rule():
@@ -368,13 +406,13 @@ DLRM = [((367, 512, 256, 1), ("relu", "sigmoid")), ((13, 512, 256, 64, 16), ("re
 @pytest.mark.parametrize("widths,acts", DLRM, ids=["top", "bottom"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("B", [1000, 20000])
-@pytest.mark.parametrize("backward", ["fused", "fused_c128"])
+@pytest.mark.parametrize("backward", ["fused", "fused_c128", "fused_pad"])
 def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B, backward):
     """A training step through kgen.nn.FusedMLP on CUDA at DLRM's widths takes the fused
     backward (after the general path's first step), its gradients match float64 (the
     spec's tolerance, or twice eager PyTorch's own error in the dtype) and backward_lean's,
     a second step gives bitwise the same gradients, and both B run the split over B."""
-    if backward in fb.CHAIN_OPTIONS and dtype == torch.float32:
+    if tuning.fused_option(backward)[0] is not None and dtype == torch.float32:
         pytest.skip("the chain options are tuned for 16-bit dtypes only (tuning.backward_choice)")
     # a memo of its own: another test's step of the same signature (the DLRM compile test's,
     # x without a gradient) would leave a second plan in the shared entry

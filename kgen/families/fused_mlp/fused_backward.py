@@ -15,9 +15,14 @@ forward: TF32 where torch.backends.cuda.matmul.allow_tf32 is set, else "tf32x3" 
 accuracy on tensor cores; "ieee" is an FMA loop that Triton compiles with a stack).
 
 Which launches and buffers a call gets (block sizes, split, layout) is decided once per
-call signature and `needs` (`Plan`, kept by train.Entry); launches after the first replay the
-recorded binaries through kgen.runtime.triton_launch (pointers as integers, none of
-Triton's per-launch Python). KGEN_FUSED_MLP_FUSED_BWD=0 (or ENABLED = False) leaves the
+call signature and `needs` (`Plan`, kept by train.Entry), with two options the tuner may
+choose per bucket (tuning.tune_choices): another dz-chain tile (CHAIN_OPTIONS) and `pad`
+(x and the large weights whose rows are not whole 16-byte vectors read from zero-padded
+copies that `fused_mlp_bwd_pad_kernel` launches write into the scratch first: the DLRM top
+MLP's 367-wide x and W0 otherwise cost the dW and chain kernels 2-byte loads outside Triton's
+pipeline, 144 of the dW kernel's global loads in sm_90 PTX against 16). Launches after the
+first replay the recorded binaries through kgen.runtime.triton_launch (pointers as integers,
+none of Triton's per-launch Python). KGEN_FUSED_MLP_FUSED_BWD=0 (or ENABLED = False) leaves the
 training fast path on reference.backward_lean.
 """
 
@@ -34,9 +39,10 @@ from kgen.families.fused_mlp import launch as fwd_launch
 from kgen.families.fused_mlp.fused_backward_kernels import (  # Plan.launches reads them here (tests patch them)
     fused_mlp_bwd_dw_kernel,
     fused_mlp_bwd_dz_kernel,
+    fused_mlp_bwd_pad_kernel,
     fused_mlp_bwd_sum_kernel,
 )
-from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, padded
+from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, padded, weight_strides
 from kgen.runtime import triton_launch
 from kgen.runtime.op import sm_count
 
@@ -63,7 +69,7 @@ CHAIN_BLOCK_K = {2: 64, 4: 32}
 # 16-bit only): 128 rows x 128 columns with 8 warps took the top MLP's chain 105.9 -> 81.7 us
 # at B = 16384 and 208.9 -> 161.9 at 32768, and cost the bottom MLP's 29.9 -> 35.1 and
 # 60.4 -> 69.9 (H200, bf16; BENCHMARKS.md, thirtieth session): it depends on the widths.
-CHAIN_OPTIONS = {"fused_c128": (128, 128, 8)}
+CHAIN_OPTIONS = {"c128": (128, 128, 8)}
 # dW: the tile of dW_i (TILE_N = TILE_K; small B: more programs), warps; rows per step (the
 # dots' K) and pipeline stages.
 DW_TILES = {2: ((4096, 64, 4), (None, 128, 4)), 4: ((4096, 64, 4), (None, 128, 8))}
@@ -75,6 +81,7 @@ DW_STAGES = 3
 # S = 12 and 2 waves, 273 us at S = 24).
 SPLIT_MIN_ROWS, SPLIT_WAVES = 256, 4
 SUM_BLOCK = 1024
+PAD_BLOCK_R = 16  # rows a program of the pad copies (Plan with `pad`)
 ALIGN = 16  # elements: every buffer slice starts 16-byte aligned
 
 _empty = torch.empty  # every buffer the kernels write (tests poison them through this)
@@ -107,7 +114,7 @@ class Plan:
     the first call) their replay. Built by `plan`; called as
     plan(grad, x, weights, zs) -> (grad_x or None, [grad_w or None], [grad_b or None])."""
 
-    def __init__(self, widths, dtype, device, B, has_bias, acts, needs, precision, chain=None):
+    def __init__(self, widths, dtype, device, B, has_bias, acts, needs, precision, chain=None, pad=False):
         L = len(widths) - 1
         self.widths, self.dtype, self.device, self.B, self.L = widths, dtype, device, B, L
         need_x, need_w, need_b = needs[0], needs[1:1 + L], needs[1 + L:]
@@ -122,6 +129,23 @@ class Plan:
         for i in range(lowest, L - (1 if self.last_none else 0)):
             self.dz_at[i] = at
             at = _up(at + B * widths[i + 1])
+        # `pad`: x (read by dW_0) and each weight of >= ALIGN_MIN_BYTES that the chain reads, where
+        # their rows are not whole 16-byte vectors, read from zero-padded copies in the scratch
+        # (as the forward's exact variants read such a weight: schema.weight_strides); Triton
+        # loads unaligned rows 2 bytes at a time, outside its software pipeline
+        v = 16 // item
+        chain_reads = [i >= lowest + 1 or (i == 0 and need_x) for i in range(L)]
+        strides = weight_strides(widths, item, align=pad)
+        self.ws = tuple(st if read else k for st, read, k in zip(strides, chain_reads, widths))
+        self.xs = _up(widths[0], v) if pad and need_w[0] and widths[0] % v else widths[0]
+        self.pads = []  # (what: "x" or a layer index, rows, K, stride, scratch offset)
+        if self.xs != widths[0]:
+            self.pads.append(("x", B, widths[0], self.xs, at))
+            at = _up(at + B * self.xs)
+        for i, (st, k) in enumerate(zip(self.ws, widths)):
+            if st != k:
+                self.pads.append((i, widths[i + 1], k, st, at))
+                at = _up(at + widths[i + 1] * st)
         self.dz_numel = max(at, ALIGN)
         # flat output: grad_w then grad_b of each needed layer, 16-element aligned
         self.w_at, self.b_at, at = [-1] * L, [-1] * L, 0
@@ -135,7 +159,7 @@ class Plan:
         block_m, block_n, warps = chain or _by_b(CHAIN[item], B)
         ds, ps = tuple(widths), tuple(padded(w) for w in widths)
         self.chain_grid = (-(-B // block_m),)
-        self.chain_kw = dict(DS=ds, PS=ps, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x), BLOCK_M=block_m,
+        self.chain_kw = dict(DS=ds, PS=ps, WS=self.ws, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x), BLOCK_M=block_m,
                              BLOCK_N=block_n, BLOCK_K=CHAIN_BLOCK_K[item], PRECISION=precision, num_warps=warps)
         self.chain_ints = [B, act, last]
         # dW / db: the tiles of every layer with a gradient needed, in layer order
@@ -152,7 +176,7 @@ class Plan:
             kts.append(kt)
         self.S, rows = split(n, B, block_b, sm_count(device, 4), self.E)
         self.dw_grid = (n, self.S)
-        self.dw_kw = dict(DS=ds, NUM_LAYERS=L, TS=tuple(starts), TT=tuple(tt), KT=tuple(kts), OW=tuple(self.w_at),
+        self.dw_kw = dict(DS=ds, XS=self.xs, NUM_LAYERS=L, TS=tuple(starts), TT=tuple(tt), KT=tuple(kts), OW=tuple(self.w_at),
                           OB=tuple(self.b_at), E=self.E if self.S > 1 else 0, BLOCK_B=block_b, STAGES=DW_STAGES,
                           PRECISION=precision, num_warps=warps)
         self.dw_ints = [B, rows, act]
@@ -207,10 +231,20 @@ class Plan:
             if zs[i] is not None:
                 z[i] = zs[i]
             w[i] = weights[i]
-        out = [(fused_mlp_bwd_dz_kernel, self.chain_grid, [grad, gx if gx is not None else filler, *w, *z, *d,
+        out, xp = [], x
+        for what, rows, k, st, at in self.pads:  # the zero-padded copies first
+            src = x if what == "x" else weights[what]
+            dst = scratch[at:at + rows * st]
+            if what == "x":
+                xp = dst
+            else:
+                w[what] = dst
+            out.append((fused_mlp_bwd_pad_kernel, (-(-rows // PAD_BLOCK_R),), [src, dst, rows],
+                        dict(K=k, S=st, SP=padded(st), BLOCK_R=PAD_BLOCK_R, num_warps=4)))
+        out += [(fused_mlp_bwd_dz_kernel, self.chain_grid, [grad, gx if gx is not None else filler, *w, *z, *d,
                                                             *self.chain_ints], self.chain_kw)]
         if self.dw_grid[0]:  # (none: only grad_x asked for)
-            out.append((fused_mlp_bwd_dw_kernel, self.dw_grid, [x, ws if ws is not None else flat, *z, *d,
+            out.append((fused_mlp_bwd_dw_kernel, self.dw_grid, [xp, ws if ws is not None else flat, *z, *d,
                                                                 *self.dw_ints], self.dw_kw))
         if ws is not None:
             out.append((fused_mlp_bwd_sum_kernel, self.sum_grid, [ws, flat, *self.sum_ints], self.sum_kw))
@@ -239,17 +273,25 @@ def _build_failure(e: RuntimeError) -> bool:
     return "PassManager::run failed" in str(e)
 
 
-def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None) -> Plan | None:
+def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None, pad=False) -> Plan | None:
     """The fused backward for this signature and `needs` (x, weight per layer, bias per
     layer), or None where it does not apply: nothing needed, B = 0, more layers than the
     kernels' slots. `chain`: the dz chain's (rows, output chunk, warps) instead of CHAIN's
-    row for B (a tuned option: CHAIN_OPTIONS)."""
+    row for B (a tuned option: CHAIN_OPTIONS); `pad`: x and the large weights whose rows are
+    not whole 16-byte vectors read from zero-padded copies (a tuned option, `pads`)."""
     L = len(widths) - 1
     wanted = any(needs[:1 + L]) or any(n and on for n, on in zip(needs[1 + L:], has_bias))
     if B <= 0 or not 1 <= L <= MAX_LAYERS or not wanted:
         return None
     return Plan(tuple(widths), dtype, device, B, tuple(has_bias), acts, tuple(needs), fwd_launch.precision(dtype),
-                chain)
+                chain, pad)
+
+
+def pads(widths, dtype) -> bool:
+    """Whether `pad` changes anything for these widths and dtype (x's rows or a large
+    weight's not whole 16-byte vectors): where it does not, the tuner does not time it."""
+    item = dtype.itemsize
+    return widths[0] % (16 // item) != 0 or weight_strides(tuple(widths), item) != tuple(widths[:-1])
 
 
 def backward(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs):

@@ -114,10 +114,12 @@ def _dz_last(g_ptr, z_ptr, dz_ptr, rows, rmask, code, N: tl.constexpr, CN: tl.co
 
 @triton.jit
 def _chain_gemm(src_ptr, w_ptr, z_ptr, dst_ptr, rows, rmask, code,
-                N: tl.constexpr, K: tl.constexpr, CN: tl.constexpr, CK: tl.constexpr, HAS_Z: tl.constexpr,
-                BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                N: tl.constexpr, K: tl.constexpr, WK: tl.constexpr, CN: tl.constexpr, CK: tl.constexpr,
+                HAS_Z: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     """dst[rows, :K] = (src[rows, :N] @ w[:N, :K]) rounded to the dtype, then (HAS_Z) times
-    act'(z[rows, :K]) in float32 and rounded again: a layer's dz from the one above."""
+    act'(z[rows, :K]) in float32 and rounded again: a layer's dz from the one above. w's rows
+    are WK apart (WK > K: a zero-padded copy whose rows are whole 16-byte vectors, read to WK
+    so that the mask does not split a vector)."""
     DTYPE = dst_ptr.dtype.element_ty
     for k0 in tl.range(0, K, CK):
         kc = k0 + tl.arange(0, CK)
@@ -127,7 +129,7 @@ def _chain_gemm(src_ptr, w_ptr, z_ptr, dst_ptr, rows, rmask, code,
             nc = n0 + tl.arange(0, CN)
             nmask = nc < N
             a = tl.load(src_ptr + rows[:, None] * N + nc[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
-            w = tl.load(w_ptr + nc[:, None] * K + kc[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + nc[:, None] * WK + kc[None, :], mask=nmask[:, None] & (kc < WK)[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         g = acc.to(DTYPE)
         m = rmask[:, None] & kmask[None, :]
@@ -144,12 +146,13 @@ def fused_mlp_bwd_dz_kernel(grad_ptr, gx_ptr,
                             z0, z1, z2, z3, z4, z5, z6, z7,
                             d0, d1, d2, d3, d4, d5, d6, d7,
                             B, act, last_act,
-                            DS: tl.constexpr, PS: tl.constexpr, NUM_LAYERS: tl.constexpr, LOWEST: tl.constexpr,
-                            NEED_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # DS: the widths (w0, ..., wL), PS: each padded to a power of two >= 16; w<i>, z<i>, d<i>:
-    # layer i's weight, saved z and dz scratch (slots past NUM_LAYERS unused). With
-    # last_act none the host passes grad itself as the last layer's dz (nothing to write).
+                            DS: tl.constexpr, PS: tl.constexpr, WS: tl.constexpr, NUM_LAYERS: tl.constexpr,
+                            LOWEST: tl.constexpr, NEED_X: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # DS: the widths (w0, ..., wL), PS: each padded to a power of two >= 16, WS: each weight's
+    # row stride (its input width, or more for a zero-padded copy); w<i>, z<i>, d<i>: layer
+    # i's weight, saved z and dz scratch (slots past NUM_LAYERS unused). With last_act none
+    # the host passes grad itself as the last layer's dz (nothing to write).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
     if last_act != 0:
@@ -165,12 +168,13 @@ def fused_mlp_bwd_dz_kernel(grad_ptr, gx_ptr,
                         _pick(NUM_LAYERS - j, w0, w1, w2, w3, w4, w5, w6, w7),
                         _pick(NUM_LAYERS - 1 - j, z0, z1, z2, z3, z4, z5, z6, z7),
                         _pick(NUM_LAYERS - 1 - j, d0, d1, d2, d3, d4, d5, d6, d7), rows, rmask, act,
-                        DS[NUM_LAYERS - j + 1], DS[NUM_LAYERS - j], min(BLOCK_K, PS[NUM_LAYERS - j + 1]),
-                        min(BLOCK_N, PS[NUM_LAYERS - j]), True, BLOCK_M, PRECISION)
+                        DS[NUM_LAYERS - j + 1], DS[NUM_LAYERS - j], WS[NUM_LAYERS - j],
+                        min(BLOCK_K, PS[NUM_LAYERS - j + 1]), min(BLOCK_N, PS[NUM_LAYERS - j]), True, BLOCK_M,
+                        PRECISION)
             tl.debug_barrier()
     if NEED_X:
-        _chain_gemm(d0, w0, d0, gx_ptr, rows, rmask, act, DS[1], DS[0], min(BLOCK_K, PS[1]), min(BLOCK_N, PS[0]),
-                    False, BLOCK_M, PRECISION)
+        _chain_gemm(d0, w0, d0, gx_ptr, rows, rmask, act, DS[1], DS[0], WS[0], min(BLOCK_K, PS[1]),
+                    min(BLOCK_N, PS[0]), False, BLOCK_M, PRECISION)
 
 
 @triton.jit
@@ -179,7 +183,8 @@ def _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code,
              DO_W: tl.constexpr, DO_B: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr,
              PRECISION: tl.constexpr):
     """(dz[r0:r1, n]^T @ h[r0:r1, k], dz[r0:r1, n]'s column sums) in float32, rows in order;
-    h = src (H_ACT: act(src) in float32, rounded to the dtype as the forward's h)."""
+    h = src (H_ACT: act(src) in float32, rounded to the dtype as the forward's h) with rows K
+    apart (K: x's padded copy's stride where the host made one, `kmask` then running to it)."""
     acc = tl.zeros([TN, TK], dtype=tl.float32)
     bacc = tl.zeros([TN], dtype=tl.float32)
     for r in tl.range(r0, r1, BLOCK_B, num_stages=STAGES):
@@ -198,26 +203,28 @@ def _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code,
 
 @triton.jit
 def _dw_tile(t, src_ptr, d_ptr, out_ptr, r0, r1, code,
-             N: tl.constexpr, K: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr, KT: tl.constexpr,
-             H_ACT: tl.constexpr, DO_W: tl.constexpr, DO_B: tl.constexpr, OFF_W: tl.constexpr, OFF_B: tl.constexpr,
-             BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
-    """Tile t of one layer: (t // KT, t % KT) in its grid of TN x TK tiles of dW [N, K]."""
+             N: tl.constexpr, K: tl.constexpr, SK: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr,
+             KT: tl.constexpr, H_ACT: tl.constexpr, DO_W: tl.constexpr, DO_B: tl.constexpr, OFF_W: tl.constexpr,
+             OFF_B: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile t of one layer: (t // KT, t % KT) in its grid of TN x TK tiles of dW [N, K]; the
+    layer's input rows SK apart (SK > K: x's zero-padded copy, read to SK)."""
     nt = t // KT
     kt = t % KT
     n = nt * TN + tl.arange(0, TN)
     nmask = n < N
     k = kt * TK + tl.arange(0, TK)
     kmask = k < K
+    lmask = k < SK  # the loads' mask: a padded copy's zero columns are read, not split off
     if DO_B:
         if kt == 0:  # the column sums ride on the first column of tiles only
-            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code, N, K, TN, TK, H_ACT, DO_W, True,
+            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, lmask, code, N, SK, TN, TK, H_ACT, DO_W, True,
                                  BLOCK_B, STAGES, PRECISION)
             tl.store(out_ptr + OFF_B + n, bacc.to(out_ptr.dtype.element_ty), mask=nmask)
         else:
-            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code, N, K, TN, TK, H_ACT, DO_W, False,
+            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, lmask, code, N, SK, TN, TK, H_ACT, DO_W, False,
                                  BLOCK_B, STAGES, PRECISION)
     else:
-        acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code, N, K, TN, TK, H_ACT, DO_W, False,
+        acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, lmask, code, N, SK, TN, TK, H_ACT, DO_W, False,
                              BLOCK_B, STAGES, PRECISION)
     if DO_W:
         tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -229,9 +236,10 @@ def fused_mlp_bwd_dw_kernel(x_ptr, out_ptr,
                             z0, z1, z2, z3, z4, z5, z6, z7,
                             d0, d1, d2, d3, d4, d5, d6, d7,
                             B, rows_per_split, act,
-                            DS: tl.constexpr, NUM_LAYERS: tl.constexpr, TS: tl.constexpr, TT: tl.constexpr,
-                            KT: tl.constexpr, OW: tl.constexpr, OB: tl.constexpr, E: tl.constexpr,
-                            BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+                            DS: tl.constexpr, XS: tl.constexpr, NUM_LAYERS: tl.constexpr, TS: tl.constexpr,
+                            TT: tl.constexpr, KT: tl.constexpr, OW: tl.constexpr, OB: tl.constexpr,
+                            E: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    # XS: x's row stride (w0, or more for a zero-padded copy).
     # Per layer i (tuples, constexprs): TS[i] its first program, TS[i + 1] - TS[i] its tiles
     # (none: no gradient of it needed), TT[i] its tile (TN, TK), KT[i] tiles along K, OW[i] /
     # OB[i] where grad_w / grad_b go in the flat output (-1: not needed). Row range s =
@@ -245,12 +253,12 @@ def fused_mlp_bwd_dw_kernel(x_ptr, out_ptr,
         if TS[i + 1] > TS[i]:
             if (pid >= TS[i]) & (pid < TS[i + 1]):
                 if i == 0:
-                    _dw_tile(pid - TS[i], x_ptr, d0, out, r0, r1, act, DS[1], DS[0], TT[i][0], TT[i][1], KT[i],
+                    _dw_tile(pid - TS[i], x_ptr, d0, out, r0, r1, act, DS[1], DS[0], XS, TT[i][0], TT[i][1], KT[i],
                              False, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES, PRECISION)
                 else:
                     _dw_tile(pid - TS[i], _pick(i - 1, z0, z1, z2, z3, z4, z5, z6, z7),
                              _pick(i, d0, d1, d2, d3, d4, d5, d6, d7), out, r0, r1, act, DS[i + 1], DS[i],
-                             TT[i][0], TT[i][1], KT[i], True, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES,
+                             DS[i], TT[i][0], TT[i][1], KT[i], True, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES,
                              PRECISION)
 
 
@@ -263,3 +271,15 @@ def fused_mlp_bwd_sum_kernel(ws_ptr, out_ptr, S, E, BLOCK: tl.constexpr):
     for s in range(0, S):
         acc += tl.load(ws_ptr + s * E + e, mask=m, other=0.0)
     tl.store(out_ptr + e, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit(do_not_specialize=["R"])
+def fused_mlp_bwd_pad_kernel(src_ptr, dst_ptr, R, K: tl.constexpr, S: tl.constexpr, SP: tl.constexpr,
+                             BLOCK_R: tl.constexpr):
+    """dst [R, S] = src [R, K] with zero columns K..S-1 (S: K rounded up to whole 16-byte
+    vectors; SP: S's power of two): the copy of x or a weight whose rows the backward then
+    loads 16 bytes at a time (Plan with `pad`)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    c = tl.arange(0, SP)
+    v = tl.load(src_ptr + r[:, None] * K + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K), other=0.0)
+    tl.store(dst_ptr + r[:, None] * S + c[None, :], v, mask=(r[:, None] < R) & (c[None, :] < S))

@@ -22,7 +22,7 @@ import torch
 
 from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.reference import backward_lean, eager
-from kgen.families.fused_mlp.tuning import backward_choice
+from kgen.families.fused_mlp.tuning import backward_choice, fused_option
 from kgen.runtime.triton_launch import current_device
 
 
@@ -52,7 +52,7 @@ class Entry:
             p, choice = None, backward_choice(x.device, x.dtype, widths, B)
             if choice != "lean":
                 p = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs,
-                                        fused_backward.CHAIN_OPTIONS.get(choice))
+                                        *fused_option(choice))
             self.plans[key] = p
         return p
 

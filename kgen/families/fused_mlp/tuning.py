@@ -131,14 +131,26 @@ def implementation(kernel, widths: tuple, device=None):
 # against 72.1 / 107). Where no table holds the bucket: fused for the 16-bit dtypes, and for
 # float32 up to F32_FUSED_MAX_B rows (host-bound steps, where its fewer launches pay). For
 # 16-bit dtypes the tuner also times the fused backward with other dz-chain tiles
-# (fused_backward.CHAIN_OPTIONS, named "fused_<tile>"): which chain tile wins depends on the
-# widths (the DLRM top MLP's wider first layer takes 128 x 128 at B >= 16384, the bottom's not).
-BACKWARDS = ("fused", *fused_backward.CHAIN_OPTIONS, "lean")
+# (fused_backward.CHAIN_OPTIONS, "fused_<tile>"): which chain tile wins depends on the widths
+# (the DLRM top MLP's wider first layer takes 128 x 128 at B >= 16384, the bottom's not). Where
+# x's rows or a large weight's are not whole 16-byte vectors (the top MLP's 367), each fused
+# option also with `pad` ("..._pad": zero-padded copies, fused_backward.pads).
+BACKWARDS = ("fused", *(f"fused_{t}" for t in fused_backward.CHAIN_OPTIONS), "fused_pad",
+             *(f"fused_{t}_pad" for t in fused_backward.CHAIN_OPTIONS), "lean")
+
+
+def fused_option(choice: str) -> tuple[tuple | None, bool]:
+    """(chain tile or None: CHAIN's row, pad) of a fused option of BACKWARDS."""
+    parts = choice.split("_")[1:]
+    pad = parts[-1:] == ["pad"]
+    tile = parts[0] if parts and parts[0] != "pad" else None
+    return fused_backward.CHAIN_OPTIONS.get(tile), pad
 F32_FUSED_MAX_B = 2048
 
 
 def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: int) -> str:
-    """One of BACKWARDS ("fused", a "fused_<tile>" of CHAIN_OPTIONS, or "lean"): the training
+    """One of BACKWARDS ("fused", "fused_<tile>" with a CHAIN_OPTIONS tile, either with
+    "_pad", or "lean"): the training
     backward for B rows of `widths` in `dtype` (float32 under the process's TF32 setting) on
     `device`: the tuning table's choice for the bucket or the nearest tuned one, else the
     default above."""
@@ -148,8 +160,8 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
     if device.type == "cuda":
         k = tune.key(FAMILY, tune.device_key(device.index), d, tune_bucket(B, widths, **bucket_extras(d)))
         got = tune.choice(k, "backward")
-        if got in fused_backward.CHAIN_OPTIONS and dtype == torch.float32:
-            return "fused"  # (tune_choices times them for 16-bit dtypes only)
+        if got in BACKWARDS and dtype == torch.float32 and fused_option(got)[0] is not None:
+            return "fused_pad" if fused_option(got)[1] else "fused"  # (chain tiles: timed for 16-bit only)
         if got in BACKWARDS:
             return got
     return "fused" if dtype != torch.float32 or B <= F32_FUSED_MAX_B else "lean"
@@ -157,10 +169,10 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
 
 def tune_choices(inputs: dict) -> dict:
     """{"backward": {option: one backward of every gradient}} on CUDA inputs: the fused Triton
-    kernels (first: the default), for 16-bit dtypes also with CHAIN_OPTIONS' chain tiles, and
-    backward_lean, on the pre-activations of one eager forward and a random upstream
-    gradient. A fused option is left out where its kernels do not build or take the call (its
-    plan returns None), or KGEN_FUSED_MLP_FUSED_BWD=0."""
+    kernels (first: the default), for 16-bit dtypes also with CHAIN_OPTIONS' chain tiles, each
+    also with `pad` where it changes anything, and backward_lean, on the pre-activations of one
+    eager forward and a random upstream gradient. A fused option is left out where its kernels
+    do not build or take the call (its plan returns None), or KGEN_FUSED_MLP_FUSED_BWD=0."""
     x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
     a, last = inputs["activation"], inputs["last_activation"]
     B, L = x.shape[0], len(ws)
@@ -173,13 +185,15 @@ def tune_choices(inputs: dict) -> dict:
     options = {}
     if fused_backward.ENABLED:
         widths = (x.shape[1], *(w.shape[0] for w in ws))
-        tiles = {"fused": None}
-        if x.dtype != torch.float32:
-            tiles.update(fused_backward.CHAIN_OPTIONS)
-        for name, chain in tiles.items():
-            p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs, chain)
-            if p is not None and p(g, x, ws, zs) is not None:  # the first call builds: None where it did not
-                options[name] = functools.partial(p, g, x, ws, zs)
+        pads = (False, True) if fused_backward.pads(widths, x.dtype) else (False,)
+        tiles = [None, *(fused_backward.CHAIN_OPTIONS if x.dtype != torch.float32 else ())]
+        for pad in pads:
+            for tile in tiles:
+                name = "_".join(["fused", *([tile] if tile else []), *(["pad"] if pad else [])])
+                chain = fused_backward.CHAIN_OPTIONS.get(tile)
+                p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs, chain, pad)
+                if p is not None and p(g, x, ws, zs) is not None:  # the first call builds: None where it did not
+                    options[name] = functools.partial(p, g, x, ws, zs)
     options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     return {"backward": options}
 
