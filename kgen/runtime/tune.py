@@ -600,6 +600,9 @@ def bucket_choices(entry: dict) -> dict[str, str]:
             continue
         ts = [p["choices_us"][name] for p in timed]
         worst = {o: max(t[o] / t[w] for t, w in zip(ts, picks)) for o in ts[0] if all(o in t for t in ts)}
+        if not worst:  # no option timed at every probe (one failed to build at some shape)
+            out[name] = picks[0]
+            continue
         least = min(worst.values())
         out[name] = next(o for o, s in worst.items() if s <= least * (1 + TIE))
     return out

@@ -1,8 +1,8 @@
 """fused_mlp's tuning hooks (buckets, inputs, what the tuner times: `runner`, the op's own
-fast path; `tune_choices`: the training backward's two forms), what the op runs for a loaded
+fast path; `tune_choices`: the training backward's forms), what the op runs for a loaded
 variant (`implementation`), the training backward a call takes (`backward_choice`), and the
-order dispatch tries for widths nothing was tuned for (`untuned_order`). kgen's core reads them through the
-family package; `op` uses them to choose a kernel."""
+order dispatch tries for widths nothing was tuned for (`untuned_order`). kgen's core reads
+them through the family package; `op` uses them to choose a kernel."""
 
 from __future__ import annotations
 
@@ -121,8 +121,9 @@ def implementation(kernel, widths: tuple, device=None):
 
 # The training fast path's backward (train.Entry.fused) is a choice per bucket, timed by the
 # tuner beside the kernels (`tune_choices`) and kept in the table's entry: "fused" (the fused
-# Triton backward, fused_backward.py: 2-3 launches) or "lean" (reference.backward_lean: per
-# layer the activation's backward and cuBLAS GEMMs, 4-5 torch calls). Measured on an H200
+# Triton backward, fused_backward.py: 2-3 launches; its options below) or "lean"
+# (reference.backward_lean: per layer the activation's backward and cuBLAS GEMMs, 4-5 torch
+# calls). Measured on an H200
 # (GPU us in a CUDA graph, DLRM top / bottom at B = 128, 2048, 16384, 65536; BENCHMARKS.md,
 # thirtieth session): bf16 fused 48.6 / 68.9 / 207 / 567 against lean 48.7 / 94.3 / 274 / 806
 # (top), 17.9 / 32.2 / 90.9 / 299 against 59.8 / 91.8 / 206 / 578 (bottom); float32 with TF32
@@ -137,6 +138,7 @@ def implementation(kernel, widths: tuple, device=None):
 # option also with `pad` ("..._pad": zero-padded copies, fused_backward.pads).
 BACKWARDS = ("fused", *(f"fused_{t}" for t in fused_backward.CHAIN_OPTIONS), "fused_pad",
              *(f"fused_{t}_pad" for t in fused_backward.CHAIN_OPTIONS), "lean")
+F32_FUSED_MAX_B = 2048
 
 
 def fused_option(choice: str) -> tuple[tuple | None, bool]:
@@ -145,15 +147,13 @@ def fused_option(choice: str) -> tuple[tuple | None, bool]:
     pad = parts[-1:] == ["pad"]
     tile = parts[0] if parts and parts[0] != "pad" else None
     return fused_backward.CHAIN_OPTIONS.get(tile), pad
-F32_FUSED_MAX_B = 2048
 
 
 def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: int) -> str:
     """One of BACKWARDS ("fused", "fused_<tile>" with a CHAIN_OPTIONS tile, either with
-    "_pad", or "lean"): the training
-    backward for B rows of `widths` in `dtype` (float32 under the process's TF32 setting) on
-    `device`: the tuning table's choice for the bucket or the nearest tuned one, else the
-    default above."""
+    "_pad", or "lean"): the training backward for B rows of `widths` in `dtype` (float32
+    under the process's TF32 setting) on `device`: the tuning table's choice for the bucket
+    or the nearest tuned one, else the default above."""
     from kgen.runtime import tune
 
     d = str(dtype).removeprefix("torch.")
