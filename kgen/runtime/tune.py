@@ -299,28 +299,38 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     inputs = fam.tune_inputs(device, dtype, **shape)
     timer = timer or cuda_timer
     runners, errors = candidate_runners(fam, variants, inputs)
-    # Interleaved rounds, the minimum per candidate: clocks drift and other work interferes
-    # over seconds, and a slow round should not decide between candidates a few % apart.
+    times, gpu = time_rounds(runners, timer, min_us, rounds, errors)
+    if not times:
+        raise KgenError(f"{family}: no candidate ran at {shape} ({errors})")
+    winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
+    k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
+    return Result(k, times, winner, errors, again, gpu, again_gpu, shape,
+                  time_choices(fam, inputs, timer, min_us, rounds, errors))
+
+
+def time_rounds(runners: dict, timer, min_us: float, rounds: int, errors: dict, prefix: str = ""
+                ) -> tuple[dict[str, float], dict[str, float]]:
+    """(the minimum time per runner, its GPU part: {} where the timer gives none) over
+    `rounds` interleaved rounds: clocks drift and other work interferes over seconds, and a
+    slow round should not decide between runners a few % apart. A runner that fails is
+    dropped from `runners` with its reason in `errors` (under `prefix` + its name)."""
+    from kgen.errors import KgenError
+
     times, gpu = {}, {}
     for _ in range(rounds):
         for name, fn in list(runners.items()):
             try:
                 t = timer(fn, min_us)
             except (KgenError, RuntimeError, ValueError) as e:
-                errors[name] = str(e).splitlines()[0]
+                errors[prefix + name] = str(e).splitlines()[0]
                 del runners[name]
                 times.pop(name, None)
                 gpu.pop(name, None)
                 continue
             _keep_min(times, gpu, name, t)
-    if not times:
-        raise KgenError(f"{family}: no candidate ran at {shape} ({errors})")
     if len(gpu) != len(times):
         gpu = {}  # a timer without GPU parts (a fake): totals alone decide
-    winner, again, again_gpu = confirm(times, pick(times, gpu), runners, timer, min_us, gpu=gpu)
-    k = key(family, device_key(device.index), dtype, fam.tune_bucket(**shape))
-    return Result(k, times, winner, errors, again, gpu, again_gpu, shape,
-                  time_choices(fam, inputs, timer, min_us, rounds, errors))
+    return times, gpu
 
 
 def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: dict) -> dict[str, dict]:
@@ -330,27 +340,13 @@ def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: d
     the timer gives them), "choices_confirm_us" / "choices_confirm_gpu_us": the re-timings},
     each left out where empty. An option that fails is left out with its reason in `errors`
     (`choice:option`)."""
-    from kgen.errors import KgenError
-
     hook = getattr(fam, "tune_choices", None)
     out = {f: {} for f in CHOICE_FIELDS}
     for name, options in (hook(inputs) if hook is not None else {}).items():
-        options, times, gpu = dict(options), {}, {}
-        for _ in range(rounds):
-            for opt, fn in list(options.items()):
-                try:
-                    t = timer(fn, min_us)
-                except (KgenError, RuntimeError, ValueError) as e:
-                    errors[f"{name}:{opt}"] = str(e).splitlines()[0]
-                    del options[opt]
-                    times.pop(opt, None)
-                    gpu.pop(opt, None)
-                    continue
-                _keep_min(times, gpu, opt, t)
+        options = dict(options)
+        times, gpu = time_rounds(options, timer, min_us, rounds, errors, f"{name}:")
         if not times:
             continue
-        if len(gpu) != len(times):
-            gpu = {}
         _, again, again_gpu = confirm(times, pick(times, gpu), options, timer, min_us, gpu=gpu)
         for f, d in zip(CHOICE_FIELDS, (times, gpu, again, again_gpu)):
             if d:
