@@ -325,7 +325,8 @@ def test_padded_copies_give_the_same_gradients(monkeypatch, dtype):
     plain = fb.plan(widths, dtype, x.device, B, (True,) * 3, acts, needs)
     padded = fb.plan(widths, dtype, x.device, B, (True,) * 3, acts, needs, pad=True)
     v = 16 // dtype.itemsize
-    assert fb.pads(widths, dtype) and not fb.pads((16, 24, 8, 3), dtype)
+    aligned = fb.plan((16, 24, 8, 3), dtype, x.device, B, (True,) * 3, acts, needs, pad=True)
+    assert not aligned.pads  # rows already whole 16-byte vectors: nothing to copy
     assert padded.xs == 16 and padded.ws == tuple(-(-k // v) * v for k in widths[:-1])
     assert [w for w, *_ in padded.pads] == ["x", 0, 1, 2] and not plain.pads
     launched = []

@@ -307,8 +307,9 @@ def test_fused_mlp_backward_choice_reads_the_table(tables, capsys, monkeypatch):
 
     top, cuda = (367, 512, 256, 1), types.SimpleNamespace(type="cuda", index=0)
     bucket = fm.tune_bucket(16384, top)
-    e = {"winner": tune.REFERENCE, "times_us": {tune.REFERENCE: 1.0}, "choices_us": {"backward": {"fused": 3.0, "lean": 1.0}},
-         "choices": {"backward": "lean"}, "kgen": "0", "date": "2026-11-29"}
+    e = {"winner": tune.REFERENCE, "times_us": {tune.REFERENCE: 1.0},
+         "choices_us": {"backward": {"fused": 3.0, "lean": 1.0}}, "choices": {"backward": "lean"},
+         "kgen": "0", "date": "2026-11-29"}
     tune.record({tune.key("fused_mlp", FAKE_DEVICE, "bfloat16", bucket): e})
     assert tuning.backward_choice(cuda, torch.bfloat16, top, 16384) == "lean"
     assert tuning.backward_choice(cuda, torch.bfloat16, top, 100) == "lean"  # B is free: the nearest tuned

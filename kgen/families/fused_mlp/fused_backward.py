@@ -22,8 +22,8 @@ copies that `fused_mlp_bwd_pad_kernel` launches write into the scratch first: th
 MLP's 367-wide x and W0 otherwise cost the dW and chain kernels 2-byte loads outside Triton's
 pipeline, 144 of the dW kernel's global loads in sm_90 PTX against 16). Launches after the
 first replay the recorded binaries through kgen.runtime.triton_launch (pointers as integers,
-none of Triton's per-launch Python). KGEN_FUSED_MLP_FUSED_BWD=0 (or ENABLED = False) leaves the
-training fast path on reference.backward_lean.
+none of Triton's per-launch Python). KGEN_FUSED_MLP_FUSED_BWD=0 (or ENABLED = False) leaves
+the training fast path on reference.backward_lean.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Plan:
         strides = weight_strides(widths, item, align=pad)
         self.ws = tuple(st if read else k for st, read, k in zip(strides, chain_reads, widths))
         self.xs = _up(widths[0], v) if pad and need_w[0] and widths[0] % v else widths[0]
-        self.pads = []  # (what: "x" or a layer index, rows, K, stride, scratch offset)
+        self.pads = []  # (what: "x" or a layer index, rows, K, stride, scratch offset); [] without pad
         if self.xs != widths[0]:
             self.pads.append(("x", B, widths[0], self.xs, at))
             at = _up(at + B * self.xs)
@@ -159,8 +159,9 @@ class Plan:
         block_m, block_n, warps = chain or _by_b(CHAIN[item], B)
         ds, ps = tuple(widths), tuple(padded(w) for w in widths)
         self.chain_grid = (-(-B // block_m),)
-        self.chain_kw = dict(DS=ds, PS=ps, WS=self.ws, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x), BLOCK_M=block_m,
-                             BLOCK_N=block_n, BLOCK_K=CHAIN_BLOCK_K[item], PRECISION=precision, num_warps=warps)
+        self.chain_kw = dict(DS=ds, PS=ps, WS=self.ws, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x),
+                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=CHAIN_BLOCK_K[item], PRECISION=precision,
+                             num_warps=warps)
         self.chain_ints = [B, act, last]
         # dW / db: the tiles of every layer with a gradient needed, in layer order
         tile, warps = _by_b(DW_TILES[item], B)
@@ -176,9 +177,9 @@ class Plan:
             kts.append(kt)
         self.S, rows = split(n, B, block_b, sm_count(device, 4), self.E)
         self.dw_grid = (n, self.S)
-        self.dw_kw = dict(DS=ds, XS=self.xs, NUM_LAYERS=L, TS=tuple(starts), TT=tuple(tt), KT=tuple(kts), OW=tuple(self.w_at),
-                          OB=tuple(self.b_at), E=self.E if self.S > 1 else 0, BLOCK_B=block_b, STAGES=DW_STAGES,
-                          PRECISION=precision, num_warps=warps)
+        self.dw_kw = dict(DS=ds, XS=self.xs, NUM_LAYERS=L, TS=tuple(starts), TT=tuple(tt), KT=tuple(kts),
+                          OW=tuple(self.w_at), OB=tuple(self.b_at), E=self.E if self.S > 1 else 0, BLOCK_B=block_b,
+                          STAGES=DW_STAGES, PRECISION=precision, num_warps=warps)
         self.dw_ints = [B, rows, act]
         self.sum_grid = (-(-self.E // SUM_BLOCK),)
         self.sum_kw = dict(BLOCK=SUM_BLOCK, num_warps=4)
@@ -278,7 +279,8 @@ def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None, pad=False)
     layer), or None where it does not apply: nothing needed, B = 0, more layers than the
     kernels' slots. `chain`: the dz chain's (rows, output chunk, warps) instead of CHAIN's
     row for B (a tuned option: CHAIN_OPTIONS); `pad`: x and the large weights whose rows are
-    not whole 16-byte vectors read from zero-padded copies (a tuned option, `pads`)."""
+    not whole 16-byte vectors read from zero-padded copies (a tuned option; the plan's `pads`
+    lists them, none where every row is whole vectors already)."""
     L = len(widths) - 1
     wanted = any(needs[:1 + L]) or any(n and on for n, on in zip(needs[1 + L:], has_bias))
     if B <= 0 or not 1 <= L <= MAX_LAYERS or not wanted:
@@ -286,12 +288,6 @@ def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None, pad=False)
     return Plan(tuple(widths), dtype, device, B, tuple(has_bias), acts, tuple(needs), fwd_launch.precision(dtype),
                 chain, pad)
 
-
-def pads(widths, dtype) -> bool:
-    """Whether `pad` changes anything for these widths and dtype (x's rows or a large
-    weight's not whole 16-byte vectors): where it does not, the tuner does not time it."""
-    item = dtype.itemsize
-    return widths[0] % (16 // item) != 0 or weight_strides(tuple(widths), item) != tuple(widths[:-1])
 
 
 def backward(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs):

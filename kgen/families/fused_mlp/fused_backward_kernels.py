@@ -258,8 +258,8 @@ def fused_mlp_bwd_dw_kernel(x_ptr, out_ptr,
                 else:
                     _dw_tile(pid - TS[i], _pick(i - 1, z0, z1, z2, z3, z4, z5, z6, z7),
                              _pick(i, d0, d1, d2, d3, d4, d5, d6, d7), out, r0, r1, act, DS[i + 1], DS[i],
-                             DS[i], TT[i][0], TT[i][1], KT[i], True, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES,
-                             PRECISION)
+                             DS[i], TT[i][0], TT[i][1], KT[i], True, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B,
+                             STAGES, PRECISION)
 
 
 @triton.jit(do_not_specialize=["S", "E"])

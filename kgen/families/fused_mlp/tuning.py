@@ -135,10 +135,17 @@ def implementation(kernel, widths: tuple, device=None):
 # (fused_backward.CHAIN_OPTIONS, "fused_<tile>"): which chain tile wins depends on the widths
 # (the DLRM top MLP's wider first layer takes 128 x 128 at B >= 16384, the bottom's not). Where
 # x's rows or a large weight's are not whole 16-byte vectors (the top MLP's 367), each fused
-# option also with `pad` ("..._pad": zero-padded copies, fused_backward.pads).
-BACKWARDS = ("fused", *(f"fused_{t}" for t in fused_backward.CHAIN_OPTIONS), "fused_pad",
-             *(f"fused_{t}_pad" for t in fused_backward.CHAIN_OPTIONS), "lean")
+# option also with `pad` ("..._pad": zero-padded copies, fused_backward.Plan).
 F32_FUSED_MAX_B = 2048
+
+
+def option_name(tile: str | None, pad: bool) -> str:
+    """A fused option's name: "fused", then "_<tile>" (a CHAIN_OPTIONS key), then "_pad"."""
+    return "_".join(["fused", *([tile] if tile else []), *(["pad"] if pad else [])])
+
+
+BACKWARDS = (*(option_name(t, pad) for pad in (False, True) for t in (None, *fused_backward.CHAIN_OPTIONS)),
+             "lean")
 
 
 def fused_option(choice: str) -> tuple[tuple | None, bool]:
@@ -185,15 +192,15 @@ def tune_choices(inputs: dict) -> dict:
     options = {}
     if fused_backward.ENABLED:
         widths = (x.shape[1], *(w.shape[0] for w in ws))
-        pads = (False, True) if fused_backward.pads(widths, x.dtype) else (False,)
         tiles = [None, *(fused_backward.CHAIN_OPTIONS if x.dtype != torch.float32 else ())]
-        for pad in pads:
+        for pad in (False, True):
             for tile in tiles:
-                name = "_".join(["fused", *([tile] if tile else []), *(["pad"] if pad else [])])
                 chain = fused_backward.CHAIN_OPTIONS.get(tile)
                 p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs, chain, pad)
-                if p is not None and p(g, x, ws, zs) is not None:  # the first call builds: None where it did not
-                    options[name] = functools.partial(p, g, x, ws, zs)
+                if p is None or (pad and not p.pads):  # (pad: nothing to copy at these widths)
+                    continue
+                if p(g, x, ws, zs) is not None:  # the first call builds: None where it did not
+                    options[option_name(tile, pad)] = functools.partial(p, g, x, ws, zs)
     options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     return {"backward": options}
 
