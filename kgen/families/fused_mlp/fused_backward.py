@@ -163,22 +163,24 @@ class Plan:
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=CHAIN_BLOCK_K[item], PRECISION=precision,
                              num_warps=warps)
         self.chain_ints = [B, act, last]
-        # dW / db: the tiles of every layer with a gradient needed, in layer order
+        # dW / db: per layer in order, the tiles of dW_i (if needed), then its bias
+        # gradient's tiles of TN columns (if needed)
         tile, warps = _by_b(DW_TILES[item], B)
         block_b = DW_BLOCK_B[item]
-        starts, tt, kts, n = [0], [], [], 0
+        starts, wts, tt, kts, n = [0], [], [], [], 0
         for i in range(L):
             tn, tk = min(tile, padded(widths[i + 1])), min(tile, padded(widths[i]))
-            kt = -(-widths[i] // tk) if need_w[i] else 1
-            if need_w[i] or need_b[i]:
-                n += -(-widths[i + 1] // tn) * kt
+            nt, kt = -(-widths[i + 1] // tn), -(-widths[i] // tk)
+            wts.append(nt * kt if need_w[i] else 0)
+            n += wts[-1] + (nt if need_b[i] else 0)
             starts.append(n)
             tt.append((tn, tk))
             kts.append(kt)
-        self.S, rows = split(n, B, block_b, sm_count(device, 4), self.E)
+        # (the split counts the dW tiles: a bias tile's sums are a small part of one's work)
+        self.S, rows = split(sum(wts) or n, B, block_b, sm_count(device, 4), self.E)
         self.dw_grid = (n, self.S)
-        self.dw_kw = dict(DS=ds, XS=self.xs, NUM_LAYERS=L, TS=tuple(starts), TT=tuple(tt), KT=tuple(kts),
-                          OW=tuple(self.w_at), OB=tuple(self.b_at), E=self.E if self.S > 1 else 0, BLOCK_B=block_b,
+        self.dw_kw = dict(DS=ds, XS=self.xs, NUM_LAYERS=L, TS=tuple(starts), WT=tuple(wts), TT=tuple(tt),
+                          KT=tuple(kts), OW=tuple(self.w_at), OB=tuple(self.b_at), E=self.E if self.S > 1 else 0, BLOCK_B=block_b,
                           STAGES=DW_STAGES, PRECISION=precision, num_warps=warps)
         self.dw_ints = [B, rows, act]
         self.sum_grid = (-(-self.E // SUM_BLOCK),)

@@ -15,9 +15,9 @@ gradient of the MLP from the upstream gradient and the pre-activations z the for
    owns one (layer i, TILE_N x TILE_K tile of dW_i) and one of S fixed row ranges and loops
    over it in order: dW_i[tile] += dz_i[rows, n]^T @ h_{i-1}[rows, k], h_{i-1} = act(z_{i-1})
    recomputed on the fly (rounded as the forward rounded it; h_{-1} = x). The bias gradient,
-   dz_i's column sums in float32, comes from the programs of tile column 0 (a second loop
-   body with the sums in it, so the other programs pay nothing). No atomics: each result has
-   one writer and a fixed order of summation, so results are bitwise reproducible.
+   dz_i's column sums in float32, comes from programs of its own in the same grid, one per
+   TILE_N columns. No atomics: each result has one writer and a fixed order of summation,
+   so results are bitwise reproducible.
 3. `fused_mlp_bwd_sum_kernel`: where the dW pass is split over B (S > 1, see
    fused_backward.split), each row range writes float32 partials to a workspace [S, E] and
    this kernel adds them up in order of s (deterministic) and rounds once.
@@ -178,57 +178,49 @@ def fused_mlp_bwd_dz_kernel(grad_ptr, gx_ptr,
 
 
 @triton.jit
-def _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, kmask, code,
-             N: tl.constexpr, K: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr, H_ACT: tl.constexpr,
-             DO_W: tl.constexpr, DO_B: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr,
-             PRECISION: tl.constexpr):
-    """(dz[r0:r1, n]^T @ h[r0:r1, k], dz[r0:r1, n]'s column sums) in float32, rows in order;
-    h = src (H_ACT: act(src) in float32, rounded to the dtype as the forward's h) with rows K
-    apart (K: x's padded copy's stride where the host made one, `kmask` then running to it)."""
-    acc = tl.zeros([TN, TK], dtype=tl.float32)
-    bacc = tl.zeros([TN], dtype=tl.float32)
-    for r in tl.range(r0, r1, BLOCK_B, num_stages=STAGES):
-        rr = (r + tl.arange(0, BLOCK_B)).to(tl.int64)
-        rm = rr < r1
-        a = tl.load(d_ptr + rr[:, None] * N + n[None, :], mask=rm[:, None] & nmask[None, :], other=0.0)
-        if DO_B:
-            bacc += tl.sum(a.to(tl.float32), axis=0)
-        if DO_W:
-            h = tl.load(src_ptr + rr[:, None] * K + k[None, :], mask=rm[:, None] & kmask[None, :], other=0.0)
-            if H_ACT:
-                h = _act(h.to(tl.float32), code).to(d_ptr.dtype.element_ty)
-            acc = tl.dot(tl.trans(a), h, acc, input_precision=PRECISION)
-    return acc, bacc
-
-
-@triton.jit
 def _dw_tile(t, src_ptr, d_ptr, out_ptr, r0, r1, code,
              N: tl.constexpr, K: tl.constexpr, SK: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr,
-             KT: tl.constexpr, H_ACT: tl.constexpr, DO_W: tl.constexpr, DO_B: tl.constexpr, OFF_W: tl.constexpr,
-             OFF_B: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
-    """Tile t of one layer: (t // KT, t % KT) in its grid of TN x TK tiles of dW [N, K]; the
-    layer's input rows SK apart (SK > K: x's zero-padded copy, read to SK)."""
+             KT: tl.constexpr, H_ACT: tl.constexpr, OFF_W: tl.constexpr, BLOCK_B: tl.constexpr,
+             STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """Tile t of one layer's dW [N, K]: (t // KT, t % KT) in its grid of TN x TK tiles,
+    dz[r0:r1, n]^T @ h[r0:r1, k] in float32, rows in order; h = src (H_ACT: act(src) in
+    float32, rounded to the dtype as the forward's h) with rows SK apart (SK > K: x's
+    zero-padded copy, whose zero columns are read, not split off by the mask)."""
     nt = t // KT
     kt = t % KT
     n = nt * TN + tl.arange(0, TN)
     nmask = n < N
     k = kt * TK + tl.arange(0, TK)
-    kmask = k < K
-    lmask = k < SK  # the loads' mask: a padded copy's zero columns are read, not split off
-    if DO_B:
-        if kt == 0:  # the column sums ride on the first column of tiles only
-            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, lmask, code, N, SK, TN, TK, H_ACT, DO_W, True,
-                                 BLOCK_B, STAGES, PRECISION)
-            tl.store(out_ptr + OFF_B + n, bacc.to(out_ptr.dtype.element_ty), mask=nmask)
-        else:
-            acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, lmask, code, N, SK, TN, TK, H_ACT, DO_W, False,
-                                 BLOCK_B, STAGES, PRECISION)
-    else:
-        acc, bacc = _dw_rows(src_ptr, d_ptr, r0, r1, n, nmask, k, lmask, code, N, SK, TN, TK, H_ACT, DO_W, False,
-                             BLOCK_B, STAGES, PRECISION)
-    if DO_W:
-        tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=nmask[:, None] & kmask[None, :])
+    lmask = k < SK
+    acc = tl.zeros([TN, TK], dtype=tl.float32)
+    for r in tl.range(r0, r1, BLOCK_B, num_stages=STAGES):
+        rr = (r + tl.arange(0, BLOCK_B)).to(tl.int64)
+        rm = rr < r1
+        a = tl.load(d_ptr + rr[:, None] * N + n[None, :], mask=rm[:, None] & nmask[None, :], other=0.0)
+        h = tl.load(src_ptr + rr[:, None] * SK + k[None, :], mask=rm[:, None] & lmask[None, :], other=0.0)
+        if H_ACT:
+            h = _act(h.to(tl.float32), code).to(d_ptr.dtype.element_ty)
+        acc = tl.dot(tl.trans(a), h, acc, input_precision=PRECISION)
+    tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=nmask[:, None] & (k < K)[None, :])
+
+
+@triton.jit
+def _db_tile(t, d_ptr, out_ptr, r0, r1, N: tl.constexpr, TN: tl.constexpr, OFF_B: tl.constexpr,
+             BLOCK_B: tl.constexpr):
+    """Columns t*TN.. of one layer's bias gradient: dz[r0:r1, n]'s column sums in float32,
+    BLOCK_B rows a step in order. A program of its own, not a second body of a dW tile's
+    loop: there Triton 3.6's software pipeliner let the sums read dz tiles that the next
+    stage's copies were overwriting (non-reproducible db_0 and dW_0 once x's rows were
+    whole 16-byte vectors, 128-wide tiles, 3 stages; BENCHMARKS.md, thirty-first session)."""
+    n = t * TN + tl.arange(0, TN)
+    nmask = n < N
+    acc = tl.zeros([TN], dtype=tl.float32)
+    for r in tl.range(r0, r1, BLOCK_B):
+        rr = (r + tl.arange(0, BLOCK_B)).to(tl.int64)
+        a = tl.load(d_ptr + rr[:, None] * N + n[None, :], mask=(rr < r1)[:, None] & nmask[None, :], other=0.0)
+        acc += tl.sum(a.to(tl.float32), axis=0)
+    tl.store(out_ptr + OFF_B + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 @triton.jit(do_not_specialize=["B", "rows_per_split", "act"])
@@ -237,13 +229,15 @@ def fused_mlp_bwd_dw_kernel(x_ptr, out_ptr,
                             d0, d1, d2, d3, d4, d5, d6, d7,
                             B, rows_per_split, act,
                             DS: tl.constexpr, XS: tl.constexpr, NUM_LAYERS: tl.constexpr, TS: tl.constexpr,
-                            TT: tl.constexpr, KT: tl.constexpr, OW: tl.constexpr, OB: tl.constexpr,
-                            E: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+                            WT: tl.constexpr, TT: tl.constexpr, KT: tl.constexpr, OW: tl.constexpr,
+                            OB: tl.constexpr, E: tl.constexpr, BLOCK_B: tl.constexpr, STAGES: tl.constexpr,
+                            PRECISION: tl.constexpr):
     # XS: x's row stride (w0, or more for a zero-padded copy).
-    # Per layer i (tuples, constexprs): TS[i] its first program, TS[i + 1] - TS[i] its tiles
-    # (none: no gradient of it needed), TT[i] its tile (TN, TK), KT[i] tiles along K, OW[i] /
-    # OB[i] where grad_w / grad_b go in the flat output (-1: not needed). Row range s =
-    # program_id(1) of rows_per_split rows; its results go to out + s * E (E = 0: no split).
+    # Per layer i (tuples, constexprs): programs TS[i] .. TS[i + 1] - 1 (none: no gradient of
+    # it needed), the first WT[i] of them dW_i's tiles (TT[i] = (TN, TK), KT[i] tiles along
+    # K), the rest its bias gradient's TN-column tiles; OW[i] / OB[i] where grad_w / grad_b
+    # go in the flat output. Row range s = program_id(1) of rows_per_split rows; its results
+    # go to out + s * E (E = 0: no split).
     pid = tl.program_id(0)
     s = tl.program_id(1)
     r0 = s * rows_per_split
@@ -252,14 +246,20 @@ def fused_mlp_bwd_dw_kernel(x_ptr, out_ptr,
     for i in tl.static_range(NUM_LAYERS):
         if TS[i + 1] > TS[i]:
             if (pid >= TS[i]) & (pid < TS[i + 1]):
-                if i == 0:
-                    _dw_tile(pid - TS[i], x_ptr, d0, out, r0, r1, act, DS[1], DS[0], XS, TT[i][0], TT[i][1], KT[i],
-                             False, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B, STAGES, PRECISION)
-                else:
-                    _dw_tile(pid - TS[i], _pick(i - 1, z0, z1, z2, z3, z4, z5, z6, z7),
-                             _pick(i, d0, d1, d2, d3, d4, d5, d6, d7), out, r0, r1, act, DS[i + 1], DS[i],
-                             DS[i], TT[i][0], TT[i][1], KT[i], True, OW[i] >= 0, OB[i] >= 0, OW[i], OB[i], BLOCK_B,
-                             STAGES, PRECISION)
+                t = pid - TS[i]
+                d_i = _pick(i, d0, d1, d2, d3, d4, d5, d6, d7)
+                if WT[i] > 0:
+                    if t < WT[i]:
+                        if i == 0:
+                            _dw_tile(t, x_ptr, d_i, out, r0, r1, act, DS[1], DS[0], XS, TT[i][0], TT[i][1],
+                                     KT[i], False, OW[i], BLOCK_B, STAGES, PRECISION)
+                        else:
+                            _dw_tile(t, _pick(i - 1, z0, z1, z2, z3, z4, z5, z6, z7), d_i, out, r0, r1, act,
+                                     DS[i + 1], DS[i], DS[i], TT[i][0], TT[i][1], KT[i], True, OW[i], BLOCK_B,
+                                     STAGES, PRECISION)
+                if OB[i] >= 0:
+                    if t >= WT[i]:
+                        _db_tile(t - WT[i], d_i, out, r0, r1, DS[i + 1], TT[i][0], OB[i], BLOCK_B)
 
 
 @triton.jit(do_not_specialize=["S", "E"])
