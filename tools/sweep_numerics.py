@@ -9,7 +9,8 @@ Families: fused_bias_act (2-D and 3-D x, every activation, with and without y), 
 entries, float32 or 16-bit w; out and both gradients), int8_mm (exact) / int8_linear /
 w8a16_linear (per channel and grouped), fused_mlp (1-6 layers of widths 1-1100, every
 activation, biases on and off, TF32 on and off; its error taken over twice eager's own where
-that exceeds the tolerance: 16-bit ReLU masks flip as eager's do). Prints each failure and
+that exceeds the tolerance: 16-bit ReLU masks flip as eager's do; and its training step, every
+gradient, the fast path's second step bitwise equal to its first). Prints each failure and
 rejection, then a summary: cases, failed, rejected, worst error / tolerance per op."""
 
 import argparse
@@ -280,7 +281,39 @@ def case_fm():
         res[0][1] / max(1.0, 2 * res[1][1]),
     )  # over eager's own error (x2) where that exceeds the tolerance
     report("fused_mlp", desc, res)
+    if B * sum(widths) <= 2e8 * SCALE:
+        fm_grads(x, ws, bs, a, last, dt, desc)
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def fm_grads(x, ws, bs, a, last, dt, desc):
+    """fused_mlp's training step: every gradient against float64 autograd (over twice eager's own
+    error where that exceeds the tolerance), and the fast path's steps (the second and third: the
+    first runs the general path and remembers the signature) bitwise equal."""
+    g = torch.randn(x.shape[0], ws[-1].shape[0], device=dev).to(dt)
+    steps = []
+    try:
+        for _ in range(3):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
+            it = iter(leaves[1 + len(ws):])
+            bl = [None if b is None else next(it) for b in bs]
+            ops.fused_mlp(leaves[0], leaves[1:1 + len(ws)], bl, activation=a, last_activation=last).backward(g)
+            steps.append([t.grad for t in leaves])
+    except (ValueError, TypeError, RuntimeError) as e:
+        return rejected("fused_mlp grad", desc, e)
+    ref = [t.detach().double().requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
+    eag = [t.detach().clone().requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
+    for leaves, fn in ((ref, fm.reference), (eag, lambda *args: fm.eager(*args)[0])):
+        it = iter(leaves[1 + len(ws):])
+        bl = [None if b is None else next(it) for b in bs]
+        fn(leaves[0], leaves[1:1 + len(ws)], bl, a, last).backward(g.double() if leaves is ref else g)
+    tol = NUM["fused_mlp"][str(dt)[6:]]
+    res = [("repeat", 0.0 if same(steps[1], steps[2]) else math.inf)]
+    for i, (got, want, e) in enumerate(zip(steps[2], ref, eag)):
+        scale = float(want.grad.abs().max()) or 1.0
+        own = error_ratio(e.grad / scale, want.grad / scale, tol)
+        res.append((f"grad{i}", error_ratio(got / scale, want.grad / scale, tol) / max(1.0, 2 * own)))
+    report("fused_mlp grad", desc, res)
 
 
 CASES = {"fba": case_fba, "llp": case_llp, "lm": case_lm, "i8": case_i8, "fm": case_fm}
