@@ -4,7 +4,11 @@ fused_backward.Plan would run them: DLRM's top (367-512-256-1) and bottom (13-51
 MLPs, B in {128, 2048, 16384, 65536} (each picks its own tiles), bfloat16 and float32 with
 TF32 off ("tf32x3") and on. The numbers behind fused_backward's tile tables.
 
-    python tools/fused_mlp_bwd_aot.py [--mlp top] [--dtype bfloat16] [--B 65536] [--tf32] [--json]
+    python tools/fused_mlp_bwd_aot.py [--mlp top] [--dtype bfloat16] [--B 65536] [--tf32]
+                                      [--option fused_c128_pad] [--json]
+
+--option: one of the fused options the tuner chooses among (fused_mlp.tuning.BACKWARDS but
+"lean"; default "fused": the shipped chain tiles, no padded copies).
 
 Run in a process that does not interpret Triton (TRITON_INTERPRET unset); PYTHONPATH = the
 repo root. --json prints one JSON object per kernel (tests/test_fused_mlp_backward.py reads it).
@@ -25,20 +29,23 @@ TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "
 OPTIONS = ("num_warps", "num_stages")
 
 
-def compile_plan(widths, acts, dtype, B, sms=132) -> list[dict]:
-    """Every launch of the plan for (widths, dtype, B), all gradients, compiled for sm_90."""
+def compile_plan(widths, acts, dtype, B, sms=132, option="fused") -> list[dict]:
+    """Every launch of the plan for (widths, dtype, B, the tuned option), all gradients,
+    compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from kgen import config
     from kgen.families.fused_mlp import fused_backward as fb
+    from kgen.families.fused_mlp import tuning
     from kgen.runtime import build, toolchain
 
     config.pin_triton_defaults()
     fb.sm_count = lambda device, off_gpu: sms  # the split as on an H100 (132 SMs)
     L = len(widths) - 1
-    plan = fb.plan(widths, dtype, torch.device("cuda", 0), B, (True,) * L, acts, (True,) * (1 + 2 * L))
+    plan = fb.plan(widths, dtype, torch.device("cuda", 0), B, (True,) * L, acts, (True,) * (1 + 2 * L),
+                   *tuning.fused_option(option))
     # CPU tensors stand in for the arguments (only dtypes and shapes are read)
     x = torch.empty(B, widths[0], dtype=dtype)
     ws = [torch.empty(widths[i + 1], widths[i], dtype=dtype) for i in range(L)]
@@ -55,7 +62,7 @@ def compile_plan(widths, acts, dtype, B, sms=132) -> list[dict]:
                            options=opts)
         (tmp / "k.cubin").write_bytes(c.asm["cubin"])
         (usage,) = toolchain.resource_usage(tmp / "k.cubin").values()
-        rows.append({"kernel": fn.__name__, "grid": list(grid), "S": plan.S, "precision": kw.get("PRECISION"),
+        rows.append({"kernel": fn.__name__, "option": option, "grid": list(grid), "S": plan.S, "precision": kw.get("PRECISION"),
                      **usage, "shared": int(c.metadata.shared)})
     return rows
 
@@ -66,6 +73,7 @@ def main():
     ap.add_argument("--dtype", action="append")
     ap.add_argument("--B", type=int, action="append")
     ap.add_argument("--tf32", action="store_true")
+    ap.add_argument("--option", default="fused")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -78,7 +86,7 @@ def main():
         widths, acts = MLPS[mlp]
         for dname in a.dtype or ["bfloat16", "float32"]:
             for B in a.B or [128, 2048, 16384, 65536]:
-                for r in compile_plan(widths, acts, getattr(torch, dname), B):
+                for r in compile_plan(widths, acts, getattr(torch, dname), B, option=a.option):
                     r = {"mlp": mlp, "dtype": dname, "B": B, **r}
                     if a.json:
                         print(json.dumps(r), flush=True)
