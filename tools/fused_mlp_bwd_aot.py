@@ -62,8 +62,8 @@ def compile_plan(widths, acts, dtype, B, sms=132, option="fused") -> list[dict]:
                            options=opts)
         (tmp / "k.cubin").write_bytes(c.asm["cubin"])
         (usage,) = toolchain.resource_usage(tmp / "k.cubin").values()
-        rows.append({"kernel": fn.__name__, "option": option, "grid": list(grid), "S": plan.S, "precision": kw.get("PRECISION"),
-                     **usage, "shared": int(c.metadata.shared)})
+        rows.append({"kernel": fn.__name__, "option": option, "grid": list(grid), "S": plan.S,
+                     "precision": kw.get("PRECISION"), **usage, "shared": int(c.metadata.shared)})
     return rows
 
 

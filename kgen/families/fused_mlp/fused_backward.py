@@ -180,8 +180,8 @@ class Plan:
         self.S, rows = split(sum(wts) or n, B, block_b, sm_count(device, 4), self.E)
         self.dw_grid = (n, self.S)
         self.dw_kw = dict(DS=ds, XS=self.xs, NUM_LAYERS=L, TS=tuple(starts), WT=tuple(wts), TT=tuple(tt),
-                          KT=tuple(kts), OW=tuple(self.w_at), OB=tuple(self.b_at), E=self.E if self.S > 1 else 0, BLOCK_B=block_b,
-                          STAGES=DW_STAGES, PRECISION=precision, num_warps=warps)
+                          KT=tuple(kts), OW=tuple(self.w_at), OB=tuple(self.b_at), E=self.E if self.S > 1 else 0,
+                          BLOCK_B=block_b, STAGES=DW_STAGES, PRECISION=precision, num_warps=warps)
         self.dw_ints = [B, rows, act]
         self.sum_grid = (-(-self.E // SUM_BLOCK),)
         self.sum_kw = dict(BLOCK=SUM_BLOCK, num_warps=4)
