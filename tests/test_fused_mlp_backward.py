@@ -33,14 +33,14 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(fb, "_empty", empty)
 
 
-def _case(widths, B, acts, dtype, bias=True, seed=0):
+def _case(widths, B, acts, dtype, bias=True, seed=0, device="cpu"):
     """Inputs, the forward's saved zs (the eager composition's: the same roundings as the
     kernels'), and an upstream gradient."""
-    x, ws, bs = fm.make_inputs("cpu", dtype, B, widths, seed=seed, bias=bias)
+    x, ws, bs = fm.make_inputs(device, dtype, B, widths, seed=seed, bias=bias)
     L = len(ws)
     _, zs = ref.eager(x, ws, bs, *acts, save=True)
     zs = [z if i < L - 1 or acts[1] != "none" else None for i, z in enumerate(zs)]
-    g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     return x, ws, bs, zs, g
 
 
@@ -348,6 +348,10 @@ def test_fused_options_parse():
     assert tuning.fused_option("fused_pad") == (None, True)
     assert tuning.fused_option("fused_c128") == (fb.CHAIN_OPTIONS["c128"], False)
     assert tuning.fused_option("fused_c128_pad") == (fb.CHAIN_OPTIONS["c128"], True)
+    assert tuning.BACKWARDS == (*tuning.FUSED_OPTIONS, "lean")
+    for name in ("lean", "fused_c999"):
+        with pytest.raises(KeyError):
+            tuning.fused_option(name)
     assert tuning.BACKWARDS == ("fused", "fused_c128", "fused_pad", "fused_c128_pad", "lean")
 
 
@@ -558,11 +562,8 @@ def test_gpu_fused_backward_reproducible_at_large_b(widths, acts, option):
     Triton 3.6's pipeliner let them read dz tiles the next stage was overwriting: dW_0 and
     db_0 differed from call to call in 5 of 6 (thirty-first session)."""
     B, dtype = 20000, torch.bfloat16
-    x, ws, bs = fm.make_inputs("cuda", dtype, B, widths)
+    x, ws, bs, zs, g = _case(widths, B, acts, dtype, device="cuda")
     L = len(ws)
-    _, zs = ref.eager(x, ws, bs, *acts, save=True)
-    zs = [z if i < L - 1 or acts[1] != "none" else None for i, z in enumerate(zs)]
-    g = torch.randn(B, widths[-1], device="cuda", dtype=dtype)
     needs = (True,) * (1 + 2 * L)
     chain, pad = tuning.fused_option(option)
     p = fb.plan(widths, dtype, x.device, B, (True,) * L, acts, needs, chain, pad)

@@ -78,6 +78,10 @@ def main():
     a = ap.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: the interpreter cannot compile ahead of time")
+    from kgen.families.fused_mlp.tuning import FUSED_OPTIONS
+
+    if a.option not in FUSED_OPTIONS:
+        raise SystemExit(f"--option {a.option!r}: one of {', '.join(FUSED_OPTIONS)}")
     torch.backends.cuda.matmul.allow_tf32 = a.tf32
     if not a.json:
         print("| MLP | dtype | B | kernel | grid | S | registers | shared B | local B | stack B |")

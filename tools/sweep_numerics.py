@@ -291,22 +291,22 @@ def fm_grads(x, ws, bs, a, last, dt, desc):
     error where that exceeds the tolerance), and the fast path's steps (the second and third: the
     first runs the general path and remembers the signature) bitwise equal."""
     g = torch.randn(x.shape[0], ws[-1].shape[0], device=dev).to(dt)
-    steps = []
+    L = len(ws)
+
+    def run(fn, conv, grad):
+        """fn's backward on fresh leaves conv(t) of x, the weights and the present biases."""
+        leaves = [conv(t.detach()).requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
+        it = iter(leaves[1 + L:])
+        fn(leaves[0], leaves[1:1 + L], [None if b is None else next(it) for b in bs]).backward(grad)
+        return leaves
+
+    fused = lambda x_, w_, b_: ops.fused_mlp(x_, w_, b_, activation=a, last_activation=last)  # noqa: E731
     try:
-        for _ in range(3):
-            leaves = [t.detach().clone().requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
-            it = iter(leaves[1 + len(ws):])
-            bl = [None if b is None else next(it) for b in bs]
-            ops.fused_mlp(leaves[0], leaves[1:1 + len(ws)], bl, activation=a, last_activation=last).backward(g)
-            steps.append([t.grad for t in leaves])
+        steps = [[t.grad for t in run(fused, torch.clone, g)] for _ in range(3)]
     except (ValueError, TypeError, RuntimeError) as e:
         return rejected("fused_mlp grad", desc, e)
-    ref = [t.detach().double().requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
-    eag = [t.detach().clone().requires_grad_() for t in (x, *ws, *(b for b in bs if b is not None))]
-    for leaves, fn in ((ref, fm.reference), (eag, lambda *args: fm.eager(*args)[0])):
-        it = iter(leaves[1 + len(ws):])
-        bl = [None if b is None else next(it) for b in bs]
-        fn(leaves[0], leaves[1:1 + len(ws)], bl, a, last).backward(g.double() if leaves is ref else g)
+    ref = run(lambda *t: fm.reference(*t, a, last), torch.Tensor.double, g.double())
+    eag = run(lambda *t: fm.eager(*t, a, last)[0], torch.clone, g)
     tol = NUM["fused_mlp"][str(dt)[6:]]
     res = [("repeat", 0.0 if same(steps[1], steps[2]) else math.inf)]
     for i, (got, want, e) in enumerate(zip(steps[2], ref, eag)):

@@ -144,16 +144,16 @@ def option_name(tile: str | None, pad: bool) -> str:
     return "_".join(["fused", *([tile] if tile else []), *(["pad"] if pad else [])])
 
 
-BACKWARDS = (*(option_name(t, pad) for pad in (False, True) for t in (None, *fused_backward.CHAIN_OPTIONS)),
-             "lean")
+# fused option name -> (chain tile or None: CHAIN's row, pad)
+FUSED_OPTIONS = {option_name(t, pad): (fused_backward.CHAIN_OPTIONS.get(t), pad)
+                 for pad in (False, True) for t in (None, *fused_backward.CHAIN_OPTIONS)}
+BACKWARDS = (*FUSED_OPTIONS, "lean")
 
 
 def fused_option(choice: str) -> tuple[tuple | None, bool]:
-    """(chain tile or None: CHAIN's row, pad) of a fused option of BACKWARDS."""
-    parts = choice.split("_")[1:]
-    pad = parts[-1:] == ["pad"]
-    tile = parts[0] if parts and parts[0] != "pad" else None
-    return fused_backward.CHAIN_OPTIONS.get(tile), pad
+    """(chain tile or None: CHAIN's row, pad) of a fused option of BACKWARDS (KeyError for
+    any other name)."""
+    return FUSED_OPTIONS[choice]
 
 
 def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: int) -> str:
@@ -167,8 +167,8 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
     if device.type == "cuda":
         k = tune.key(FAMILY, tune.device_key(device.index), d, tune_bucket(B, widths, **bucket_extras(d)))
         got = tune.choice(k, "backward")
-        if got in BACKWARDS and dtype == torch.float32 and fused_option(got)[0] is not None:
-            return "fused_pad" if fused_option(got)[1] else "fused"  # (chain tiles: timed for 16-bit only)
+        if got in FUSED_OPTIONS and dtype == torch.float32 and FUSED_OPTIONS[got][0] is not None:
+            return option_name(None, FUSED_OPTIONS[got][1])  # (chain tiles: timed for 16-bit only)
         if got in BACKWARDS:
             return got
     return "fused" if dtype != torch.float32 or B <= F32_FUSED_MAX_B else "lean"
