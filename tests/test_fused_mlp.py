@@ -482,7 +482,10 @@ def test_cuda_plan_and_checks():
     p = schema.cuda_plan((367, 512, 256, 1), 16, 32, 8)
     assert [(l["kp"], l["groups"], l["per_cta"], l["aligned"]) for l in p["layers"]] == [
         (368, 64, 4, False), (512, 32, 2, True), (256, 1, 1, True)]
-    assert p["ctas_per_sm"] == 2 and p["x_vectors"] == 1  # 102 KB; 2 rows x 46 vectors of x, 256 threads
+    # 102 KB; the whole 32-row tile of x, 32 x 46 chunks over 256 threads, two registers each
+    # (367-wide rows are not whole vectors): 12, loaded at each tile's start, not carried ahead
+    assert p["ctas_per_sm"] == 2 and (p["x_vectors"], p["x_registers"], p["x_prefetch"]) == (6, 12, False)
+    assert schema.cuda_plan((367, 512, 256, 1), 8, 16, 16)["x_prefetch"]  # the shipped B <= 128 one: 2 chunks
     for l in p["layers"]:
         assert l["per_cta"] * 16 >= l["groups"] and l["per_cta"] % l["nb"] == 0 and l["sa"] % 16 == 8
     assert p["smem"] <= schema.SMEM_MAX and p["buf_off"][0] >= p["weights_bytes"]

@@ -14,13 +14,18 @@
 // output columns, in groups of 8 (an mma n-tile), are split over the cluster's CTAs; a CTA
 // keeps its slice of every layer's weights (zero-padded to whole k-steps) and biases (float32)
 // in shared memory for the whole kernel, and a full copy of the layer's input activation tile.
+// Prologue: every load in flight at once (the weight slices whose rows are whole 16-byte
+// vectors by cp.async; x's first row tile, the biases and the other weight slices -- each a
+// contiguous run of memory -- by aligned 16-byte loads placed row by row), the cluster barrier
+// that publishes the mbarriers arrived at before them and waited on after.
 // Per row tile:
-//  - x: CTA r holds rows r, r + CLUSTER, ... of the tile in registers (loaded while the tile
-//    before ran) and stores them into every CTA's activation buffer 0 (rows past B and columns
-//    past w0 as zeros);
+//  - x: every CTA reads the whole tile (rows past B and columns past w0 as zeros) into its own
+//    activation buffer 0, from registers loaded while the tile before ran (where they fit,
+//    schema's x_prefetch; else at the tile's start): no exchange and no wait on the others;
 //  - layer i: each warp runs 16-row x (nb x 8)-column units of the CTA's columns, A and B
 //    fragments by ldmatrix from shared memory, a batch of k-steps' fragments loaded before
-//    their mma.syncs; the epilogue adds the bias in float32, rounds z to the storage type,
+//    their mma.syncs, with one to four independent accumulators (summed in a fixed order);
+//    the epilogue adds the bias in float32, rounds z to the storage type,
 //    applies the activation in float32 and rounds again (eager PyTorch's F.linear +
 //    activation), writes the CTA's columns of the next activation tile (columns past the
 //    layer's width as zeros, so the next layer's padded k-steps add nothing); then the CTA
@@ -29,8 +34,10 @@
 // for that layer's input, and every CTA also arrives on the others' mbarrier once it has
 // finished the layer: a CTA starts layer i + 1 when its mbarrier says all of its input is in
 // and every CTA is done with layer i. Layer i reads buffer i % 2 and writes buffer (i + 1) % 2,
-// so a buffer is written only after every CTA finished reading it; where the last layer reads
-// buffer 0 (an odd number of layers) a cluster barrier ends the row tile before the next x.
+// so a buffer is written only after every CTA finished reading it. The one exception is the
+// next row tile's layer 0 writing buffer 1 where the last layer reads it (an even number of
+// layers): each CTA arrives on the cluster barrier after its last layer and waits on it before
+// sending layer 0's columns of the next tile (an odd number: nothing, x is local).
 // No cluster barrier with memory ordering inside the loop: at cluster scope a release
 // compiles to a GPU-wide fence (MEMBAR.ALL.GPU).
 // No atomics; every output element is written by one thread: bit-identical run to run.
@@ -172,6 +179,18 @@ __device__ __forceinline__ void cluster_sync() {
 // compiles to MEMBAR.ALL.GPU): every CTA of the cluster has reached this point.
 __device__ __forceinline__ void cluster_arrive_wait_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// The two halves of a cluster barrier, so that work goes on between them: arrive (relaxed:
+// no memory ordering of its own; what must be seen is ordered by a fence before it, e.g.
+// fence.mbarrier_init) and wait (acquire: after it, what the other CTAs ordered before their
+// arrival is visible). Every thread of every CTA arrives and waits, alternately.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- mbarrier
@@ -340,6 +359,7 @@ constexpr int LAYERS = 4;
 constexpr int SMEM = 67264;
 constexpr int CTAS_PER_SM = 2;  // schema.cuda_plan: shared memory and registers allow
 constexpr int X_VECTORS = 1;
+constexpr bool X_PREFETCH = true;  // x loaded one row tile ahead
 
 struct Params {
   const T* x;
@@ -378,116 +398,176 @@ __device__ __forceinline__ uint32_t bits(T v) {
   return __half_as_ushort(v);
 }
 
-// Eight elements of a row of `cols` elements starting at column c0, zero past `cols` (or the
-// whole vector when !valid). ALIGNED: the row is whole 16-byte vectors (one load).
-template <bool ALIGNED>
-__device__ __forceinline__ uint4 load8(const T* row, int c0, int cols, bool valid) {
-  if (!valid) return make_uint4(0, 0, 0, 0);
-  if constexpr (ALIGNED) {
-    return __ldg(reinterpret_cast<const uint4*>(row + c0));
-  } else {
-    const unsigned short* r = reinterpret_cast<const unsigned short*>(row);
-    uint32_t h[8];
+// Loads of 2-byte elements at any element offset (x's and W0's rows of 367 are not whole
+// 16-byte vectors, but a row tile of x and a CTA's slice of a weight are each one contiguous
+// run of memory, starting on a 16-byte boundary). In two steps, so that every load of a batch is
+// in flight before the first result is needed: fetch (the aligned 16-byte vectors holding
+// elements f .. f + 7: one, or two where f % 8 != 0; element loads for a vector past the
+// tensor's `end`, zeros beyond it) and place (shift the pair down by f % 8 elements, zero the
+// elements from `valid` on).
+struct Raw {
+  uint4 lo, hi;
+};
+
+__device__ __forceinline__ uint4 fetch16(const T* base, long long v, long long end) {
+  if (8 * v + 8 <= end) return __ldg(reinterpret_cast<const uint4*>(base) + v);
+  const unsigned short* r = reinterpret_cast<const unsigned short*>(base);
+  uint32_t h[8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) h[e] = c0 + e < cols ? uint32_t(__ldg(r + c0 + e)) : 0u;
-    return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+  for (int e = 0; e < 8; ++e) h[e] = 8 * v + e < end ? uint32_t(__ldg(r + 8 * v + e)) : 0u;
+  return make_uint4(h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16);
+}
+
+// ALIGNED: f is a multiple of 8 and f + 8 <= end wherever `valid` (rows of whole vectors).
+template <bool ALIGNED>
+__device__ __forceinline__ void fetch8(Raw& r, const T* base, long long f, long long end, bool valid) {
+  if (!valid) {
+    r.lo = r.hi = make_uint4(0, 0, 0, 0);
+  } else if constexpr (ALIGNED) {
+    r.lo = __ldg(reinterpret_cast<const uint4*>(base + f));
+  } else {
+    r.lo = fetch16(base, f >> 3, end);
+    r.hi = (f & 7) ? fetch16(base, (f >> 3) + 1, end) : make_uint4(0, 0, 0, 0);
   }
 }
 
-// Loads go in batches of LOAD_BATCH 16-byte vectors a thread, all issued before the first
-// is stored: a store to shared memory is ordered after the loads before it, so one vector
-// at a time would wait a full memory latency per vector.
-constexpr int LOAD_BATCH = 4;
+// The eight elements from `shift` (f % 8) on, those from `valid` on as zeros. Branch-free
+// (selects on the shift's bits): a runtime index into the pair would put it on the stack.
+template <bool ALIGNED>
+__device__ __forceinline__ uint4 place8(const Raw& r, int shift, int valid) {
+  if constexpr (ALIGNED) {
+    return r.lo;
+  } else {
+    uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
+#pragma unroll
+    for (int i = 0; i < 6; ++i) w[i] = (shift & 4) ? w[i + 2] : w[i];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) w[i] = (shift & 2) ? w[i + 1] : w[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = (shift & 1) ? __funnelshift_r(w[i], w[i + 1], 16) : w[i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = 2 * i + 1 < valid ? w[i] : (2 * i < valid ? w[i] & 0xffffu : 0u);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Loads go in batches of up to LOAD_BATCH chunks a thread, all issued before the first is
+// stored: a store to shared memory is ordered after the loads before it, so one chunk at a
+// time would wait a full memory latency per chunk.
+constexpr int LOAD_BATCH = 8;
 
 // This CTA's slice of layer I's weights: rows [rank * PER * 8, +PER * 8) of w [N, K], each
 // row's kp columns, zero past N rows and K columns, into shared memory at `dst` (row stride
-// SA elements). Aligned rows go by cp.async (committed by the caller).
-template <int K, int N, int KP, int SA, int PER, bool ALIGNED>
-__device__ __forceinline__ void load_weights(const T* __restrict__ w, uint32_t dst, int rank) {
+// SA elements). Rows of whole 16-byte vectors: cp.async (committed by the caller).
+template <int K, int N, int KP, int SA, int PER>
+__device__ __forceinline__ void load_weights_async(const T* __restrict__ w, uint32_t dst, int rank) {
   constexpr int CPR = KP / 8, ROWS = PER * 8, TOTAL = ROWS * CPR;
   const int n0 = rank * ROWS;
-  for (int i0 = threadIdx.x; i0 < TOTAL; i0 += LOAD_BATCH * THREADS) {
-    uint4 v[LOAD_BATCH];
+  for (int idx = threadIdx.x; idx < TOTAL; idx += THREADS) {
+    const int r = idx / CPR, c = idx % CPR, n = n0 + r;
+    const bool valid = n < N && c * 8 < K;
+    kgen::cp_async_16(dst + uint32_t(r * SA + c * 8) * 2u, valid ? w + (size_t)n * K + c * 8 : w, valid);
+  }
+}
+
+// The same for rows that are not whole vectors: the slice is one contiguous run of w, read as
+// aligned vectors and placed row by row (fetch8 / place8).
+template <int K, int N, int KP, int SA, int PER>
+__device__ __forceinline__ void load_weights_span(const T* __restrict__ w, uint32_t dst, int rank) {
+  constexpr int CPR = KP / 8, ROWS = PER * 8, TOTAL = ROWS * CPR;
+  constexpr int EACH = (TOTAL + THREADS - 1) / THREADS, BATCH = EACH < LOAD_BATCH ? EACH : LOAD_BATCH;
+  const int n0 = rank * ROWS;
+  for (int i0 = threadIdx.x; i0 < TOTAL; i0 += BATCH * THREADS) {
+    Raw v[BATCH];
 #pragma unroll
-    for (int q = 0; q < LOAD_BATCH; ++q) {
+    for (int q = 0; q < BATCH; ++q) {
       const int idx = i0 + q * THREADS, r = idx / CPR, c = idx % CPR, n = n0 + r;
-      const bool valid = idx < TOTAL && n < N && c * 8 < K;
-      const uint32_t to = dst + uint32_t(r * SA + c * 8) * 2u;
-      if constexpr (ALIGNED) {
-        if (idx < TOTAL) kgen::cp_async_16(to, valid ? w + (size_t)n * K + c * 8 : w, valid);
-      } else {
-        v[q] = load8<false>(w + (size_t)(valid ? n : 0) * K, c * 8, K, valid);
-      }
+      fetch8<false>(v[q], w, (long long)n * K + c * 8, (long long)N * K, idx < TOTAL && n < N && c * 8 < K);
     }
-    if constexpr (!ALIGNED) {
 #pragma unroll
-      for (int q = 0; q < LOAD_BATCH; ++q) {
-        const int idx = i0 + q * THREADS, r = idx / CPR, c = idx % CPR;
-        if (idx < TOTAL) st_shared_16(dst + uint32_t(r * SA + c * 8) * 2u, v[q]);
-      }
+    for (int q = 0; q < BATCH; ++q) {
+      const int idx = i0 + q * THREADS, r = idx / CPR, c = idx % CPR, n = n0 + r;
+      if (idx < TOTAL) st_shared_16(dst + uint32_t(r * SA + c * 8) * 2u, place8<false>(v[q], (n * K) & 7, K - c * 8));
     }
   }
 }
 
-// This CTA's slice of a layer's bias (PER * 8 entries from rank * PER * 8), float32, zero past N
-// or when the layer has none.
+// This CTA's slice of a layer's bias (PER * 8 entries from rank * PER * 8), fetched as raw
+// bits (zero past N or when the layer has none), then stored as float32.
+template <int PER>
+__host__ __device__ constexpr int bias_regs() {
+  return (PER * 8 + THREADS - 1) / THREADS;
+}
+
 template <int N, int PER>
-__device__ __forceinline__ void load_bias(const T* __restrict__ b, float* dst, int rank) {
-  for (int t = threadIdx.x; t < PER * 8; t += THREADS) {
-    const int n = rank * PER * 8 + t;
-    dst[t] = b != nullptr && n < N ? kgen::to_float(b[n]) : 0.f;
+__device__ __forceinline__ void fetch_bias(unsigned short (&v)[bias_regs<PER>()], const T* __restrict__ b, int rank) {
+#pragma unroll
+  for (int q = 0; q < bias_regs<PER>(); ++q) {
+    const int t = threadIdx.x + q * THREADS, n = rank * PER * 8 + t;
+    v[q] = b != nullptr && t < PER * 8 && n < N ? __ldg(reinterpret_cast<const unsigned short*>(b) + n) : 0;
   }
 }
 
-// x's rows of row tile `tile` that this CTA reads (rank, rank + CLUSTER, ...), X_VECTORS
-// 16-byte vectors a thread (rows past B and columns past K0 as zeros): loaded into registers
-// one row tile ahead (load_x while the layers of the tile before run), then stored into every
-// CTA's buffer 0 (store_x).
+template <int PER>
+__device__ __forceinline__ void store_bias(const unsigned short (&v)[bias_regs<PER>()], float* dst) {
+#pragma unroll
+  for (int q = 0; q < bias_regs<PER>(); ++q) {
+    const int t = threadIdx.x + q * THREADS;
+    if (t < PER * 8) dst[t] = __half2float(__ushort_as_half(v[q]));
+  }
+}
+
+// x's row tile `tile` (BLOCK_M rows from tile * BLOCK_M, rows past B and columns past K0 as
+// zeros), X_VECTORS chunks of 8 elements a thread: fetched one row tile ahead (fetch_x while the
+// layers of the tile before run), then placed into this CTA's buffer 0 (store_x). Every CTA
+// reads the whole tile from global memory (L2): no exchange, no cluster-wide wait for it.
 template <int K0, int KP0, bool ALIGNED>
-__device__ __forceinline__ void load_x(uint4 (&v)[X_VECTORS], const T* __restrict__ x, int B, int tile, uint32_t rank) {
-  constexpr int CPR = KP0 / 8, TOTAL = (BLOCK_M + CLUSTER - 1) / CLUSTER * CPR;
+__device__ __forceinline__ void fetch_x(Raw (&v)[X_VECTORS], const T* __restrict__ x, int B, int tile) {
+  constexpr int CPR = KP0 / 8, TOTAL = BLOCK_M * CPR;
 #pragma unroll
   for (int q = 0; q < X_VECTORS; ++q) {
-    const int idx = threadIdx.x + q * THREADS, r = int(rank) + (idx / CPR) * CLUSTER, c = idx % CPR;
-    const int row = tile * BLOCK_M + r;
-    const bool valid = idx < TOTAL && r < BLOCK_M && row < B;
-    v[q] = load8<ALIGNED>(x + (size_t)(valid ? row : 0) * K0, c * 8, K0, valid);
+    const int idx = threadIdx.x + q * THREADS, r = idx / CPR, c = idx % CPR;
+    const long long row = (long long)tile * BLOCK_M + r;
+    fetch8<ALIGNED>(v[q], x, row * K0 + c * 8, (long long)B * K0, idx < TOTAL && row < B && c * 8 < K0);
   }
 }
 
-template <int KP0, int SA0>
-__device__ __forceinline__ void store_x(const uint4 (&v)[X_VECTORS], uint32_t buf, uint32_t bar, uint32_t rank) {
-  constexpr int CPR = KP0 / 8, TOTAL = (BLOCK_M + CLUSTER - 1) / CLUSTER * CPR;
+template <int K0, int KP0, int SA0, bool ALIGNED>
+__device__ __forceinline__ void store_x(const Raw (&v)[X_VECTORS], uint32_t buf, int tile) {
+  constexpr int CPR = KP0 / 8, TOTAL = BLOCK_M * CPR;
 #pragma unroll
   for (int q = 0; q < X_VECTORS; ++q) {
-    const int idx = threadIdx.x + q * THREADS, r = int(rank) + (idx / CPR) * CLUSTER, c = idx % CPR;
-    if (idx >= TOTAL || r >= BLOCK_M) continue;
-    const uint32_t at = buf + uint32_t(r * SA0 + c * 8) * 2u;
-#pragma unroll
-    for (int d = 0; d < CLUSTER; ++d) {
-      const uint32_t to = (rank + d) % CLUSTER;
-      kgen::st_async_16(kgen::map_rank(at, to), v[q], kgen::map_rank(bar, to));
-    }
+    const int idx = threadIdx.x + q * THREADS, r = idx / CPR, c = idx % CPR;
+    const long long row = (long long)tile * BLOCK_M + r;
+    if (idx < TOTAL) st_shared_16(buf + uint32_t(r * SA0 + c * 8) * 2u, place8<ALIGNED>(v[q], int((row * K0) & 7), K0 - c * 8));
   }
 }
 
 // Layer I on the current row tile: A = buffer `in` (row stride SA), this CTA's weight slice at
 // `wt`; the output into buffer `nxt` (row stride SA_NEXT) then copied to the other CTAs, or
-// (LAST) into out [B, N].
+// (LAST) into out [B, N]. `wait_cluster`: wait on the cluster barrier (arrived at when each CTA
+// finished the row tile before) before writing into the other CTAs.
 template <int K, int N, int KP, int SA, int GROUPS, int PER, int NB, int UNITS, bool LAST, int SA_NEXT>
 __device__ __forceinline__ void layer(const Params& p, const float* bias, int act, uint32_t in, uint32_t wt,
-                                      unsigned char* nxt_ptr, uint32_t nxt, uint32_t nxt_bar, int tile, uint32_t rank) {
+                                      unsigned char* nxt_ptr, uint32_t nxt, uint32_t nxt_bar, int tile, uint32_t rank,
+                                      bool wait_cluster = false) {
   constexpr int CHUNKS = PER / NB;  // nb-group chunks of the CTA's columns
   constexpr int KSTEPS = KP / 16, U = NB <= 2 ? 8 : (NB <= 4 ? 4 : 2);  // k-steps a batch
+  // Independent accumulators (k-step k into set k % ACCS, summed in order after the loop):
+  // with one or two n-tiles a warp, a single chain of dependent mma.syncs would wait out each
+  // one's latency
+  constexpr int ACCS = NB == 1 ? 4 : (NB == 2 ? 2 : 1);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g0 = int(rank) * PER;  // the CTA's first group
   if (g0 < GROUPS) {
     for (int u = warp; u < UNITS; u += WARPS) {
       const int mt = u / CHUNKS, ch = u % CHUNKS;
       if (g0 + ch * NB >= GROUPS) continue;  // a chunk wholly past the layer's groups
-      float acc[NB][4];
+      float acc[ACCS][NB][4];
 #pragma unroll
-      for (int j = 0; j < NB; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+      for (int s = 0; s < ACCS; ++s)
+#pragma unroll
+        for (int j = 0; j < NB; ++j) acc[s][j][0] = acc[s][j][1] = acc[s][j][2] = acc[s][j][3] = 0.f;
       const uint32_t a_addr = in + uint32_t((mt * 16 + lane % 16) * SA + (lane / 16) * 8) * 2u;
       const uint32_t b_addr =
           wt + uint32_t((ch * NB * 8 + lane % 8 + (lane / 16) * 8) * SA + ((lane / 8) % 2) * 8) * 2u;
@@ -512,9 +592,15 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
         for (int u = 0; u < U; ++u) {
           if (KSTEPS % U != 0 && k0 + u >= KSTEPS) break;
 #pragma unroll
-          for (int j = 0; j < NB; ++j) kgen::mma_m16n8k16<T>(acc[j], a[u], b[u][j]);
+          for (int j = 0; j < NB; ++j) kgen::mma_m16n8k16<T>(acc[u % ACCS][j], a[u], b[u][j]);
         }
       }
+#pragma unroll
+      for (int s = 1; s < ACCS; ++s)
+#pragma unroll
+        for (int j = 0; j < NB; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[0][j][e] += acc[s][j][e];
       // epilogue: thread (g = lane / 4, t = lane % 4) holds rows g, g + 8 of the unit's 16,
       // columns 2t, 2t + 1 of each n-tile
 #pragma unroll
@@ -529,7 +615,7 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
           T v[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const T z = kgen::from_float<T>(acc[j][2 * h + e] + (e ? bv.y : bv.x));
+            const T z = kgen::from_float<T>(acc[0][j][2 * h + e] + (e ? bv.y : bv.x));
             v[e] = col + e < N ? kgen::from_float<T>(activate_rt(act, kgen::to_float(z))) : kgen::from_float<T>(0.f);
           }
           if constexpr (LAST) {
@@ -553,6 +639,7 @@ __device__ __forceinline__ void layer(const Params& p, const float* bias, int ac
     // mbarriers: a CTA whose next layer's mbarrier completes knows every CTA has finished this
     // layer, so that the layer after may write into their buffer `in`.
     __syncthreads();
+    if (wait_cluster) kgen::cluster_wait();
     const int mine = GROUPS - g0 < PER ? GROUPS - g0 : PER;  // groups (16-byte chunks a row)
     for (int idx = threadIdx.x; idx < BLOCK_M * mine; idx += THREADS) {
       const int r = idx / mine, c = idx % mine;
@@ -583,45 +670,61 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
   const uint32_t rank = kgen::cluster_rank();
   const int clusters = gridDim.x / CLUSTER, first = blockIdx.x / CLUSTER;
   const int tiles = (p.B + BLOCK_M - 1) / BLOCK_M;
-  pdl_wait();  // the kernel before on the stream may have written x, the weights or the biases
-  // every layer's weight slice, once
-  load_weights<13, 512, 16, 24, 8, false>(p.w[0], base + 0u, rank);
-  load_weights<512, 256, 512, 520, 4, true>(p.w[1], base + 3072u, rank);
-  load_weights<256, 64, 256, 264, 1, true>(p.w[2], base + 36352u, rank);
-  load_weights<64, 16, 64, 72, 1, true>(p.w[3], base + 40576u, rank);
-  kgen::cp_async_commit();
-  load_bias<512, 8>((p.bias_mask >> 0) & 1 ? p.b[0] : nullptr, reinterpret_cast<float*>(smem + 41728), rank);
-  load_bias<256, 4>((p.bias_mask >> 1) & 1 ? p.b[1] : nullptr, reinterpret_cast<float*>(smem + 41984), rank);
-  load_bias<64, 1>((p.bias_mask >> 2) & 1 ? p.b[2] : nullptr, reinterpret_cast<float*>(smem + 42112), rank);
-  load_bias<16, 1>((p.bias_mask >> 3) & 1 ? p.b[3] : nullptr, reinterpret_cast<float*>(smem + 42144), rank);
-  __shared__ __align__(8) uint64_t bars[LAYERS];  // per layer input: x, then each hidden activation
+  __shared__ __align__(8) uint64_t bars[LAYERS];  // layer i's input (i >= 1): each hidden activation
   const uint32_t bar0 = kgen::smem_addr(bars);  // the remote operations address them by offset
+  pdl_wait();  // the kernel before on the stream may have written x, the weights or the biases
   if (threadIdx.x == 0) {
-    // layer 0's: the local expect_tx only (x comes as bytes); the others': also one arrival
-    // from each other CTA (it finished the layer before)
-    for (int i = 0; i < LAYERS; ++i) kgen::mbar_init(&bars[i], i == 0 ? 1 : CLUSTER);
+    // the bytes of the other CTAs' columns and one arrival from each other CTA (it finished
+    // the layer before)
+    for (int i = 1; i < LAYERS; ++i) kgen::mbar_init(&bars[i], CLUSTER);
     kgen::mbar_init_fence();
   }
-  uint4 xv[X_VECTORS];
-  load_x<13, 16, false>(xv, p.x, p.B, first, rank);
+  // The cluster barrier that makes the mbarriers visible to the other CTAs: arrived at here,
+  // waited on once this CTA's own loads are in (its latency hidden behind them).
+  kgen::cluster_arrive_relaxed();
+  // Every load of the prologue in flight at once: the weight slices of whole-vector rows
+  // (cp.async), x's first row tile (where it is carried ahead), the biases, then the other
+  // weight slices.
+  load_weights_async<512, 256, 512, 520, 4>(p.w[1], base + 3072u, rank);
+  load_weights_async<256, 64, 256, 264, 1>(p.w[2], base + 36352u, rank);
+  load_weights_async<64, 16, 64, 72, 1>(p.w[3], base + 40576u, rank);
+  kgen::cp_async_commit();
+  Raw xv[X_VECTORS];
+  if (X_PREFETCH)
+    fetch_x<13, 16, false>(xv, p.x, p.B, first);
+  unsigned short bias0[bias_regs<8>()];
+  fetch_bias<512, 8>(bias0, (p.bias_mask >> 0) & 1 ? p.b[0] : nullptr, rank);
+  unsigned short bias1[bias_regs<4>()];
+  fetch_bias<256, 4>(bias1, (p.bias_mask >> 1) & 1 ? p.b[1] : nullptr, rank);
+  unsigned short bias2[bias_regs<1>()];
+  fetch_bias<64, 1>(bias2, (p.bias_mask >> 2) & 1 ? p.b[2] : nullptr, rank);
+  unsigned short bias3[bias_regs<1>()];
+  fetch_bias<16, 1>(bias3, (p.bias_mask >> 3) & 1 ? p.b[3] : nullptr, rank);
+  load_weights_span<13, 512, 16, 24, 8>(p.w[0], base + 0u, rank);
+  store_bias<8>(bias0, reinterpret_cast<float*>(smem + 41728));
+  store_bias<4>(bias1, reinterpret_cast<float*>(smem + 41984));
+  store_bias<1>(bias2, reinterpret_cast<float*>(smem + 42112));
+  store_bias<1>(bias3, reinterpret_cast<float*>(smem + 42144));
   kgen::cp_async_wait<0>();
-  kgen::cluster_sync();  // the weights and mbarriers ready, every CTA of the cluster running
+  kgen::cluster_wait();  // every CTA of the cluster running, its mbarriers initialised
   uint32_t parity = 0;
   for (int tile = first; tile < tiles; tile += clusters, parity ^= 1) {
     if (threadIdx.x == 0) {  // arm this tile's phase of every mbarrier with the bytes it receives
-      kgen::mbar_arrive_expect_tx(&bars[0], BLOCK_M * 16 * 2);
       kgen::mbar_arrive_expect_tx(&bars[1], incoming_bytes<64, 8>(rank));
       kgen::mbar_arrive_expect_tx(&bars[2], incoming_bytes<32, 4>(rank));
       kgen::mbar_arrive_expect_tx(&bars[3], incoming_bytes<8, 1>(rank));
     }
-    store_x<16, 24>(xv, base + 42176u, bar0, rank);
-    kgen::mbar_wait(&bars[0], parity);
-    if (tile + clusters < tiles)  // the next row tile's x, in flight while this one's layers run
-      load_x<13, 16, false>(xv, p.x, p.B, tile + clusters, rank);
+    if (!X_PREFETCH)
+      fetch_x<13, 16, false>(xv, p.x, p.B, tile);
+    __syncthreads();  // every warp done with the row tile before (its last layer may read buffer 0)
+    store_x<13, 16, 24, false>(xv, base + 42176u, tile);
+    __syncthreads();  // x (and, the first time, the weights and biases) in this CTA's shared memory
+    if (X_PREFETCH && tile + clusters < tiles)  // the next row tile's x, in flight while this one's layers run
+      fetch_x<13, 16, false>(xv, p.x, p.B, tile + clusters);
     layer<13, 512, 16, 24, 64, 8, 1, 8, false, 520>(
         p, reinterpret_cast<const float*>(smem + 41728), p.act,
         base + 42176u, base + 0u, smem + 50624,
-        base + 50624u, bar0 + 8, tile, rank);
+        base + 50624u, bar0 + 8, tile, rank, tile != first);
     kgen::mbar_wait(&bars[1], parity);
     layer<512, 256, 512, 520, 32, 4, 1, 4, false, 264>(
         p, reinterpret_cast<const float*>(smem + 41984), p.act,
@@ -637,8 +740,11 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
         p, reinterpret_cast<const float*>(smem + 42144), p.last_act,
         base + 50624u, base + 40576u, smem + 42176,
         base + 42176u, bar0 + 32, tile, rank);
+    // The last layer read buffer 1, which the other CTAs write layer 0's columns of the next
+    // row tile into: they wait (in layer 0) until every CTA has arrived here.
+    kgen::cluster_arrive_relaxed();
   }
-  kgen::cluster_arrive_wait_relaxed();  // no CTA leaves while another may still write into it
+  kgen::cluster_wait();  // the last row tile's arrival; no CTA leaves while another may write into it
 }
 
 int max_clusters[64] = {};  // per device: clusters resident at once (0: not asked yet)

@@ -101,6 +101,18 @@ __device__ __forceinline__ void cluster_arrive_wait_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
+// The two halves of a cluster barrier, so that work goes on between them: arrive (relaxed:
+// no memory ordering of its own; what must be seen is ordered by a fence before it, e.g.
+// fence.mbarrier_init) and wait (acquire: after it, what the other CTAs ordered before their
+// arrival is visible). Every thread of every CTA arrives and waits, alternately.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // ---------------------------------------------------------------- mbarrier
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {

@@ -158,7 +158,8 @@ def kernels(widths: tuple[int, ...], block_k: int, dtype: str, align: bool = Tru
 
 SMEM_MAX = 227 * 1024  # sm_90's dynamic shared memory per block
 SMEM_SM = 228 * 1024  # and per SM
-X_VECTORS_MAX = 8  # x's 16-byte vectors a thread holds for the next row tile
+X_VECTORS_MAX = 16  # x's 16-byte vectors a thread loads per row tile (2 a chunk of unaligned rows)
+X_PREFETCH_MAX = 8  # ... and at most carries through a row tile's layers (more: loaded at the tile's start)
 NB_MAX = 8  # n8 tiles a warp accumulates at once (4 float32 registers each)
 
 
@@ -179,8 +180,10 @@ def cuda_plan(widths: tuple[int, ...], cluster: int, block_m: int, warps: int, i
     (rows of K elements are whole 16-byte vectors: cp.async, else element loads), the byte
     offsets of its weight slice (w_off) and float32 bias slice (b_off). Then the two
     activation buffers' offsets (layer i reads buffer i % 2, writes buffer (i + 1) % 2), the
-    total shared memory, the CTAs an SM holds (ctas_per_sm, the kernel's launch bound) and
-    x's 16-byte vectors a thread carries to the next row tile (x_vectors)."""
+    total shared memory, the CTAs an SM holds (ctas_per_sm, the kernel's launch bound), x's
+    8-element chunks a thread loads per row tile (x_vectors), the 16-byte registers they take
+    (x_registers) and whether they are loaded one row tile ahead, carried through the layers
+    of the tile before (x_prefetch: up to X_PREFETCH_MAX registers; more spilled to the stack)."""
     L, mt = len(widths) - 1, block_m // 16
     layers, off = [], 0
     for i in range(L):
@@ -202,10 +205,13 @@ def cuda_plan(widths: tuple[int, ...], cluster: int, block_m: int, warps: int, i
     # CTAs an SM holds (other clusters' row tiles overlap this one's latencies): shared memory
     # (sm_90: 228 KB an SM, 1 KB of it reserved per CTA) and at least 96 registers a thread
     ctas = max(1, min(SMEM_SM // (smem + 1024), 65536 // (threads * 96)))
-    # x vectors (16 bytes) a thread loads per row tile: its rows (rank, rank + cluster, ...)
-    x_vectors = -(-(-(-block_m // cluster) * layers[0]["kp"] // 8) // threads)
+    # x's 8-element chunks a thread loads per row tile (every CTA reads the whole tile), and
+    # the 16-byte registers they take: two a chunk where x's rows are not whole vectors
+    x_vectors = -(-block_m * layers[0]["kp"] // 8 // threads)
+    x_registers = x_vectors * (1 if layers[0]["aligned"] else 2)
     return {"layers": layers, "buf_off": [off, off + bufs[0]], "smem": smem, "weights_bytes": off,
-            "ctas_per_sm": ctas, "x_vectors": x_vectors}
+            "ctas_per_sm": ctas, "x_vectors": x_vectors, "x_registers": x_registers,
+            "x_prefetch": x_registers <= X_PREFETCH_MAX}
 
 
 def _check_cuda(dtype: str, k: Mapping[str, Any]):
@@ -222,9 +228,9 @@ def _check_cuda(dtype: str, k: Mapping[str, Any]):
                                     f"{k['warps']} warps"))
     plan = cuda_plan(widths, k["cluster"], k["block_m"], k["warps"], ITEMSIZE[dtype])
     smem = plan["smem"]
-    if plan["x_vectors"] > X_VECTORS_MAX:
-        problems.append(("warps", f"each thread would hold {plan['x_vectors']} 16-byte vectors of x (at most "
-                                  f"{X_VECTORS_MAX}); use more warps, a larger cluster or a smaller block_m"))
+    if plan["x_registers"] > X_VECTORS_MAX:
+        problems.append(("warps", f"each thread would hold {plan['x_registers']} 16-byte vectors of x (at most "
+                                  f"{X_VECTORS_MAX}); use more warps or a smaller block_m"))
     if smem > SMEM_MAX:
         problems.append(("cluster", f"{smem} bytes of shared memory (weight slices and two activation tiles) "
                                     f"exceed {SMEM_MAX}; use a larger cluster or a smaller block_m"))
