@@ -468,6 +468,23 @@ def test_spec_widths_knob_errors():
 # ------------------------------------------------------------------ the CUDA cluster variant
 
 CUDA_VARIANTS = [v.name for v in SPEC.variants if v.backend == "cuda"]
+# Widths a user's spec might give the CUDA variant, for the paths the shipped DLRM ones (x 367 /
+# 13 wide, odd layer counts for the top) do not take: x's rows whole 16-byte vectors (loaded
+# without the shift), no unaligned weight at all, an even layer count (the cluster barrier
+# between row tiles), a last layer on one CTA of 8
+USER_CUDA = {
+    "64-256-128-10 c4 m32": "widths: [64, 256, 128, 10]\n    cluster: 4\n    block_m: 32\n    warps: 8\n"
+                            "    dtypes: [bfloat16]\n",
+    "40-96-48-24-3 c2 m16": "widths: [40, 96, 48, 24, 3]\n    cluster: 2\n    block_m: 16\n    warps: 4\n"
+                            "    dtypes: [float16]\n",
+    "21-72-5 c8 m16": "widths: [21, 72, 5]\n    cluster: 8\n    block_m: 16\n    warps: 4\n    dtypes: [bfloat16]\n",
+}
+
+
+def _user_cuda(key):
+    from kgen import spec
+
+    return spec.parse("family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: sm_90\n    " + USER_CUDA[key]).variants[0]
 
 
 def test_cuda_plan_and_checks():
@@ -514,7 +531,8 @@ def test_cuda_variants_sass():
 
     from kgen.runtime import build, toolchain
 
-    results = build.build_cuda([SPEC.variant(n) for n in CUDA_VARIANTS])
+    results = build.build_cuda([SPEC.variant(n) for n in CUDA_VARIANTS] + [_user_cuda(k) for k in USER_CUDA])
+    assert len(results) == len(CUDA_VARIANTS) + len(USER_CUDA)
     for r in results:
         assert r.status in ("built", "cached"), r.error
         lib = r.entry.file(build.CUDA_LIB)
@@ -751,6 +769,29 @@ def test_gpu_cuda_variant(name):
     assert f(xu, ws, bs) is None  # unaligned: the general path
     with fm.using(impl):
         assert torch.equal(ops.fused_mlp(x, ws, bs, activation=acts[0], last_activation=acts[1]), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", list(USER_CUDA))
+def test_gpu_cuda_variant_user_widths(key):
+    """A CUDA variant a user's spec builds (USER_CUDA: aligned x, no unaligned weight, an even
+    layer count, a one-CTA last layer) against float64 into a poisoned output, at one row tile,
+    a few per cluster and more than the clusters that fit, bit-identical run to run."""
+    from kgen.families.fused_mlp import launch
+    from kgen.families.fused_mlp.cuda import CudaMLP
+    from kgen.runtime.op import error_ratio, poisoned
+
+    v = _user_cuda(key)
+    widths, dtype = tuple(v.params["widths"]), getattr(torch, v.dtype)
+    impl = fm.implementation(dispatch.load(v), widths)
+    assert type(impl) is CudaMLP
+    for B, acts in ((1, ("relu", "none")), (777, ("silu", "sigmoid")), (50001, ("gelu", "relu"))):
+        x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[i % 2 == 0 for i in range(len(widths) - 1)])
+        assert impl.takes(x, ws, bs)
+        got = poisoned((B, widths[-1]), dtype, "cuda")
+        launch.forward(impl, x, ws, bs, *acts, out=got)
+        assert error_ratio(got, fm.reference(x, ws, bs, *acts), TOL[v.dtype]) <= 1, (key, B)
+        assert torch.equal(launch.forward(impl, x, ws, bs, *acts)[0], got)
 
 
 @pytest.mark.gpu
