@@ -95,14 +95,9 @@ __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// Execution only (no memory ordering, so no GPU-wide fence: a release at cluster scope
-// compiles to MEMBAR.ALL.GPU): every CTA of the cluster has reached this point.
-__device__ __forceinline__ void cluster_arrive_wait_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
-}
-
 // The two halves of a cluster barrier, so that work goes on between them: arrive (relaxed:
-// no memory ordering of its own; what must be seen is ordered by a fence before it, e.g.
+// no memory ordering of its own, so no GPU-wide fence -- a release at cluster scope compiles
+// to MEMBAR.ALL.GPU; what must be seen is ordered by a fence before it, e.g.
 // fence.mbarrier_init) and wait (acquire: after it, what the other CTAs ordered before their
 // arrival is visible). Every thread of every CTA arrives and waits, alternately.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
