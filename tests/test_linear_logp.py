@@ -53,9 +53,9 @@ def make_inputs(N, V, D, dtype=torch.float32, bias=True, ignore=True, seed=0):
     return hidden, weight, target, b
 
 
-def run(mod, hidden, weight, target, bias, temperature=0.7, entropy=True, seed=1, oracle=False):
+def run(mod, hidden, weight, target, bias, temperature=0.7, entropy=True, seed=1, oracle=False, **op_kwargs):
     """Forward + backward with random upstream gradients for both outputs; oracle: the
-    float64 reference instead of `mod`."""
+    float64 reference instead of `mod`; op_kwargs: the op's other keywords."""
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     b = bias.clone().requires_grad_() if bias is not None else None
@@ -63,7 +63,7 @@ def run(mod, hidden, weight, target, bias, temperature=0.7, entropy=True, seed=1
         logp, ent = llp.reference(h, w, target, b, temperature=temperature, compute=torch.float64)
         ent = ent if entropy else None
     else:
-        out = call(mod, h, w, target, b, temperature=temperature, return_entropy=entropy)
+        out = call(mod, h, w, target, b, temperature=temperature, return_entropy=entropy, **op_kwargs)
         logp, ent = out if entropy else (out, None)
     g = torch.Generator().manual_seed(seed)
     g_logp = torch.randn(logp.shape, generator=g)
@@ -81,8 +81,8 @@ def assert_close(actual, expected, rtol, atol, what):
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=what)
 
 
-def check_against_reference(mod, hidden, weight, target, bias, temperature=0.7, entropy=True):
-    got = run(mod, hidden, weight, target, bias, temperature, entropy)
+def check_against_reference(mod, hidden, weight, target, bias, temperature=0.7, entropy=True, **op_kwargs):
+    got = run(mod, hidden, weight, target, bias, temperature, entropy, **op_kwargs)
     want = run(None, hidden, weight, target, bias, temperature, entropy, oracle=True)
     for name, a, e in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, want):
         if name.startswith("grad"):
@@ -510,6 +510,90 @@ def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
         matmul.allow_tf32 = allowed
 
 
+KEEP_CASES = [(7, 257, 40, torch.float32, True, True), (33, 50, 16, torch.bfloat16, True, False),
+              (1, 300, 36, torch.float16, False, True), (20, 513, 24, torch.bfloat16, False, False)]
+
+
+@pytest.mark.parametrize("case", KEEP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_keep_logits_matches_float64_and_the_default_path(monkeypatch, case):
+    """keep_logits: the logits pass (forward) and the dz-from-logits pass (backward),
+    interpreted, with every buffer poisoned (NaN): each output fully written, within the
+    reference's tolerances against float64 (the same math on the same float32 logits), and
+    equal to the recomputing path up to float32 summation order (gradients: up to one
+    16-bit rounding of dz, so the 16-bit dtypes are held to their GRAD_TOL)."""
+    N, V, D, dtype, bias, entropy = case
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype_, device: torch.full(
+        shape, float("nan") if dtype_.is_floating_point else 1 << 30, dtype=dtype_, device=device))
+    kept = []
+    real = launch.forward_kept
+    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    inputs = make_inputs(N, V, D, dtype=dtype, bias=bias)
+    got = run(variant(dtype=str(dtype).split(".")[1]), *inputs, entropy=entropy, keep_logits=True)
+    assert kept, "the forward did not keep the logits"
+    for name, t in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got):
+        assert t is None or torch.isfinite(t).all(), f"{name} has unwritten elements"
+    check_against_reference(variant(dtype=str(dtype).split(".")[1]), *inputs, entropy=entropy, keep_logits=True)
+    default = run(variant(dtype=str(dtype).split(".")[1]), *inputs, entropy=entropy)
+    for name, a, b in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got, default):
+        if a is None:
+            assert b is None, name
+            continue
+        rtol, atol = GRAD_TOL[dtype] if name.startswith("grad") else OUT_TOL
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=atol * max(1.0, b.abs().max().item()),
+                                   msg=name)
+
+
+def test_keep_logits_without_a_gradient_keeps_nothing(monkeypatch):
+    """No gradient to come (no_grad, or no input requiring one): the default forward runs,
+    nothing is kept, the results are the default path's bit for bit."""
+    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: pytest.fail("logits kept without a gradient"))
+    hidden, weight, target, bias = make_inputs(7, 257, 40)
+    mod = variant()
+    want = call(mod, hidden, weight, target, bias, return_entropy=True)
+    with torch.no_grad():
+        got = call(mod, hidden.requires_grad_(), weight, target, bias, return_entropy=True, keep_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    got = call(mod, hidden.detach(), weight, target, bias, return_entropy=True, keep_logits=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_keep_logits_out_of_range_targets_give_nan_rows():
+    hidden, weight, target, bias = make_inputs(7, 50, 16)
+    target[1], target[4] = 50, -3
+    h = hidden.clone().requires_grad_()
+    logp, ent = call(variant(), h, weight, target, bias, return_entropy=True, keep_logits=True)
+    bad = torch.zeros(7, dtype=torch.bool)
+    bad[[1, 4]] = True
+    assert torch.isnan(logp[bad]).all() and torch.isnan(ent[bad]).all()
+    assert torch.isfinite(logp[~bad]).all() and torch.isfinite(ent[~bad]).all()
+
+
+def test_keep_logits_under_compile_and_on_the_reference_path():
+    """torch.compile(fullgraph=True) of forward + backward with keep_logits: the registered
+    op's fake gives the kept logits' shape and the gradients are eager's bit for bit
+    (interpreted kernels); on the reference path (no kernel) keep_logits changes nothing."""
+    hidden, weight, target, bias = make_inputs(9, 70, 16)
+
+    def f(h, w, b):
+        logp, ent = ops.linear_logp(h, w, target, b, temperature=0.9, return_entropy=True, keep_logits=True)
+        return (logp - 0.1 * ent).sum()
+
+    def grads(fn):
+        leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+        fn(*leaves).backward()
+        return [x.grad for x in leaves]
+
+    with llp.using(variant()):
+        eager = grads(f)
+        compiled = grads(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    for a, e in zip(compiled, eager):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+    plain = grads(lambda h, w, b: ops.linear_logp(h, w, target, b, temperature=0.9, return_entropy=True)[0].sum()
+                  - 0.1 * ops.linear_logp(h, w, target, b, temperature=0.9, return_entropy=True)[1].sum())
+    for a, e in zip(grads(f), plain):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
 def test_ignored_rows_are_zero_and_get_no_gradient():
     hidden, weight, target, bias = make_inputs(7, 50, 16)
     target[:] = -100
@@ -546,8 +630,11 @@ def test_render_is_deterministic():
 def test_registered_op_and_fake():
     x, w, t = torch.randn(5, 16), torch.randn(11, 16), torch.randint(0, 11, (5,))
     torch.library.opcheck(torch.ops.kgen.linear_logp.default, (x, w, t, None, 0.5, -100, True, False))
+    torch.library.opcheck(torch.ops.kgen.linear_logp.default, (x, w, t, None, 0.5, -100, True, False, True))
     meta = torch.ops.kgen.linear_logp(x.to("meta"), w.to("meta"), t.to("meta"), None, 1.0, -100, False, False)
-    assert [m.shape for m in meta] == [(5,), (0,), (5,), (0,)]
+    assert [m.shape for m in meta] == [(5,), (0,), (5,), (0,), (0,)]
+    meta = torch.ops.kgen.linear_logp(x.to("meta"), w.to("meta"), t.to("meta"), None, 1.0, -100, True, False, True)
+    assert [m.shape for m in meta] == [(5,), (5,), (5,), (5,), (5, 11)]
 
 
 def test_compile_fullgraph_has_no_graph_break():

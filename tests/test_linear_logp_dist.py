@@ -203,7 +203,9 @@ def kernel_cases(rank, world, group):
         with llp.using(mod):
             want = run(hidden, weight, target, bias)
             got = run(hidden, weight[sl], target, bias[sl], group=group)
+            kept = run(hidden, weight[sl], target, bias[sl], group=group, keep_logits=True)
         compare(got, want, rank, lengths, f"kernels {dtype}", grad_tol=grad_tol)
+        compare(kept, want, rank, lengths, f"kernels {dtype}, keep_logits", grad_tol=grad_tol)
 
 
 def _worker(rank, world, store_path, cases):
@@ -267,6 +269,8 @@ def gpu_cases(rank, world):
     fwd_tol = dict(rtol=2e-5, atol=5e-5)
     compare(got, want, rank, lengths, "nccl bf16", tol=fwd_tol, grad_tol=BF16_GRAD_TOL)
     same_on_every_rank(got[0], group, "logp")
+    kept = run(hidden, weight[sl], target, bias[sl], group=group, keep_logits=True)
+    compare(kept, want, rank, lengths, "nccl bf16, keep_logits", tol=fwd_tol, grad_tol=BF16_GRAD_TOL)
 
     # CUDA graph replay: warm up (caches the layout, builds the kernels), capture, replay
     # on new values.
@@ -294,6 +298,8 @@ def gpu_cases(rank, world):
     wrap = lambda f: torch.compile(f, fullgraph=True)  # noqa: E731
     got = run(hidden, weight[sl], target, bias[sl], group=group, wrap=wrap)
     compare(got, want, rank, lengths, "nccl bf16 compiled", tol=fwd_tol, grad_tol=BF16_GRAD_TOL)
+    got = run(hidden, weight[sl], target, bias[sl], group=group, wrap=wrap, keep_logits=True)
+    compare(got, want, rank, lengths, "nccl bf16 compiled, keep_logits", tol=fwd_tol, grad_tol=BF16_GRAD_TOL)
 
 
 @pytest.mark.gpu

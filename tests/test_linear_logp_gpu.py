@@ -43,7 +43,7 @@ def _path(monkeypatch, path, dtype):
     """The op's implementation for a test: dispatch's choice (the CUDA forward where its arch
     runs), or the first Triton variant with its logit tiles through TMA descriptors or
     through pointer loads."""
-    if path.startswith("dispatch"):
+    if path.startswith("dispatch") or path == "keep_logits":
         return contextlib.nullcontext()
     monkeypatch.setattr(plans, "TMA", path == "triton-tma")
     mod = dispatch.select("linear_logp", torch.device("cuda"), str(dtype).removeprefix("torch."), backend="triton")
@@ -52,7 +52,8 @@ def _path(monkeypatch, path, dtype):
 
 # "dispatch, no bias": on sm_90a the backward's dz through the CUDA kernel (launch.CudaForward.dz)
 # at every size (by default only where a call is host-bound)
-@pytest.mark.parametrize("path", ["dispatch", "dispatch, no bias", "triton-tma", "triton-pointers"])
+# "keep_logits": dispatch with the logits kept for the backward (launch.forward_kept / backward_kept)
+@pytest.mark.parametrize("path", ["dispatch", "dispatch, no bias", "triton-tma", "triton-pointers", "keep_logits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 # The backward's float32 sums (plans.accumulator_plan, bf16/fp16): (4099, 151936, 4096) and
 # (4099, 50257, 2048) half in grad_hidden's buffer, half in grad_weight's tail; (5001, 32000,
@@ -73,9 +74,10 @@ def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
     g_logp, g_ent = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
     leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
     with _path(monkeypatch, path, dtype):
-        if not path.startswith("dispatch"):
+        if path.startswith("triton"):
             assert llp._tma(h, w) == (path == "triton-tma")
-        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.8, return_entropy=True)
+        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.8, return_entropy=True,
+                                    keep_logits=path == "keep_logits")
         ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
     got = [logp, ent] + [x.grad for x in leaves if x is not None]
     del logp, ent
@@ -204,3 +206,56 @@ def test_torch_compile_fullgraph_forward_and_backward():
     f(*eager, t).backward()
     for a, e in zip(leaves, eager):
         torch.testing.assert_close(a.grad, e.grad, rtol=0, atol=0)  # the same kernels, same order
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keep_logits_compile_graph_and_no_host_wait(dtype):
+    """keep_logits: within GRAD_TOL of the default (recomputing) path; under
+    torch.compile(fullgraph=True) and in a captured CUDA graph of forward + backward bit for
+    bit what eager gives (the same kernels in the same order); no host wait."""
+    N = 1031
+    h, w, b, t = _inputs(N, 50257, 1024, dtype, seed=7)
+    g_logp = torch.randn(N, device="cuda")
+
+    def step(h, w, b, keep=True):
+        logp, ent = ops.linear_logp(h, w, t, b, temperature=0.9, return_entropy=True, keep_logits=keep)
+        return (logp * g_logp).sum() + 0.1 * ent.sum()
+
+    def grads(fn):
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        fn(*leaves).backward()
+        return [x.grad for x in leaves]
+
+    default = grads(lambda *a: step(*a, keep=False))
+    eager = grads(step)
+    for name, a, e in zip(("grad_hidden", "grad_weight", "grad_bias"), eager, default):
+        bound = llp.GRAD_TOL[str(dtype).removeprefix("torch.")] * max(1.0, float(e.abs().max()))
+        assert float((a.double() - e.double()).abs().max()) <= bound, name
+    for a, e in zip(grads(torch.compile(step, fullgraph=True)), eager):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step(*leaves).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for x in leaves:
+        x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*leaves).backward()
+    for x in leaves:
+        x.grad.fill_(float("nan"))
+    graph.replay()
+    for a, e in zip((x.grad for x in leaves), eager):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+    torch.cuda.synchronize()
+    done = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the op
+    done.record()
+    step(*[x.detach().requires_grad_() for x in (h, w, b)]).backward()
+    assert not done.query(), "keep_logits waited for the GPU"
+    torch.cuda.synchronize()

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 tools/bench_llp_dist.py [--shapes N,D,V ...] [--iters 10]
 
 Per shape: kgen on one GPU (the whole weight, rank 0 alone), kgen over the group (V split
-in near-equal slices, in rank order), a Megatron-style vocab-parallel log_softmax + gather
+in near-equal slices, in rank order), each also with keep_logits=True (the logits kept for
+the backward: its "fwd" column is the forward without a gradient, which keeps nothing), a Megatron-style vocab-parallel log_softmax + gather
 in eager PyTorch (each rank materialises its N x V/p logits in float32; three all-reduces
 of N floats forward, one of grad_hidden backward), forward and forward + backward (the
 gradients of hidden and weight), each rank's peak memory above its inputs, and the two
@@ -204,12 +205,16 @@ def main():
         # One GPU: rank 0 alone, the whole weight (the others wait).
         if rank == 0:
             both("kgen, 1 GPU (whole V)", lambda *x: ops.linear_logp(*(x or (h, w_full)), t), (h, w_full), None)
+            both("kgen, 1 GPU, keep_logits", lambda *x: ops.linear_logp(*(x or (h, w_full)), t, keep_logits=True),
+                 (h, w_full), None)
         dist.barrier()
         del w_full
         torch.cuda.empty_cache()
 
         both(f"kgen, {world} GPUs (group=)", lambda *x: ops.linear_logp(*(x or (h, w)), t, group=group), (h, w),
              group)
+        both(f"kgen, {world} GPUs, keep_logits",
+             lambda *x: ops.linear_logp(*(x or (h, w)), t, group=group, keep_logits=True), (h, w), group)
         both(f"Megatron-style eager, {world} GPUs",
              lambda *x: MegatronStyle.apply(*(x or (h, w)), t, offset, group), (h, w), group)
         verl_line = None

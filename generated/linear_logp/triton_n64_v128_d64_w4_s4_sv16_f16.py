@@ -102,11 +102,7 @@ def linear_logp_fwd_kernel(
     # so each weight tile comes from HBM once and from L2 for the other row tiles.
     split = pid // tiles_n
     tile_n = pid % tiles_n
-    tiles_v = tl.cdiv(V, BLOCK_V)
-    base = tiles_v // splits
-    longer = tiles_v % splits
-    vt_begin = split * base + tl.minimum(split, longer)
-    vt_end = vt_begin + base + (split < longer).to(tl.int32)
+    vt_begin, vt_end = _split_tiles(split, tl.cdiv(V, BLOCK_V), splits)
 
     rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -124,37 +120,95 @@ def linear_logp_fwd_kernel(
         col_ok = cols < V
         acc = _logit_tile(h_src, w_src, tile_n * BLOCK_N, vt * BLOCK_V, rows, cols, row_ok, col_ok, D,
                           BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, TMA)
-        # Bias and column mask as one per-column term, so each logit is one FMA: masked
-        # columns have acc = 0 (masked loads), hence z = MASKED_LOGIT there.
-        if HAS_BIAS:
-            colterm = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
-            colterm = tl.where(col_ok, colterm, MASKED_LOGIT)
-        else:
-            colterm = tl.where(col_ok, 0.0, MASKED_LOGIT)
-        z = acc * scale + colterm[None, :]
+        z = acc * scale + _colterm(b_ptr, cols, col_ok, scale, HAS_BIAS)[None, :]
         if TARGET_IN_TILE:
             z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
-        # Every tile in [vt_begin, vt_end) has a valid column, so m_new is finite and
-        # alpha = exp2(-inf) = 0 on the first tile.
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        alpha = tl.exp2(m - m_new)
-        zc = z - m_new[:, None]
-        p = tl.exp2(zc)
-        if WITH_ENTROPY:
-            # Kept relative to the running max (well conditioned); moving the max by
-            # delta adds delta * s before rescaling. s == 0 only before the first tile.
-            shift = tl.where(s > 0.0, (m - m_new) * s, 0.0)
-            ent = alpha * (ent + shift) + tl.sum(p * zc, axis=1)
-        s = s * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, s, ent = _fold(z, m, s, ent, WITH_ENTROPY)
+    _store_partials(part_ptr + split * N + rows, splits * N, row_ok, m, s, z_t, ent, TARGET_IN_TILE)
 
-    plane = splits * N
-    out = part_ptr + split * N + rows
+
+@triton.jit
+def _split_tiles(split, tiles_v, splits):
+    """[begin, end) of V tiles of slice `split`: the tiles_v tiles in `splits` slices whose
+    sizes differ by at most one, the longer ones first (split_slice in
+    common/online_softmax.cuh.j2; empty when splits > tiles_v)."""
+    base = tiles_v // splits
+    longer = tiles_v % splits
+    begin = split * base + tl.minimum(split, longer)
+    return begin, begin + base + (split < longer).to(tl.int32)
+
+
+@triton.jit
+def _colterm(b_ptr, cols, col_ok, scale, HAS_BIAS: tl.constexpr):
+    """The per-column term of a logit, z = acc * scale + colterm[j]: bias * scale, and
+    MASKED_LOGIT past V (masked loads give acc = 0 there), so each logit is one FMA."""
+    if HAS_BIAS:
+        colterm = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
+        return tl.where(col_ok, colterm, MASKED_LOGIT)
+    return tl.where(col_ok, 0.0, MASKED_LOGIT)
+
+
+@triton.jit
+def _fold(z, m, s, ent, WITH_ENTROPY: tl.constexpr):
+    """One tile of base-2 logits z [rows, cols] folded into the online softmax state of its
+    rows: running max m, s = sum of exp2(z - m), ent = sum of exp2(z - m) * (z - m). Every
+    tile has a valid column, so the new max is finite and alpha = exp2(-inf) = 0 on the
+    first tile."""
+    m_new = tl.maximum(m, tl.max(z, axis=1))
+    alpha = tl.exp2(m - m_new)
+    zc = z - m_new[:, None]
+    p = tl.exp2(zc)
+    if WITH_ENTROPY:
+        # Kept relative to the running max (well conditioned); moving the max by
+        # delta adds delta * s before rescaling. s == 0 only before the first tile.
+        shift = tl.where(s > 0.0, (m - m_new) * s, 0.0)
+        ent = alpha * (ent + shift) + tl.sum(p * zc, axis=1)
+    return m_new, s * alpha + tl.sum(p, axis=1), ent
+
+
+@triton.jit
+def _store_partials(out, plane, row_ok, m, s, z_t, ent, TARGET_IN_TILE: tl.constexpr):
+    """A slice's partials of its rows: `out` points at plane 0 (max), then sum, target
+    logit (only with TARGET_IN_TILE) and entropy sum, `plane` elements apart."""
     tl.store(out, m, mask=row_ok)
     tl.store(out + plane, s, mask=row_ok)
     if TARGET_IN_TILE:
         tl.store(out + 2 * plane, z_t, mask=row_ok)
     tl.store(out + 3 * plane, ent, mask=row_ok)
+
+
+@triton.jit
+def linear_logp_logits_fwd_kernel(
+    z_ptr, b_ptr, t_ptr, part_ptr,
+    N, V, splits, scale,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """linear_logp_fwd_kernel's partials, target logit included (plane 2), from logits the
+    host computed: z [N, V] float32 = hidden @ weight.T (no bias, no temperature), kept
+    for the backward (the op's keep_logits). The same fold on the same float32 logits the
+    tile dots give, read instead of recomputed. Grid: cdiv(N, BLOCK_N) * splits, split-major."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid = tl.program_id(0)
+    split = pid // tiles_n
+    tile_n = pid % tiles_n
+    vt_begin, vt_end = _split_tiles(split, tl.cdiv(V, BLOCK_V), splits)
+    rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    target = tl.load(t_ptr + rows, mask=row_ok, other=-1)
+    m = tl.full((BLOCK_N,), NEG_INF, tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    ent = tl.zeros((BLOCK_N,), tl.float32)
+    z_t = tl.zeros((BLOCK_N,), tl.float32)
+    z_rows = z_ptr + rows.to(tl.int64)[:, None] * V
+    for vt in range(vt_begin, vt_end):
+        cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = cols < V
+        acc = tl.load(z_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        z = acc * scale + _colterm(b_ptr, cols, col_ok, scale, HAS_BIAS)[None, :]
+        z_t += tl.sum(tl.where(cols[None, :] == target[:, None], z, 0.0), axis=1)
+        m, s, ent = _fold(z, m, s, ent, WITH_ENTROPY)
+    _store_partials(part_ptr + split * N + rows, splits * N, row_ok, m, s, z_t, ent, True)
 
 
 @triton.jit
@@ -285,6 +339,20 @@ def linear_logp_bwd_dz_kernel(
     # With TMA the tile also reads columns in [v_end, V): they are masked out of p and dz.
     acc = _logit_tile(h_src, w_src, tile_n * BLOCK_N, v_begin + tile_v * BLOCK_V, rows, cols, row_ok, col_ok, D,
                       BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, TMA)
+    _dz_tile(acc, rows, row_ok, cols, col_ok, offs, b_ptr, t_ptr, lse_ptr, ez_ptr, glogp_ptr, gent_ptr,
+             dz_ptr, bpart_ptr + tile_n * dz_stride, dz_stride, scale, inv_t, ignore_index,
+             HAS_BIAS, WRITE_BPART, WITH_ENTROPY, HAS_GLOGP)
+
+
+@triton.jit
+def _dz_tile(acc, rows, row_ok, cols, col_ok, offs, b_ptr, t_ptr, lse_ptr, ez_ptr, glogp_ptr, gent_ptr,
+             dz_ptr, bpart_ptr, dz_stride, scale, inv_t, ignore_index,
+             HAS_BIAS: tl.constexpr, WRITE_BPART: tl.constexpr, WITH_ENTROPY: tl.constexpr,
+             HAS_GLOGP: tl.constexpr):
+    """The dz kernels' epilogue: from the float32 tile acc = hidden . weight of vocabulary
+    columns `cols` (no bias, no temperature), dz (see linear_logp_bwd_dz_kernel) to
+    dz[rows, offs] (row stride dz_stride) in dz's dtype and, with WRITE_BPART, the tile's
+    column sums to bpart_ptr[offs] (the row tile's row of the bias sums)."""
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     z = acc * scale
@@ -295,7 +363,7 @@ def linear_logp_bwd_dz_kernel(
     if HAS_GLOGP:
         ca = tl.where(valid, tl.load(glogp_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) * inv_t, 0.0)
     else:
-        ca = tl.zeros((BLOCK_N,), tl.float32)
+        ca = tl.zeros_like(lse)
     p = tl.where(ok, tl.exp2(z - lse[:, None]), 0.0)
     if WITH_ENTROPY:
         ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
@@ -308,7 +376,31 @@ def linear_logp_bwd_dz_kernel(
     dz_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * dz_stride + offs[None, :]
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=ok)
     if WRITE_BPART:
-        tl.store(bpart_ptr + tile_n * dz_stride + offs, tl.sum(dz, axis=0), mask=col_ok)
+        tl.store(bpart_ptr + offs, tl.sum(dz, axis=0), mask=col_ok)
+
+
+@triton.jit
+def linear_logp_bwd_dz_logits_kernel(
+    z_ptr, b_ptr, t_ptr, lse_ptr, ez_ptr, glogp_ptr, gent_ptr, dz_ptr, bpart_ptr,
+    N, V, scale, inv_t, ignore_index,
+    HAS_BIAS: tl.constexpr, WRITE_BPART: tl.constexpr, WITH_ENTROPY: tl.constexpr, HAS_GLOGP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """linear_logp_bwd_dz_kernel over the whole vocabulary from the logits the forward kept,
+    z [N, V] float32 (hidden @ weight.T), read instead of recomputed: dz [N, V] and, with
+    WRITE_BPART, bias sums bpart [cdiv(N, BLOCK_N), V]. Grid: cdiv(N, BLOCK_N) * cdiv(V, BLOCK_V)."""
+    tiles_v = tl.cdiv(V, BLOCK_V)
+    tile_n = tl.program_id(0) // tiles_v
+    tile_v = tl.program_id(0) % tiles_v
+    rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = tile_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    acc = tl.load(z_ptr + rows.to(tl.int64)[:, None] * V + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                  other=0.0)
+    _dz_tile(acc, rows, row_ok, cols, col_ok, cols, b_ptr, t_ptr, lse_ptr, ez_ptr, glogp_ptr, gent_ptr,
+             dz_ptr, bpart_ptr + tile_n * V, V, scale, inv_t, ignore_index,
+             HAS_BIAS, WRITE_BPART, WITH_ENTROPY, HAS_GLOGP)
 
 
 @triton.jit

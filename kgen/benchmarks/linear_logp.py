@@ -5,7 +5,9 @@ Implementations, each timed forward and forward+backward (loss = (logp * g).sum(
 fixed random float32 g; gradients into hidden and weight through torch.autograd.grad):
   - `hidden @ weight.T` by cuBLAS alone, the baseline; its fwd+bwd is that GEMM plus the
     two backward GEMMs of a matmul, driven by a random bf16 gradient of the logits' shape;
-  - kgen.ops.linear_logp (dispatch's choice), then each bf16 variant of the spec that runs
+  - kgen.ops.linear_logp (dispatch's choice), the same with keep_logits=True (the logits
+    kept for the backward; its fwd row is the forward without a gradient, which keeps
+    nothing), then each bf16 variant of the spec that runs
     on the device (CUDA: forward partials by the CUDA kernel, combine and backward by
     dispatch's first Triton variant);
   - eager PyTorch (log_softmax of the float32 logits, gather) and torch.compile of it;
@@ -150,6 +152,12 @@ def _kgen_dispatch():
     return ops.linear_logp
 
 
+def _kgen_keep():
+    from kgen import ops
+
+    return lambda h, w, t: ops.linear_logp(h, w, t, keep_logits=True)
+
+
 def _kgen_variant(variant):
     """(fn, context): the op with this variant's kernels. With the family's `using(mod)`
     the backward reads the forced module when it runs, so the whole fwd+bwd runs inside
@@ -282,6 +290,7 @@ def _shape(spec, quick: bool, N: int, D: int, V: int, rows: list[dict]) -> None:
     _log(f"{case} {r['impl']}: fwd {r['fwd ms']} ms, fwd+bwd {r['fwd+bwd ms']} ms {r['note']}")
 
     impls = [(f"kgen.ops.linear_logp (dispatch: {_dispatch_name()})", _kgen_dispatch, True),
+             ("kgen.ops.linear_logp(..., keep_logits=True)", _kgen_keep, True),
              ('cut-cross-entropy 25.1 (impl="cce", filter_eps="high", its default)',
               lambda: _cce("high"), True),
              ('cut-cross-entropy 25.1 (impl="cce", filter_eps=None, exact)', lambda: _cce(None), True),

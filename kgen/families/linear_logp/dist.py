@@ -32,6 +32,9 @@ grad_hidden is summed over the group by one all-reduce, in its dtype (16-bit inp
 rank's partial is rounded to 16 bits once more than on one device), started as soon as
 grad_hidden is queued so that it overlaps the grad_weight passes still to come.
 
+keep_logits: the local slice's logits are kept (launch.forward_kept, N x V_r x 4 bytes a
+rank) and the backward reads them (launch.backward_kept); the collectives are the same.
+
 Targets out of [0, V) (global) give NaN rows, as on one device; a rank that sees one
 writes NaN into its z_t partial, so every rank gets the NaN row even if only one rank's
 target held it. check_targets: the flag of each rank travels in the all-gather, and every
@@ -62,7 +65,9 @@ import torch
 import torch.distributed as dist
 
 from kgen.families.linear_logp.checks import check_inputs
-from kgen.families.linear_logp.launch import LN2, LOG2E, backward, forward
+from kgen.families.linear_logp.cuda_variant import CudaForward
+from kgen.families.linear_logp.launch import (LN2, LOG2E, backward, backward_kept, forward, forward_kept,
+                                              kept_logits)
 from kgen.families.linear_logp.op import _FORCED, _module, using
 from kgen.runtime.op import MISSING, define
 
@@ -175,11 +180,13 @@ def _rows(target, ignore_index: int, offset: int, V_local: int, V_total: int):
 
 
 def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                  temperature: float, ignore_index: int, with_entropy: bool, check_targets: bool, group_name: str
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  temperature: float, ignore_index: int, with_entropy: bool, check_targets: bool, group_name: str,
+                  keep_logits: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The vocab-parallel forward: 2-D hidden, 1-D global target, this rank's weight slice.
     Returns (logp [N], entropy [N] or [0], lse2 [N], ez2 [N] or [0]) of the whole
-    vocabulary, the last two (base 2) for the backward; see the module docstring."""
+    vocabulary, the last two (base 2) for the backward, and the slice's kept logits
+    [N, V_r] (keep_logits on a kernel path) or [0]; see the module docstring."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     offset, V_total, _ = _layout(group_name, hidden, weight, bias)
     group = _group(group_name)
@@ -190,12 +197,18 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     valid, owned, bad = _rows(target, ignore_index, offset, V, V_total)
     local_t = torch.where(owned, target - offset, 0)
     mod = _module(dev, hidden.dtype, (N, D, V)) if N else None
+    kept = hidden.new_empty(0, dtype=torch.float32)
     if mod is not None:
-        logp_r, ent_r, lse2_r, _ = forward(mod, hidden.contiguous(), weight.contiguous(), local_t,
-                                           bias.contiguous() if bias is not None else None, temperature, -1,
-                                           with_entropy)
+        args = (hidden.contiguous(), weight.contiguous(), local_t, bias.contiguous() if bias is not None else None,
+                temperature, -1, with_entropy)
+        if keep_logits:
+            logp_r, ent_r, lse2_r, _, kept = forward_kept(mod.triton if isinstance(mod, CudaForward) else mod, *args)
+        else:
+            logp_r, ent_r, lse2_r, _ = forward(mod, *args)
     else:
         logp_r, ent_r, lse2_r = _reference_partials(hidden, weight, local_t, bias, temperature, with_entropy)
+        if keep_logits:  # as the fake says (the reference's backward does not read them)
+            kept = kept_logits(hidden, weight)
 
     planes = 3 if with_entropy else 2
     part = torch.empty(planes * N + 1, dtype=torch.float32, device=dev)
@@ -224,12 +237,12 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     zt = every[:, N:2 * N].sum(0)
     logp = torch.where(valid, (zt - lse2) * LN2, 0.0)
     if not with_entropy:
-        return logp, logp.new_empty(0), lse2, logp.new_empty(0)
+        return logp, logp.new_empty(0), lse2, logp.new_empty(0), kept
     share = w / s
     ent = (share * (every[:, 2 * N:3 * N] - (lse_r - lse2) * LN2)).sum(0)
     ez2 = lse2 - ent * LOG2E
     ent = torch.where(valid & torch.isnan(zt), float("nan"), torch.where(valid, ent, 0.0))
-    return logp, ent, lse2, ez2
+    return logp, ent, lse2, ez2, kept
 
 
 def _raise_bad_target(target, flags, ignore_index: int, V_total: int, group_name: str, me: int):
@@ -244,11 +257,12 @@ def _raise_bad_target(target, flags, ignore_index: int, V_total: int, group_name
                      f"ignore_index ({ignore_index}) (this rank's target has none: is target the same on every rank?)")
 
 
-def _forward_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets, group_name):
+def _forward_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets, group_name,
+                  keep_logits=False):
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
-    new = lambda n: hidden.new_empty((n,), dtype=torch.float32)  # noqa: E731
-    return new(N), new(n_ent), new(N), new(n_ent)
+    new = lambda *n: hidden.new_empty(n, dtype=torch.float32)  # noqa: E731
+    return new(N), new(n_ent), new(N), new(n_ent), new(N, weight.shape[0]) if keep_logits else new(0)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -280,8 +294,8 @@ def _reference_backward(hidden, weight, target, bias, lse2, ez2, grad_logp, grad
 
 def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                    lse2: torch.Tensor, ez2: torch.Tensor, grad_logp: torch.Tensor,
-                   grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int, group_name: str
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int, group_name: str,
+                   logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden summed over the group, grad_weight and grad_bias (or [0]) of this
     rank's slice); see the module docstring."""
     offset, V_total, _ = _layout(group_name, hidden, weight, bias)
@@ -302,10 +316,14 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
             if not capturing:
                 work.append(dist.all_reduce(gh, op=dist.ReduceOp.SUM, group=group, async_op=True))
 
-        gh, gw, gb = backward(mod, hidden.contiguous(), weight.contiguous(), local_t,
-                              bias.contiguous() if bias is not None else None, lse2, ez2,
-                              grad_logp.contiguous(), None if grad_entropy is None else grad_entropy.contiguous(),
-                              temperature, -1, on_grad_hidden=start)
+        args = (hidden.contiguous(), weight.contiguous(), local_t, bias.contiguous() if bias is not None else None,
+                lse2, ez2, grad_logp.contiguous(), None if grad_entropy is None else grad_entropy.contiguous(),
+                temperature, -1)
+        if logits is not None and logits.numel():  # the forward kept the slice's logits
+            gh, gw, gb = backward_kept(mod.triton if isinstance(mod, CudaForward) else mod, logits, *args,
+                                       on_grad_hidden=start)
+        else:
+            gh, gw, gb = backward(mod, *args, on_grad_hidden=start)
         gb = gb if gb is not None else hidden.new_empty(0)
     else:
         gh, gw, gb = _reference_backward(hidden, weight, local_t, bias, lse2, ez2, grad_logp, grad_entropy,
@@ -318,27 +336,33 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
 
 
 def _backward_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature, ignore_index,
-                   group_name):
+                   group_name, logits=None):
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, temperature, ignore_index, with_entropy, _check, group_name = inputs
-    _, _, lse2, ez2 = output
-    ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
+    hidden, weight, target, bias, temperature, ignore_index, with_entropy, _check, group_name = inputs[:9]
+    _, _, lse2, ez2, logits = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2, logits)
+    ctx.pad = (None,) * (len(inputs) - 4)  # the gradients of the non-tensor inputs (keep_logits optional)
     ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
     ctx.has_bias, ctx.group_name = bias is not None, group_name
     ctx.forced = _FORCED.get()  # `using(mod)` holds for the backward too
+    # No zero tensors for outputs without a gradient (lse2, ez2, an unused entropy, and the
+    # kept logits: N x V_r float32): they arrive as None.
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
-    hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2, _grad_logits):
+    hidden, weight, target, bias, lse2, ez2, logits = ctx.saved_tensors
+    if grad_logp is None:  # only the entropy has a gradient
+        grad_logp = torch.zeros_like(lse2)
     with using(ctx.forced) if ctx.forced is not MISSING else contextlib.nullcontext():
         gh, gw, gb = _bwd_op(hidden, weight, target, bias, lse2, ez2, grad_logp,
                              grad_entropy if ctx.with_entropy else None, ctx.temperature, ctx.ignore_index,
-                             ctx.group_name)
-    return gh, gw, None, gb if ctx.has_bias else None, None, None, None, None, None
+                             ctx.group_name, logits if logits.numel() else None)
+    return gh, gw, None, gb if ctx.has_bias else None, *ctx.pad
 
 
 _bwd_op = define("linear_logp_dist_backward", _backward_impl, fake=_backward_fake)
@@ -349,7 +373,7 @@ _op = define("linear_logp_dist", _forward_impl, fake=_forward_fake, backward=_ba
 
 
 def linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, return_entropy: bool,
-                      check_targets: bool, group):
+                      check_targets: bool, group, keep_logits: bool = False):
     """linear_logp(..., group=group): see the module docstring and kgen.ops.linear_logp."""
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"linear_logp: group must be a torch.distributed ProcessGroup, got {type(group).__name__}")
@@ -363,7 +387,11 @@ def linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, r
             raise  # unreachable: _layout raised
     D = weight.shape[1]
     shape = hidden.shape[:-1]
-    logp, entropy, _, _ = _op(hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature),
-                              int(ignore_index), bool(return_entropy), bool(check_targets), group.group_name)
+    # (linear_logp asked for the logits only where a gradient will be; here: where a kernel runs)
+    keep_logits = keep_logits and _module(hidden.device, hidden.dtype,
+                                          (hidden.numel() // max(D, 1), D, weight.shape[0])) is not None
+    logp, entropy = _op(hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature),
+                        int(ignore_index), bool(return_entropy), bool(check_targets), group.group_name,
+                        bool(keep_logits))[:2]
     logp = logp.reshape(shape)
     return (logp, entropy.reshape(shape)) if return_entropy else logp

@@ -2,10 +2,10 @@
 once, the forward decided once (ForwardLaunch) and, where a gradient is needed, an
 autograd.Function (`Step`) whose backward calls launch.backward directly (its plan cached
 there, launch.backward_plan) — no torch.library wrapper, no argument checks, no kernel
-choice, no reshapes, fewer buffers, and one or two autograd outputs instead of four.
+choice, no reshapes, fewer buffers, and one or two autograd outputs instead of five.
 
 Why: a small call is host-bound. The general path (op.linear_logp -> kgen.runtime.op's
-eager call -> an autograd.Function of four outputs) checks the arguments twice, chooses the
+eager call -> an autograd.Function of five outputs) checks the arguments twice, chooses the
 kernel, allocates five buffers and decides the splits on every call, and its backward goes
 through a second wrapper and the kernel choice again. op.linear_logp decides when this path
 serves a call (op._fast: the signature's key, and when it steps aside); this module is what

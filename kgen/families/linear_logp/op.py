@@ -13,7 +13,7 @@ import torch
 from kgen.families.linear_logp import fast
 from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
-from kgen.families.linear_logp.launch import backward, forward
+from kgen.families.linear_logp.launch import backward, backward_kept, forward, forward_kept, kept_logits
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define
 
@@ -129,12 +129,14 @@ def tune_runner(kernel, inputs: dict):
 
 
 def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                  temperature: float, ignore_index: int, with_entropy: bool, check_targets: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  temperature: float, ignore_index: int, with_entropy: bool, check_targets: bool,
+                  keep_logits: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward op's implementation: 2-D hidden, 1-D target. Returns (logp [N], entropy
-    [N] or [0], lse2 [N], ez2 [N] or [0]); the last two are what the backward needs (unused
-    on the reference path). `check_targets`: raise ValueError for a target outside [0, V)
-    (a host wait); otherwise such rows come out NaN."""
+    [N] or [0], lse2 [N], ez2 [N] or [0], logits [N, V] or [0]); lse2, ez2 and the logits
+    are what the backward needs (unused on the reference path; the logits float32
+    hidden @ weight.T with keep_logits on a kernel path, else [0]). `check_targets`: raise
+    ValueError for a target outside [0, V) (a host wait); otherwise such rows come out NaN."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     mod = _module(hidden.device, hidden.dtype, (hidden.shape[0], hidden.shape[1], weight.shape[0]))
     target = target.contiguous()
@@ -142,35 +144,51 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
                                   mod.triton if isinstance(mod, CudaForward) else mod)
                if check_targets else _unchecked)
     if mod is not None:
-        out = forward(mod, hidden.contiguous(), weight.contiguous(), target,
-                      bias.contiguous() if bias is not None else None, temperature, ignore_index, with_entropy)
+        args = (hidden.contiguous(), weight.contiguous(), target, bias.contiguous() if bias is not None else None,
+                temperature, ignore_index, with_entropy)
+        if keep_logits:
+            out = forward_kept(mod.triton if isinstance(mod, CudaForward) else mod, *args)
+        else:
+            out = (*forward(mod, *args), hidden.new_empty(0, dtype=torch.float32))
         checked()
         return out
     checked()  # before the reference (it never indexes outside the logits either)
     logp, entropy = reference(hidden, weight, target, bias, temperature=temperature, ignore_index=ignore_index)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
     f32 = torch.float32
+    # (with keep_logits the logits all the same, as the fake says; the reference's backward
+    # does not read them, and linear_logp asks for them only where a kernel runs)
     return (logp, entropy if with_entropy else entropy.new_empty(0),
-            torch.zeros(N, dtype=f32, device=hidden.device), torch.zeros(n_ent, dtype=f32, device=hidden.device))
+            torch.zeros(N, dtype=f32, device=hidden.device), torch.zeros(n_ent, dtype=f32, device=hidden.device),
+            kept_logits(hidden, weight) if keep_logits else logp.new_empty(0))
 
 
 def _unchecked() -> None:
     pass
 
 
-def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets):
+def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
+             keep_logits=False):
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
-    new = lambda n: hidden.new_empty((n,), dtype=torch.float32)  # noqa: E731
-    return new(N), new(n_ent), new(N), new(n_ent)
+    new = lambda *n: hidden.new_empty(n, dtype=torch.float32)  # noqa: E731
+    return new(N), new(n_ent), new(N), new(n_ent), new(N, weight.shape[0]) if keep_logits else new(0)
 
 
 def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                    lse2: torch.Tensor, ez2: torch.Tensor, grad_logp: torch.Tensor,
-                   grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation; see launch's docstring."""
+                   grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int,
+                   logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation, or from the forward's
+    kept logits where given; see launch's docstring."""
     mod = _module(hidden.device, hidden.dtype)
+    if mod is not None and logits is not None and logits.numel():
+        gh, gw, gb = backward_kept(mod.triton if isinstance(mod, CudaForward) else mod, logits, hidden.contiguous(),
+                                   weight.contiguous(), target.contiguous(),
+                                   bias.contiguous() if bias is not None else None, lse2, ez2, grad_logp.contiguous(),
+                                   None if grad_entropy is None else grad_entropy.contiguous(), temperature,
+                                   ignore_index)
+        return gh, gw, gb if gb is not None else hidden.new_empty(0)
     if mod is not None:
         gh, gw, gb = backward(mod, hidden.contiguous(), weight.contiguous(), target.contiguous(),
                               bias.contiguous() if bias is not None else None, lse2, ez2,
@@ -180,16 +198,18 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     return reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature, ignore_index)
 
 
-def _bwd_op_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature, ignore_index):
+def _bwd_op_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature, ignore_index,
+                 logits=None):
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else hidden.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, target, bias, temperature, ignore_index, with_entropy, _check_targets = inputs
-    _, _, lse2, ez2 = output
-    ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2)
+    hidden, weight, target, bias, temperature, ignore_index, with_entropy = inputs[:7]
+    _, _, lse2, ez2, logits = output
+    ctx.save_for_backward(hidden, weight, target, bias, lse2, ez2, logits)
     ctx.temperature, ctx.ignore_index, ctx.with_entropy = temperature, ignore_index, with_entropy
+    ctx.pad = (None,) * (len(inputs) - 4)  # the gradients of the non-tensor inputs (keep_logits optional)
     ctx.has_bias = bias is not None
     ctx.forced = _FORCED.get()  # `using(mod)` holds for the backward too
     # No zero tensors made for outputs without a gradient (lse2, ez2, an unused entropy):
@@ -197,22 +217,22 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2):
-    hidden, weight, target, bias, lse2, ez2 = ctx.saved_tensors
+def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2, _grad_logits):
+    hidden, weight, target, bias, lse2, ez2, logits = ctx.saved_tensors
     if grad_logp is None:  # only the entropy has a gradient
         grad_logp = torch.zeros_like(lse2)
     args = (hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy if ctx.with_entropy else None,
-            ctx.temperature, ctx.ignore_index)
+            ctx.temperature, ctx.ignore_index) + ((logits,) if logits.numel() else ())
     if ctx.forced is MISSING:  # (no context manager: host time of every small call)
         gh, gw, gb = _bwd_op(*args)
     else:
         with using(ctx.forced):
             gh, gw, gb = _bwd_op(*args)
-    return gh, gw, None, gb if ctx.has_bias else None, None, None, None, None
+    return gh, gw, None, gb if ctx.has_bias else None, *ctx.pad
 
 
-# torch.ops.kgen.linear_logp(_backward): 2-D hidden, 1-D target, four outputs (logp,
-# entropy or [0], lse2, ez2 or [0]). Each call below goes straight to the implementation in
+# torch.ops.kgen.linear_logp(_backward): 2-D hidden, 1-D target, five outputs (logp,
+# entropy or [0], lse2, ez2 or [0], the kept logits or [0]). Each call below goes straight to the implementation in
 # eager mode and through the registered op under torch.compile (kgen.runtime.op.define), so
 # the backward, called from either, takes the same path as its forward.
 _bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
@@ -316,7 +336,7 @@ def checked_mode(check_targets: Optional[bool]) -> bool:
 def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, *, temperature: float = 1.0,
                 ignore_index: int = -100, return_entropy: bool = False,
-                check_targets: Optional[bool] = None, group=None):
+                check_targets: Optional[bool] = None, group=None, keep_logits: bool = False):
     """logp = log_softmax((hidden @ weight.T + bias) / temperature)[target] per row, float32,
     shaped like hidden.shape[:-1]; with return_entropy, (logp, entropy) where entropy is
     that of the tempered softmax. Rows with target == ignore_index give 0 for both and no
@@ -337,7 +357,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     skipped during graph capture). Under torch.autocast, hidden, weight and bias are cast to
     its dtype, as F.linear's are (bf16 activations with an fp32 master weight: the weight's
     gradient arrives in float32). Also registered as torch.ops.kgen.linear_logp (2-D
-    hidden, 1-D target, four outputs).
+    hidden, 1-D target, five outputs).
 
     `group`: a torch.distributed process group over which the vocabulary is split. Then
     weight (and bias) are this rank's contiguous slice, slices in group-rank order, of any
@@ -346,32 +366,48 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     weight's and bias's of the local slice. Forward: one all-gather of O(N) floats;
     backward: one all-reduce of grad_hidden. See kgen.families.linear_logp.dist.
 
+    `keep_logits=True` trades memory for a faster training step: where a gradient will be
+    asked for, the forward keeps the float32 logits hidden @ weight.T (N * V * 4 bytes, held
+    until the backward) from one cuBLAS GEMM and takes logp from them, and the backward
+    reads them instead of recomputing them: an elementwise pass writes dz (N * V * elsize
+    bytes more while it runs), then one GEMM each for grad_weight and grad_hidden -- three
+    GEMMs a step instead of four. The results are those of the default path up to the
+    GEMMs' summation order. Without a gradient to come (no_grad, no input requiring one) it
+    is ignored. With `group`, the local slice's logits (N * V_r * 4 bytes a rank).
+
     Eager calls take a fast path (kgen.families.linear_logp.fast) once the general path
     served their signature with a kernel (shapes, dtypes, devices, contiguity, 16-byte
     alignment, bias and entropy or not; any temperature and ignore_index): the same kernels
     with the same arguments, without the checks, the kernel choice, the torch.library
     wrapper and the per-call decisions, and a backward that calls the cached backward plan
     directly. It steps aside under torch.compile tracing, torch.autocast, `using` blocks,
-    checked mode and `group`, for tensor subclasses, and everywhere with
+    checked mode, `group` and keep_logits, for tensor subclasses, and everywhere with
     KGEN_LINEAR_LOGP_FAST=0.
     """
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
-    if not _compiling() and FAST and _FAST and group is None and not _FORCED.open and not _any_autocast():
+    if (not _compiling() and FAST and _FAST and group is None and not keep_logits and not _FORCED.open
+            and not _any_autocast()):
         out = _fast(hidden, weight, target, bias, temperature, ignore_index, return_entropy, check_targets)
         if out is not None:
             return out
     hidden, weight, bias = autocast(hidden, weight, bias)  # under torch.autocast, as F.linear
+    # (only where a gradient will be asked for and, below, a kernel runs: the reference
+    # materialises the logits anyway)
+    keep = bool(keep_logits) and _grad_enabled() and any(
+        x is not None and x.requires_grad for x in (hidden, weight, bias))
     if group is not None:
         from kgen.families.linear_logp.dist import linear_logp_group
 
         return linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, return_entropy,
-                                 checked_mode(check_targets), group)
+                                 checked_mode(check_targets), group, keep)
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    V, D = weight.shape
+    keep = keep and _module(hidden.device, hidden.dtype, (hidden.numel() // max(D, 1), D, V)) is not None
     flat = hidden.dim() == 2 and target.dim() == 1  # the common case: no reshapes (host time)
     args = (hidden if flat else hidden.reshape(-1, weight.shape[1]), weight, target if flat else target.reshape(-1),
-            bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets))
-    logp, entropy, _, _ = _op(*args)
-    if not _compiling() and FAST and not _FORCED.open and not _any_autocast():
+            bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets), keep)
+    logp, entropy = _op(*args)[:2]
+    if not _compiling() and FAST and not keep_logits and not _FORCED.open and not _any_autocast():
         _remember(hidden, weight, target, bias, return_entropy)
     if not flat:
         logp, entropy = logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1]) if return_entropy else entropy
