@@ -522,6 +522,7 @@ def test_keep_logits_matches_float64_and_the_default_path(monkeypatch, case):
     equal to the recomputing path up to float32 summation order (gradients: up to one
     16-bit rounding of dz, so the 16-bit dtypes are held to their GRAD_TOL)."""
     N, V, D, dtype, bias, entropy = case
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)  # tiny shapes: kept all the same
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype_, device: torch.full(
         shape, float("nan") if dtype_.is_floating_point else 1 << 30, dtype=dtype_, device=device))
     kept = []
@@ -546,6 +547,7 @@ def test_keep_logits_matches_float64_and_the_default_path(monkeypatch, case):
 def test_keep_logits_without_a_gradient_keeps_nothing(monkeypatch):
     """No gradient to come (no_grad, or no input requiring one): the default forward runs,
     nothing is kept, the results are the default path's bit for bit."""
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)
     monkeypatch.setattr(llp.op, "forward_kept", lambda *a: pytest.fail("logits kept without a gradient"))
     hidden, weight, target, bias = make_inputs(7, 257, 40)
     mod = variant()
@@ -557,7 +559,23 @@ def test_keep_logits_without_a_gradient_keeps_nothing(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_keep_logits_out_of_range_targets_give_nan_rows():
+def test_keep_logits_only_where_it_pays(monkeypatch):
+    """Below KEEP_LOGITS_MIN_FLOP logit FLOPs (2 N D V) keep_logits is ignored (host-bound
+    calls: the default is faster); at or above it the logits are kept."""
+    kept = []
+    real = launch.forward_kept
+    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    hidden, weight, target, bias = make_inputs(7, 50, 16)
+    flop = 2 * 7 * 16 * 50
+    for threshold, want in ((flop + 1, []), (flop, [1])):
+        monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", threshold)
+        kept.clear()
+        run(variant(), hidden, weight, target, bias, keep_logits=True)
+        assert kept == want, threshold
+
+
+def test_keep_logits_out_of_range_targets_give_nan_rows(monkeypatch):
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)
     hidden, weight, target, bias = make_inputs(7, 50, 16)
     target[1], target[4] = 50, -3
     h = hidden.clone().requires_grad_()
@@ -568,10 +586,11 @@ def test_keep_logits_out_of_range_targets_give_nan_rows():
     assert torch.isfinite(logp[~bad]).all() and torch.isfinite(ent[~bad]).all()
 
 
-def test_keep_logits_under_compile_and_on_the_reference_path():
+def test_keep_logits_under_compile_and_on_the_reference_path(monkeypatch):
     """torch.compile(fullgraph=True) of forward + backward with keep_logits: the registered
     op's fake gives the kept logits' shape and the gradients are eager's bit for bit
     (interpreted kernels); on the reference path (no kernel) keep_logits changes nothing."""
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)
     hidden, weight, target, bias = make_inputs(9, 70, 16)
 
     def f(h, w, b):

@@ -196,6 +196,8 @@ def kernel_cases(rank, world, group):
     variants = {v.dtype: v for v in spec.parse(text, "tests/linear_logp_dist.yaml").variants}
     lengths = {2: (45, 70), 3: (40, 3, 72)}[world]
     sl = slices(lengths, rank)
+    llp.op.KEEP_LOGITS_MIN_FLOP = 0  # (this process's own: tiny shapes kept all the same)
+    kept_calls = _count_forward_kept()
     cases = ((torch.float32, None), (torch.bfloat16, BF16_GRAD_TOL))
     for dtype, grad_tol in cases if world == 2 else cases[:1]:  # bf16 once: the interpreter is slow
         mod = dispatch.load(variants[str(dtype).removeprefix("torch.")]).module
@@ -206,6 +208,17 @@ def kernel_cases(rank, world, group):
             kept = run(hidden, weight[sl], target, bias[sl], group=group, keep_logits=True)
         compare(got, want, rank, lengths, f"kernels {dtype}", grad_tol=grad_tol)
         compare(kept, want, rank, lengths, f"kernels {dtype}, keep_logits", grad_tol=grad_tol)
+        assert kept_calls, "keep_logits kept nothing"
+        kept_calls.clear()
+
+
+def _count_forward_kept() -> list:
+    """A list that gets an item per call of the group op's forward_kept (this process)."""
+    from kgen.families.linear_logp import dist as llp_dist
+
+    calls, real = [], llp_dist.forward_kept
+    llp_dist.forward_kept = lambda *a: calls.append(1) or real(*a)
+    return calls
 
 
 def _worker(rank, world, store_path, cases):
@@ -269,8 +282,13 @@ def gpu_cases(rank, world):
     fwd_tol = dict(rtol=2e-5, atol=5e-5)
     compare(got, want, rank, lengths, "nccl bf16", tol=fwd_tol, grad_tol=BF16_GRAD_TOL)
     same_on_every_rank(got[0], group, "logp")
+    from kgen.families import linear_logp as llp
+
+    llp.op.KEEP_LOGITS_MIN_FLOP = 0  # (this process's own)
+    kept_calls = _count_forward_kept()
     kept = run(hidden, weight[sl], target, bias[sl], group=group, keep_logits=True)
     compare(kept, want, rank, lengths, "nccl bf16, keep_logits", tol=fwd_tol, grad_tol=BF16_GRAD_TOL)
+    assert kept_calls, "keep_logits kept nothing"
 
     # CUDA graph replay: warm up (caches the layout, builds the kernels), capture, replay
     # on new values.

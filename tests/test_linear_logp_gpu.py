@@ -67,6 +67,7 @@ def test_issue_sizes_against_float64(monkeypatch, path, dtype, N, V, D):
         return torch.full(shape, float("nan") if dt.is_floating_point else 1 << 30, dtype=dt, device=device)
 
     monkeypatch.setattr(launch, "_empty", poisoned)
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)  # keep_logits: at every size
     h, w, b, t = _inputs(N, V, D, dtype, seed=N + V + D)
     if path == "dispatch, no bias":
         b = None
@@ -209,11 +210,15 @@ def test_torch_compile_fullgraph_forward_and_backward():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_keep_logits_compile_graph_and_no_host_wait(dtype):
+def test_keep_logits_compile_graph_and_no_host_wait(monkeypatch, dtype):
     """keep_logits: within GRAD_TOL of the default (recomputing) path; under
     torch.compile(fullgraph=True) and in a captured CUDA graph of forward + backward bit for
     bit what eager gives (the same kernels in the same order); no host wait."""
     N = 1031
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)  # (1.1e11 logit FLOPs: kept all the same)
+    kept = []
+    real = launch.forward_kept
+    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
     h, w, b, t = _inputs(N, 50257, 1024, dtype, seed=7)
     g_logp = torch.randn(N, device="cuda")
 
@@ -227,7 +232,9 @@ def test_keep_logits_compile_graph_and_no_host_wait(dtype):
         return [x.grad for x in leaves]
 
     default = grads(lambda *a: step(*a, keep=False))
+    assert not kept
     eager = grads(step)
+    assert kept, "the logits were not kept"
     for name, a, e in zip(("grad_hidden", "grad_weight", "grad_bias"), eager, default):
         bound = llp.GRAD_TOL[str(dtype).removeprefix("torch.")] * max(1.0, float(e.abs().max()))
         assert float((a.double() - e.double()).abs().max()) <= bound, name

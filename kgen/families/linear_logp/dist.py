@@ -68,7 +68,7 @@ from kgen.families.linear_logp.checks import check_inputs
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.launch import (LN2, LOG2E, backward, backward_kept, forward, forward_kept,
                                               kept_logits)
-from kgen.families.linear_logp.op import _FORCED, _module, using
+from kgen.families.linear_logp.op import _FORCED, _module, keeps_logits, using
 from kgen.runtime.op import MISSING, define
 
 # ---------------------------------------------------------------------------- layout
@@ -387,9 +387,8 @@ def linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, r
             raise  # unreachable: _layout raised
     D = weight.shape[1]
     shape = hidden.shape[:-1]
-    # (linear_logp asked for the logits only where a gradient will be; here: where a kernel runs)
-    keep_logits = keep_logits and _module(hidden.device, hidden.dtype,
-                                          (hidden.numel() // max(D, 1), D, weight.shape[0])) is not None
+    # (linear_logp asked for the logits only where a gradient will be; here: where they pay)
+    keep_logits = keep_logits and keeps_logits(hidden, weight)
     logp, entropy = _op(hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature),
                         int(ignore_index), bool(return_entropy), bool(check_targets), group.group_name,
                         bool(keep_logits))[:2]

@@ -322,6 +322,24 @@ def _fast(hidden, weight, target, bias, temperature, ignore_index, return_entrop
     return entry.forward(hidden, weight, target, bias, float(temperature), ignore_index)
 
 
+# keep_logits pays where a call is GPU-bound; below this many logit FLOPs (2 * N * D * V,
+# V the local slice's with `group`) a call is host-bound (four Triton launches and a GEMM
+# more, no eager fast path) and it is ignored. H200, bf16, forward + backward in a loop,
+# keep_logits / default: 1.73x at 8 x 512 x 1024, 1.07x at 1024 x 2048 x 32000 (1.3e11),
+# 0.86x at 4096 x 2048 x 32000 (5.4e11), 0.82x at 4096 x 4096 x 128256 (BENCHMARKS.md,
+# thirty-third session).
+KEEP_LOGITS_MIN_FLOP = 2.5e11
+
+
+def keeps_logits(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a keep_logits call (gradient to come) keeps them: a kernel runs (the
+    reference materialises the logits anyway) and the call is large enough to pay
+    (KEEP_LOGITS_MIN_FLOP). On checked arguments."""
+    V, D = weight.shape
+    N = hidden.numel() // max(D, 1)
+    return 2.0 * N * D * V >= KEEP_LOGITS_MIN_FLOP and _module(hidden.device, hidden.dtype, (N, D, V)) is not None
+
+
 def _env_checked() -> bool:
     return os.environ.get("KGEN_CHECK_TARGETS", "0") not in ("", "0")
 
@@ -373,7 +391,8 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     bytes more while it runs), then one GEMM each for grad_weight and grad_hidden -- three
     GEMMs a step instead of four. The results are those of the default path up to the
     GEMMs' summation order. Without a gradient to come (no_grad, no input requiring one) it
-    is ignored. With `group`, the local slice's logits (N * V_r * 4 bytes a rank).
+    is ignored, as it is below KEEP_LOGITS_MIN_FLOP logit FLOPs (2 * N * D * V), where a call
+    is host-bound and the default is faster. With `group`, the local slice's logits (N * V_r * 4 bytes a rank).
 
     Eager calls take a fast path (kgen.families.linear_logp.fast) once the general path
     served their signature with a kernel (shapes, dtypes, devices, contiguity, 16-byte
@@ -401,8 +420,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
         return linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, return_entropy,
                                  checked_mode(check_targets), group, keep)
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
-    V, D = weight.shape
-    keep = keep and _module(hidden.device, hidden.dtype, (hidden.numel() // max(D, 1), D, V)) is not None
+    keep = keep and keeps_logits(hidden, weight)
     flat = hidden.dim() == 2 and target.dim() == 1  # the common case: no reshapes (host time)
     args = (hidden if flat else hidden.reshape(-1, weight.shape[1]), weight, target if flat else target.reshape(-1),
             bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets), keep)
