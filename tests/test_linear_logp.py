@@ -613,6 +613,52 @@ def test_keep_logits_under_compile_and_on_the_reference_path(monkeypatch):
         torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
 
 
+_KEPT_AOT = """
+import json, sys, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kgen import config
+from kgen.families.linear_logp import schema
+from kgen.runtime import build, dispatch, toolchain
+
+config.pin_triton_defaults()
+tmp = Path(tempfile.mkdtemp())
+for name in sys.argv[1:]:
+    v = dispatch.shipped_spec("linear_logp").variant(name)
+    for fn, sig, const, opts in schema.triton_aot(v, dispatch.load(v).module)[1:]:
+        c = triton.compile(ASTSource(fn, sig, const, build._divisibility(fn, sig)),
+                           target=GPUTarget("cuda", 90, 32), options=opts)
+        (tmp / "k.cubin").write_bytes(c.asm["cubin"])
+        (usage,) = toolchain.resource_usage(tmp / "k.cubin").values()
+        print(json.dumps({"name": name, "kernel": fn.__name__, **usage}))
+"""
+
+
+def test_keep_logits_kernels_compile_without_stack_or_spills():
+    """keep_logits' two kernels, every option on, as `kgen build` compiles them (schema.
+    triton_aot) for sm_90, in each dtype, in a process that does not interpret Triton: no
+    local memory, no stack (their first tiles, 32 x 256, had 255 registers and 112-320 B)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = ["triton_n128_v256_d64_w8_s3_sv4_bf16", "triton_n128_v256_d64_w8_s3_sv4_f16",
+             "triton_n128_v128_d32_w8_s4_sv4_f32"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _KEPT_AOT, *names], capture_output=True, text=True, env=env, cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [(row["name"], row["kernel"]) for row in rows] == [
+        (n, k) for n in names for k in ("linear_logp_logits_fwd_kernel", "linear_logp_bwd_dz_logits_kernel")]
+    for row in rows:
+        assert row["local"] == 0 and row["stack"] == 0, row
+
+
 def test_ignored_rows_are_zero_and_get_no_gradient():
     hidden, weight, target, bias = make_inputs(7, 50, 16)
     target[:] = -100

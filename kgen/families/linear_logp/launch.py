@@ -89,7 +89,8 @@ import torch
 from kgen.families.linear_logp import cuda_variant
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import (
-    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, KEPT_FWD_PROGRAMS_PER_SM, LOG2E,
+    TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
     _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid, dw_grid,
     _device_props, dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
 
@@ -177,13 +178,6 @@ def _gradients(hidden, weight, bias):
     return grad_h, grad_w, grad_b
 
 
-# keep_logits: the logits pass's tiles (rows x columns; each program of the forward's
-# sweeps a slice of V, each of the dz kernel's one tile) and the forward's programs an SM.
-KEPT_FWD_BLOCK = (16, 256)
-KEPT_DZ_BLOCK = (32, 256)
-KEPT_FWD_PROGRAMS_PER_SM = 4
-
-
 def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden @ weight.T in float32 [N, V], no bias, no temperature: the logits keep_logits
     keeps for the backward. 16-bit inputs: one cuBLAS GEMM with float32 output (float32
@@ -208,7 +202,7 @@ def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_i
     z = kept_logits(hidden, weight)
     if N == 0:
         return logp, entropy, lse2, ez2, z
-    block_n, block_v = KEPT_FWD_BLOCK
+    block_n, block_v, warps = KEPT_FWD_BLOCK
     tiles_n, tiles_v = _cdiv(N, block_n), _cdiv(V, block_v)
     # splits: enough programs to stream z at full bandwidth (3 off the GPU: the merge is tested)
     want = KEPT_FWD_PROGRAMS_PER_SM * _device_props(dev.index).multi_processor_count if dev.type == "cuda" else 3
@@ -217,7 +211,7 @@ def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_i
     scale = LOG2E / temperature
     mod.linear_logp_logits_fwd_kernel[(tiles_n * splits,)](
         z, bias if bias is not None else z, target, part, N, V, splits, scale,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4)
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps)
     mod.linear_logp_combine_kernel[combine_grid(N, COMBINE_BLOCK)](
         part, target, hidden, weight, bias if bias is not None else weight,
         logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
@@ -234,14 +228,14 @@ def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, gr
     grad_weight = dz^T @ hidden and grad_hidden = dz @ weight as one GEMM each (torch.mm:
     cuBLAS; float32 with TF32 off in full float32, exact but slower than the recomputing
     path's "tf32x3" kernels). No recompute, no float32 sums. Extra memory: N * V * elsize
-    (dz) + cdiv(N, 32) * V * 4 with a bias (its column sums), besides z itself."""
+    (dz) + cdiv(N, 16) * V * 4 with a bias (its column sums), besides z itself."""
     N = hidden.shape[0]
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
     grad_h, grad_w, grad_b = _gradients(hidden, weight, bias)
     if N == 0:
         return grad_h, grad_w, grad_b
-    block_n, block_v = KEPT_DZ_BLOCK
+    block_n, block_v, warps = KEPT_DZ_BLOCK
     tiles_n = _cdiv(N, block_n)
     dz = _empty((N, V), dtype, dev)
     bpart = _empty((tiles_n, V), torch.float32, dev) if bias is not None else dz
@@ -252,7 +246,7 @@ def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, gr
         g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
         N, V, LOG2E / temperature, 1.0 / temperature, ignore_index,
         HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
-        HAS_GLOGP=grad_logp is not None, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=4)
+        HAS_GLOGP=grad_logp is not None, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps)
     if bias is not None:
         grad_b.copy_(bpart.sum(0))
     torch.mm(dz, weight, out=grad_h)

@@ -24,6 +24,14 @@ GROUP = 8
 GROUP_BYTES = 16 << 20
 LOG2E = 1.4426950408889634
 
+# keep_logits: the logits kernels' (rows, columns, warps) -- each program of the forward's
+# sweeps a slice of V, each of the dz kernel's one tile; the largest with neither spills nor
+# a stack under Triton 3.9 for sm_90 (32 x 256 rows x columns: 255 registers and 112-320 B
+# of stack; schema.triton_aot builds them) -- and the forward's programs an SM.
+KEPT_FWD_BLOCK = (16, 256, 4)
+KEPT_DZ_BLOCK = (16, 256, 4)
+KEPT_FWD_PROGRAMS_PER_SM = 4
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

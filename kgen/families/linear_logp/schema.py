@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from kgen.families.linear_logp.plans import _precision, _target_in_tile
+from kgen.families.linear_logp.plans import KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, _precision, _target_in_tile
 from kgen.spec import DTYPES, Knob, Schema
 
 # Opt-in shared memory per block (bytes) by arch; the pipelined tiles must fit.
@@ -218,7 +218,8 @@ def template_context(variant) -> dict:
 
 def triton_aot(variant, mod) -> list:
     """What `kgen build` compiles ahead of time: the forward kernel (bias, entropy) in the
-    variant's dtype: the one whose speed matters most, enough to report its resources."""
+    variant's dtype: the one whose speed matters most, enough to report its resources; and
+    keep_logits' two kernels."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     tma = True  # every dtype loads its tiles through TMA (_tma) on sm_90+
     h_src, w_src = ((f"tensordesc<{t}[{mod.BLOCK_N}, {mod.BLOCK_D}]>", f"tensordesc<{t}[{mod.BLOCK_V}, {mod.BLOCK_D}]>")
@@ -231,4 +232,22 @@ def triton_aot(variant, mod) -> list:
              "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
     sig.update({k: "constexpr" for k in const})
     return [(mod.linear_logp_fwd_kernel, sig, const,
-             {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})]
+             {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}), *_kept_aot(mod, t)]
+
+
+def _kept_aot(mod, t: str) -> list:
+    """keep_logits' two kernels (launch.forward_kept / backward_kept: their own tiles, every
+    option on), so that a build reports their resources too."""
+    rows = {"b_ptr": f"*{t}", "t_ptr": "*i64"}
+    fwd = {"z_ptr": "*fp32", **rows, "part_ptr": "*fp32", "N": "i32", "V": "i32", "splits": "i32", "scale": "fp32"}
+    dz = {"z_ptr": "*fp32", **rows, **{k: "*fp32" for k in ("lse_ptr", "ez_ptr", "glogp_ptr", "gent_ptr")},
+          "dz_ptr": f"*{t}", "bpart_ptr": "*fp32", "N": "i32", "V": "i32", "scale": "fp32", "inv_t": "fp32",
+          "ignore_index": "i64"}
+    out = []
+    for fn, sig, flags, (block_n, block_v, warps) in (
+            (mod.linear_logp_logits_fwd_kernel, fwd, ("HAS_BIAS", "WITH_ENTROPY"), KEPT_FWD_BLOCK),
+            (mod.linear_logp_bwd_dz_logits_kernel, dz, ("HAS_BIAS", "WRITE_BPART", "WITH_ENTROPY", "HAS_GLOGP"),
+             KEPT_DZ_BLOCK)):
+        const = {**dict.fromkeys(flags, True), "BLOCK_N": block_n, "BLOCK_V": block_v}
+        out.append((fn, {**sig, **dict.fromkeys(const, "constexpr")}, const, {"num_warps": warps}))
+    return out
