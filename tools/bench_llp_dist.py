@@ -4,8 +4,8 @@
 
 Per shape: kgen on one GPU (the whole weight, rank 0 alone), kgen over the group (V split
 in near-equal slices, in rank order), each also with keep_logits=True (the logits kept for
-the backward: its "fwd" column is the forward without a gradient, which keeps nothing), a Megatron-style vocab-parallel log_softmax + gather
-in eager PyTorch (each rank materialises its N x V/p logits in float32; three all-reduces
+the backward: its "fwd" column is the forward without a gradient, which keeps nothing), a
+Megatron-style vocab-parallel log_softmax + gather in eager PyTorch (each rank materialises its N x V/p logits in float32; three all-reduces
 of N floats forward, one of grad_hidden backward), forward and forward + backward (the
 gradients of hidden and weight), each rank's peak memory above its inputs, and the two
 collectives kgen makes, timed alone at the same sizes. Times: median of CUDA-event times

@@ -65,7 +65,6 @@ import torch
 import torch.distributed as dist
 
 from kgen.families.linear_logp.checks import check_inputs
-from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.launch import (LN2, LOG2E, backward, backward_kept, forward, forward_kept,
                                               kept_logits)
 from kgen.families.linear_logp.op import _FORCED, _module, keeps_logits, using
@@ -202,7 +201,7 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         args = (hidden.contiguous(), weight.contiguous(), local_t, bias.contiguous() if bias is not None else None,
                 temperature, -1, with_entropy)
         if keep_logits:
-            logp_r, ent_r, lse2_r, _, kept = forward_kept(mod.triton if isinstance(mod, CudaForward) else mod, *args)
+            logp_r, ent_r, lse2_r, _, kept = forward_kept(mod, *args)
         else:
             logp_r, ent_r, lse2_r, _ = forward(mod, *args)
     else:
@@ -320,8 +319,7 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                 lse2, ez2, grad_logp.contiguous(), None if grad_entropy is None else grad_entropy.contiguous(),
                 temperature, -1)
         if logits is not None and logits.numel():  # the forward kept the slice's logits
-            gh, gw, gb = backward_kept(mod.triton if isinstance(mod, CudaForward) else mod, logits, *args,
-                                       on_grad_hidden=start)
+            gh, gw, gb = backward_kept(mod, logits, *args, on_grad_hidden=start)
         else:
             gh, gw, gb = backward(mod, *args, on_grad_hidden=start)
         gb = gb if gb is not None else hidden.new_empty(0)

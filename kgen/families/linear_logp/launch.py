@@ -190,9 +190,11 @@ def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_index: int, with_entropy: bool):
     """`forward`'s outputs and contract from materialised logits: (logp, entropy, lse2,
-    ez2, z), z = kept_logits(hidden, weight) for backward_kept. `mod`: a Triton module
-    (its logits pass and combine; the tiles are KEPT_FWD_BLOCK, not the module's).
+    ez2, z), z = kept_logits(hidden, weight) for backward_kept. `mod`: a Triton module or a
+    CudaForward (its Triton companion's logits pass and combine run; the tiles are
+    KEPT_FWD_BLOCK, not the module's).
     Extra memory: N * V * 4 bytes (z) until the backward, and forward's partials."""
+    mod = mod.triton if isinstance(mod, CudaForward) else mod
     N, D = hidden.shape
     V = weight.shape[0]
     dev = hidden.device
@@ -224,11 +226,13 @@ def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_i
 def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
                   temperature: float, ignore_index: int, *, on_grad_hidden=None):
     """`backward`'s outputs and contract from the logits forward_kept kept: dz [N, V] (input
-    dtype) from z in one elementwise pass (`mod`'s linear_logp_bwd_dz_logits_kernel), then
+    dtype) from z in one elementwise pass (the linear_logp_bwd_dz_logits_kernel of `mod`, a
+    Triton module, or of a CudaForward's Triton companion), then
     grad_weight = dz^T @ hidden and grad_hidden = dz @ weight as one GEMM each (torch.mm:
     cuBLAS; float32 with TF32 off in full float32, exact but slower than the recomputing
     path's "tf32x3" kernels). No recompute, no float32 sums. Extra memory: N * V * elsize
     (dz) + cdiv(N, 16) * V * 4 with a bias (its column sums), besides z itself."""
+    mod = mod.triton if isinstance(mod, CudaForward) else mod
     N = hidden.shape[0]
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype

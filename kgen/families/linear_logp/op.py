@@ -147,7 +147,7 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
         args = (hidden.contiguous(), weight.contiguous(), target, bias.contiguous() if bias is not None else None,
                 temperature, ignore_index, with_entropy)
         if keep_logits:
-            out = forward_kept(mod.triton if isinstance(mod, CudaForward) else mod, *args)
+            out = forward_kept(mod, *args)
         else:
             out = (*forward(mod, *args), hidden.new_empty(0, dtype=torch.float32))
         checked()
@@ -182,18 +182,14 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation, or from the forward's
     kept logits where given; see launch's docstring."""
     mod = _module(hidden.device, hidden.dtype)
-    if mod is not None and logits is not None and logits.numel():
-        gh, gw, gb = backward_kept(mod.triton if isinstance(mod, CudaForward) else mod, logits, hidden.contiguous(),
-                                   weight.contiguous(), target.contiguous(),
-                                   bias.contiguous() if bias is not None else None, lse2, ez2, grad_logp.contiguous(),
-                                   None if grad_entropy is None else grad_entropy.contiguous(), temperature,
-                                   ignore_index)
-        return gh, gw, gb if gb is not None else hidden.new_empty(0)
     if mod is not None:
-        gh, gw, gb = backward(mod, hidden.contiguous(), weight.contiguous(), target.contiguous(),
-                              bias.contiguous() if bias is not None else None, lse2, ez2,
-                              grad_logp.contiguous(), None if grad_entropy is None else grad_entropy.contiguous(),
-                              temperature, ignore_index)
+        args = (hidden.contiguous(), weight.contiguous(), target.contiguous(),
+                bias.contiguous() if bias is not None else None, lse2, ez2, grad_logp.contiguous(),
+                None if grad_entropy is None else grad_entropy.contiguous(), temperature, ignore_index)
+        if logits is not None and logits.numel():
+            gh, gw, gb = backward_kept(mod, logits, *args)
+        else:
+            gh, gw, gb = backward(mod, *args)
         return gh, gw, gb if gb is not None else hidden.new_empty(0)
     return reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature, ignore_index)
 
@@ -232,9 +228,10 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2, _grad_logits)
 
 
 # torch.ops.kgen.linear_logp(_backward): 2-D hidden, 1-D target, five outputs (logp,
-# entropy or [0], lse2, ez2 or [0], the kept logits or [0]). Each call below goes straight to the implementation in
-# eager mode and through the registered op under torch.compile (kgen.runtime.op.define), so
-# the backward, called from either, takes the same path as its forward.
+# entropy or [0], lse2, ez2 or [0], the kept logits or [0]). Each call below goes straight
+# to the implementation in eager mode and through the registered op under torch.compile
+# (kgen.runtime.op.define), so the backward, called from either, takes the same path as its
+# forward.
 _bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
 _op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
 
