@@ -860,6 +860,36 @@ def test_autocast_takes_an_fp32_master_weight_like_f_linear():
         ops.linear_logp(h.detach(), weight, target, bias)
 
 
+def test_keep_logits_under_autocast_with_an_fp32_master_weight(monkeypatch):
+    """keep_logits under torch.autocast (CPU: bfloat16) with float32 weight and bias: the
+    logits are kept (from the bf16 casts, as the op sees them), the float32 leaves get
+    float32 gradients, equal to the default path's within bf16's GRAD_TOL (logp: OUT_TOL)."""
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)
+    kept = []
+    real = launch.forward_kept
+    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    hidden, weight, target, bias = make_inputs(9, 50, 24)
+
+    def step(keep):
+        h = hidden.bfloat16().requires_grad_()
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        with llp.using(variant(dtype="bfloat16")):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp = ops.linear_logp(h, w, target, b, keep_logits=keep)
+            logp.sum().backward()
+        return logp.detach(), h.grad, w.grad, b.grad
+
+    got = step(True)
+    assert kept, "the logits were not kept"
+    want = step(False)
+    torch.testing.assert_close(got[0], want[0], rtol=OUT_TOL[0], atol=OUT_TOL[1])  # float32 summation order
+    assert [g.dtype for g in got[1:]] == [torch.bfloat16, torch.float32, torch.float32]
+    rtol, atol = GRAD_TOL[torch.bfloat16]
+    for name, a, e in zip(("grad_hidden", "grad_weight", "grad_bias"), got[1:], want[1:]):
+        torch.testing.assert_close(a.double(), e.double(), rtol=rtol, atol=atol * max(1.0, e.abs().max().item()),
+                                   msg=name)
+
+
 def _stand_in_dz(calls):
     """CudaForward.dz's contract in float32 (llp.reference_dz), for checking the backward's
     wiring on the CPU; records (rows, v0, v1, row stride)."""
