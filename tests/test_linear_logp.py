@@ -510,6 +510,13 @@ def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
         matmul.allow_tf32 = allowed
 
 
+def count_kept(monkeypatch) -> list:
+    """A list that gets an item each time the op keeps the logits (launch.forward_kept)."""
+    kept, real = [], launch.forward_kept
+    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    return kept
+
+
 KEEP_CASES = [(7, 257, 40, torch.float32, True, True), (33, 50, 16, torch.bfloat16, True, False),
               (1, 300, 36, torch.float16, False, True), (20, 513, 24, torch.bfloat16, False, False)]
 
@@ -525,9 +532,7 @@ def test_keep_logits_matches_float64_and_the_default_path(monkeypatch, case):
     monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)  # tiny shapes: kept all the same
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype_, device: torch.full(
         shape, float("nan") if dtype_.is_floating_point else 1 << 30, dtype=dtype_, device=device))
-    kept = []
-    real = launch.forward_kept
-    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    kept = count_kept(monkeypatch)
     inputs = make_inputs(N, V, D, dtype=dtype, bias=bias)
     got = run(variant(dtype=str(dtype).split(".")[1]), *inputs, entropy=entropy, keep_logits=True)
     assert kept, "the forward did not keep the logits"
@@ -562,9 +567,7 @@ def test_keep_logits_without_a_gradient_keeps_nothing(monkeypatch):
 def test_keep_logits_only_where_it_pays(monkeypatch):
     """Below KEEP_LOGITS_MIN_FLOP logit FLOPs (2 N D V) keep_logits is ignored (host-bound
     calls: the default is faster); at or above it the logits are kept."""
-    kept = []
-    real = launch.forward_kept
-    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    kept = count_kept(monkeypatch)
     hidden, weight, target, bias = make_inputs(7, 50, 16)
     flop = 2 * 7 * 16 * 50
     for threshold, want in ((flop + 1, []), (flop, [1])):
@@ -865,9 +868,7 @@ def test_keep_logits_under_autocast_with_an_fp32_master_weight(monkeypatch):
     logits are kept (from the bf16 casts, as the op sees them), the float32 leaves get
     float32 gradients, equal to the default path's within bf16's GRAD_TOL (logp: OUT_TOL)."""
     monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)
-    kept = []
-    real = launch.forward_kept
-    monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
+    kept = count_kept(monkeypatch)
     hidden, weight, target, bias = make_inputs(9, 50, 24)
 
     def step(keep):
