@@ -511,8 +511,8 @@ def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
 
 
 def count_kept(monkeypatch) -> list:
-    """A list that gets an item each time the op keeps the logits (launch.forward_kept)."""
-    kept, real = [], launch.forward_kept
+    """A list that gets an item each time the op keeps the logits (kept.forward_kept)."""
+    kept, real = [], llp.kept.forward_kept
     monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
     return kept
 

@@ -52,7 +52,7 @@ def _path(monkeypatch, path, dtype):
 
 # "dispatch, no bias": on sm_90a the backward's dz through the CUDA kernel (launch.CudaForward.dz)
 # at every size (by default only where a call is host-bound)
-# "keep_logits": dispatch with the logits kept for the backward (launch.forward_kept / backward_kept)
+# "keep_logits": dispatch with the logits kept for the backward (kept.forward_kept / backward_kept)
 @pytest.mark.parametrize("path", ["dispatch", "dispatch, no bias", "triton-tma", "triton-pointers", "keep_logits"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 # The backward's float32 sums (plans.accumulator_plan, bf16/fp16): (4099, 151936, 4096) and
@@ -217,7 +217,7 @@ def test_keep_logits_compile_graph_and_no_host_wait(monkeypatch, dtype):
     N = 1031
     monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", 0)  # (1.1e11 logit FLOPs: kept all the same)
     kept = []
-    real = launch.forward_kept
+    real = llp.kept.forward_kept
     monkeypatch.setattr(llp.op, "forward_kept", lambda *a: kept.append(1) or real(*a))
     h, w, b, t = _inputs(N, 50257, 1024, dtype, seed=7)
     g_logp = torch.randn(N, device="cuda")

@@ -3,8 +3,9 @@
 The family's modules: `schema` (knobs, variant rules, template context, ahead-of-time
 builds), `reference` (the math in PyTorch), `checks` (arguments and target range), `plans`
 (precision, TMA, splits, grids), `launch` (the forward and backward kernels, and how they
-run: its docstring describes both algorithms), `cuda_variant` (`CudaForward`: a CUDA
-variant's C entry points, their grids, and when the backward takes its dz kernel), `op`
+run: its docstring describes both algorithms), `kept` (keep_logits: the forward keeps the
+logits, the backward reads them), `cuda_variant` (`CudaForward`: a CUDA variant's C entry
+points, their grids, and when the backward takes its dz kernel), `op`
 (kernel choice, tuning hooks, the torch.library ops, autograd, `linear_logp` and when its
 eager fast path serves a call, golden numerics), `fast` (that fast path's per-signature
 entries and autograd.Function) and `dist` (`linear_logp(..., group=)`: the vocabulary split

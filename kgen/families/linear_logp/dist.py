@@ -32,8 +32,8 @@ grad_hidden is summed over the group by one all-reduce, in its dtype (16-bit inp
 rank's partial is rounded to 16 bits once more than on one device), started as soon as
 grad_hidden is queued so that it overlaps the grad_weight passes still to come.
 
-keep_logits: the local slice's logits are kept (launch.forward_kept, N x V_r x 4 bytes a
-rank) and the backward reads them (launch.backward_kept); the collectives are the same.
+keep_logits: the local slice's logits are kept (kept.forward_kept, N x V_r x 4 bytes a
+rank) and the backward reads them (kept.backward_kept); the collectives are the same.
 
 Targets out of [0, V) (global) give NaN rows, as on one device; a rank that sees one
 writes NaN into its z_t partial, so every rank gets the NaN row even if only one rank's
@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 
 from kgen.families.linear_logp.checks import check_inputs
-from kgen.families.linear_logp.launch import (LN2, LOG2E, backward, backward_kept, forward, forward_kept,
-                                              kept_logits)
+from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
+from kgen.families.linear_logp.launch import LN2, LOG2E, backward, forward
 from kgen.families.linear_logp.op import _FORCED, _module, keeps_logits, using
 from kgen.runtime.op import MISSING, define
 

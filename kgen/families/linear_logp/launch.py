@@ -70,10 +70,8 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   tile; the budget, WORKSPACE_BYTES by default, also pays for a separate accumulator) +
   cdiv(N, BLOCK_N)*chunk*4 (bias sums) + 8N (row coefficients) + CONVERT_BYTES at the end:
   < 64 MiB at every shape; chunks in grad_weight's rows cost none.
-  With keep_logits (forward_kept / backward_kept) the forward keeps the float32 logits
-  (one cuBLAS GEMM, N*V*4 bytes; its partials from them by linear_logp_logits_fwd_kernel)
-  and the backward reads them: dz [N, V] in one elementwise pass, then one GEMM each for
-  grad_weight and grad_hidden -- no recompute, no float32 sums, N*V*(4 + elsize) bytes.
+  With keep_logits the forward keeps the logits and the backward reads them instead: see
+  the module `kept`.
   All of the above but the buffers and the launches is decided by backward_plan, once per
   (implementation, N, D, V, dtype, device, bias, alignment, precision, budgets, switches):
   a repeated small call runs its allocations, views and launches only.
@@ -89,10 +87,9 @@ import torch
 from kgen.families.linear_logp import cuda_variant
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import (
-    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, KEPT_FWD_PROGRAMS_PER_SM, LOG2E,
-    TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
     _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid, dw_grid,
-    _device_props, dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
+    dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
 
 LN2 = 0.6931471805599453
 # Backward budgets (bytes): the dz chunk workspace (by default together with a separate
@@ -128,9 +125,7 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     V = weight.shape[0]
     dev = hidden.device
     f32 = torch.float32
-    out = (N,) if shape is None else shape
-    logp, entropy = _empty(out, f32, dev), _empty(out if with_entropy else (0,), f32, dev)
-    lse2, ez2 = _empty((N,), f32, dev), _empty((N if with_entropy else 0,), f32, dev)
+    logp, entropy, lse2, ez2 = _outputs(N, with_entropy, dev, shape)
     if N == 0:
         return logp, entropy, lse2, ez2
     scale = LOG2E / temperature
@@ -152,14 +147,34 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
         N, V, D, splits, scale,
         HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
         PRECISION=prec, TMA=tma, **_tiles(mod))
+    combine(mod, part, splits, hidden, weight, target, bias, (logp, entropy, lse2, ez2), scale, ignore_index,
+            with_entropy, target_dot)
+    return logp, entropy, lse2, ez2
+
+
+def _outputs(N: int, with_entropy: bool, dev, shape: Optional[tuple] = None):
+    """The forward's (logp, entropy or [0], lse2, ez2 or [0]), unwritten, float32; logp and
+    entropy shaped `shape` (N elements) when given."""
+    f32 = torch.float32
+    out = (N,) if shape is None else shape
+    return (_empty(out, f32, dev), _empty(out if with_entropy else (0,), f32, dev),
+            _empty((N,), f32, dev), _empty((N if with_entropy else 0,), f32, dev))
+
+
+def combine(mod, part, splits: int, hidden, weight, target, bias, outs, scale: float, ignore_index: int,
+            with_entropy: bool, target_dot: bool) -> None:
+    """`mod`'s linear_logp_combine_kernel: the `splits` partials part [4, splits, N] into
+    outs = (logp, entropy, lse2, ez2); target_dot: the target logit by a gather-dot
+    (partials plane 2 unwritten), else summed from plane 2."""
+    logp, entropy, lse2, ez2 = outs
+    N, D = hidden.shape
     block = COMBINE_DOT_BLOCK if target_dot else COMBINE_BLOCK
     mod.linear_logp_combine_kernel[combine_grid(N, block)](
         part, target, hidden, weight, bias if bias is not None else weight,
         logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
-        N, V, D, splits, ignore_index, scale,
+        N, weight.shape[0], D, splits, ignore_index, scale,
         WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
         BLOCK=block, BLOCK_D=TARGET_BLOCK_D)
-    return logp, entropy, lse2, ez2
 
 
 def _gradients(hidden, weight, bias):
@@ -175,88 +190,6 @@ def _gradients(hidden, weight, bias):
         grad_w.zero_()
         if grad_b is not None:
             grad_b.zero_()
-    return grad_h, grad_w, grad_b
-
-
-def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """hidden @ weight.T in float32 [N, V], no bias, no temperature: the logits keep_logits
-    keeps for the backward. 16-bit inputs: one cuBLAS GEMM with float32 output (float32
-    accumulation, as the tile dots); float32 as torch.mm takes it (TF32 where allowed, as
-    F.linear); on the CPU (tests) float32 math."""
-    if hidden.is_cuda and hidden.dtype != torch.float32:
-        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
-    return torch.mm(hidden.float(), weight.float().T)
-
-
-def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_index: int, with_entropy: bool):
-    """`forward`'s outputs and contract from materialised logits: (logp, entropy, lse2,
-    ez2, z), z = kept_logits(hidden, weight) for backward_kept. `mod`: a Triton module or a
-    CudaForward (its Triton companion's logits pass and combine run; the tiles are
-    KEPT_FWD_BLOCK, not the module's).
-    Extra memory: N * V * 4 bytes (z) until the backward, and forward's partials."""
-    mod = mod.triton if isinstance(mod, CudaForward) else mod
-    N, D = hidden.shape
-    V = weight.shape[0]
-    dev = hidden.device
-    f32 = torch.float32
-    logp, entropy = _empty((N,), f32, dev), _empty((N if with_entropy else 0,), f32, dev)
-    lse2, ez2 = _empty((N,), f32, dev), _empty((N if with_entropy else 0,), f32, dev)
-    z = kept_logits(hidden, weight)
-    if N == 0:
-        return logp, entropy, lse2, ez2, z
-    block_n, block_v, warps = KEPT_FWD_BLOCK
-    tiles_n, tiles_v = _cdiv(N, block_n), _cdiv(V, block_v)
-    # splits: enough programs to stream z at full bandwidth (3 off the GPU: the merge is tested)
-    want = KEPT_FWD_PROGRAMS_PER_SM * _device_props(dev.index).multi_processor_count if dev.type == "cuda" else 3
-    splits = max(1, min(tiles_v, _cdiv(want, tiles_n)))
-    part = _empty((4, splits, N), f32, dev)
-    scale = LOG2E / temperature
-    mod.linear_logp_logits_fwd_kernel[(tiles_n * splits,)](
-        z, bias if bias is not None else z, target, part, N, V, splits, scale,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps)
-    mod.linear_logp_combine_kernel[combine_grid(N, COMBINE_BLOCK)](
-        part, target, hidden, weight, bias if bias is not None else weight,
-        logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
-        N, V, D, splits, ignore_index, scale,
-        WITH_ENTROPY=with_entropy, TARGET_DOT=False, HAS_BIAS=bias is not None,
-        BLOCK=COMBINE_BLOCK, BLOCK_D=TARGET_BLOCK_D)
-    return logp, entropy, lse2, ez2, z
-
-
-def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
-                  temperature: float, ignore_index: int, *, on_grad_hidden=None):
-    """`backward`'s outputs and contract from the logits forward_kept kept: dz [N, V] (input
-    dtype) from z in one elementwise pass (the linear_logp_bwd_dz_logits_kernel of `mod`, a
-    Triton module, or of a CudaForward's Triton companion), then
-    grad_weight = dz^T @ hidden and grad_hidden = dz @ weight as one GEMM each (torch.mm:
-    cuBLAS; float32 with TF32 off in full float32, exact but slower than the recomputing
-    path's "tf32x3" kernels). No recompute, no float32 sums. Extra memory: N * V * elsize
-    (dz) + cdiv(N, 16) * V * 4 with a bias (its column sums), besides z itself."""
-    mod = mod.triton if isinstance(mod, CudaForward) else mod
-    N = hidden.shape[0]
-    V = weight.shape[0]
-    dev, dtype = hidden.device, hidden.dtype
-    grad_h, grad_w, grad_b = _gradients(hidden, weight, bias)
-    if N == 0:
-        return grad_h, grad_w, grad_b
-    block_n, block_v, warps = KEPT_DZ_BLOCK
-    tiles_n = _cdiv(N, block_n)
-    dz = _empty((N, V), dtype, dev)
-    bpart = _empty((tiles_n, V), torch.float32, dev) if bias is not None else dz
-    with_entropy = grad_entropy is not None
-    g_logp = grad_logp if grad_logp is not None else lse2
-    mod.linear_logp_bwd_dz_logits_kernel[(tiles_n * _cdiv(V, block_v),)](
-        z, bias if bias is not None else z, target, lse2, ez2 if with_entropy else lse2,
-        g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
-        N, V, LOG2E / temperature, 1.0 / temperature, ignore_index,
-        HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
-        HAS_GLOGP=grad_logp is not None, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps)
-    if bias is not None:
-        grad_b.copy_(bpart.sum(0))
-    torch.mm(dz, weight, out=grad_h)
-    if on_grad_hidden is not None:  # (grad_hidden first: the group's all-reduce overlaps dW)
-        on_grad_hidden(grad_h)
-    torch.mm(dz.T, hidden, out=grad_w)
     return grad_h, grad_w, grad_b
 
 

@@ -13,7 +13,8 @@ import torch
 from kgen.families.linear_logp import fast
 from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
-from kgen.families.linear_logp.launch import backward, backward_kept, forward, forward_kept, kept_logits
+from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
+from kgen.families.linear_logp.launch import backward, forward
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define
 

@@ -236,7 +236,7 @@ def triton_aot(variant, mod) -> list:
 
 
 def _kept_aot(mod, t: str) -> list:
-    """keep_logits' two kernels (launch.forward_kept / backward_kept: their own tiles, every
+    """keep_logits' two kernels (kept.forward_kept / backward_kept: their own tiles, every
     option on), so that a build reports their resources too."""
     rows = {"b_ptr": f"*{t}", "t_ptr": "*i64"}
     fwd = {"z_ptr": "*fp32", **rows, "part_ptr": "*fp32", "N": "i32", "V": "i32", "splits": "i32", "scale": "fp32"}
