@@ -69,7 +69,7 @@ def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, gr
     grad_weight = dz^T @ hidden and grad_hidden = dz @ weight as one GEMM each (torch.mm:
     cuBLAS; float32 with TF32 off in full float32, exact but slower than the recomputing
     path's "tf32x3" kernels). No recompute, no float32 sums. Extra memory: N * V * elsize
-    (dz) + cdiv(N, 16) * V * 4 with a bias (its column sums), besides z itself."""
+    (dz) + cdiv(N, KEPT_DZ_BLOCK[0]) * V * 4 with a bias (its column sums), besides z itself."""
     mod = mod.triton if isinstance(mod, CudaForward) else mod
     N = hidden.shape[0]
     V = weight.shape[0]
