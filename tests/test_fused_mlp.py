@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import kgen.ops as ops
+from kgen.runtime.memo import CallMemo
 from kgen.families import fused_mlp as fm
 from kgen.nn import FusedMLP
 from kgen.runtime import dispatch
@@ -601,7 +602,7 @@ def test_untuned_widths_keep_generic_variants_to_small_networks():
     mid = [n for n in _untuned(top, 2048) if n.startswith("triton_")]
     assert sorted(mid) == sorted(n for n in large if n.startswith("triton_"))
     assert [int(n.split("_m")[1].split("_")[0]) for n in mid] == sorted(tiles)  # ties: spec order
-    assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m64_k64_w8_f32"]
+    assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m16_k64_w4_f32", "triton_367x512x256x1_m64_k64_w8_f32"]
 
 
 def test_tune_runner_runs_the_variant_and_eager():
@@ -658,7 +659,7 @@ def test_gpu_eager_dispatch_has_a_fast_path(monkeypatch):
     runs it without the op around it (fm.op._FAST holds it), bit-identical to the op's; a
     call needing gradients still takes the op (and its backward)."""
     monkeypatch.setattr(fm.op, "module_for", lambda *a, **k: None)  # as if eager won the bucket
-    monkeypatch.setattr(fm.op, "_FAST", {})
+    monkeypatch.setattr(fm.op, "_FAST", CallMemo())
     x, ws, bs = fm.make_inputs("cuda", torch.float32, 300, (367, 512, 256, 1))
     with torch.no_grad():
         first = ops.fused_mlp(x, ws, bs, activation="relu", last_activation="sigmoid")
@@ -908,7 +909,7 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, name, widths
 
     monkeypatch.setattr(tlaunch, "current_device", lambda: None)  # x's device index on the CPU
     monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
-    monkeypatch.setattr(fm.op, "_FAST", {})
+    monkeypatch.setattr(fm.op, "_FAST", CallMemo())
     tlaunch.clear()
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -972,7 +973,7 @@ def _fast_path_case(monkeypatch, name, widths, bias, tf32, acts):
         op(x.bfloat16() if x.dtype == torch.bfloat16 else x)
     monkeypatch.setattr(fm.op, "_compiling", lambda: True)
     op(x)
-    monkeypatch.setattr(fm.op, "_compiling", lambda: False)
+    monkeypatch.setattr(fm.op, "_compiling", torch.compiler.is_compiling)
     assert len(fake.launches) == n + 1
     params = [nn.Parameter(w) for w in ws]
     op(x, params)  # parameters (a signature of their own) needing gradients: the op
@@ -988,8 +989,7 @@ def test_fast_path_cache_is_bounded(monkeypatch):
 
     monkeypatch.setattr(tlaunch, "current_device", lambda: None)
     monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
-    monkeypatch.setattr(fm.op, "_FAST", {})
-    monkeypatch.setattr(fm.op, "FAST_ENTRIES", 2)
+    monkeypatch.setattr(fm.op, "_FAST", CallMemo(2))
     tlaunch.clear()
     mod, _ = _faked("triton_367x512x256x1_m32_k64_w8_bf16")
     for B in (1, 2, 3, 4, 5):

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import kgen.ops as ops
+from kgen.runtime.memo import CallMemo
 from kgen.nn import FusedMLP
 from kgen.families import fused_mlp as fm
 from kgen.families.fused_mlp import fused_backward as fb
 from kgen.families.fused_mlp import train, tuning
 from kgen.runtime import dispatch
 from kgen.runtime.op import error_ratio
+from test_fused_mlp_train import _as_call
 
 ref = sys.modules["kgen.families.fused_mlp.reference"]  # the package exports a function of that name
 TOL = dispatch.shipped_spec("fused_mlp").numerics
@@ -250,10 +252,10 @@ def test_dlrm_top_compiles_within_its_resources(option):
 STACK_LIMIT = 512  # bytes per thread; see test_dlrm_top_compiles_within_its_resources
 
 
-def _train_entry(monkeypatch, x, ws, bs, acts):
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+def _train_entry(monkeypatch, x, ws, bs, acts, need_x=True):
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     entry = train.make(None, x, ws, bs, *acts)
-    fm.op._TRAIN[fm.op._signature(x, ws, bs, *acts)] = entry
+    fm.op._TRAIN.put(_as_call(x, ws, bs, acts, need_x), entry)
     return entry
 
 
@@ -275,7 +277,7 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
     widths, acts = (5, 11, 6, 2), ("silu", "sigmoid")
     x, ws, bs = fm.make_inputs("cpu", torch.float32, 9, widths, bias=[True, False, True])
     g = torch.randn(9, 2, generator=torch.Generator().manual_seed(4))
-    entry = _train_entry(monkeypatch, x, ws, bs, acts)
+    entry = _train_entry(monkeypatch, x, ws, bs, acts, need_x)
     lean = _step(x, ws, bs, acts, g, need_x)
     assert not entry.plans  # the CPU is not in DEVICES
     monkeypatch.setattr(fb, "DEVICES", ("cuda", "cpu"))
@@ -425,7 +427,7 @@ def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B, backward):
         pytest.skip("the chain options are tuned for 16-bit dtypes only (tuning.backward_choice)")
     # a memo of its own: another test's step of the same signature (the DLRM compile test's,
     # x without a gradient) would leave a second plan in the shared entry
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     # the fused kernels whatever the tables choose (float32's buckets go to backward_lean), with
     # the shipped chain tiles or a tuned option's (fused_backward.CHAIN_OPTIONS)
     monkeypatch.setattr(train, "backward_choice", lambda *a: backward)
@@ -441,7 +443,7 @@ def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B, backward):
         return [x.grad.clone(), *(p.grad.clone() for p in m.parameters())]
 
     step()  # the general path: its backward remembers the signature
-    entry = fm.op._TRAIN[fm.op._signature(x, list(m.weights), list(m.biases), *acts)]
+    entry = fm.op._TRAIN.get(fm.op._call(x, list(m.weights), list(m.biases), *acts))
     got = step()
     (p,) = entry.plans.values()
     assert isinstance(p, fb.Plan) and p.state == "ok"
@@ -485,8 +487,8 @@ def test_gpu_float32_tf32_large_batch(widths, acts):
         x, ws, bs = fm.make_inputs("cuda", torch.float32, B, widths)
         # the exact Triton variant's forward (its z), not dispatch's choice: the H200's table
         # gives the top MLP's float32 TF32 buckets to eager PyTorch
-        (v,) = [v for v in dispatch.shipped_spec("fused_mlp").variants
-                if v.backend == "triton" and v.dtype == "float32" and tuple(v.params["widths"]) == widths]
+        (v,) = [v for v in dispatch.shipped_spec("fused_mlp").variants if v.backend == "triton"
+                and v.dtype == "float32" and tuple(v.params["widths"]) == widths and v.params["block_m"] == 64]
         _, zs = fm.launch.forward(dispatch.load(v).module, x, ws, bs, *acts, save=True)
         g = torch.randn(B, widths[-1], device="cuda")
         needs = (True,) * (1 + 2 * L)
@@ -507,7 +509,7 @@ def test_gpu_training_step_in_a_cuda_graph(monkeypatch, dtype, backward):
     it) captured in a CUDA graph replays, for a new input, bitwise the gradients an eager
     step gives (the same kernels, no atomics)."""
     monkeypatch.setattr(train, "backward_choice", lambda *a: backward)
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     widths, acts = DLRM[0]
     m = FusedMLP(widths, *acts, dtype=dtype, device="cuda")
     x = torch.randn(4096, widths[0], device="cuda", dtype=dtype, requires_grad=True)
@@ -526,7 +528,7 @@ def test_gpu_training_step_in_a_cuda_graph(monkeypatch, dtype, backward):
         for _ in range(3):  # the general path once, then the fast path (its kernels built)
             step()
     torch.cuda.current_stream().wait_stream(s)
-    entry = fm.op._TRAIN[fm.op._signature(x, list(m.weights), list(m.biases), *acts)]
+    entry = fm.op._TRAIN.get(fm.op._call(x, list(m.weights), list(m.biases), *acts))
     if backward == "fused":
         assert any(isinstance(p, fb.Plan) and p.state == "ok" for p in entry.plans.values())
     else:

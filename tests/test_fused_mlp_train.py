@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import kgen.ops as ops
+from kgen.runtime.memo import CallMemo
 from kgen.families import fused_mlp as fm
 from kgen.nn import FusedMLP
 from test_fused_mlp import FAST_CASES, SPEC, TOL, _as_ints, _faked, _module
@@ -22,6 +23,13 @@ TRAIN_CASES = [  # variant (None: the eager composition), widths, biases, B, act
     ("triton_mw4096_m32_k64_w4_bf16", (1, 37, 3), False, 1, ("silu", "silu"), True, ()),
     (None, (13, 367, 1000, 5), [True, False, True], 129, ("sigmoid", "gelu"), True, ()),
 ]
+
+
+def _as_call(x, ws, bs, acts, need_x=True, need_w=True, need_b=True):
+    """The memo call (op._call) of a training call on these tensors: detached aliases with
+    the requires_grad flags the call's leaves have (the memo compares them)."""
+    return fm.op._call(x.detach().requires_grad_(need_x), [w.detach().requires_grad_(need_w) for w in ws],
+                       [None if b is None else b.detach().requires_grad_(need_b) for b in bs], *acts)
 
 
 def _train_step(x, ws, bs, acts, g, need_x, lead=()):
@@ -47,7 +55,7 @@ def test_train_fast_path_gradients(monkeypatch, name, widths, bias, B, acts, nee
 
     dtype = torch.float32 if name is None else getattr(torch, SPEC.variant(name).dtype)
     mod = None if name is None else _module(name)
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     x, ws, bs = fm.make_inputs("cpu", dtype, B, widths, bias=bias)
     g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(3)).to(dtype)
 
@@ -56,7 +64,7 @@ def test_train_fast_path_gradients(monkeypatch, name, widths, bias, B, acts, nee
         out_g, kind_g, general = _train_step(x, ws, bs, acts, g, need_x, lead)
     monkeypatch.setattr(fm.op, "FAST_TRAIN", True)
     xs = x.reshape(*lead, *x.shape)
-    fm.op._TRAIN[fm.op._signature(xs, ws, bs, *acts)] = train.make(mod, xs, ws, bs, *acts)
+    fm.op._TRAIN.put(_as_call(xs, ws, bs, acts, need_x), train.make(mod, xs, ws, bs, *acts))
     out_f, kind_f, fast = _train_step(x, ws, bs, acts, g, need_x, lead)
     assert kind_f == "StepBackward" and kind_g != kind_f
     assert torch.equal(out_f, out_g)
@@ -91,12 +99,12 @@ def test_train_fast_path_steps_aside(monkeypatch):
     path), and tensor subclasses; the entry is taken otherwise, also for nn.Parameters."""
     from kgen.families.fused_mlp import train
 
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     widths, acts = (5, 7, 2), ("gelu", "sigmoid")
     x, ws, bs = fm.make_inputs("cpu", torch.float32, 4, widths)
     params = [nn.Parameter(w.clone()) for w in ws]
-    for w in (ws, params):
-        fm.op._TRAIN[fm.op._signature(x, w, bs, *acts)] = train.make(None, x, w, bs, *acts)
+    fm.op._TRAIN.put(_as_call(x, ws, bs, acts, need_w=False, need_b=False), train.make(None, x, ws, bs, *acts))
+    fm.op._TRAIN.put(fm.op._call(x, params, bs, *acts), train.make(None, x, params, bs, *acts))
 
     def kind(xx, w=ws, b=bs):
         out = ops.fused_mlp(xx, w, b, activation=acts[0], last_activation=acts[1])
@@ -116,7 +124,7 @@ def test_train_fast_path_steps_aside(monkeypatch):
     monkeypatch.setattr(fm.op, "FAST_TRAIN", True)
     monkeypatch.setattr(fm.op, "_compiling", lambda: True)
     assert kind(xg) not in ("StepBackward", None)
-    monkeypatch.setattr(fm.op, "_compiling", lambda: False)
+    monkeypatch.setattr(fm.op, "_compiling", torch.compiler.is_compiling)
 
     class Sub(torch.Tensor):
         pass
@@ -137,13 +145,13 @@ def test_train_fast_path_empty_batch_and_frozen_layers(monkeypatch):
     get none and the layers below the lowest one needing it are not visited."""
     from kgen.families.fused_mlp import train
 
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     widths, acts = (6, 9, 4, 3), ("relu", "none")
     for B in (0, 5):
         x, ws, bs = fm.make_inputs("cpu", torch.float32, B, widths)
-        fm.op._TRAIN[fm.op._signature(x, ws, bs, *acts)] = train.make(None, x, ws, bs, *acts)
         wl = [w.clone().requires_grad_(i == 2) for i, w in enumerate(ws)]
         bl = [b.clone().requires_grad_(i >= 1) for i, b in enumerate(bs)]
+        fm.op._TRAIN.put(fm.op._call(x, wl, bl, *acts), train.make(None, x, ws, bs, *acts))
         calls = []
         with monkeypatch.context() as m:
             m.setattr(torch, "mm", lambda a, b, mm=torch.mm: calls.append(1) or mm(a, b))
@@ -193,7 +201,7 @@ def test_gpu_train_fast_path_gradients_and_graph(widths, acts, dtype):
         assert type(m(x).grad_fn).__name__ == "StepBackward"
         forward_launches = tlaunch.STATS["direct"] - n
         out_a, after = step()
-        entry = fm.op._TRAIN[fm.op._signature(x, list(m.weights), list(m.biases), *acts)]
+        entry = fm.op._TRAIN.get(fm.op._call(x, list(m.weights), list(m.biases), *acts))
         mod = fm.module_for(x.device, dtype, widths, 300)
         if mod is not None:  # a variant, not the eager composition
             assert entry.go is not None
@@ -239,7 +247,7 @@ def test_train_fast_path_launches_what_save_does(monkeypatch, name, widths, bias
 
     monkeypatch.setattr(tlaunch, "current_device", lambda: None)
     monkeypatch.setattr(tlaunch, "current_raw_stream", lambda index: 77)
-    monkeypatch.setattr(fm.op, "_TRAIN", {})
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
     tlaunch.clear()
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -261,7 +269,7 @@ def _train_launch_case(name, widths, bias, tf32, acts):
     assert general[0] == "direct"
     go = fm.launch.direct(mod, x, ws, bs, *acts, save=True)
     assert go is not None
-    fm.op._TRAIN[fm.op._signature(x, ws, bs, *acts)] = train.make(mod, x, ws, bs, *acts, go=go)
+    fm.op._TRAIN.put(_as_call(x, ws, bs, acts, need_w=False, need_b=False), train.make(mod, x, ws, bs, *acts, go=go))
     out = ops.fused_mlp(x.requires_grad_(), ws, bs, activation=acts[0], last_activation=acts[1])
     assert type(out.grad_fn).__name__ == "StepBackward"
     kind, binary, grid, stream, _, args = fake.launches[-1]

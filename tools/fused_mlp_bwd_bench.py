@@ -148,7 +148,7 @@ def step_row(row, widths, act, last, dtype, B, quick, compile_):
             attempt(row, f"{name} gpu", lambda: gpu_us(kgen, quick))
         finally:
             fb.ENABLED = True
-    entry = fm_op._TRAIN.get(fm_op._signature(x, list(model.weights), list(model.biases), act, last))
+    entry = fm_op._TRAIN.get(fm_op._call(x, list(model.weights), list(model.biases), act, last))
     row["fast path + fused"] = bool(entry and any(isinstance(p, fb.Plan) and p.state == "ok"
                                                   for p in entry.plans.values()))
     eager = train_step(seq, x, g)

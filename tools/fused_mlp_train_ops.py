@@ -73,8 +73,8 @@ def step_fn(mode, mod, x, ws, bs, act, last, g):
     if mode == "after":
         fm.op.FAST_TRAIN = True
         fm.op._TRAIN.clear()
-        fm.op._TRAIN[fm.op._signature(xl, wl, bl, act, last)] = train.make(
-            mod, xl, wl, bl, act, last, go=_stub_go(mod, x, ws, bs, act, last))
+        fm.op._TRAIN.put(fm.op._call(xl, wl, bl, act, last), train.make(
+            mod, xl, wl, bl, act, last, go=_stub_go(mod, x, ws, bs, act, last)))
 
         def step():
             for t in leaves:
@@ -97,8 +97,8 @@ def autograd_nodes(mode, mod, x, ws, bs, act, last, g):
     fm.op.FAST_TRAIN = mode == "after"
     if mode == "after":
         fm.op._TRAIN.clear()
-        fm.op._TRAIN[fm.op._signature(leaves[0], leaves[1:1 + L], leaves[1 + L:], act, last)] = train.make(
-            mod, leaves[0], leaves[1:1 + L], leaves[1 + L:], act, last, go=_stub_go(mod, x, ws, bs, act, last))
+        fm.op._TRAIN.put(fm.op._call(leaves[0], leaves[1:1 + L], leaves[1 + L:], act, last), train.make(
+            mod, leaves[0], leaves[1:1 + L], leaves[1 + L:], act, last, go=_stub_go(mod, x, ws, bs, act, last)))
         out = fm.fused_mlp(leaves[0], leaves[1:1 + L], leaves[1 + L:], activation=act, last_activation=last)
     else:
         with fm.using(mod):

@@ -67,7 +67,8 @@ class CudaMLP:
     def direct(self, x, weights, biases, activation: str, last_activation: str):
         """The eager fast path's launcher for this call's signature (see launch.direct): `f(x,
         weights, biases)` -> out [..., wL], or None (then the general path runs) where an input
-        is not contiguous or not 16-byte aligned. None where this signature has no fast form."""
+        is not 16-byte aligned; it takes only calls with this one's strides (the fast paths'
+        memo compares them). None where this signature has no fast form."""
         B = x.numel() // self.widths[0] if self.widths[0] else 0
         x2 = x.reshape(B, self.widths[0]) if B else x
         if B == 0 or not self.takes(x2, weights, biases):
@@ -80,13 +81,9 @@ class CudaMLP:
         proto = prototype((*x.shape[:-1], self.widths[-1]), x.dtype, x.device)
         empty_like = torch.empty_like
 
-        def launch(x, weights, biases):
+        def launch(x, weights, biases):  # (the caller's memo matched this call's strides: contiguous)
             ptrs, args = x.data_ptr(), []
-            if not x.is_contiguous():
-                return None
             for w, b in zip(weights, biases):
-                if not w.is_contiguous() or (b is not None and not b.is_contiguous()):
-                    return None
                 wp, bp = w.data_ptr(), (b.data_ptr() if b is not None else 0)
                 ptrs |= wp | bp
                 args += (wp, bp)

@@ -173,8 +173,9 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     of `x`'s shape, dtype and device, the weights' and biases' shapes, the activations, the
     TF32 setting): `f(x, weights, biases)` -> out [..., wL] (with `save`: (out, zs), zs as
     `forward(save=True)` returns them, 2-D), or None where this call must take the general
-    path (an input not contiguous or not 16-byte aligned, or the replay declines: hooks,
-    another device, ...). None where the signature has no fast form: B = 0, `x`, the
+    path (an input not 16-byte aligned, or the replay declines: hooks, another device, ...).
+    `f` takes only calls whose tensors have the strides of this one's (the fast paths' memo
+    compares them: kgen.runtime.memo). None where the signature has no fast form: B = 0, `x`, the
     weights or biases given here not contiguous or not 16-byte aligned or aliased (a later
     call makes it), or no binary yet (`forward` launched it first, with the same `save`).
     What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launches:
@@ -204,19 +205,13 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     s_numel = scratch.numel() if scratch is not None else 0
     empty_like, empty = torch.empty_like, torch.empty
 
-    def launch(x, weights, biases):
-        if not x.is_contiguous():
-            return None
+    def launch(x, weights, biases):  # (the caller's memo matched this call's strides: contiguous)
         out = empty_like(proto)
         vals = [x.data_ptr(), out.data_ptr()]
         for w in weights:
-            if not w.is_contiguous():
-                return None
             vals.append(w.data_ptr())
         for b in biases:
             if b is not None:
-                if not b.is_contiguous():
-                    return None
                 vals.append(b.data_ptr())
         zs = None
         if save:

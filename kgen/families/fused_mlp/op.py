@@ -17,24 +17,24 @@ from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package a
     DLRM_BOTTOM, DLRM_TOP, FAMILY, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, UNTUNED_CLUSTER_B, UNTUNED_MAX_WEIGHTS,
     UNTUNED_MAX_WORK, UNTUNED_SMALL_TILES_B, bucket_extras, implementation, make_inputs, runner, tune_bucket,
     tune_choices, tune_inputs, tune_runner, untuned_order)
+from kgen.runtime.memo import CallMemo
 from kgen.runtime.op import Kernels, MISSING, Override, _any_autocast, autocast, define, error_ratio, poisoned
 
 KERNELS = Kernels(FAMILY, tune_bucket)
 
 _FORCED = Override()
-# The eager fast path (`fused_mlp`): per exact call signature (_signature), the variant's
-# bound launcher (launch.direct), at most FAST_ENTRIES of them; the `using` blocks open in
+# The eager fast path (`fused_mlp`): per exact call signature (_call), the variant's
+# bound launcher (launch.direct), at most 4096 of them; the `using` blocks open in
 # any thread (the fast path steps aside while one is). FAST_PATH off: every call takes the
 # op (the "before" of tools/fused_mlp_host.py).
-_FAST: dict = {}
+_FAST = CallMemo(4096)
 _USING = _FORCED.open
-FAST_ENTRIES = 4096
 FAST_PATH = True
 # The training fast path (train.py): per call signature, a train.Entry, remembered by the
 # general path's backward. FAST_TRAIN off (KGEN_FUSED_MLP_FAST_TRAIN=0): every call needing a
 # gradient takes the op, and its backward recomputes the forward then runs
 # reference.backward (the "before" of tools/device_fused_mlp_train.sh).
-_TRAIN: dict = {}
+_TRAIN = CallMemo(4096)
 FAST_TRAIN = os.environ.get("KGEN_FUSED_MLP_FAST_TRAIN", "1") != "0"
 
 # Run the op with this implementation (a loaded variant's `.module`, or None: the eager
@@ -105,19 +105,21 @@ def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     return out.reshape(*x.shape[:-1], widths[-1])
 
 
-def _signature(x, weights, biases, activation, last_activation):
-    """What a fast-path launcher is kept under: everything check_inputs and the kernel
-    choice read (shapes, dtypes, devices, the bias pattern, the activations, float32's TF32
-    setting), so that a call with the same signature passes the checks and gets the same
-    variant, kernel and arguments but for its pointers."""
-    sig = [x.shape, x.dtype, x.device, activation, last_activation]
-    for w in weights:
-        sig += (type(w), w.shape, w.dtype, w.device)
-    for b in biases:
-        sig += (None,) if b is None else (type(b), b.shape, b.dtype, b.device)
-    if x.dtype is torch.float32:
-        sig.append(torch.backends.cuda.matmul.allow_tf32)
-    return tuple(sig)
+def _call(x, weights, biases, activation, last_activation) -> tuple:
+    """A call as the fast paths' memos (kgen.runtime.memo) keep it: the key (x's shape, the
+    activations, the layer count, which layers have a bias, float32's TF32 setting) and the
+    tensors (x, the weights, the present biases), whose type, shape, strides, dtype, device
+    and requires_grad the memo compares; so that a call found there passes check_inputs and
+    gets the same variant, kernel and arguments but for its pointers."""
+    present = [b for b in biases if b is not None]
+    pattern = True if len(present) == len(biases) else tuple(b is None for b in biases)
+    key = (x.shape, activation, last_activation, len(weights), pattern, x.dtype is _F32 and _allow_tf32())
+    return key, (x, *weights, *present)
+
+
+_F32 = torch.float32
+# (torch.backends.cuda.matmul.allow_tf32 reads this through a module __getattr__: ~1.4 us)
+_allow_tf32 = getattr(torch._C, "_get_cublas_allow_tf32", None) or (lambda: torch.backends.cuda.matmul.allow_tf32)
 
 
 def _remember(mod, x, weights, biases, activation, last_activation, widths=None):
@@ -130,10 +132,10 @@ def _remember(mod, x, weights, biases, activation, last_activation, widths=None)
         return
     if x.is_cuda and torch.cuda.is_current_stream_capturing():  # a launch's prototype output: in the graph's pool
         return
-    key = _signature(x, weights, biases, activation, last_activation)
-    if key in _FAST:
+    call = _call(x, weights, biases, activation, last_activation)
+    if _FAST.has(call):
         return
-    if mod is None and x.dim() == 2:  # (the signature fixes x's shape) no reshapes: ~3 us a call
+    if mod is None and x.dim() == 2:  # (the call fixes x's shape) no reshapes: ~3 us a call
         def f(x, weights, biases):
             return eager(x, weights, biases, activation, last_activation)[0]
     elif mod is None:
@@ -144,10 +146,8 @@ def _remember(mod, x, weights, biases, activation, last_activation, widths=None)
             return out.reshape(*x.shape[:-1], wl)
     else:
         f = launch.direct(mod, x, weights, biases, activation, last_activation)
-    if f is not None:
-        if len(_FAST) >= FAST_ENTRIES:  # many signatures: keep the memo small
-            _FAST.clear()
-        _FAST[key] = f
+    if f is not None:  # (with whether a call like this one needs a gradient where grad mode is on)
+        _FAST.put(call, (f, any(t.requires_grad for t in call[1])))
 
 
 def _forward_fake(x, weights, biases, bias_mask, activation, last_activation):
@@ -182,12 +182,9 @@ def _remember_train(mod, x, weights, biases, activation, last_activation):
         return
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return
-    key = _signature(x, weights, biases, activation, last_activation)
-    if key in _TRAIN:
-        return
-    if len(_TRAIN) >= FAST_ENTRIES:
-        _TRAIN.clear()
-    _TRAIN[key] = train.make(mod, x, weights, biases, activation, last_activation)
+    call = _call(x, weights, biases, activation, last_activation)
+    if not _TRAIN.has(call):
+        _TRAIN.put(call, train.make(mod, x, weights, biases, activation, last_activation))
 
 
 def _backward_fake(grad, x, weights, biases, bias_mask, activation, last_activation, need_x):
@@ -228,19 +225,18 @@ def _fast(x, weights, biases, activation, last_activation):
     elif type(biases) not in (list, tuple) or len(biases) != len(weights):
         return None
     try:
-        sig = _signature(x, weights, biases, activation, last_activation)
+        call = _call(x, weights, biases, activation, last_activation)
+        grad = _grad_enabled()
+        if grad and FAST_TRAIN and _TRAIN.size:
+            entry = _TRAIN.get(call)  # (its tensors' requires_grad as the backward's call had them)
+            if entry is not None:
+                return _step(entry, *call[1])
+        hit = _FAST.get(call)
     except (AttributeError, TypeError):  # not tensors, an unhashable activation: the op says what is wrong
         return None
-    if _grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)
-                            or any(b is not None and b.requires_grad for b in biases)):
-        entry = _TRAIN.get(sig) if FAST_TRAIN else None
-        if entry is None:
-            return None
-        return _step(entry, x, *weights, *(b for b in biases if b is not None))
-    f = _FAST.get(sig)
-    if f is None:
+    if hit is None or (hit[1] and grad):  # a call that needs a gradient: the op's
         return None
-    return f(x, weights, biases)
+    return hit[0](x, weights, biases)
 
 
 def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu",
@@ -282,7 +278,7 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     per-layer torch GEMMs instead);
     KGEN_FUSED_MLP_FAST_TRAIN=0 turns the training fast path off."""
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
-    if not _compiling() and FAST_PATH and (_FAST or _TRAIN) and not _USING and not _any_autocast():
+    if not _compiling() and FAST_PATH and (_FAST.size or _TRAIN.size) and not _USING and not _any_autocast():
         out = _fast(x, weights, biases, activation, last_activation)
         if out is not None:
             return out
