@@ -80,3 +80,19 @@ def test_probe_rejects_a_checker_that_answers_wrongly():
     assert not memo._probe(Loose)
     if memo.tensor_guards() is not None:
         assert memo._probe(memo.tensor_guards())
+
+
+def test_keeps_no_tensor_alive(make):
+    """The memo holds metadata (and guards built from it), never the tensors: a launcher
+    kept for a call does not keep that call's activations or weights in memory."""
+    import gc
+    import weakref
+
+    m = make()
+    x, w, b = _tensors()
+    refs = [weakref.ref(t) for t in (x, w, b)]
+    m.put(("k", (x, w, b)), "v")
+    assert m.get(("k", (x, w, b))) == "v"  # (builds the guard)
+    del x, w, b
+    gc.collect()
+    assert all(r() is None for r in refs)
