@@ -79,9 +79,6 @@ class CallMemo:
     def __len__(self) -> int:
         return self.size
 
-    def __bool__(self) -> bool:
-        return self.size > 0
-
     def clear(self):
         self._d.clear()
         self.size = 0
@@ -124,9 +121,6 @@ class CallMemo:
             self.clear()
         self._d.setdefault(key, []).insert(0, [meta, None, value])
         self.size += 1
-
-    def values(self) -> list:
-        return [e[2] for kept in self._d.values() for e in kept]
 
 
 def _meta(tensors) -> tuple:
