@@ -257,21 +257,30 @@ def _triton_plan(mod, B: int, N: int, K: int, device, splits=None) -> tuple:
     return bb, splits, k_slice, cdiv(N, mod.BLOCK_N), mod.DOT != "none"
 
 
-def _triton_buffers(plan, B: int, N: int, K: int, device, out=None) -> tuple:
+def _scratch_layout(plan, B: int, N: int, K: int) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) in float32 elements of the forward's scratch pieces: the K-split
+    partials (where there are several splits), then e and m (with the exp pass); each piece
+    128-byte aligned. The scratch's length is offsets[-1] ([0] and no sizes: none)."""
+    splits, pre = plan[1], plan[4]
+    sizes = ((splits * B, splits * B * N) if splits > 1 else ()) + ((B * K, B) if pre else ())
+    at = [0]
+    for n in sizes:
+        at.append(at[-1] + -(-n // 32) * 32)
+    return at, list(sizes)
+
+
+def _triton_buffers(plan, B: int, N: int, K: int, device, out=None, scratch=None) -> tuple:
     """(out, scratch, part_m, part_s, e, m): the forward's output and its scratch, one
     allocation (None where there is none) whose 128-byte aligned pieces are the K-split
     partials (out itself where there is one split) and, with the exp pass, e and m (None
-    without it)."""
+    without it). `out` / `scratch`: buffers already allocated for them."""
     splits, pre = plan[1], plan[4]
     f32 = torch.float32
     out = _empty((B, N), dtype=f32, device=device) if out is None else out
-    sizes = ((splits * B, splits * B * N) if splits > 1 else ()) + ((B * K, B) if pre else ())
+    at, sizes = _scratch_layout(plan, B, N, K)
     if not sizes:
         return out, None, out, out, None, None
-    at = [0]
-    for n in sizes:
-        at.append(at[-1] + -(-n // 32) * 32)  # each piece 128-byte aligned
-    scratch = _empty((at[-1],), dtype=f32, device=device)
+    scratch = _empty((at[-1],), dtype=f32, device=device) if scratch is None else scratch
     piece = [scratch[at[i]:at[i] + n] for i, n in enumerate(sizes)]
     if splits > 1:
         part_m, part_s = piece[0].view(splits, B), piece[1].view(splits, B, N)
@@ -315,17 +324,31 @@ def triton_direct(mod, B: int, N: int, K: int, device: torch.device):
         return None
     plan = _triton_plan(mod, B, N, K, device)
     rec: list = []  # the replay, once recorded
+    f32 = torch.float32
+    # a replayed call allocates only out and the scratch (as empty_like of prototypes): the
+    # pieces' views are for the recorded launches' first call (the pieces are offsets into
+    # the scratch there; the tensor-core forms' three launches took ~45-65 us of host time
+    # with the views made every call, H200, BENCHMARKS.md thirty-fifth session)
+    at, _ = _scratch_layout(plan, B, N, K)
+    out_proto = prototype((B, N), f32, device)
+    scratch_proto = prototype((at[-1],), f32, device) if at[-1] else None
+    empty_like = torch.empty_like
 
     def launch(x, w):
         if not (x.is_contiguous() and w.is_contiguous()):
             return None
-        out, scratch, *bufs = _triton_buffers(plan, B, N, K, device)
+        if rec and _empty is _TORCH_EMPTY:  # (tests patch _empty to poison buffers: they take the else)
+            out = empty_like(out_proto)
+            scratch = empty_like(scratch_proto) if scratch_proto is not None else None
+        else:
+            out, scratch = _triton_buffers(plan, B, N, K, device)[:2]
         if rec:
             vals = [x.data_ptr(), w.data_ptr(), out.data_ptr()]
             if scratch is not None:
                 vals.append(scratch.data_ptr())
             if rec[0](vals):
                 return out
+        out, scratch, *bufs = _triton_buffers(plan, B, N, K, device, out, scratch)
         todo = _triton_launches(mod, x, w, out, *bufs, plan)
         for kernel, grid, args, kw in todo:
             triton_launch.launch(kernel, grid, args, kw)
