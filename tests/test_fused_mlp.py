@@ -336,6 +336,37 @@ def test_fused_mlp_module_no_bias_and_dtype():
     torch.testing.assert_close(m(x), seq(x))
 
 
+def test_fused_mlp_module_reads_its_parameters_as_they_are_now():
+    """FusedMLP.forward reads its ParameterLists' dicts (not a __getattr__ per index): the
+    parameters in index order after one is replaced, and through a parametrization (which
+    moves a weight out of the dict: the list's own iteration then)."""
+    from torch.nn.utils import parametrize
+
+    from kgen.families.fused_mlp.module import _params
+
+    m = FusedMLP([6, 9, 5, 3], activation="relu")
+    x = torch.randn(4, 6)
+    m.weights[1] = nn.Parameter(torch.randn(5, 9))  # replaced in place: still index 1
+    m.biases[0] = nn.Parameter(torch.randn(9))
+    assert all(a is b for a, b in zip(_params(m.weights), list(m.weights)))
+    assert all(a is b for a, b in zip(_params(m.biases), list(m.biases)))
+    torch.testing.assert_close(m(x), m.to_sequential()(x))
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    plain = m(x)
+    parametrize.register_parametrization(m.weights, "2", Double())
+    ws = _params(m.weights)
+    assert [tuple(w.shape) for w in ws] == [(9, 6), (5, 9), (3, 5)]
+    torch.testing.assert_close(ws[2], 2 * m.weights.parametrizations["2"].original)
+    bs = list(m.biases)
+    ref = torch.relu(torch.relu(x @ ws[0].T + bs[0]) @ ws[1].T + bs[1]) @ ws[2].T + bs[2]
+    torch.testing.assert_close(m(x), ref)
+    assert not torch.allclose(m(x), plain)
+
+
 @pytest.mark.parametrize("seq,err,match", [
     (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), TypeError, "Tanh"),
     (nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)), ValueError, "tanh form"),

@@ -41,8 +41,8 @@ class FusedMLP(nn.Module):
                 self.biases.append(lin.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        biases = list(self.biases) if self.biases is not None else None
-        return fused_mlp(x, list(self.weights), biases, activation=self.activation,
+        biases = _params(self.biases) if self.biases is not None else None
+        return fused_mlp(x, _params(self.weights), biases, activation=self.activation,
                          last_activation=self.last_activation)
 
     def extra_repr(self) -> str:
@@ -123,3 +123,17 @@ def _flatten(seq):
             yield from _flatten(m)
         elif not isinstance(m, nn.Identity):
             yield m
+
+
+def _params(plist: nn.ParameterList) -> list:
+    """A ParameterList's parameters in index order. It keeps them in its `_parameters` under
+    "0", "1", ... in that order (append registers the next index, assignment replaces one in
+    place), so one read of that dict serves where `list(plist)` makes a __getattr__ call per
+    index (7-16 us a forward of the DLRM MLPs on an H200 host, more than the fused call:
+    BENCHMARKS.md, thirty-fifth session). Where the dict does not hold them all (a
+    parametrization or weight_norm moved one out), the list's own iteration."""
+    d = plist._parameters
+    if len(d) == len(plist):
+        return list(d.values())
+    return list(plist)
+
