@@ -680,8 +680,9 @@ def test_gpu_tune_runner_times_the_fast_path(monkeypatch, kind):
     monkeypatch.setattr(CudaMLP, "run", lambda *a, **kw: pytest.fail("the general path ran"))
     outs = [run() for _ in range(3)]
     assert all(torch.equal(o, want) for o in outs)
-    direct, plain = (triton_launch.STATS[s] - before[s] for s in ("direct", "plain"))
+    direct, plain, driver = (triton_launch.STATS[s] - before[s] for s in ("direct", "plain", "driver"))
     assert (direct, plain) == ((3, 0) if kind == "triton" else (0, 0))
+    assert driver == direct  # each replayed through the trampoline's cuLaunchKernel
 
 
 @pytest.mark.gpu

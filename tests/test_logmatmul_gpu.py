@@ -36,11 +36,12 @@ def test_gpu_triton_fast_path_bound_and_in_a_cuda_graph(name, B, K):
     x, w = torch.randn(B, K, device="cuda") * 3, torch.rand(N, K, device="cuda")
     fast = launch.triton_direct(mod, B, N, K, x.device)
     fast(x, w)  # launches and records
-    n = tlaunch.STATS["direct"]
+    n, d = tlaunch.STATS["direct"], tlaunch.STATS["driver"]
     out = fast(x, w)
     plan = launch._triton_plan(mod, B, N, K, x.device)
     launches = 1 + plan[4] + (plan[1] > 1)  # the forward, the exp pass, the K-split combine
     assert tlaunch.STATS["direct"] == n + launches
+    assert tlaunch.STATS["driver"] == d + launches  # through the trampoline's cuLaunchKernel
     assert torch.equal(out, launch.forward(mod, x, w))
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

@@ -4,9 +4,11 @@ ask whether the binary a direct launch reused is the one Triton would have picke
 
 import random
 from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 import torch
+import triton
 import triton.language as tl
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import CompiledKernel
@@ -88,7 +90,7 @@ def test_second_launch_is_direct_with_every_argument_in_order(fake):
     assert kind == "direct" and binary is first[1] and grid == (3, 1, 1) and stream == 4242
     assert head == (binary.function, binary.packed_metadata, None, None, None)
     assert args == first[5] == (a, b, 32, 7, 0.5, 64, "a")  # constexprs too, as JITFunction.run passes them
-    assert tlaunch.STATS == {"direct": 1, "plain": 1}
+    assert tlaunch.STATS == {"direct": 1, "plain": 1, "driver": 0}
     # a 2-D grid and the flag (not specialised) changing: still the same binary
     kind, binary, grid, *_ = _go(fake, a, b, 32, 9, 1.5, grid=(3, 2))
     assert (kind, binary, grid) == ("direct", first[1], (3, 2, 1))
@@ -263,3 +265,135 @@ def test_interpreted_or_unknown_kernels_take_the_plain_launch():
             return lambda *args, **kw: ("ran", grid, args, kw)
 
     assert tlaunch.launch(NotJit(), (2,), (1, 2), {"X": 3}) == ("ran", (2,), (1, 2), {"X": 3})
+
+
+# ------------------------------------------------------------------ the trampoline's driver launch
+
+
+def _real_body(x_ptr, out_ptr, n, scale, wide, one, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, v * scale * one + wide, mask=m)
+
+
+_real = JITFunction(_real_body)  # (not triton.jit: the tests run under TRITON_INTERPRET=1)
+
+
+def _aot(signature, constexprs):
+    """_real compiled for sm_90 here (no GPU needed): a real CompiledKernel's metadata, source
+    signature and PTX."""
+    from triton.backends.compiler import GPUTarget
+
+    src = triton.compiler.ASTSource(fn=_real, signature=signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32))
+
+
+_SIG = {"x_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32", "scale": "fp32", "wide": "i64", "one": "i32",
+        "FLAG": "constexpr", "BLOCK": "constexpr"}
+
+
+def test_driver_plan_packs_the_ptx_entrys_parameters():
+    """The codes follow the binary's PTX entry: pointers and the i64 as 64-bit, the i32 as
+    32-bit, the float as float32; an argument Triton specialised into a constant (== 1 here)
+    and the constexprs are not parameters; Triton's two scratch pointers are null."""
+    compiled = _aot(_SIG, {"FLAG": True, "BLOCK": 128, "one": 1})
+    ptx = tlaunch.ptx_params(compiled.asm["ptx"], compiled.metadata.name)
+    assert ptx[:5] == ["u64", "u64", "u32", "f32", "u64"] and len(ptx) in (5, 6, 7)
+    plan = tlaunch.driver_plan(compiled, tlaunch._params(_real))
+    block, shared, codes, positions = plan
+    assert block == compiled.metadata.num_warps * 32 and shared == compiled.metadata.shared
+    assert positions == (0, 1, 2, 3, 4)  # `one` (== 1) and the constexprs are not parameters
+    assert codes == b"qqifq" + b"n" * (len(ptx) - 5)
+    compiled = _aot(_SIG, {"FLAG": True, "BLOCK": 128})  # `one` a runtime i32 now
+    assert tlaunch.driver_plan(compiled, tlaunch._params(_real))[2:] == (b"qqifqi" + b"n" * (len(ptx) - 5),
+                                                                         (0, 1, 2, 3, 4, 5))
+
+
+class _Src:
+    def __init__(self, signature, constants):
+        self.signature, self.constants = signature, constants
+
+
+def _fake_compiled(ptx_types, **md):
+    meta = dict(name="k", num_warps=4, shared=1024, num_ctas=1, launch_pdl=False, launch_cooperative_grid=False,
+                global_scratch_size=0, profile_scratch_size=0, tensordesc_meta=[], instrumentation_mode="")
+    meta.update(md)
+    params = ",\n".join(f"  .param .{t} k_param_{i}" for i, t in enumerate(ptx_types))
+    return SimpleNamespace(metadata=SimpleNamespace(**meta), src=_Src(_SIG, {(6,): True, (7,): 128}),
+                           asm={"ptx": f".visible .entry k(\n{params}\n)\n{{ ret; }}"})
+
+
+@pytest.mark.parametrize("why,ptx,md", [
+    ("clusters", None, {"num_ctas": 2}),
+    ("pdl", None, {"launch_pdl": True}),
+    ("cooperative", None, {"launch_cooperative_grid": True}),
+    ("global scratch", None, {"global_scratch_size": 256}),
+    ("profile scratch", None, {"profile_scratch_size": 64}),
+    ("tma descriptors", None, {"tensordesc_meta": [{"swizzle": 1}]}),
+    ("instrumented", None, {"instrumentation_mode": "consan"}),
+    ("a parameter missing", ["u64", "u64", "u32", "f32", "u64"], {}),
+    ("a type that is not the signature's", ["u64", "u64", "u64", "f32", "u64", "u32", "u64", "u64"], {}),
+    ("a 16-bit parameter", ["u64", "u64", "u32", "b16", "u64", "u32"], {}),
+    ("three extra parameters", ["u64", "u64", "u32", "f32", "u64", "u32", "u64", "u64", "u64"], {}),
+    ("a 32-bit extra parameter", ["u64", "u64", "u32", "f32", "u64", "u32", "u32"], {}),
+])
+def test_driver_plan_declines_what_it_does_not_launch(why, ptx, md):
+    ok = ["u64", "u64", "u32", "f32", "u64", "u32", "u64", "u64"]
+    assert tlaunch.driver_plan(_fake_compiled(ok), tlaunch._params(_real)) == (128, 1024, b"qqifqinn",
+                                                                               (0, 1, 2, 3, 4, 5))
+    assert tlaunch.driver_plan(_fake_compiled(ptx or ok, **md), tlaunch._params(_real)) is None, why
+
+
+def test_driver_plan_off_by_switch(monkeypatch):
+    monkeypatch.setattr(tlaunch, "DRIVER_CALL", False)
+    ok = ["u64", "u64", "u32", "f32", "u64", "u32", "u64", "u64"]
+    assert tlaunch.driver_plan(_fake_compiled(ok), tlaunch._params(_real)) is None
+
+
+def test_replay_through_the_driver_call(fake, monkeypatch):
+    """A replayed launch whose binary has a driver plan goes to the trampoline with only the
+    parameters, in the PTX's order, the slots' new addresses patched in; where the trampoline
+    does not launch (-1) Triton's launcher runs it; a CUDA error raises."""
+    a, b = torch.empty(64), torch.empty(64)
+    kw = {"BLOCK": 64, "MODE": "a", "num_warps": 4}
+    todo = [(fake.jit, (5,), (a, b, 32, 7, 0.5), kw)]
+    _go(fake, a, b, 32, 7, 0.5)
+    calls, rcs = [], []
+
+    def tcall(*args):
+        calls.append(args)
+        return rcs.pop(0)
+
+    monkeypatch.setitem(tlaunch._state, "tcall", tcall)
+    # the fake binary: every argument but the constexprs (BLOCK, MODE) a parameter, then 2 scratch
+    monkeypatch.setattr(tlaunch._Entry, "driver", lambda self: (128, 512, b"qqiifnn", (0, 1, 2, 3, 4)))
+    go = tlaunch.replay(todo, (a, b), scalars=((0, 4),))
+    n = len(fake.launches)
+    rcs[:] = [0]
+    assert go((16, 48, 2.5)) is True and len(fake.launches) == n  # Triton's launcher not called
+    binary = fake.launches[-1][1]
+    assert calls[-1] == (tcall, binary.function, 5, 1, 1, 128, 512, 4242, b"qqiifnn", 16, 48, 32, 7, 2.5)[1:]
+    assert tlaunch.STATS["driver"] == 1
+    rcs[:] = [-1]  # not launched: Triton's launcher replays it
+    assert go((32, 64, 1.5)) is True and fake.launches[-1][5] == (32, 64, 32, 7, 1.5, 64, "a")
+    assert tlaunch.STATS["driver"] == 1
+    rcs[:] = [700]
+    with pytest.raises(RuntimeError, match="CUDA error 700"):
+        go((32, 64, 1.5))
+
+
+def test_trampoline_declines_without_a_launch():
+    """launcher.c's triton_call returns -1 (nothing launched) for a null function, codes that
+    do not match the arguments, or no CUDA driver (this machine), and checks its call."""
+    from kgen.runtime import loader
+
+    tramp = loader.trampoline()
+    if tramp is None:
+        pytest.skip("no C compiler or Python headers here")
+    assert tramp.triton_call(0, 1, 1, 1, 128, 0, 0, b"qi", 1, 2) == -1
+    assert tramp.triton_call(1, 1, 1, 1, 128, 0, 0, b"qi", 1) == -1  # an argument short
+    assert tramp.triton_call(1, 1, 1, 1, 128, 0, 0, b"q", 1, 2) == -1  # one too many
+    assert tramp.triton_call(1, 1, 1, 1, 128, 0, 0, b"x", 1) == -1  # an unknown code
+    with pytest.raises(TypeError):
+        tramp.triton_call(1, 1, 1, 1, 128, 0, 0, "qi", 1, 2)

@@ -59,7 +59,7 @@ def trampoline():
     src = _LAUNCHER_SRC.read_text()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     so = "kgen_launcher" + suffix
-    command = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", "{out}", "{src}"]
+    command = [cc, "-O2", "-shared", "-fPIC", f"-I{include}", "-o", "{out}", "{src}", "-ldl"]
     key = cache.digest({"kind": "launcher", "source": build.sha(src), "command": " ".join(command),
                         "compiler": toolchain.tool_version(cc), "python": sys.version, "kgen": build.kgen_fingerprint()})
 

@@ -30,12 +30,24 @@ compiled (an error there) is made here too.
 
 `replay` serves an op's eager fast path, which fixes everything per call signature but the
 addresses of its tensors (and maybe a scalar): the launches of that signature, recorded
-once, replayed with new addresses.
+once, replayed with new addresses. A replayed binary that needs nothing but its parameters
+(one CTA per cluster, no programmatic-dependent or cooperative launch, no global or profile
+scratch, no TMA descriptor arguments, no instrumentation) is launched by the driver's
+cuLaunchKernel through kgen's C trampoline (`launcher.c`'s triton_call), its parameters packed
+as the binary's PTX `.entry` lists them: the launch Triton's launcher makes for such a binary,
+without its per-call Python (scratch-allocator lookups, closures, argument annotation:
+1.0-1.4 us of a 9-12 us replayed call on an H200 host, BENCHMARKS.md thirty-fifth
+session). Anything that does not line up (the PTX's parameters against the arguments Triton
+passes, their types against the signature's) keeps Triton's launcher for that binary;
+KGEN_TRITON_DRIVER_CALL=0 keeps it for all.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import re
+
 import torch
 
 from kgen.runtime.streams import current_raw_stream
@@ -45,7 +57,8 @@ from kgen.runtime.streams import current_raw_stream
 current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
 # what the plain path takes and the direct one skips, for tests and benchmarks
-STATS = {"direct": 0, "plain": 0}
+STATS = {"direct": 0, "plain": 0, "driver": 0}  # driver: of the direct ones, by the trampoline's cuLaunchKernel
+DRIVER_CALL = os.environ.get("KGEN_TRITON_DRIVER_CALL", "1") != "0"
 MAX_ENTRIES = 4096  # specialisations kept (kernels x arguments x devices); cleared beyond
 SUPPORTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # the releases whose JITFunction.run was read
 
@@ -199,10 +212,10 @@ class _Entry:
     """One specialisation's binary: its launcher, function handle, packed metadata, and the
     kernel's global constants as they were when it compiled."""
 
-    __slots__ = ("fn", "run", "function", "metadata", "globals")
+    __slots__ = ("fn", "run", "function", "metadata", "globals", "compiled", "_driver")
 
     def __init__(self, fn, compiled):
-        self.fn = fn
+        self.fn, self.compiled, self._driver = fn, compiled, _MISSING
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         # (name, the object bound now, the value Triton compiled with, the globals dict):
         # Triton keeps a copy of each value, so comparing with it (`!=` on tl.constexpr) is
@@ -216,6 +229,78 @@ class _Entry:
             if now is not bound and now != val:
                 return False
         return True
+
+    def driver(self):
+        """(block threads, shared bytes, codes, parameter positions) for a launch through the
+        trampoline's cuLaunchKernel (see the module doc), or None: Triton's launcher (read
+        once per binary)."""
+        if self._driver is _MISSING:
+            try:
+                self._driver = driver_plan(self.compiled, _params(self.fn))
+            except Exception:  # noqa: BLE001 (Triton's internals differ: its own launcher serves)
+                self._driver = None
+        return self._driver
+
+
+_PTX_CODE = {"u64": "q", "s64": "q", "b64": "q", "u32": "i", "s32": "i", "b32": "i", "f32": "f", "f64": "d"}
+_SIG_CODE = {"i32": "i", "u32": "i", "i64": "q", "u64": "q", "fp32": "f", "f64": "d", "fp64": "d"}
+
+
+def ptx_params(ptx: str, name: str) -> list[str] | None:
+    """The `.entry name(...)` parameters' PTX types in order (e.g. ["u64", "u32", "f32"]),
+    or None where the entry is not found."""
+    m = re.search(r"\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx)
+    if m is None:
+        return None
+    return re.findall(r"\.param\s+\.(\w+)", m.group(1))
+
+
+def driver_plan(compiled, params) -> tuple | None:
+    """How the trampoline launches `compiled` (a CUDA CompiledKernel of a JITFunction whose
+    `_params` are `params`): (block threads, shared bytes, codes, positions of the kernel's
+    arguments, in `every` order, that are parameters), or None where it must not: a launch
+    needing more than its parameters (clusters, PDL, cooperative grids, scratch buffers, TMA
+    descriptors, instrumentation), or parameters that do not line up — the PTX entry must
+    list exactly the arguments Triton passes (those neither constexpr nor specialised into
+    constants, in order) with the signature's types, then up to two 64-bit scratch pointers."""
+    if params is None or not DRIVER_CALL:
+        return None
+    md = compiled.metadata
+    if (getattr(md, "num_ctas", 1) != 1 or getattr(md, "launch_pdl", False)
+            or getattr(md, "launch_cooperative_grid", False) or getattr(md, "global_scratch_size", 0)
+            or getattr(md, "profile_scratch_size", 0) or getattr(md, "tensordesc_meta", None)
+            or getattr(md, "instrumentation_mode", "") or tuple(getattr(md, "cluster_dims", (1, 1, 1))) != (1, 1, 1)):
+        return None
+    names = params[0]
+    src = compiled.src
+    consts = set()
+    for k in getattr(src, "constants", {}):
+        if isinstance(k, str):
+            k = (names.index(k),)
+        if not (isinstance(k, tuple) and len(k) == 1):
+            return None  # a tuple argument's element: not handled here
+        consts.add(k[0])
+    sig = src.signature
+    types = [sig[n] for n in names] if all(isinstance(k, str) for k in sig) else list(sig.values())
+    if len(types) != len(names):
+        return None
+    positions = [i for i, t in enumerate(types) if i not in consts and t != "constexpr"]
+    ptx = ptx_params(compiled.asm["ptx"], md.name)
+    if ptx is None or not 0 <= len(ptx) - len(positions) <= 2:
+        return None
+    codes = []
+    for i, pt in zip(positions, ptx):
+        t = types[i]
+        code = _PTX_CODE.get(pt)
+        if code is None or code != ("q" if t.startswith("*") else _SIG_CODE.get(t)):
+            return None
+        codes.append(code)
+    for pt in ptx[len(positions):]:  # Triton's global and profile scratch pointers: null
+        if _PTX_CODE.get(pt) != "q":
+            return None
+        codes.append("n")
+    block = md.num_warps * getattr(md, "warp_size", 32)
+    return block, md.shared, "".join(codes).encode(), tuple(positions)
 
 
 def _usable(fn) -> bool:
@@ -303,9 +388,36 @@ def replay(launches, slots, scalars=()) -> "Replay | None":
                 patches.append((ai, *where))
                 template[ai] = None
         moved = tuple((ai, len(slots) + j) for j, (l2, ai) in enumerate(scalars) if l2 == li)
-        steps.append((e.run, e.function, e.metadata, _grid3(grid), template, tuple(patches), moved))
+        steps.append((e.run, e.function, e.metadata, _grid3(grid), template, tuple(patches), moved,
+                      _driver_step(e, template, patches, moved)))
         entries.append(e)
     return Replay(tuple(steps), tuple(entries), len(slots), device, knobs)
+
+
+def _driver_step(e, template, patches, moved):
+    """(trampoline call, function, block, shared, codes, the parameters' template, patches,
+    moved scalars) with positions among the binary's parameters, or None: Triton's launcher
+    replays this launch."""
+    plan = e.driver()
+    call = _trampoline_call() if plan is not None else None
+    if call is None:
+        return None
+    block, shared, codes, positions = plan
+    at = {ai: k for k, ai in enumerate(positions)}
+    if any(ai not in at for ai, *_ in patches) or any(ai not in at for ai, _ in moved):
+        return None  # (a patched argument that is not a parameter: not expected; Triton's path)
+    return (call, e.function, block, shared, codes, [template[ai] for ai in positions],
+            tuple((at[ai], si, off) for ai, si, off in patches), tuple((at[ai], vi) for ai, vi in moved))
+
+
+def _trampoline_call():
+    """launcher.c's triton_call, or None (no C compiler or Python headers here)."""
+    if "tcall" not in _state:
+        from kgen.runtime import loader
+
+        tramp = loader.trampoline()
+        _state["tcall"] = getattr(tramp, "triton_call", None)
+    return _state["tcall"]
 
 
 def _slot_of(a, slots, spans):
@@ -344,15 +456,36 @@ class Replay:
             if not e.globals_unchanged():
                 return False
         stream = current_raw_stream(self.device)
-        for run, function, metadata, (g0, g1, g2), template, patches, moved in self.steps:
+        for run, function, metadata, (g0, g1, g2), template, patches, moved, driver in self.steps:
+            STATS["direct"] += 1
+            if driver is not None:
+                call, fn_, block, shared, codes, t, dpatches, dmoved = driver
+                a = t.copy()
+                for k, si, off in dpatches:
+                    a[k] = values[si] + off
+                for k, vi in dmoved:
+                    a[k] = values[vi]
+                rc = call(fn_, g0, g1, g2, block, shared, stream, codes, *a)
+                if rc == 0:
+                    STATS["driver"] += 1
+                    continue
+                if rc != -1:  # (-1: not launched, no current context: Triton's launcher makes one)
+                    raise RuntimeError(f"kgen: launching Triton kernel {metadata_name(self, run)}: CUDA error {rc}")
             a = template.copy()
             for ai, si, off in patches:
                 a[ai] = values[si] + off
             for ai, vi in moved:
                 a[ai] = values[vi]
-            STATS["direct"] += 1
             run(g0, g1, g2, stream, function, metadata, None, None, None, *a)
         return True
+
+
+def metadata_name(replay: Replay, run) -> str:
+    """The name of the kernel whose launcher is `run` in `replay` (for error messages)."""
+    for e in replay.entries:
+        if e.run is run:
+            return getattr(e.compiled.metadata, "name", "?")
+    return "?"
 
 
 def clear() -> None:
