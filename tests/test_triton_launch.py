@@ -299,15 +299,14 @@ def test_driver_plan_packs_the_ptx_entrys_parameters():
     and the constexprs are not parameters; Triton's two scratch pointers are null."""
     compiled = _aot(_SIG, {"FLAG": True, "BLOCK": 128, "one": 1})
     ptx = tlaunch.ptx_params(compiled.asm["ptx"], compiled.metadata.name)
-    assert ptx[:5] == ["u64", "u64", "u32", "f32", "u64"] and len(ptx) in (5, 6, 7)
+    assert ptx == ["u64", "u64", "u32", "f32", "u64", "u64", "u64"]  # then the global and profile scratch
     plan = tlaunch.driver_plan(compiled, tlaunch._params(_real))
     block, shared, codes, positions = plan
     assert block == compiled.metadata.num_warps * 32 and shared == compiled.metadata.shared
     assert positions == (0, 1, 2, 3, 4)  # `one` (== 1) and the constexprs are not parameters
-    assert codes == b"qqifq" + b"n" * (len(ptx) - 5)
+    assert codes == b"qqifqnn"
     compiled = _aot(_SIG, {"FLAG": True, "BLOCK": 128})  # `one` a runtime i32 now
-    assert tlaunch.driver_plan(compiled, tlaunch._params(_real))[2:] == (b"qqifqi" + b"n" * (len(ptx) - 5),
-                                                                         (0, 1, 2, 3, 4, 5))
+    assert tlaunch.driver_plan(compiled, tlaunch._params(_real))[2:] == (b"qqifqinn", (0, 1, 2, 3, 4, 5))
 
 
 class _Src:
@@ -336,7 +335,8 @@ def _fake_compiled(ptx_types, **md):
     ("a type that is not the signature's", ["u64", "u64", "u64", "f32", "u64", "u32", "u64", "u64"], {}),
     ("a 16-bit parameter", ["u64", "u64", "u32", "b16", "u64", "u32"], {}),
     ("three extra parameters", ["u64", "u64", "u32", "f32", "u64", "u32", "u64", "u64", "u64"], {}),
-    ("a 32-bit extra parameter", ["u64", "u64", "u32", "f32", "u64", "u32", "u32"], {}),
+    ("one extra parameter", ["u64", "u64", "u32", "f32", "u64", "u32", "u64"], {}),
+    ("a 32-bit extra parameter", ["u64", "u64", "u32", "f32", "u64", "u32", "u32", "u64"], {}),
 ])
 def test_driver_plan_declines_what_it_does_not_launch(why, ptx, md):
     ok = ["u64", "u64", "u32", "f32", "u64", "u32", "u64", "u64"]

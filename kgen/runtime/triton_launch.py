@@ -262,7 +262,8 @@ def driver_plan(compiled, params) -> tuple | None:
     needing more than its parameters (clusters, PDL, cooperative grids, scratch buffers, TMA
     descriptors, instrumentation), or parameters that do not line up — the PTX entry must
     list exactly the arguments Triton passes (those neither constexpr nor specialised into
-    constants, in order) with the signature's types, then up to two 64-bit scratch pointers."""
+    constants, in order) with the signature's types, then the 64-bit scratch pointers Triton's
+    launcher appends (global and profile where the metadata has their sizes)."""
     if params is None or not DRIVER_CALL:
         return None
     md = compiled.metadata
@@ -286,7 +287,10 @@ def driver_plan(compiled, params) -> tuple | None:
         return None
     positions = [i for i, t in enumerate(types) if i not in consts and t != "constexpr"]
     ptx = ptx_params(compiled.asm["ptx"], md.name)
-    if ptx is None or not 0 <= len(ptx) - len(positions) <= 2:
+    # Triton's launchers (3.4-3.9 read) append a global and a profile scratch pointer to every
+    # launch; exactly that many parameters past the arguments, or the binary is not read right
+    scratch = hasattr(md, "global_scratch_size") + hasattr(md, "profile_scratch_size")
+    if ptx is None or len(ptx) != len(positions) + scratch:
         return None
     codes = []
     for i, pt in zip(positions, ptx):
