@@ -21,7 +21,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <dlfcn.h>
-#include <string.h>
 
 #define KGEN_MAX_ARGS 32
 

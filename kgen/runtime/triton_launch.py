@@ -400,8 +400,8 @@ def replay(launches, slots, scalars=()) -> "Replay | None":
 
 def _driver_step(e, template, patches, moved):
     """(trampoline call, function, block, shared, codes, the parameters' template, patches,
-    moved scalars) with positions among the binary's parameters, or None: Triton's launcher
-    replays this launch."""
+    moved scalars, with positions among the binary's parameters, and the kernel's name), or
+    None: Triton's launcher replays this launch."""
     plan = e.driver()
     call = _trampoline_call() if plan is not None else None
     if call is None:
@@ -411,7 +411,8 @@ def _driver_step(e, template, patches, moved):
     if any(ai not in at for ai, *_ in patches) or any(ai not in at for ai, _ in moved):
         return None  # (a patched argument that is not a parameter: not expected; Triton's path)
     return (call, e.function, block, shared, codes, [template[ai] for ai in positions],
-            tuple((at[ai], si, off) for ai, si, off in patches), tuple((at[ai], vi) for ai, vi in moved))
+            tuple((at[ai], si, off) for ai, si, off in patches), tuple((at[ai], vi) for ai, vi in moved),
+            getattr(e.compiled.metadata, "name", "?"))
 
 
 def _trampoline_call():
@@ -463,7 +464,7 @@ class Replay:
         for run, function, metadata, (g0, g1, g2), template, patches, moved, driver in self.steps:
             STATS["direct"] += 1
             if driver is not None:
-                call, fn_, block, shared, codes, t, dpatches, dmoved = driver
+                call, fn_, block, shared, codes, t, dpatches, dmoved, name = driver
                 a = t.copy()
                 for k, si, off in dpatches:
                     a[k] = values[si] + off
@@ -474,7 +475,7 @@ class Replay:
                     STATS["driver"] += 1
                     continue
                 if rc != -1:  # (-1: not launched, no current context: Triton's launcher makes one)
-                    raise RuntimeError(f"kgen: launching Triton kernel {metadata_name(self, run)}: CUDA error {rc}")
+                    raise RuntimeError(f"kgen: launching Triton kernel {name}: CUDA error {rc}")
             a = template.copy()
             for ai, si, off in patches:
                 a[ai] = values[si] + off
@@ -482,14 +483,6 @@ class Replay:
                 a[ai] = values[vi]
             run(g0, g1, g2, stream, function, metadata, None, None, None, *a)
         return True
-
-
-def metadata_name(replay: Replay, run) -> str:
-    """The name of the kernel whose launcher is `run` in `replay` (for error messages)."""
-    for e in replay.entries:
-        if e.run is run:
-            return getattr(e.compiled.metadata, "name", "?")
-    return "?"
 
 
 def clear() -> None:

@@ -136,4 +136,3 @@ def _params(plist: nn.ParameterList) -> list:
     if len(d) == len(plist):
         return list(d.values())
     return list(plist)
-

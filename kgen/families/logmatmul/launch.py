@@ -341,7 +341,8 @@ def triton_direct(mod, B: int, N: int, K: int, device: torch.device):
             out = empty_like(out_proto)
             scratch = empty_like(scratch_proto) if scratch_proto is not None else None
         else:
-            out, scratch = _triton_buffers(plan, B, N, K, device)[:2]
+            out = _empty((B, N), dtype=f32, device=device)
+            scratch = _empty((at[-1],), dtype=f32, device=device) if at[-1] else None
         if rec:
             vals = [x.data_ptr(), w.data_ptr(), out.data_ptr()]
             if scratch is not None:
