@@ -245,6 +245,67 @@ def test_triton_launch_is_bound_after_the_first_call(monkeypatch, name):
     assert fake.launches[-1][5][0] is x4 and len(fba.launcher._BOUND) == 2
 
 
+def test_bound_launch_passes_what_launch_passes(monkeypatch):
+    """launcher.bound (the eager fast path's launcher) hands a CUDA variant's entry point the
+    arguments `launch` does, into a new output like x."""
+    from types import SimpleNamespace
+
+    calls = []
+    kernel = SimpleNamespace(backend="cuda", ptr=99, name="fake", params={"threads": 256, "order": "rows"},
+                             raw=lambda *a: calls.append(a) or 0, fail=lambda rc: pytest.fail(f"rc {rc}"))
+    monkeypatch.setattr(fba.launcher, "_raw_stream", lambda dev: 77)
+    x, y, b = torch.randn(5, 40), torch.randn(5, 40), torch.randn(40)
+    out = torch.empty_like(x)
+    fba.launch(kernel, x, b, y, 0.25, "silu", out)
+    got = fba.launcher.bound(kernel, x.get_device(), 5, 40, True, "silu")(x, b, y, 0.25)
+    assert got.shape == x.shape and got.dtype == x.dtype and got.data_ptr() != out.data_ptr()
+    general, fast = calls
+    assert general[:7] + general[8:] == fast[:7] + fast[8:] and fast[7] == got.data_ptr()
+
+
+def test_fast_path_takes_only_the_calls_it_was_kept_for(monkeypatch):
+    """The public function's fast path runs a kept launcher only for a call of the same
+    signature (act, y or not, the tensors' metadata): not in place, not a tensor needing a
+    gradient, not another shape or layout, not under a TorchDispatchMode; alpha passes
+    through."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kgen.runtime.memo import CallMemo
+
+    monkeypatch.setattr(fba.op, "_FAST", CallMemo(16))
+    x, y, b = torch.randn(5, 40), torch.randn(5, 40), torch.randn(40)
+    seen = []
+
+    def fast(x, b, y, alpha):
+        seen.append(alpha)
+        return torch.zeros_like(x)
+
+    fba.op._FAST.put((("gelu", False), (x, b, y)), fast)
+    assert torch.equal(ops.fused_bias_act(x.clone(), b, y.clone(), alpha=3, act="gelu"), torch.zeros_like(x))
+    assert seen == [3.0]
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    others = [
+        lambda: ops.fused_bias_act(x, b, y, act="relu"),  # another act
+        lambda: ops.fused_bias_act(x, b, None, act="gelu"),  # no y
+        lambda: ops.fused_bias_act(x[:4], b, y[:4], act="gelu"),  # another shape
+        lambda: ops.fused_bias_act(x.t().contiguous().t(), b, y, act="gelu"),  # another layout
+        lambda: ops.fused_bias_act(x.clone().requires_grad_(), b, y, act="gelu"),  # a gradient
+        lambda: ops.fused_bias_act(x.clone(), b, y, act="gelu", inplace=True),
+    ]
+    for call in others:
+        out = call()
+        assert not torch.equal(out, torch.zeros_like(out))
+    with Mode():
+        ops.fused_bias_act(x, b, y, act="gelu")
+    assert seen == [3.0]
+    # the CPU reference path keeps nothing
+    assert fba.op._FAST.size == 1
+
+
 def test_triton_flat_index_widths_and_masks_agree():
     """The Triton flat kernel's 64-bit-index path (WIDE) and unmasked path (EVEN), which
     dispatch takes only past 2^31 elements or at whole blocks, give the 32-bit masked path's
@@ -285,6 +346,35 @@ def test_gpu_dispatch_follows_the_tuning_table_and_is_right(dtype):
     expected, why = dispatch.choose("fused_bias_act", x.device, dtype, fba.tune_bucket(1000, 4104, True))
     assert getattr(chosen, "name", None) == getattr(expected, "name", None), why
     _assert_close(out, fba.reference(x, b, y, 0.3, "gelu", compute=torch.float64), SPEC.numerics[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_fast_path_is_the_general_path(monkeypatch, backend):
+    """A repeated call of plain tensors takes the eager fast path (kept by the first call),
+    bit for bit the general path's result, into a fresh output, on the current stream;
+    calls needing a gradient are not kept and still differentiate."""
+    from kgen.runtime.memo import CallMemo
+
+    name = next(v.name for v in SPEC.variants if v.backend == backend and v.dtype == "bfloat16"
+                and (v.arch is None or dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability())))
+    kernel = dispatch.load(SPEC.variant(name))
+    monkeypatch.setattr(fba.op, "_FAST", CallMemo(16))
+    monkeypatch.setattr(fba.op, "_kernel", lambda *a: kernel)
+    monkeypatch.setattr(fba.op._KERNELS, "lookup", lambda key: kernel)
+    x = torch.randn(77, 1003, device="cuda").to(torch.bfloat16)
+    b, y = torch.randn(1003, device="cuda").to(torch.bfloat16), torch.randn_like(x)
+    first = ops.fused_bias_act(x, b, y, alpha=0.5, act="gelu")
+    assert fba.op._FAST.size == 1
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        again = [ops.fused_bias_act(x, b, y, alpha=0.5, act="gelu") for _ in range(2)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, first) and a.data_ptr() != first.data_ptr() for a in again)
+    _assert_close(first, fba.reference(x, b, y, 0.5, "gelu", compute=torch.float64), SPEC.numerics["bfloat16"])
+    xg = x.clone().requires_grad_()
+    ops.fused_bias_act(xg, b, y, alpha=0.5, act="gelu").float().sum().backward()
+    assert xg.grad is not None and fba.op._FAST.size == 1
 
 
 @pytest.mark.gpu

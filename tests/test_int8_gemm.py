@@ -243,8 +243,54 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             run(a)
     assert len(kernel.calls) == 2
-    # the general path keeps a signature's launcher where its impl is CUDA (here: none, CPU)
-    assert iop.launch.direct(impl, ig.MODE_W8A16, 17, N, K, torch.bfloat16, None, sb.dtype, None, a.device) is None
+    # a signature the CUDA kernel does not take (the gemv kernel: M > 16) gets the Triton
+    # module's launcher instead
+    monkeypatch.setattr(ig_launch, "triton_direct", lambda mod, mode, M, *rest: ("triton", mode, M))
+    assert ig_launch.direct(impl, ig.MODE_W8A16, 17, N, K, torch.bfloat16, None, sb.dtype, None,
+                            a.device) == ("triton", ig.MODE_W8A16, 17)
+
+
+@pytest.mark.parametrize("mode", ["w8a16", "int8_linear", "int8_mm"])
+def test_triton_fast_path_matches_the_general_path(mode, poisoned_workspace):
+    """launch.triton_direct (the fast path of signatures a Triton variant runs): the same
+    output as launch.gemm, bit for bit, into poisoned buffers, unsplit and with K splits,
+    on its first call (recorded) and the next ones (replayed on a GPU, where the launches
+    skip Triton's launch path: triton_launch.STATS), with leading batch dims; None for a
+    non-contiguous input."""
+    from kgen.runtime import triton_launch
+
+    dtype = "int8" if mode != "w8a16" else "bfloat16"
+    names = [n for n in TRITON if SPEC.variant(n).dtype == dtype]
+    split = next(n for n in names if SPEC.variant(n).params["split_k"] > 1)
+    whole = next(n for n in names if SPEC.variant(n).params["split_k"] == 1)
+    for name, (M, N, K) in ((split, (3, 70, 1040)), (whole, (17, 33, 100))):
+        impl = ig.implementation(_kernel(name))
+        b = torch.randint(-128, 128, (N, K), dtype=torch.int8, device=DEV)
+        sb, sa = torch.rand(N, device=DEV) / 100, torch.rand(M, device=DEV)
+        if mode == "w8a16":
+            a = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+            bias = torch.randn(N, device=DEV).to(torch.bfloat16)
+            args, spec_ = (None, sb, bias), (ig.MODE_W8A16, torch.bfloat16, sb.dtype, bias.dtype)
+        elif mode == "int8_linear":
+            a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device=DEV)
+            bias = torch.randn(N, device=DEV)
+            args, spec_ = (sa, sb, bias), (ig.MODE_LINEAR, torch.float16, sb.dtype, bias.dtype)
+        else:
+            a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device=DEV)
+            args, spec_ = (None, None, None), (ig.MODE_MM, torch.int32, None, None)
+        m, out_dtype, sb_dtype, bias_dtype = spec_
+        want = ig.gemm(impl, m, a, b, torch.full((M, N), 7, dtype=out_dtype, device=DEV), args[0], args[1], args[2])
+        splits, _ = ig_launch._triton_plan(impl.triton, M, N, K, None, DEV)
+        assert (splits > 1) == (name == split), (name, splits)
+        f = ig_launch.direct(impl, m, M, N, K, out_dtype, None, sb_dtype, bias_dtype, DEV)
+        before = triton_launch.STATS["direct"]
+        outs = [f(a, b, *args), f(a.clone(), b, *args), f(a.view(1, M, K), b, *args)]
+        for out in outs:
+            assert out.shape == (M, N) and out.dtype == out_dtype
+            assert torch.equal(out, want), (name, (out.float() - want.float()).abs().max())
+        if DEV.type == "cuda":  # the second and third calls replayed every launch
+            assert triton_launch.STATS["direct"] - before >= 2 * (1 + (splits > 1)), name
+        assert f(a.t().contiguous().t() if M > 1 else a[:, ::2], b, *args) is None
 
 
 # --------------------------------------------------------------------------- compile only
@@ -377,6 +423,12 @@ def test_gemv_plans():
         assert ig.plans.is_wgmma(vs[0]) and (vs[0].params["block_m"], vs[0].params["block_n"]) == tile, (M, vs[0].name)
         without = [v for v in vs if not ig.plans.is_wgmma(v)]  # an Ampere GPU's order
         assert without[0].backend == "triton" or M <= 32, (M, without[0].name)
+    # above M = 128 (N and the SMs known) the largest unsplit tile whose grid fills the SMs,
+    # else a split one
+    for M, N, split in ((133, 2811, True), (256, 4096, True), (256, 12288, False), (1024, 4096, False)):
+        vs = sorted((v for v in SPEC.variants if v.dtype == "bfloat16" and not ig.plans.is_gemv(v)),
+                    key=lambda v: ig.plans.preference(v, M, N, 132))
+        assert (vs[0].params.get("split_k", 1) > 1) == split, (M, N, vs[0].name)
     assert ig.plans.gemv_splits(64, 1, 4096, 4096, 132) * 64 * 4 >= 12 * 132  # 64 CTAs of 4 warps x splits
     assert ig.plans.gemv_splits(16, 1, 4096, 4096, 132, 1, 8) == 1  # 256 CTAs of 8 K-warps fill the SMs
     assert ig.plans.gemv_splits(16, 1, 1024, 4096, 132, 1, 8) == 2  # ranges of >= 4 steps a warp
@@ -548,11 +600,16 @@ def test_int8_linear_never_runs_the_reference_where_a_kernel_is_tuned(monkeypatc
 def test_untuned_shapes_run_the_shape_preference(monkeypatch):
     """With no table entry (nor one nearby), int8 above M = 16 runs the WGMMA kernel on
     Hopper (its tile by M; on an H200 at 151 x 445 x 1456 8.5 us against the Triton
-    tile's 47.8 a call); exact."""
+    tile's 47.8 a call); exact. W8A16 above 1024 rows (N, K multiples of 8) runs the reference."""
     monkeypatch.setattr(tune, "lookup", lambda k: None)
     monkeypatch.setattr(tune, "nearest", lambda k: None)
     monkeypatch.setattr(ig.op, "_IMPLS", {})
     sm90a = torch.cuda.get_device_capability() == (9, 0)
+    # W8A16 above W8A16_REFERENCE_M rows: the reference (dequantised weight, cuBLAS), but
+    # for N or K not a multiple of 8 (cuBLAS's slower kernels)
+    assert ig.op._impl(DEV, torch.bfloat16, 2658, 256, 3472, False) is None
+    assert ig.op._impl(DEV, torch.bfloat16, 1000, 256, 3472, False) is not None
+    assert ig.op._impl(DEV, torch.float16, 4493, 5269, 5856, False) is not None
     for M, N, K in ((151, 445, 1456), (600, 333, 272)):
         impl = ig.op._impl(DEV, torch.int8, M, N, K, False)
         assert impl is not None and (impl.wgmma if sm90a else not impl.gemv), (M, impl.name)

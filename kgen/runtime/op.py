@@ -163,6 +163,11 @@ def _needs_grad(args) -> bool:
     return False
 
 
+# How many TorchDispatchModes are active (one C call): the ops' eager fast paths step aside
+# where any is, so that the mode sees the op as a torch.library call (FlopCounterMode, a
+# tracer), as it would PyTorch's own.
+dispatch_modes = torch._C._len_torch_dispatch_stack
+
 # Whether torch.autocast is on for any device (one C call; the public form asks per device).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
     lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))

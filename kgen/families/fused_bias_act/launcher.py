@@ -3,6 +3,8 @@ Triton kernel (replayed once its launch has been seen)."""
 
 from __future__ import annotations
 
+import torch
+
 from kgen.families.fused_bias_act.schema import ACT_CODE, MAX_GRID_Y
 from kgen.runtime import triton_launch
 from kgen.runtime.streams import current_raw_stream as _raw_stream
@@ -36,6 +38,31 @@ def launch(kernel, x, bias, y, alpha: float, act: str, out) -> None:
             kernel.fail(rc)
     else:
         _triton(kernel, x, bias, y, alpha, act, out, rows, cols)
+
+
+def bound(kernel, dev: int, rows: int, cols: int, has_y: bool, act: str):
+    """`launch` with everything a call signature fixes bound once, for the op's eager fast
+    path: `f(x, bias, y, alpha)` -> out = a new tensor like x, for contiguous inputs of the
+    signature whose general call `launch` took without error (rows > 0)."""
+    empty_like = torch.empty_like
+    if kernel.backend != "cuda":
+        def f(x, bias, y, alpha):
+            out = empty_like(x)
+            _triton(kernel, x, bias, y, alpha, act, out, rows, cols)
+            return out
+
+        return f
+    raw, ptr, fail, code, inv = kernel.raw, kernel.ptr, kernel.fail, ACT_CODE[act], 1.0 / cols
+
+    def f(x, bias, y, alpha):
+        out = empty_like(x)
+        rc = raw(ptr, dev, code, has_y, x.data_ptr(), y.data_ptr() if has_y else 0, bias.data_ptr(), out.data_ptr(),
+                 rows, cols, _raw_stream(dev), alpha, inv)
+        if rc:
+            fail(rc)
+        return out
+
+    return f
 
 
 # Replayed Triton launches (triton_launch.replay) per (variant module, device, rows, cols,

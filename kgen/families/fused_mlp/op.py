@@ -18,7 +18,8 @@ from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package a
     UNTUNED_MAX_WORK, UNTUNED_SMALL_TILES_B, bucket_extras, implementation, make_inputs, runner, tune_bucket,
     tune_choices, tune_inputs, tune_runner, untuned_order)
 from kgen.runtime.memo import CallMemo
-from kgen.runtime.op import Kernels, MISSING, Override, _any_autocast, autocast, define, error_ratio, poisoned
+from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, define, dispatch_modes, error_ratio,
+                             poisoned)
 
 KERNELS = Kernels(FAMILY, tune_bucket)
 
@@ -278,7 +279,8 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     per-layer torch GEMMs instead);
     KGEN_FUSED_MLP_FAST_TRAIN=0 turns the training fast path off."""
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
-    if not _compiling() and FAST_PATH and (_FAST.size or _TRAIN.size) and not _USING and not _any_autocast():
+    if (not _compiling() and FAST_PATH and (_FAST.size or _TRAIN.size) and not _USING and not _any_autocast()
+            and not dispatch_modes()):
         out = _fast(x, weights, biases, activation, last_activation)
         if out is not None:
             return out

@@ -34,6 +34,9 @@ def _empty(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+_EMPTY = _empty
+
+
 class Impl:
     """What a call runs: `triton`, a rendered Triton module (always set), and `cuda`, a
     loaded CUDA variant (or None; `gemv` says it is the small-M kernel)."""
@@ -66,19 +69,31 @@ class Impl:
 
 def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size: int | None,
            scale_b_dtype, bias_dtype, device: torch.device):
-    """A launcher for one exact call signature that `gemm` would run on a CUDA kernel:
+    """A launcher for one exact call signature, for the op's eager fast path:
     `f(a, b, scale_a, scale_b, bias)` -> out [M, N] (a contiguous [..., K] with M rows), or
-    None where an input is not contiguous or a / b is not 16-byte aligned (then the general
-    path runs). The op's eager fast path keeps it per signature: the plan (K splits), the
-    arguments that do not change and the stream getter are bound once. None where this
-    signature goes to Triton or is empty."""
-    if min(M, N, K) < 1 or impl is None or impl.cuda is None or K % 16:
+    None for a call the general path must take (an input not contiguous; for the CUDA
+    kernels a / b not 16-byte aligned). The launch plan (K splits, grid), the arguments
+    that do not change and the stream getter are bound once: `cuda_direct` where `gemm`
+    runs this signature on a CUDA kernel, else `triton_direct`. None for an empty call or
+    no implementation (the reference)."""
+    if min(M, N, K) < 1 or impl is None:
         return None
-    if impl.gemv:
-        if M > plans.GEMV_MAX_M or (group_size or 0) % plans.GEMV_STEP:
-            return None
-    elif mode == MODE_W8A16:
-        return None
+    if impl.cuda is not None and K % 16 == 0 and (
+            (M <= plans.GEMV_MAX_M and (group_size or 0) % plans.GEMV_STEP == 0) if impl.gemv else mode != MODE_W8A16):
+        return cuda_direct(impl, mode, M, N, K, out_dtype, group_size, scale_b_dtype, bias_dtype, device)
+    return triton_direct(impl.triton, mode, M, N, K, out_dtype, group_size, device)
+
+
+def _contiguous(*ts) -> bool:
+    for t in ts:
+        if t is not None and not t.is_contiguous():
+            return False
+    return True
+
+
+def cuda_direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size: int | None,
+                scale_b_dtype, bias_dtype, device: torch.device):
+    """`direct` for a signature a CUDA kernel of `impl` runs (checked by `direct`)."""
     n_splits = impl.splits(M, N, K, device) if impl.split else 1
     kernel, index = impl.cuda, device.index if device.index is not None else -1  # as Tensor.get_device()
     raw, ptr, fail, stream, empty_like = kernel.raw, kernel.ptr, kernel.fail, current_raw_stream, torch.empty_like
@@ -91,10 +106,7 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
 
     def launch(a, b, scale_a, scale_b, bias):
         ap, bp = a.data_ptr(), b.data_ptr()
-        if (ap | bp) & 15 or not (a.is_contiguous() and b.is_contiguous()):
-            return None
-        if ((scale_a is not None and not scale_a.is_contiguous()) or (scale_b is not None and not scale_b.is_contiguous())
-                or (bias is not None and not bias.is_contiguous())):
+        if (ap | bp) & 15 or not _contiguous(a, b, scale_a, scale_b, bias):
             return None
         out = empty_like(proto)
         sa = scale_a.data_ptr() if scale_a is not None else 0
@@ -109,6 +121,53 @@ def direct(impl: Impl, mode: int, M: int, N: int, K: int, out_dtype, group_size:
                      stream(index))
         if rc:
             fail(rc)
+        return out
+
+    return launch
+
+
+def triton_direct(mod, mode: int, M: int, N: int, K: int, out_dtype, group_size: int | None,
+                  device: torch.device):
+    """`direct` for a signature the Triton module runs. The first call launches through
+    triton_launch (Triton's own path the first time per specialisation) and records the
+    launches (triton_launch.replay); later calls allocate the output (and a split's partial
+    planes) and replay them with the new addresses, skipping the per-launch specialisation
+    key and the op's dispatch (a split W8A16 call took ~190 us of host time through the op
+    for 51 us of GPU time, H200, BENCHMARKS.md thirty-sixth session). Where the replay
+    declines (an address not 16-byte aligned, hooks set, a knob or the device changed),
+    triton_launch's launch runs, as in `gemm`."""
+    n_splits, k_split = _triton_plan(mod, M, N, K, group_size, device)
+    part_dtype = torch.float32 if mode == MODE_W8A16 else torch.int32
+    out_proto = prototype((M, N), out_dtype, device)
+    part_proto = prototype((n_splits, M, N), part_dtype, device) if n_splits > 1 else None
+    empty_like = torch.empty_like
+    rec: list = []  # the replay, once recorded
+
+    def launch(a, b, scale_a, scale_b, bias):
+        if not _contiguous(a, b, scale_a, scale_b, bias):
+            return None
+        if rec and _empty is _EMPTY:  # (tests patch _empty to poison buffers: they take the else)
+            out = empty_like(out_proto)
+            part = empty_like(part_proto) if part_proto is not None else None
+        else:
+            out = _empty((M, N), out_dtype, device)
+            part = _empty((n_splits, M, N), part_dtype, device) if n_splits > 1 else None
+        present = [t for t in (scale_a, scale_b, bias) if t is not None]
+        if rec:
+            vals = [a.data_ptr(), b.data_ptr(), out.data_ptr(), *(t.data_ptr() for t in present)]
+            if part is not None:
+                vals.append(part.data_ptr())
+            if rec[0](vals):
+                return out
+        if a.dim() != 2:  # (leading batch dims: the launches take a as [M, K])
+            a = a.view(M, K)
+        todo = _triton_launches(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits, k_split, part)
+        for kernel, grid, args, kw in todo:
+            triton_launch.launch(kernel, grid, args, kw)
+        if not rec:
+            r = triton_launch.replay(todo, (a, b, out, *present) + ((part,) if part is not None else ()))
+            if r is not None:
+                rec.append(r)
         return out
 
     return launch
@@ -163,15 +222,33 @@ def _split(impl, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) 
         kernel.fail(rc)
 
 
+def _triton_plan(mod, M: int, N: int, K: int, group_size, device, n_splits: int | None = None) -> tuple[int, int]:
+    """(splits, k_split) of a Triton call: the plan, or `n_splits` forced (tests)."""
+    bk = plans.block_k(mod, group_size)
+    if n_splits is None:
+        return plans.splits(mod, M, N, K, bk, plans.sm_count(device))
+    k_split = plans.cdiv(plans.cdiv(K, bk), n_splits) * bk
+    return plans.cdiv(K, k_split), k_split
+
+
 def _triton(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) -> None:
     M, K = a.shape
     N = b.shape[0]
+    n_splits, k_split = _triton_plan(mod, M, N, K, group_size, a.device, n_splits)
+    part = None
+    if n_splits > 1:
+        part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)
+    for kernel, grid, args, kw in _triton_launches(mod, mode, a, b, out, scale_a, scale_b, bias, group_size,
+                                                   n_splits, k_split, part):
+        triton_launch.launch(kernel, grid, args, kw)
+
+
+def _triton_launches(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits, k_split, part) -> list:
+    """The (kernel, grid, args, kw) launches of a Triton call: the GEMM writing `out`, or
+    with n_splits > 1 the GEMM writing the partial planes `part` and the combine."""
+    M, K = a.shape
+    N = b.shape[0]
     bk = plans.block_k(mod, group_size)
-    if n_splits is None:
-        n_splits, k_split = plans.splits(mod, M, N, K, bk, plans.sm_count(a.device))
-    else:
-        k_split = plans.cdiv(plans.cdiv(K, bk), n_splits) * bk
-        n_splits = plans.cdiv(K, k_split)
     group = group_size or 0
     dummy = b
     sa = scale_a if scale_a is not None else dummy
@@ -183,15 +260,12 @@ def _triton(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) 
     n_groups = K // group if group else 1
     grid = plans.gemm_grid(mod, M, N, n_splits)
     if n_splits == 1:
-        triton_launch.launch(mod.int8_gemm_kernel, grid, (a, b, out, sa, sb, bi, M, N, K, k_split, n_groups),
-                             dict(PARTIAL=False, **consts, **tiles))
-        return
-    part = _empty((n_splits, M, N), torch.float32 if mode == MODE_W8A16 else torch.int32, a.device)
-    triton_launch.launch(mod.int8_gemm_kernel, grid, (a, b, part, sa, sb, bi, M, N, K, k_split, n_groups),
-                         dict(PARTIAL=True, **consts, **tiles))
-    triton_launch.launch(mod.int8_gemm_combine_kernel, plans.combine_grid(mod, M, N),
-                         (part, out, sa, sb, bi, M, N, n_splits),
-                         dict(consts, COMBINE_M=mod.COMBINE_M, COMBINE_N=mod.COMBINE_N))
+        return [(mod.int8_gemm_kernel, grid, (a, b, out, sa, sb, bi, M, N, K, k_split, n_groups),
+                 dict(PARTIAL=False, **consts, **tiles))]
+    return [(mod.int8_gemm_kernel, grid, (a, b, part, sa, sb, bi, M, N, K, k_split, n_groups),
+             dict(PARTIAL=True, **consts, **tiles)),
+            (mod.int8_gemm_combine_kernel, plans.combine_grid(mod, M, N), (part, out, sa, sb, bi, M, N, n_splits),
+             dict(consts, COMBINE_M=mod.COMBINE_M, COMBINE_N=mod.COMBINE_N))]
 
 
-__all__ = ["Impl", "direct", "gemm", "MODE_MM", "MODE_LINEAR", "MODE_W8A16"]
+__all__ = ["Impl", "direct", "cuda_direct", "triton_direct", "gemm", "MODE_MM", "MODE_LINEAR", "MODE_W8A16"]

@@ -11,15 +11,16 @@ import torch
 from kgen.families.int8_gemm import checks, launch, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
 _IMPLS: dict = {}
 # The eager fast path (host cost of small calls, where a decode step's GEMV takes ~10 us of
-# GPU): per exact call signature (op, shapes, dtypes, device, bias, group size) whose inputs
-# went to a CUDA kernel, that kernel's bound launcher (launch.direct; None: the general path
-# runs). Bounded: a process calling with ever-new shapes stops adding.
+# GPU): per exact call signature (op, shapes, dtypes, device, bias, group size) that went
+# to a kernel, its bound launcher (launch.direct: the CUDA kernel's, or the Triton module's
+# replayed launches; None: the general path runs). Bounded: a process calling with ever-new
+# shapes stops adding.
 _FAST: dict = {}
 _FAST_MAX = 4096
 _USING = _FORCED.open  # `using` blocks open in any thread: the fast path steps aside
@@ -84,8 +85,9 @@ def _fused_impl(device: torch.device, M: int, N: int, K: int):
 
 def _choose(device, dtype, M, N, K, grouped, fused=False):
     """Dispatch's choice for the bucket; where it fell to spec order (nothing tuned), the
-    family's shape preference (plans.preference) among the same candidates instead.
-    `fused`: never the reference; a tuned bucket's fastest other candidate."""
+    family's shape preference (plans.preference) among the same candidates instead, or
+    for W8A16 above plans.W8A16_REFERENCE_M rows the reference. `fused`: never the
+    reference; a tuned bucket's fastest other candidate."""
     from kgen.errors import KgenError
     from kgen.runtime import dispatch, tune
 
@@ -94,7 +96,9 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
     bucket = tune_bucket(**shape)
     kernel, why = dispatch.choose(FAMILY, device, name, bucket, shape)
     cap = torch.cuda.get_device_capability(device)
-    triton = sorted(dispatch.candidates(FAMILY, name, cap, backend="triton"), key=lambda v: plans.preference(v, M))
+    sms = plans.sm_count(device)
+    prefer = lambda v: plans.preference(v, M, N, sms)  # noqa: E731
+    triton = sorted(dispatch.candidates(FAMILY, name, cap, backend="triton"), key=prefer)
     if fused and kernel is None:
         entry = tune.lookup(tune.key(FAMILY, tune.device_key(device.index), name, bucket)) or {}
         runnable = {v.name: v for v in dispatch.runnable(FAMILY, name, device)}
@@ -105,9 +109,11 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
                 break
         else:
             why = "spec order"
-    if why == "spec order":
+    if why == "spec order" and dtype != torch.int8 and plans.w8a16_prefers_reference(M, N, K):
+        kernel, why = None, "spec order, by shape: the reference"
+    elif why == "spec order":
         kernel, why = None, "fallback"
-        for v in sorted(dispatch.candidates(FAMILY, name, cap), key=lambda v: plans.preference(v, M)):
+        for v in sorted(dispatch.candidates(FAMILY, name, cap), key=prefer):
             try:
                 kernel, why = dispatch.load(v), "spec order, by shape"
                 break
@@ -296,8 +302,8 @@ _grad_enabled = torch.is_grad_enabled
 
 
 def _plain(*ts) -> bool:
-    """The fast path's precondition: eager, no `using` block, plain tensors."""
-    return not _compiling() and not _USING and all(t is None or type(t) is _Tensor for t in ts)
+    """The fast path's precondition: eager, no `using` block nor TorchDispatchMode, plain tensors."""
+    return not _compiling() and not _USING and not dispatch_modes() and all(t is None or type(t) is _Tensor for t in ts)
 
 
 def _fast_2d(key, a, *rest):

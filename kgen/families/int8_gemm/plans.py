@@ -121,18 +121,22 @@ def gemv_splits_of(params, M: int, N: int, K: int, sms: int) -> int:
 WGMMA_TILES = ((64, (64, 64)), (256, (64, 128)), (float("inf"), (128, 256)))
 
 
-def preference(variant, M: int) -> tuple:
-    """Sort key of a variant for a call with M rows when the tuning table has nothing for
-    its bucket (smaller first): at M <= 16 the CUDA gemv variants (weight rows streamed
-    straight into mma.sync registers; spec order among them; last at larger M); above it
-    the Hopper WGMMA kernel (int8 on sm_90a; every int8 bucket above M = 16 in the shipped
-    H100 and H200 tables went to it; at untuned shapes on an H200 the op ran 3-6.6x faster
-    than with the Triton tile, BENCHMARKS.md twenty-second session), its tile by M
-    (WGMMA_TILES); then at M <= 32 the split-K streaming variants (b read once, spread over
-    all SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes
-    half zeros), then the largest tiles. Ties keep spec order (sorted is stable). Above
-    M = 128 Triton comes before the CUDA mma.sync kernel (Ampere's order; on Hopper the
-    WGMMA kernel is first); the tuning table decides per bucket where another wins."""
+def preference(variant, M: int, N: int | None = None, sms: int | None = None) -> tuple:
+    """Sort key of a variant for a call with M rows (N columns, on `sms` SMs, where known)
+    when the tuning table has nothing for its bucket (smaller first): at M <= 16 the CUDA
+    gemv variants (weight rows streamed straight into mma.sync registers; spec order among
+    them; last at larger M); above it the Hopper WGMMA kernel (int8 on sm_90a; every int8
+    bucket above M = 16 in the shipped H100 and H200 tables went to it; at untuned shapes on
+    an H200 the op ran 3-6.6x faster than with the Triton tile, BENCHMARKS.md twenty-second
+    session), its tile by M (WGMMA_TILES); then at M <= 32 the split-K streaming variants (b
+    read once, spread over all SMs), then the row tile that wastes least of M (a 128-row
+    tile at M = 64 computes half zeros); above M = 128 the largest unsplit tiles whose grid
+    fills the SMs, else the split-K ones (W8A16 at 133 x 2811 x 7984, H200: the unsplit
+    128 x 128 tile's 44 CTAs took 113 us of GPU, the 64 x 128 tile with 4 splits 48,
+    BENCHMARKS.md thirty-sixth session; the shipped tables' M <= 256 winners agree in 9 of
+    10 16-bit buckets). Ties keep spec order (sorted is stable). Above M = 128 Triton comes
+    before the CUDA mma.sync kernel (Ampere's order; on Hopper the WGMMA kernel is first);
+    the tuning table decides per bucket where another wins."""
     p = variant.params
     split = p.get("split_k", 1)
     if is_gemv(variant):  # first where it takes M, last elsewhere
@@ -144,4 +148,20 @@ def preference(variant, M: int) -> tuple:
         return (1, split == 1, p["block_m"])
     if M <= 128:
         return (1, abs(p["block_m"] - 64), split != 1)
-    return (1, split != 1, -p["block_m"], variant.backend == "cuda")
+    starved = split == 1 and N is not None and bool(sms) and cdiv(M, p["block_m"]) * cdiv(N, p["block_n"]) < sms
+    return (1, starved, split != 1, -p["block_m"], variant.backend == "cuda")
+
+
+# 16-bit W8A16 calls above this many rows in a bucket the table does not hold run the
+# reference (the weight dequantised once, then cuBLAS's GEMM) where N and K are multiples
+# of 8 (rows of whole 16-byte vectors): above M = 1024 it won every tuned bucket of the
+# shipped H100 and H200 tables (20 of 20: the Triton tile took 1.07-1.79x its time), where
+# the in-register dequantisation no longer hides behind the weight's read. With other N or
+# K cuBLAS takes slower kernels (H200, fp16 4493 x 5269 x 5856: 2502 us against the Triton
+# tile's 999; 3348 x 2002 x 5984: 457 against 355; BENCHMARKS.md thirty-sixth session).
+W8A16_REFERENCE_M = 1024
+
+
+def w8a16_prefers_reference(M: int, N: int, K: int) -> bool:
+    """Whether an untuned W8A16 call runs the reference (W8A16_REFERENCE_M)."""
+    return M > W8A16_REFERENCE_M and N % 8 == 0 and K % 8 == 0

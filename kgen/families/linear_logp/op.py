@@ -16,7 +16,7 @@ from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
 from kgen.families.linear_logp.launch import backward, forward
 from kgen.families.linear_logp.reference import reference, reference_backward
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -403,7 +403,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     """
     # (tracing first: torch.compile then reads none of the fast path's state, so no guards on it)
     if (not _compiling() and FAST and _FAST and group is None and not keep_logits and not _FORCED.open
-            and not _any_autocast()):
+            and not _any_autocast() and not dispatch_modes()):
         out = _fast(hidden, weight, target, bias, temperature, ignore_index, return_entropy, check_targets)
         if out is not None:
             return out

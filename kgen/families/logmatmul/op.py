@@ -11,7 +11,7 @@ from kgen.families.logmatmul.checks import check_block_sparse, check_dense
 from kgen.families.logmatmul.launch import (
     CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward, triton_direct)
 from kgen.families.logmatmul.reference import reference, reference_backward
-from kgen.runtime.op import MISSING, Override, define
+from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
 FAMILY = "logmatmul"
 _FORCED = Override()
@@ -234,7 +234,7 @@ def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     # then (they read only shapes, dtypes and devices, all in the key). Autocast changes
     # nothing here (the kernel computes in float32 from the inputs as given, as the op does
     # under autocast).
-    if (not _compiling() and type(x) is _Tensor and type(w) is _Tensor and not _USING
+    if (not _compiling() and type(x) is _Tensor and type(w) is _Tensor and not _USING and not dispatch_modes()
             and not ((x.requires_grad or w.requires_grad) and _grad_enabled())):
         launch = _FAST.get((x.shape, w.shape, x.dtype, w.dtype, x.device, w.device))
         if launch is not None:
