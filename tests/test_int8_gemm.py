@@ -250,6 +250,24 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
                             a.device) == ("triton", ig.MODE_W8A16, 17)
 
 
+def test_triton_kernels_take_any_k_alignment(poisoned_workspace):
+    """The Triton kernels' KA (launch.k_align: the largest power of two up to 16 dividing K,
+    so that the compiler sees the rows' alignment) at K of every alignment: exact int8_mm,
+    W8A16 within the golden tolerance; k_align divides K and is the largest such."""
+    for K in range(1, 70):
+        ka = ig_launch.k_align(K)
+        assert K % ka == 0 and ka in (1, 2, 4, 8, 16) and (ka == 16 or K % (2 * ka))
+    i8 = ig.implementation(_kernel(next(n for n in TRITON if SPEC.variant(n).dtype == "int8")))
+    w16 = ig.implementation(_kernel(next(n for n in TRITON if SPEC.variant(n).dtype == "bfloat16")))
+    for K in (37, 98, 100, 200, 48):
+        a, b = _ints(5, K), _ints(19, K)
+        got = ig.gemm(i8, ig.MODE_MM, a, b, torch.empty(5, 19, dtype=torch.int32, device=DEV))
+        assert torch.equal(got.cpu().long(), a.cpu().long() @ b.cpu().long().t()), K
+        x, s = torch.randn(5, K, device=DEV).to(torch.bfloat16), torch.rand(19, device=DEV) / 127
+        out = ig.gemm(w16, ig.MODE_W8A16, x, b, torch.empty(5, 19, dtype=torch.bfloat16, device=DEV), scale_b=s)
+        assert w8a16_error_ratio(out, x, b, s, None, None, SPEC.numerics["bfloat16"]) <= 1.0, K
+
+
 @pytest.mark.parametrize("mode", ["w8a16", "int8_linear", "int8_mm"])
 def test_triton_fast_path_matches_the_general_path(mode, poisoned_workspace):
     """launch.triton_direct (the fast path of signatures a Triton variant runs): the same
@@ -423,6 +441,12 @@ def test_gemv_plans():
         assert ig.plans.is_wgmma(vs[0]) and (vs[0].params["block_m"], vs[0].params["block_n"]) == tile, (M, vs[0].name)
         without = [v for v in vs if not ig.plans.is_wgmma(v)]  # an Ampere GPU's order
         assert without[0].backend == "triton" or M <= 32, (M, without[0].name)
+    # with N and the SMs known, the WGMMA tile of least predicted time (H200-measured winners)
+    wg = [v for v in SPEC.variants if ig.plans.is_wgmma(v)]
+    for M, N, tile in ((295, 1189, (64, 64)), (3225, 634, (128, 128)), (100, 11562, (128, 128)),
+                       (4096, 4096, (128, 256)), (2000, 700, (128, 128))):
+        p = sorted(wg, key=lambda v: ig.plans.preference(v, M, N, 132))[0].params
+        assert (p["block_m"], p["block_n"]) == tile, (M, N, p)
     # above M = 128 (N and the SMs known) the largest unsplit tile whose grid fills the SMs,
     # else a split one
     for M, N, split in ((133, 2811, True), (256, 4096, True), (256, 12288, False), (1024, 4096, False)):

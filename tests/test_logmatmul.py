@@ -277,6 +277,13 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         assert rest == [v for v in vs if v is not first]
     first = order(64, 512, 512)[0]
     assert first.backend == "triton" and first.params["dot"] == "none"
+    # the largest tile a dtype has up to the batch's rows; 16 rows where K is not a multiple
+    # of 4 (the tiles' loads then are not whole vectors)
+    bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))
+    for B, N, K, rows in ((276, 350, 4001, 16), (64, 4096, 4098, 16), (256, 4096, 4096, 64), (300, 4096, 1028, 64),
+                          (64, 4096, 4096, 64)):
+        v = lmm.op._by_batch(bf16, B, N, K)
+        assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
 
 
 def test_cuda_backward_chunks_cover_n_within_shared_memory():
@@ -351,6 +358,18 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch):
     with lmm.using(None):
         lmm.logmatmul(x, w)
     assert len(kernel.calls) == 1
+
+
+@pytest.mark.parametrize("name", [TRITON[0], TRITON[-1]])
+def test_triton_forward_at_every_k_alignment(name):
+    """The Triton forward's KA (the largest power of two up to 16 dividing K, which the
+    kernels fold into K so that the compiler sees the rows' alignment) at K of every
+    alignment, split and unsplit: within float32 rounding of the float64 reference."""
+    mod = _mod(name)
+    for K in (37, 98, 100, 200, 48, 1001):
+        x, w = torch.randn(3, K) * 3, torch.rand(21, K)
+        out = launch.forward(mod, x, w)
+        torch.testing.assert_close(out, lmm.reference(x.double(), w.double()).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_fast_path_of_a_triton_variant_runs_its_forward(monkeypatch):

@@ -56,9 +56,12 @@ def int8_gemm_kernel(a_ptr, b_ptr, out_ptr, sa_ptr, sb_ptr, bias_ptr,
                      MODE: tl.constexpr, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr,
                      GROUP: tl.constexpr, EVEN_K: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, KA: tl.constexpr = 1):
     """out[m, n] = sum_k a[m, k] * b[n, k] over this program's K range [split * k_split,
-    +k_split); PARTIAL: the raw sum goes to plane `split` of out (splits x M x N)."""
+    +k_split); PARTIAL: the raw sum goes to plane `split` of out (splits x M x N). KA: a
+    power of two dividing K (the caller's promise), so that the compiler knows the rows'
+    alignment and the K mask's granularity (Triton itself knows only whether K % 16 == 0)."""
+    K = K // KA * KA  # (the same K; its divisibility now visible to the vectoriser)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)

@@ -100,8 +100,11 @@ def _finish(acc, acc3, DOT: tl.constexpr):
 def logmatmul_fwd_kernel(x_ptr, w_ptr, part_m_ptr, part_s_ptr, out_ptr, B, N, K, k_slice, n_tiles,
                          DIRECT: tl.constexpr, DOT: tl.constexpr, BLOCK_B: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRE: tl.constexpr = False,
-                         m_ptr=None):
-    """PRE: x_ptr holds e = exp(x - m) and m_ptr each row's m (logmatmul_exp_kernel)."""
+                         m_ptr=None, KA: tl.constexpr = 1):
+    """PRE: x_ptr holds e = exp(x - m) and m_ptr each row's m (logmatmul_exp_kernel). KA: a
+    power of two dividing K (the caller's promise), so that the compiler knows the rows'
+    alignment and the K masks' granularity (Triton itself knows only whether K % 16 == 0)."""
+    K = K // KA * KA  # (the same K; its divisibility now visible to the vectoriser)
     pid = tl.program_id(0)
     pid_n = pid % n_tiles
     rest = pid // n_tiles
@@ -160,8 +163,10 @@ def logmatmul_combine_kernel(part_m_ptr, part_s_ptr, out_ptr, B, N, splits, BLOC
 
 
 @triton.jit
-def logmatmul_exp_kernel(x_ptr, e_ptr, m_ptr, K, BLOCK: tl.constexpr):
-    """Program b: m[b] = max_k x[b, k] (0 where that is -inf), e[b, k] = exp(x[b, k] - m[b])."""
+def logmatmul_exp_kernel(x_ptr, e_ptr, m_ptr, K, BLOCK: tl.constexpr, KA: tl.constexpr = 1):
+    """Program b: m[b] = max_k x[b, k] (0 where that is -inf), e[b, k] = exp(x[b, k] - m[b]).
+    KA: as logmatmul_fwd_kernel's."""
+    K = K // KA * KA
     b = tl.program_id(0).to(tl.int64)
     mt = tl.full([BLOCK], float("-inf"), tl.float32)
     for k0 in range(0, K, BLOCK):

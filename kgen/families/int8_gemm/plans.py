@@ -115,10 +115,26 @@ def gemv_splits_of(params, M: int, N: int, K: int, sms: int) -> int:
     return gemv_splits(params["block_n"], M, N, K, sms, params["warps_n"], params["warps_m"])
 
 
-# The Hopper WGMMA kernel's tile per M where nothing is tuned (the shipped H100 and H200
-# tables' winners by M bucket: 64 x 64 at M <= 64, 64 x 128 or 128 x 128 up to 256,
-# 128 x 256 beyond; smaller tiles give more CTAs where the output is small).
+# The Hopper WGMMA kernel's tile per M where nothing is tuned and N is not known (the
+# shipped H100 and H200 tables' winners by M bucket: 64 x 64 at M <= 64, 64 x 128 or
+# 128 x 128 up to 256, 128 x 256 beyond; smaller tiles give more CTAs where the output is
+# small).
 WGMMA_TILES = ((64, (64, 64)), (256, (64, 128)), (float("inf"), (128, 256)))
+# With N and the SMs known: the tile of least predicted time, waves x tile area / the tile's
+# efficiency (output per unit time of one CTA, relative to 128 x 256: measured on an H200 at
+# 295 x 1189 x 2304, each tile's grid within one wave: 25.1 / 13.6 / 8.3 / 6.9 us for
+# 128 x 256 / 128 x 128 / 64 x 128 / 64 x 64). It picks the fastest or within 3 % of it in
+# 37 of the shipped tables' 40 int8 buckets at M >= 64 (worst 1.16; the M rule: 35, 1.26)
+# and the fastest at 7 untuned shapes where the M rule took 1.3-3.6x the best
+# (BENCHMARKS.md thirty-sixth session).
+WGMMA_TILE_EFFICIENCY = {128 * 256: 1.0, 128 * 128: 0.92, 64 * 128: 0.76, 64 * 64: 0.5}
+
+
+def wgmma_tile_cost(params, M: int, N: int, sms: int) -> float:
+    """Predicted time of a wgmma variant's grid (arbitrary units, WGMMA_TILE_EFFICIENCY)."""
+    bm, bn = params["block_m"], params["block_n"]
+    # (waves of one CTA an SM: where two fit, each runs at about half speed beside the other)
+    return cdiv(cdiv(M, bm) * cdiv(N, bn), sms) * bm * bn / WGMMA_TILE_EFFICIENCY.get(bm * bn, 0.76)
 
 
 def preference(variant, M: int, N: int | None = None, sms: int | None = None) -> tuple:
@@ -128,8 +144,9 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None) ->
     them; last at larger M); above it the Hopper WGMMA kernel (int8 on sm_90a; every int8
     bucket above M = 16 in the shipped H100 and H200 tables went to it; at untuned shapes on
     an H200 the op ran 3-6.6x faster than with the Triton tile, BENCHMARKS.md twenty-second
-    session), its tile by M (WGMMA_TILES); then at M <= 32 the split-K streaming variants (b
-    read once, spread over all SMs), then the row tile that wastes least of M (a 128-row
+    session), its tile by predicted time (wgmma_tile_cost; by M, WGMMA_TILES, where N is not
+    known); then at M <= 32 the split-K streaming variants (b read once, spread over all
+    SMs), then the row tile that wastes least of M (a 128-row
     tile at M = 64 computes half zeros); above M = 128 the largest unsplit tiles whose grid
     fills the SMs, else the split-K ones (W8A16 at 133 x 2811 x 7984, H200: the unsplit
     128 x 128 tile's 44 CTAs took 113 us of GPU, the 64 x 128 tile with 4 splits 48,
@@ -142,6 +159,8 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None) ->
     if is_gemv(variant):  # first where it takes M, last elsewhere
         return (-1,) if M <= GEMV_MAX_M else (float("inf"),)
     if is_wgmma(variant):
+        if N is not None and sms:  # (a 128-row tile at M <= 64 computes half zeros or more)
+            return (0, M <= 64 < p["block_m"], wgmma_tile_cost(p, M, N, sms), -p["block_m"] * p["block_n"])
         tile = next(t for m, t in WGMMA_TILES if M <= m)
         return (0, (p["block_m"], p["block_n"]) != tile, abs(p["block_m"] - tile[0]), abs(p["block_n"] - tile[1]))
     if M <= 32:
@@ -152,16 +171,20 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None) ->
     return (1, starved, split != 1, -p["block_m"], variant.backend == "cuda")
 
 
-# 16-bit W8A16 calls above this many rows in a bucket the table does not hold run the
-# reference (the weight dequantised once, then cuBLAS's GEMM) where N and K are multiples
-# of 8 (rows of whole 16-byte vectors): above M = 1024 it won every tuned bucket of the
-# shipped H100 and H200 tables (20 of 20: the Triton tile took 1.07-1.79x its time), where
-# the in-register dequantisation no longer hides behind the weight's read. With other N or
-# K cuBLAS takes slower kernels (H200, fp16 4493 x 5269 x 5856: 2502 us against the Triton
-# tile's 999; 3348 x 2002 x 5984: 457 against 355; BENCHMARKS.md thirty-sixth session).
+# 16-bit W8A16 calls above W8A16_REFERENCE_M rows and K above W8A16_REFERENCE_K in a
+# bucket the table does not hold run the reference (the weight dequantised once, then
+# cuBLAS's GEMM) where N and K are multiples of 8 (rows of whole 16-byte vectors): it won
+# every such tuned bucket of the shipped H100 and H200 tables (20 of 20, K = 4096 and 11008:
+# the Triton tile took 1.07-1.79x its time), where the in-register dequantisation no longer
+# hides behind the weight's read. At smaller K the reference's passes over the M x N output
+# (float32 product, then scale and cast) cost more than the GEMM saves (H200, 4096 x 4096:
+# Triton 73 / 108 / 196 us against 126 / 149 / 199 at K = 464 / 1024 / 2048, bf16), and with
+# other N or K cuBLAS takes slower kernels (fp16 4493 x 5269 x 5856: 2502 us against the
+# Triton tile's 999). BENCHMARKS.md thirty-sixth session.
 W8A16_REFERENCE_M = 1024
+W8A16_REFERENCE_K = 2048
 
 
 def w8a16_prefers_reference(M: int, N: int, K: int) -> bool:
     """Whether an untuned W8A16 call runs the reference (W8A16_REFERENCE_M)."""
-    return M > W8A16_REFERENCE_M and N % 8 == 0 and K % 8 == 0
+    return M > W8A16_REFERENCE_M and K > W8A16_REFERENCE_K and N % 8 == 0 and K % 8 == 0

@@ -244,7 +244,7 @@ def triton_aot(variant, mod) -> list:
     sig = {"a_ptr": f"*{t}", "b_ptr": "*i8", "out_ptr": f"*{out}", "sa_ptr": "*fp32", "sb_ptr": "*fp32",
            "bias_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "k_split": "i32", "n_groups": "i32"}
     const = {"MODE": 1 if int8 else 2, "PARTIAL": False, "HAS_BIAS": True, "GROUP": 0, "EVEN_K": True,
-             "BLOCK_M": mod.BLOCK_M, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "GROUP_M": mod.GROUP_M}
+             "BLOCK_M": mod.BLOCK_M, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "GROUP_M": mod.GROUP_M, "KA": 16}
     sig.update({k: "constexpr" for k in const})
     # K a multiple of 16 (every model shape; k_split is a multiple of BLOCK_K): the JIT's
     # specialization at such calls, which the build's resource report should show

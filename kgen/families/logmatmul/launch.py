@@ -298,12 +298,13 @@ def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
     bb, splits, k_slice, n_tiles, pre = plan
     B, K = x.shape
     N = w.shape[0]
+    ka = min(16, K & -K)  # the kernels' KA: the largest power of two up to 16 dividing K (K >= 1)
     todo = []
     if pre:  # tl.dot forms: exp(x - m) once, then a plain tl.dot tile loop
-        todo.append((mod.logmatmul_exp_kernel, (B,), (x, e, m, K, REDUCE_BLOCK), {}))
+        todo.append((mod.logmatmul_exp_kernel, (B,), (x, e, m, K, REDUCE_BLOCK, ka), {}))
     todo.append((mod.logmatmul_fwd_kernel, (n_tiles * cdiv(B, bb) * splits,),
                  (e if pre else x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles,
-                  splits == 1, mod.DOT, bb, mod.BLOCK_N, mod.BLOCK_K, pre, m),
+                  splits == 1, mod.DOT, bb, mod.BLOCK_N, mod.BLOCK_K, pre, m, ka),
                  dict(num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)))
     if splits > 1:
         todo.append((mod.logmatmul_combine_kernel, (cdiv(B * N, REDUCE_BLOCK),),

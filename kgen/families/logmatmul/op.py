@@ -66,7 +66,15 @@ def _choose(device, dtype, B, N, K):
 
     name = str(dtype).removeprefix("torch.")
     dims = {"B": B, "N": N, "K": K}
-    kernel, _ = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
+    kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
+    if (why.startswith("tuned nearby") and kernel is not None and kernel.params.get("dot", "none") != "none"
+            and kernel.params["block_b"] > 16 and K % 4):
+        # a tl.dot tile carried from a bucket of whole K vectors to a K that is not (its
+        # loads then go one element at a time, ODD_K_ROWS): the batch rule instead
+        v = _by_batch(dispatch.runnable(FAMILY, name, device), B, N, K)
+        if v is not None:
+            kernel = dispatch.load(v)
+            dispatch.log_choice(FAMILY, device, name, tune_bucket(**dims), kernel, "untuned rule (K not whole vectors)")
     if kernel is not None and kernel.backend == "cuda":
         companion = dispatch.select(FAMILY, device, name, backend="triton")
         return CudaForward(kernel, companion.module) if companion is not None else None
@@ -87,26 +95,35 @@ def untuned_order(variants, shape: dict) -> list:
     return variants if first is None else [first, *(v for v in variants if v is not first)]
 
 
+# Rows a tl.dot program takes where K is not a multiple of 4: the exponentials' and w's rows
+# (float32) are then not whole 16-byte vectors and the tiles load one or two elements at a
+# time; the 16-row tile ran 1.7-2.1x faster than the 64-row one at every such shape measured
+# (H200, bf16 and float32, 276 x 350 x 1805 to 200 x 3000 x 3000; where K is a multiple of 4
+# the kernels' KA makes the loads whole vectors and the 64-row tile wins as at K = 4096:
+# BENCHMARKS.md thirty-sixth session).
+ODD_K_ROWS = 16
+
+
 def _by_batch(variants, B: int, N: int, K: int):
-    """Where nothing is tuned, B >= 16 runs the first tl.dot variant whose rows per program
-    match the batch (16 up to B = 32, 64 below 128, else 128) instead of spec order's
-    small-batch form:
-    on an H100 at N = K = 4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and
-    89 us against 287 us at B = 64. Small weights (SMALL_WEIGHTS) take spec order at
-    B = 16 (the CUDA kernel: it won B <= 16 at every tuned size) and the small-batch
-    Triton form above it (an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
-    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session). None: spec order."""
+    """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
+    the batch (16 up to B = 32, 64 below 128, else 128, ODD_K_ROWS where K % 4; the largest
+    there is up to that), instead of spec order's small-batch form: on an H100 at N = K =
+    4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and 89 us against 287 us at B =
+    64. Small weights
+    (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won B <= 16 at every
+    tuned size) and the small-batch Triton form above it (an H200 at 31 x 23 x 545: 6.4 us
+    of GPU time against the 16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second
+    session). None: spec order."""
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
     if small and B <= 16:
         return None
-    rows = 16 if B <= 32 else 64 if B < 128 else 128
-    for v in variants:
-        if v.backend == "triton" and ((v.params["dot"] == "none") if small
-                                      else (v.params["dot"] != "none" and v.params["block_b"] == rows)):
-            return v
-    return None
+    if small:
+        return next((v for v in variants if v.backend == "triton" and v.params["dot"] == "none"), None)
+    rows = ODD_K_ROWS if K % 4 else 16 if B <= 32 else 64 if B < 128 else 128
+    dots = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= rows]
+    return max(dots, key=lambda v: v.params["block_b"], default=None)  # (the first of the largest: spec order)
 
 
 # --------------------------------------------------------------------------- tuning

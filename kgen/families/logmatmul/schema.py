@@ -213,10 +213,11 @@ def triton_aot(variant, mod) -> list:
     if pre:
         fwd_sig["x_ptr"] = "*fp32"
     fwd_const = {"DIRECT": False, "DOT": mod.DOT, "BLOCK_B": mod.BLOCK_B, "BLOCK_N": mod.BLOCK_N,
-                 "BLOCK_K": mod.BLOCK_K, "PRE": pre}
+                 "BLOCK_K": mod.BLOCK_K, "PRE": pre, "KA": 16}
     fwd_sig.update({k: "constexpr" for k in fwd_const})
     fwd_sig = {k: fwd_sig[k] for k in ("x_ptr", "w_ptr", "part_m_ptr", "part_s_ptr", "out_ptr", "B", "N", "K", "k_slice",
-                                       "n_tiles", *fwd_const, "m_ptr")}  # the kernel's argument order
+                                       "n_tiles", "DIRECT", "DOT", "BLOCK_B", "BLOCK_N", "BLOCK_K", "PRE", "m_ptr",
+                                       "KA")}  # the kernel's argument order
     bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "stats_ptr": "*fp32",
                "dw_ptr": "*fp32", "dxp_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "n_chunk": "i32"}
     bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K, "DIRECT": False}
