@@ -213,11 +213,13 @@ def _e_scaled(x_ptr, m, S, offs_b, offs_k, mask, K):
 
 @triton.jit
 def logmatmul_bwd_kernel(x_ptr, w_ptr, out_ptr, g_ptr, stats_ptr, dw_ptr, dxp_ptr, B, N, K, n_chunk,
-                         BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRECT: tl.constexpr):
+                         BB: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DIRECT: tl.constexpr,
+                         KA: tl.constexpr = 1):
     """Program = (k tile, chunk of n_chunk rows of w): e' of its k tile once, c' of each n
     step (BB x BN exps per BN x BK tile of w), dw over the chunk's rows, and
     sum_n c'[b, n] w[n, k] over them into dxp[chunk, b, k] (DIRECT, one chunk: dx itself,
-    times e', in dxp's dtype)."""
+    times e', in dxp's dtype). KA: as logmatmul_fwd_kernel's."""
+    K = K // KA * KA
     pid_k = tl.program_id(0)
     chunk = tl.program_id(1)
     offs_k = pid_k * BK + tl.arange(0, BK)

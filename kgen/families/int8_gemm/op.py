@@ -48,8 +48,10 @@ using = _FORCED.using
 
 
 def _remember(key, impl, mode, M, N, K, out_dtype, group_size, scale_b, bias, device) -> None:
-    """Keep the signature's bound launcher for the fast path (outside `using` blocks)."""
-    if key not in _FAST and len(_FAST) < _FAST_MAX and _FORCED.get() is MISSING:
+    """Keep the signature's bound launcher for the fast path (outside `using` blocks and CUDA
+    graph capture, where its output prototype would come from the graph's private pool)."""
+    if (key not in _FAST and len(_FAST) < _FAST_MAX and _FORCED.get() is MISSING
+            and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())):
         _FAST[key] = launch.direct(impl, mode, M, N, K, out_dtype, group_size,
                                    scale_b.dtype if scale_b is not None else None,
                                    bias.dtype if bias is not None else None, device)

@@ -399,7 +399,7 @@ def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tens
     dxp = dx if direct else _empty((chunks, B, K), dtype=f32, device=dev)
     triton_launch.launch(mod.logmatmul_bwd_kernel, (cdiv(K, mod.BWD_K), chunks),
                          (x, w, out, grad, stats, dw, dxp, B, N, K, n_chunk),
-                         dict(BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K, DIRECT=direct,
+                         dict(BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K, DIRECT=direct, KA=min(16, K & -K),
                               num_warps=mod.BWD_WARPS))
     if not direct:
         triton_launch.launch(mod.logmatmul_dx_kernel, (cdiv(B * K, REDUCE_BLOCK),),

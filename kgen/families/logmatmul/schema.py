@@ -220,7 +220,7 @@ def triton_aot(variant, mod) -> list:
                                        "KA")}  # the kernel's argument order
     bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "stats_ptr": "*fp32",
                "dw_ptr": "*fp32", "dxp_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "n_chunk": "i32"}
-    bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K, "DIRECT": False}
+    bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K, "DIRECT": False, "KA": 16}
     bwd_sig.update({k: "constexpr" for k in bwd_const})
     # K and the K slice multiples of 16 (the issue's and most models' widths): what the JIT
     # specializes at such calls, and so what the build's resource report should show
