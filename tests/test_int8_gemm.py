@@ -251,11 +251,13 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
 
 
 def test_triton_kernels_take_any_k_alignment(poisoned_workspace):
-    """The Triton kernels' KA (launch.k_align: the largest power of two up to 16 dividing K,
-    so that the compiler sees the rows' alignment) at K of every alignment: exact int8_mm,
-    W8A16 within the golden tolerance; k_align divides K and is the largest such."""
+    """The Triton kernels' KA (kgen.runtime.op.stride_align: the largest power of two up to 16
+    dividing K, so that the compiler sees the rows' alignment) at K of every alignment: exact
+    int8_mm, W8A16 within the golden tolerance; stride_align divides K and is the largest such."""
+    from kgen.runtime.op import stride_align
+
     for K in range(1, 70):
-        ka = ig_launch.k_align(K)
+        ka = stride_align(K)
         assert K % ka == 0 and ka in (1, 2, 4, 8, 16) and (ka == 16 or K % (2 * ka))
     i8 = ig.implementation(_kernel(next(n for n in TRITON if SPEC.variant(n).dtype == "int8")))
     w16 = ig.implementation(_kernel(next(n for n in TRITON if SPEC.variant(n).dtype == "bfloat16")))

@@ -163,6 +163,16 @@ def _needs_grad(args) -> bool:
     return False
 
 
+def stride_align(n: int) -> int:
+    """The largest power of two up to 16 dividing n (16 for n = 0). A Triton kernel whose rows are
+    n elements apart takes it as a constexpr A and writes `n = n // A * A` (the same value):
+    Triton specialises an integer argument only on n % 16 == 0, so at any other n the
+    compiler cannot prove a row starts on a vector boundary nor that a mask on n is constant
+    over a vector, and loads one element at a time (int8_gemm at K = 3000: 21x slower,
+    BENCHMARKS.md thirty-sixth session)."""
+    return min(16, n & -n) if n else 16
+
+
 # How many TorchDispatchModes are active (one C call): the ops' eager fast paths step aside
 # where any is, so that the mode sees the op as a torch.library call (FlopCounterMode, a
 # tracer), as it would PyTorch's own.

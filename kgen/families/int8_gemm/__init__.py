@@ -17,9 +17,9 @@ deterministic combine where the tiles do not fill the SMs; int8 x int8 with the 
 and cuda_gemv.cu.j2 (M <= 16, all three ops). int8_linear runs int8_mm's choice, except
 where that is the reference: then the bucket's fastest kgen candidate (op._fused_impl).
 Dispatch picks per (M bucket, N, K) from the tuning table, else by shape
-(plans.preference) among the variants of the specs (W8A16 above plans.W8A16_REFERENCE_M
-rows with N and K multiples of 8: the reference); torch._int_mm / the PyTorch W8A16 expression are the `reference`
-candidate of the tuner.
+(plans.preference) among the variants of the specs (W8A16 at large M and K: the reference,
+plans.w8a16_prefers_reference); torch._int_mm / the PyTorch W8A16 expression are the
+`reference` candidate of the tuner.
 """
 
 from kgen.families.int8_gemm.checks import check_int8_linear, check_int8_mm, check_w8a16_linear

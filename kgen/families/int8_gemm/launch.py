@@ -22,7 +22,7 @@ import torch
 from kgen.families.int8_gemm import plans
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
 from kgen.runtime import triton_launch
-from kgen.runtime.op import prototype
+from kgen.runtime.op import prototype, stride_align
 from kgen.runtime.streams import current_raw_stream
 
 # Output / bias dtype codes the CUDA launcher reads.
@@ -243,13 +243,6 @@ def _triton(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits) 
         triton_launch.launch(kernel, grid, args, kw)
 
 
-def k_align(K: int) -> int:
-    """The largest power of two up to 16 dividing K: the Triton kernels' KA (their rows'
-    alignment and K masks' granularity, which Triton's own specialisation sees only where
-    K % 16 == 0; at K = 3000 an int8 call then loaded a byte at a time)."""
-    return min(16, K & -K) if K else 16
-
-
 def _triton_launches(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits, k_split, part) -> list:
     """The (kernel, grid, args, kw) launches of a Triton call: the GEMM writing `out`, or
     with n_splits > 1 the GEMM writing the partial planes `part` and the combine."""
@@ -263,7 +256,7 @@ def _triton_launches(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n
     bi = bias if bias is not None else dummy
     consts = dict(MODE=mode, HAS_BIAS=bias is not None, GROUP=group)
     tiles = dict(EVEN_K=K % bk == 0, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, BLOCK_K=bk, GROUP_M=mod.GROUP_M,
-                 KA=k_align(K), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
+                 KA=stride_align(K), num_warps=mod.NUM_WARPS, num_stages=mod.NUM_STAGES)
     n_groups = K // group if group else 1
     grid = plans.gemm_grid(mod, M, N, n_splits)
     if n_splits == 1:

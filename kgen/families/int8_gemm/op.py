@@ -88,8 +88,8 @@ def _fused_impl(device: torch.device, M: int, N: int, K: int):
 def _choose(device, dtype, M, N, K, grouped, fused=False):
     """Dispatch's choice for the bucket; where it fell to spec order (nothing tuned), the
     family's shape preference (plans.preference) among the same candidates instead, or
-    for W8A16 above plans.W8A16_REFERENCE_M rows the reference. `fused`: never the
-    reference; a tuned bucket's fastest other candidate."""
+    for W8A16 at large M and K the reference (plans.w8a16_prefers_reference). `fused`:
+    never the reference; a tuned bucket's fastest other candidate."""
     from kgen.errors import KgenError
     from kgen.runtime import dispatch, tune
 

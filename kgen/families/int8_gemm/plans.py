@@ -146,9 +146,9 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None) ->
     an H200 the op ran 3-6.6x faster than with the Triton tile, BENCHMARKS.md twenty-second
     session), its tile by predicted time (wgmma_tile_cost; by M, WGMMA_TILES, where N is not
     known); then at M <= 32 the split-K streaming variants (b read once, spread over all
-    SMs), then the row tile that wastes least of M (a 128-row
-    tile at M = 64 computes half zeros); above M = 128 the largest unsplit tiles whose grid
-    fills the SMs, else the split-K ones (W8A16 at 133 x 2811 x 7984, H200: the unsplit
+    SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes half
+    zeros); above M = 128 the largest unsplit tiles whose grid fills the SMs, else the
+    split-K ones (W8A16 at 133 x 2811 x 7984, H200: the unsplit
     128 x 128 tile's 44 CTAs took 113 us of GPU, the 64 x 128 tile with 4 splits 48,
     BENCHMARKS.md thirty-sixth session; the shipped tables' M <= 256 winners agree in 9 of
     10 16-bit buckets). Ties keep spec order (sorted is stable). Above M = 128 Triton comes
@@ -186,5 +186,5 @@ W8A16_REFERENCE_K = 2048
 
 
 def w8a16_prefers_reference(M: int, N: int, K: int) -> bool:
-    """Whether an untuned W8A16 call runs the reference (W8A16_REFERENCE_M)."""
+    """Whether an untuned W8A16 call runs the reference (see W8A16_REFERENCE_M above)."""
     return M > W8A16_REFERENCE_M and K > W8A16_REFERENCE_K and N % 8 == 0 and K % 8 == 0

@@ -30,7 +30,7 @@ from kgen.families.logmatmul.plans import (
     cuda_k_step, cuda_splits, k_split, pow2_at_least, sm_count)
 from kgen.families.logmatmul.schema import CUDA_MAX_B, CUDA_MAX_K, cuda_bsl_shape, cuda_op_max_b, cuda_rows
 from kgen.runtime import triton_launch
-from kgen.runtime.op import prototype
+from kgen.runtime.op import prototype, stride_align
 from kgen.runtime.streams import current_raw_stream
 
 _empty = torch.empty  # tests patch this to poison every buffer
@@ -298,7 +298,7 @@ def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
     bb, splits, k_slice, n_tiles, pre = plan
     B, K = x.shape
     N = w.shape[0]
-    ka = min(16, K & -K)  # the kernels' KA: the largest power of two up to 16 dividing K (K >= 1)
+    ka = stride_align(K)  # the kernels' KA
     todo = []
     if pre:  # tl.dot forms: exp(x - m) once, then a plain tl.dot tile loop
         todo.append((mod.logmatmul_exp_kernel, (B,), (x, e, m, K, REDUCE_BLOCK, ka), {}))
@@ -399,7 +399,7 @@ def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tens
     dxp = dx if direct else _empty((chunks, B, K), dtype=f32, device=dev)
     triton_launch.launch(mod.logmatmul_bwd_kernel, (cdiv(K, mod.BWD_K), chunks),
                          (x, w, out, grad, stats, dw, dxp, B, N, K, n_chunk),
-                         dict(BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K, DIRECT=direct, KA=min(16, K & -K),
+                         dict(BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K, DIRECT=direct, KA=stride_align(K),
                               num_warps=mod.BWD_WARPS))
     if not direct:
         triton_launch.launch(mod.logmatmul_dx_kernel, (cdiv(B * K, REDUCE_BLOCK),),

@@ -109,11 +109,10 @@ def _by_batch(variants, B: int, N: int, K: int):
     the batch (16 up to B = 32, 64 below 128, else 128, ODD_K_ROWS where K % 4; the largest
     there is up to that), instead of spec order's small-batch form: on an H100 at N = K =
     4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and 89 us against 287 us at B =
-    64. Small weights
-    (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won B <= 16 at every
-    tuned size) and the small-batch Triton form above it (an H200 at 31 x 23 x 545: 6.4 us
-    of GPU time against the 16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second
-    session). None: spec order."""
+    64. Small weights (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won
+    B <= 16 at every tuned size) and the small-batch Triton form above it (an H200 at
+    31 x 23 x 545: 6.4 us of GPU time against the 16-row tl.dot tile's 17.6; BENCHMARKS.md,
+    twenty-second session). None: spec order."""
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
