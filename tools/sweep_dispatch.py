@@ -2,14 +2,17 @@
 candidate of the family that can take the shape (`tune_runner`, as the tuner times them) and
 the reference, all timed by the tuner's own timer (`timing.cuda_timer`) in interleaved rounds.
 One line a case: the op's time and GPU part (and the candidate whose GPU time it matches),
-the fastest candidate, op / fastest (`<<<` past 1.15). Shapes are log-uniform and awkward:
-mostly untuned buckets, where dispatch falls to "tuned nearby" or spec order.
+the fastest candidate, op / fastest (`<<<` past 1.15), and the op's GPU part / the least
+GPU part of any candidate (`GPU<<<` past 1.15: a dispatch choice to look at, where `<<<`
+alone is usually host cost). Shapes are log-uniform and awkward: mostly untuned buckets,
+where dispatch falls to "tuned nearby" or spec order.
 
     python3 tools/sweep_dispatch.py FAMILY [--cases 8] [--seed 7] [--min-us 500]
 
 It found the untuned-shape defects of the twenty-second session (BENCHMARKS.md): int8 above
 M = 16 on Triton tiles, logmatmul at tiny K through the op's general path, a winner carried
-16x across columns. The op pays its own host cost (checks, output allocation) on top of a
+16x across columns; and the thirty-sixth's: Triton tiles loading one element at a time at
+K % 16 != 0, host-bound W8A16 and fused_bias_act calls, tiles that starved the SMs. The op pays its own host cost (checks, output allocation) on top of a
 bare launch: host-bound cases read ~2x here without any defect; compare GPU parts there."""
 
 from __future__ import annotations
@@ -114,10 +117,12 @@ def main() -> None:
         fastest = min(cands, key=cands.get)
         like = min(cands, key=lambda k: abs(gpu[k] - gpu["OP"]))
         ratio = best["OP"] / best[fastest]
+        gpu_ratio = gpu["OP"] / min(v for k, v in gpu.items() if k != "OP")
         print(
             f"{label} op {best['OP']:8.1f} (gpu {gpu['OP']:7.1f}, like {like[-26:]:26s}) | fastest "
-            f"{fastest[-26:]:26s} {best[fastest]:8.1f} (gpu {gpu[fastest]:7.1f}) | op/fastest {ratio:.2f} | "
-            f"ref {best.get(tune.REFERENCE, math.nan):8.1f}{' <<<' if ratio > 1.15 else ''}",
+            f"{fastest[-26:]:26s} {best[fastest]:8.1f} (gpu {gpu[fastest]:7.1f}) | op/fastest {ratio:.2f} "
+            f"gpu {gpu_ratio:.2f} | ref {best.get(tune.REFERENCE, math.nan):8.1f}"
+            f"{' <<<' if ratio > 1.15 else ''}{' GPU<<<' if gpu_ratio > 1.15 else ''}",
             flush=True,
         )
         del inputs, fns
