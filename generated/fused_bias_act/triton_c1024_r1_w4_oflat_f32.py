@@ -9,7 +9,8 @@
 # Order flat: the tensor as one run of n = rows * cols elements; program i covers elements
 # [i*BLOCK_COLS, (i+1)*BLOCK_COLS), each element's bias column its index mod cols (Triton
 # vectorises that gather where cols is a multiple of the vector width); 32-bit indices
-# unless n needs 64 (WIDE); no masks where BLOCK_COLS divides n (EVEN).
+# unless n needs 64 (WIDE); no masks where BLOCK_COLS divides n (EVEN), else only in the
+# last program.
 import triton
 import triton.language as tl
 
@@ -46,17 +47,13 @@ def activate(z, ACT: tl.constexpr):
 
 
 @triton.jit
-def fused_bias_act_kernel(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, n, cols,
-                          ACT: tl.constexpr, HAS_Y: tl.constexpr, BLOCK_COLS: tl.constexpr, WIDE: tl.constexpr,
-                          EVEN: tl.constexpr):
-    if WIDE:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    else:
-        offs = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    if EVEN:  # BLOCK_COLS divides n: no program runs past the end, no predicates
-        ok = tl.full([BLOCK_COLS], True, tl.int1)
-    else:
+def _flat_block(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, offs, n, cols, ACT: tl.constexpr, HAS_Y: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, MASKED: tl.constexpr):
+    """One program's elements `offs`; MASKED: those past n neither read nor written."""
+    if MASKED:
         ok = offs < n
+    else:
+        ok = tl.full([BLOCK_COLS], True, tl.int1)
     # the bias is small and read by every program: kept in L2 (evict_last)
     b = tl.load(bias_ptr + offs % cols, mask=ok, other=0.0, eviction_policy="evict_last")
     z = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) + b.to(tl.float32)
@@ -64,3 +61,21 @@ def fused_bias_act_kernel(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, n, cols,
         z += alpha * tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     z = activate(z, ACT)
     tl.store(out_ptr + offs, z.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def fused_bias_act_kernel(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, n, cols,
+                          ACT: tl.constexpr, HAS_Y: tl.constexpr, BLOCK_COLS: tl.constexpr, WIDE: tl.constexpr,
+                          EVEN: tl.constexpr):
+    if WIDE:
+        start = tl.program_id(0).to(tl.int64) * BLOCK_COLS
+    else:
+        start = tl.program_id(0) * BLOCK_COLS
+    offs = start + tl.arange(0, BLOCK_COLS)
+    if EVEN:  # BLOCK_COLS divides n: no program runs past the end, no predicates
+        _flat_block(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, offs, n, cols, ACT, HAS_Y, BLOCK_COLS, False)
+    elif start + BLOCK_COLS <= n:  # a whole block: unpredicated 16-byte accesses (a mask on an n
+        # Triton does not know to be a multiple of 16 would make every access scalar)
+        _flat_block(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, offs, n, cols, ACT, HAS_Y, BLOCK_COLS, False)
+    else:  # the last program
+        _flat_block(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, offs, n, cols, ACT, HAS_Y, BLOCK_COLS, True)

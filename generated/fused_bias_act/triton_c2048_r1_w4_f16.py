@@ -46,7 +46,10 @@ def activate(z, ACT: tl.constexpr):
 @triton.jit
 def fused_bias_act_kernel(x_ptr, y_ptr, bias_ptr, out_ptr, alpha, rows, cols,
                           ACT: tl.constexpr, HAS_Y: tl.constexpr,
-                          BLOCK_COLS: tl.constexpr, ROWS: tl.constexpr):
+                          BLOCK_COLS: tl.constexpr, ROWS: tl.constexpr, CA: tl.constexpr = 1):
+    # CA: a power of two dividing cols (kgen.runtime.op.stride_align), folded in so that the
+    # compiler sees the rows' alignment and the column mask's granularity
+    cols = cols // CA * CA
     row0 = tl.program_id(0).to(tl.int64) * ROWS
     cols_off = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     col_ok = cols_off < cols

@@ -7,6 +7,7 @@ import torch
 
 from kgen.families.fused_bias_act.schema import ACT_CODE, MAX_GRID_Y
 from kgen.runtime import triton_launch
+from kgen.runtime.op import stride_align
 from kgen.runtime.streams import current_raw_stream as _raw_stream
 
 
@@ -97,7 +98,7 @@ def _triton(kernel, x, bias, y, alpha: float, act: str, out, rows: int, cols: in
         if grid[1] > MAX_GRID_Y:
             raise ValueError(f"fused_bias_act: {cols} columns exceed the grid of variant {kernel.name}")
         args = (x, y if has_y else x, bias, out, alpha, rows, cols)
-        kw = dict(ACT=ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, ROWS=mod.ROWS,
+        kw = dict(ACT=ACT_CODE[act], HAS_Y=has_y, BLOCK_COLS=mod.BLOCK_COLS, ROWS=mod.ROWS, CA=stride_align(cols),
                   num_warps=mod.NUM_WARPS)
     # (kgen.runtime.triton_launch: Triton's own launch the first time per specialisation,
     # its compiled launcher directly after that)

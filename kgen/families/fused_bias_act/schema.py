@@ -80,5 +80,5 @@ def triton_aot(variant, mod) -> list[tuple[Any, dict, dict]]:
         return [(mod.fused_bias_act_kernel, sig, {**const, "WIDE": False, "EVEN": False}, {"num_warps": mod.NUM_WARPS},
                  ("n", "cols"))]
     sig.update({"rows": "i64", "cols": "i64", "ACT": "constexpr", "HAS_Y": "constexpr", "BLOCK_COLS": "constexpr",
-                "ROWS": "constexpr"})
-    return [(mod.fused_bias_act_kernel, sig, {**const, "ROWS": mod.ROWS}, {"num_warps": mod.NUM_WARPS})]
+                "ROWS": "constexpr", "CA": "constexpr"})
+    return [(mod.fused_bias_act_kernel, sig, {**const, "ROWS": mod.ROWS, "CA": 16}, {"num_warps": mod.NUM_WARPS})]
