@@ -304,6 +304,11 @@ def test_fast_path_takes_only_the_calls_it_was_kept_for(monkeypatch):
     assert seen == [3.0]
     # the CPU reference path keeps nothing
     assert fba.op._FAST.size == 1
+    # what the op's implementation may keep: plain, contiguous tensors needing no gradient
+    keepable = fba.op._keepable
+    assert keepable((x, b, y)) and keepable((x, b))
+    assert not keepable((x.t(), b)) and not keepable((x.clone().requires_grad_(), b))
+    assert not keepable((torch.nn.Parameter(x), b))
 
 
 def test_triton_flat_index_widths_and_masks_agree():

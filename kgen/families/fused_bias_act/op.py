@@ -98,11 +98,7 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     """The op's implementation (eager fast path and the registered op alike). It runs on
     every call, so it reads each tensor attribute once and calls as little as it can."""
     _check(x, bias, y, alpha, act, inplace)
-    # the caller's tensors as a fast-path entry would see them (before any copy below)
-    keep = (FAST_PATH and not inplace and type(x) is _PLAIN and type(bias) is _PLAIN and x.is_contiguous()
-            and bias.is_contiguous() and not x.requires_grad and not bias.requires_grad
-            and (y is None or (type(y) is _PLAIN and y.is_contiguous() and not y.requires_grad)))
-    call = (((act, y is None), (x, bias) if y is None else (x, bias, y)) if keep else None)
+    given = (x, bias) if y is None else (x, bias, y)  # the caller's tensors (before any copy below)
     if inplace:
         if _overlaps(x, bias) or (y is not None and _overlaps(x, y)):
             raise ValueError("fused_bias_act: in place, bias and y must not partially overlap x")
@@ -126,9 +122,17 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
         return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
     launch(kernel, x, bias, y, alpha, act, out)
-    if call is not None and rows and not _FAST.has(call):
-        _FAST.put(call, bound(kernel, dev, rows, cols, y is not None, act))
+    if FAST_PATH and not inplace and rows and _keepable(given):
+        call = ((act, y is None), given)
+        if not _FAST.has(call):
+            _FAST.put(call, bound(kernel, dev, rows, cols, y is not None, act))
     return out
+
+
+def _keepable(tensors) -> bool:
+    """Whether a call of these tensors may be kept for the fast path: plain, contiguous, none
+    needing a gradient (the memo then matches only calls with the same metadata)."""
+    return all(type(t) is _PLAIN and t.is_contiguous() and not t.requires_grad for t in tensors)
 
 
 # --------------------------------------------------------------------------- torch.library

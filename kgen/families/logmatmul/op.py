@@ -68,7 +68,7 @@ def _choose(device, dtype, B, N, K):
     dims = {"B": B, "N": N, "K": K}
     kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
     if (why.startswith("tuned nearby") and kernel is not None and kernel.params.get("dot", "none") != "none"
-            and kernel.params["block_b"] > 16 and K % 4):
+            and kernel.params["block_b"] > ODD_K_ROWS and K % 4):
         # a tl.dot tile carried from a bucket of whole K vectors to a K that is not (its
         # loads then go one element at a time, ODD_K_ROWS): the batch rule instead
         v = _by_batch(dispatch.runnable(FAMILY, name, device), B, N, K)
