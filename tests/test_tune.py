@@ -196,14 +196,16 @@ def test_the_reference_can_win(tables, labelled_runners):
 def test_buckets():
     b = fba.tune_bucket
     assert b(1000, 4104, True) == "rows<=1024.cols<=8192.vec16.y"
-    assert b(1024, 4100, False) == "rows<=1024.cols<=8192.tail.no-y"
+    assert b(1024, 4100, False) == "rows<=1024.cols<=8192.vec8.no-y"
+    assert b(1024, 4101, False) == b(1024, 4102, False) == "rows<=1024.cols<=8192.tail.no-y"
     assert b(1, 1) == "rows<=1.cols<=1.tail.y"
     assert b(1025, 4104) != b(1024, 4104)
     assert llp.tune_bucket(4096, 2048, 151936) == "N<=4096.D<=2048.V<=262144"
     assert llp.tune_bucket(1, 1, 1) == "N<=1.D<=1.V<=1"
     # the per-call cache keys follow the buckets exactly
-    for r, c in ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1025, 4104)):
-        for r2, c2 in ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1025, 4104)):
+    shapes = ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1024, 4101), (1025, 4104), (1000, 4102))
+    for r, c in shapes:
+        for r2, c2 in shapes:
             same_key = fba.op._key(0, None, r, c, True) == fba.op._key(0, None, r2, c2, True)
             assert same_key == (b(r, c) == b(r2, c2))
 
@@ -482,6 +484,28 @@ def test_nearest_bucket():
         assert tune.nearest(tune.key("f", FAKE_DEVICE, "float16", "N<=1.D<=1024")) is None
     finally:
         tune.TABLES.invalidate()
+
+
+def test_a_vec8_bucket_nobody_tuned_takes_the_tail_entry_of_its_sizes(tables):
+    a, b, c = _triton_f32()[:3]
+    vec8, tail = fba.tune_bucket(1000, 4100), fba.tune_bucket(1000, 4102)
+    k_vec8, k_tail = (tune.key("fused_bias_act", FAKE_DEVICE, "float32", x) for x in (vec8, tail))
+    assert tune.stand_in(k_vec8) == k_tail and tune.stand_in(k_tail) is None
+    # a near-tie (no margin to carry it to a nearby bucket) still serves the same sizes
+    tune.record({k_tail: {**_entry(a.name), "times_us": {a.name: 10.0, b.name: 10.1}}})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", vec8)
+    assert (kernel.name, why) == (a.name, f"tuned as {tail}")
+    # ... and nearby vec8 buckets search the tail entries when no vec8 one is tuned
+    far = fba.tune_bucket(5000, 4100)
+    near = tune.nearest(tune.key("fused_bias_act", FAKE_DEVICE, "float32", far))
+    assert near[0] == k_tail
+    # a vec8 entry of its own wins over the stand-in, and over tail entries nearby
+    tune.record({k_vec8: _entry(c.name)})
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", vec8)
+    assert (kernel.name, why) == (c.name, "tuned")
+    assert tune.nearest(tune.key("fused_bias_act", FAKE_DEVICE, "float32", far))[0] == k_vec8
+    # the tail bucket never takes the vec8 one's entry
+    assert dispatch.choose("fused_bias_act", CUDA0, "float32", tail)[0].name == a.name
 
 
 def test_the_user_table_overrides_the_shipped_one(tables):

@@ -246,7 +246,8 @@ def triton_companion(family: str, kernel: loader.Kernel, purpose: str) -> loader
 
 def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = None):
     """The loaded variant an op runs for one shape bucket (None: the family's reference),
-    and why: "forced", "tuned", "autotuned", "tuned nearby (<bucket>)" (the closest tuned
+    and why: "forced", "tuned", "autotuned", "tuned as <bucket>" (the family's stand-in
+    class of the same sizes, tune.stand_in), "tuned nearby (<bucket>)" (the closest tuned
     bucket of the same device and dtype, where its winner clearly beat spec order), "spec
     order", "untuned rule" (the family's `untuned_order`, in spec order's stead) or
     "fallback"; ", runner-up (...)" appended where the winner cannot take `shape` (the
@@ -264,6 +265,8 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     if winner is None and shape is not None and tune.autotune_enabled():
         winner, why = tune.tune_online(family, device, dtype, shape), "autotuned"
         entry = tune.lookup(k)
+    if winner is None and (sk := tune.stand_in(k)) and (entry := tune.lookup(sk)):
+        winner, why = entry["winner"], f"tuned as {sk.rpartition('|')[2]}"
     if winner is None:
         near = tune.nearest(k)
         if near is not None and tune.transfers(near[1]):

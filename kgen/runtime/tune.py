@@ -185,16 +185,32 @@ def _parts(bucket: str) -> tuple[dict, tuple]:
     return nums, tuple(flags)
 
 
-def _free_dims(family: str) -> tuple:
-    """The family's TUNE_FREE_DIMS (bucket classes a nearby winner carries across at any
-    distance), () for none or a family that does not load."""
+def _family_attr(family: str, name: str, default):
+    """A family module's optional attribute (`default` for none, or a family that does not load)."""
     from kgen.errors import KgenError
     from kgen.families import module_of
 
     try:
-        return tuple(getattr(module_of(family), "TUNE_FREE_DIMS", ()))
+        return getattr(module_of(family), name, default)
     except KgenError:
-        return ()
+        return default
+
+
+def _free_dims(family: str) -> tuple:
+    """The family's TUNE_FREE_DIMS (bucket classes a nearby winner carries across at any
+    distance), () for none."""
+    return tuple(_family_attr(family, "TUNE_FREE_DIMS", ()))
+
+
+def stand_in(k: str) -> str | None:
+    """Key `k` with each bucket flag the family maps in `TUNE_CLASS_FALLBACK` ({flag:
+    stand-in}) replaced, None where it maps none: the entry dispatch takes for a bucket
+    nobody tuned (fused_bias_act's `vec8` rows take the `tail` entry of the same sizes,
+    whose winner runs them at least as fast)."""
+    prefix, _, bucket = k.rpartition("|")
+    mapping = _family_attr(prefix.partition("|")[0], "TUNE_CLASS_FALLBACK", {})
+    other = ".".join(mapping.get(p, p) for p in bucket.split("."))
+    return f"{prefix}|{other}" if other != bucket else None
 
 
 def nearest(k: str) -> tuple[str, dict] | None:
@@ -202,23 +218,27 @@ def nearest(k: str) -> tuple[str, dict] | None:
     smallest summed distance of the numeric classes in powers of two, at most
     NEAR_MAX_DISTANCE over the classes the family does not name free (`TUNE_FREE_DIMS`).
     How a shape between the tuned ones is served; None when nothing comparable is tuned
-    that near."""
+    that near. Where nothing of its flags is, those of its `stand_in` are searched."""
     prefix, _, bucket = k.rpartition("|")
     nums, flags = _parts(bucket)
     free = _free_dims(prefix.partition("|")[0])
-    best = None
-    for other, entry in TABLES.entries().items():
-        o_prefix, _, o_bucket = other.rpartition("|")
-        if o_prefix != prefix:
-            continue
-        o_nums, o_flags = _parts(o_bucket)
-        if o_flags != flags or o_nums.keys() != nums.keys():
-            continue
-        d = sum(abs(nums[n] - o_nums[n]) for n in nums)
-        bounded = sum(abs(nums[n] - o_nums[n]) for n in nums if n not in free)
-        if bounded <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
-            best = ((d, other), entry)
-    return (best[0][1], best[1]) if best else None
+    other = stand_in(k)
+    for want in (flags, *((_parts(other.rpartition("|")[2])[1],) if other else ())):
+        best = None
+        for other, entry in TABLES.entries().items():
+            o_prefix, _, o_bucket = other.rpartition("|")
+            if o_prefix != prefix:
+                continue
+            o_nums, o_flags = _parts(o_bucket)
+            if o_flags != want or o_nums.keys() != nums.keys():
+                continue
+            d = sum(abs(nums[n] - o_nums[n]) for n in nums)
+            bounded = sum(abs(nums[n] - o_nums[n]) for n in nums if n not in free)
+            if bounded <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
+                best = ((d, other), entry)
+        if best:
+            return best[0][1], best[1]
+    return None
 
 
 def record(entries: dict, path: Path | None = None, replace: bool = False) -> Path:

@@ -40,20 +40,30 @@ def _kernel(device: torch.device, dtype: torch.dtype, rows: int = 1, cols: int =
 
 def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
     """The per-call cache key: the same classes as tune_bucket, as cheap integers."""
-    return dev, dtype, (rows - 1).bit_length(), (cols - 1).bit_length(), cols % 8 == 0, has_y
+    return dev, dtype, (rows - 1).bit_length(), (cols - 1).bit_length(), _row_class(cols), has_y
 
 
 # --------------------------------------------------------------------------- tuning
 
-# Buckets: rows and columns each rounded up to a power of two, whether a row holds whole
-# 16-byte vectors of 16-bit elements (cols % 8 == 0; the CUDA kernels' vector path), and
-# whether y is read (3 streams of memory instead of 2). act is not in the bucket: every
-# variant computes it in registers while memory is the bound, so it does not change which
-# variant wins.
+# Buckets: rows and columns each rounded up to a power of two, how a row is aligned, and
+# whether y is read (3 streams of memory instead of 2). Alignment, in 16-bit elements:
+# `vec16` (cols % 8 == 0: whole 16-byte vectors, the CUDA kernels' vector path), `vec8`
+# (cols % 4 == 0 otherwise: the CUDA row variants of 4-element vectors and the Triton row
+# tiles load 8 bytes at a time, kgen.runtime.op.stride_align) and `tail` (the rest: those
+# load one or two elements at a time, while the CUDA flat order reads whole vectors
+# regardless). The winner differs between the last two: bf16 / fp16 777 x 20004 no y ran a
+# CUDA flat variant at 23.7 / 24.1 us where a Triton row tile takes 20.2 / 18.4 (H200,
+# BENCHMARKS.md thirty-seventh session), while at odd widths the row tiles lose; and a
+# `vec8` winner must not serve cols % 4 == 2 (3000 x 2050 bf16: 17.2 against 9.9 us when
+# it did). A `vec8` bucket nobody tuned takes the same sizes' `tail` entry
+# (TUNE_CLASS_FALLBACK: what runs well at any width runs these at least as fast). act is not
+# in the bucket: every variant computes it in registers while memory is the bound, so it
+# does not change which variant wins.
 TUNE_DIMS = ("rows", "cols")
 # Rows beyond the tuned ones take the nearest tuned bucket's winner however many they are
 # (every variant tiles rows alike); columns only from within two powers of two (tune.nearest).
 TUNE_FREE_DIMS = ("rows",)
+TUNE_CLASS_FALLBACK = {"vec8": "tail"}  # tune.nearest: a class nobody tuned takes another's entry
 TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
 # Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
 # ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner
@@ -63,17 +73,26 @@ TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shape
 # Three quarters of a power of two (768, 1536, 3072, 24576, 49152) is a second shape in its
 # bucket (tune.bucket_winner), where a tile sized for the bucket's top idles a quarter of
 # its lanes: tuned at 1024 alone, 30000 x 768 fp16 ran at 0.90 of the fastest (H200,
-# BENCHMARKS.md twenty-third session).
+# BENCHMARKS.md twenty-third session). 1004 and 12340 are the `vec8` widths.
 TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
                     for r in (1, 8, 64, 512, 2048, 4096, 8192, 16384, 32768)
-                    for c in (768, 1001, 1024, 1536, 3072, 4096, 5000, 12288, 12345, 24576, 49152, 65536, 786432)
+                    for c in (768, 1001, 1004, 1024, 1536, 3072, 4096, 5000, 12288, 12340, 12345, 24576, 49152, 65536,
+                              786432)
                     if r * c <= 1 << 27
                     for y in (True, False))
 
 
+_ROW_CLASSES = ("tail", "vec8", "vec16")
+
+
+def _row_class(cols: int) -> int:
+    """The index in _ROW_CLASSES: 2 (cols % 8 == 0), 1 (cols % 4 == 0), 0 (else)."""
+    return 2 if cols % 8 == 0 else int(cols % 4 == 0)
+
+
 def tune_bucket(rows: int, cols: int, has_y: bool = True) -> str:
     r, c = (rows - 1).bit_length(), (cols - 1).bit_length()
-    return f"rows<={1 << r}.cols<={1 << c}.{'vec16' if cols % 8 == 0 else 'tail'}.{'y' if has_y else 'no-y'}"
+    return f"rows<={1 << r}.cols<={1 << c}.{_ROW_CLASSES[_row_class(cols)]}.{'y' if has_y else 'no-y'}"
 
 
 _KERNELS = Kernels("fused_bias_act", tune_bucket)
