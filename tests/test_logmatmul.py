@@ -264,19 +264,25 @@ def test_tune_hooks():
 def test_untuned_shapes_put_the_batchs_tile_first():
     """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
     at B = 16; from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
-    64 below 128, else 128), small weights the small-batch Triton form; the rest after it."""
+    64 below 256, else 128), small weights and few outputs the small-batch Triton form; the
+    rest after it."""
     vs = dispatch._ordered("logmatmul", "float32", (9, 0))
 
     def order(B, N, K):
         return lmm.untuned_order(vs, {"B": B, "N": N, "K": K})
 
     assert order(8, 4096, 4096) == vs and order(16, 512, 512) == vs
-    for B, rows in ((16, 16), (32, 16), (64, 64), (127, 64), (128, 128), (4096, 128)):
+    for B, rows in ((16, 16), (32, 16), (64, 64), (127, 64), (130, 64), (255, 64), (256, 128), (4096, 128)):
         first, *rest = order(B, 4096, 4096)
         assert first.backend == "triton" and first.params["block_b"] == rows and first.params["dot"] != "none"
         assert rest == [v for v in vs if v is not first]
     first = order(64, 512, 512)[0]
     assert first.backend == "triton" and first.params["dot"] == "none"
+    # small weights but many outputs: the small-batch form's programs grow with B x N
+    for B, N, K in ((60, 4679, 25), (130, 1200, 60), (24, 12000, 9)):
+        first = order(B, N, K)[0]
+        assert first.backend == "triton" and first.params["dot"] != "none", (B, N, K)
+    assert order(370, 188, 22)[0].params["dot"] == "none" and order(60, 1200, 120)[0].params["dot"] == "none"
     # the largest tile a dtype has up to the batch's rows; 16 rows where K is not a multiple
     # of 4 (the tiles' loads then are not whole vectors)
     bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))

@@ -86,6 +86,13 @@ def _choose(device, dtype, B, N, K):
 # N = K = 1024 (the H100 and H200 tables: the small-batch Triton form won B <= 64 at 512^2
 # and 1024^2, a tl.dot tile at 4096^2); above B = 64, 512^2 (a tl.dot tile won 1024^2).
 SMALL_WEIGHTS = ((64, 1 << 22), (float("inf"), 1 << 20))
+# ... and B x N (outputs) up to which the small-batch form runs them above B = 16: it takes
+# 4 rows x 16 nodes a program, so its time grows with B x N whatever K (~10 ns a program
+# at K <= 128), while the tl.dot tiles stay at 15-25 us. H200, float32 and bf16, K = 9 to
+# 120 (BENCHMARKS.md thirty-seventh session): up to 60 x 1200 and 130 x 300 the small-batch
+# form is fastest or within 5 %; from 24 x 4679 (float32) / 130 x 1200 on a tl.dot tile
+# wins, by 2.0x at 60 x 4679 and 10x at 130 x 12000.
+SMALL_OUTPUTS = 96 * 1024
 
 
 def untuned_order(variants, shape: dict) -> list:
@@ -102,25 +109,31 @@ def untuned_order(variants, shape: dict) -> list:
 # the kernels' KA makes the loads whole vectors and the 64-row tile wins as at K = 4096:
 # BENCHMARKS.md thirty-sixth session).
 ODD_K_ROWS = 16
+# The batch from which the 128-row tl.dot tile (float32's) is the rule's: below it the
+# 64-row tile wastes less of its last tile. H200 float32 at B = 130, N = 300 to 12000, K =
+# 60 and 120: 8.8-21.9 us of GPU time against the 128-row tile's 13.8-30.3, every case
+# (BENCHMARKS.md thirty-seventh session); the tables' B <= 256 buckets at N = K = 4096 also
+# chose the 64-row tile, at 1024^2 the 128-row one.
+WIDE_TILE_ROWS = 256
 
 
 def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
-    the batch (16 up to B = 32, 64 below 128, else 128, ODD_K_ROWS where K % 4; the largest
+    the batch (16 up to B = 32, 64 below 256, else 128, ODD_K_ROWS where K % 4; the largest
     there is up to that), instead of spec order's small-batch form: on an H100 at N = K =
     4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and 89 us against 287 us at B =
     64. Small weights (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won
-    B <= 16 at every tuned size) and the small-batch Triton form above it (an H200 at
-    31 x 23 x 545: 6.4 us of GPU time against the 16-row tl.dot tile's 17.6; BENCHMARKS.md,
-    twenty-second session). None: spec order."""
+    B <= 16 at every tuned size) and the small-batch Triton form above it where B x N is
+    small too (SMALL_OUTPUTS; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
+    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session). None: spec order."""
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
     if small and B <= 16:
         return None
-    if small:
+    if small and B * N <= SMALL_OUTPUTS:
         return next((v for v in variants if v.backend == "triton" and v.params["dot"] == "none"), None)
-    rows = ODD_K_ROWS if K % 4 else 16 if B <= 32 else 64 if B < 128 else 128
+    rows = ODD_K_ROWS if K % 4 else 16 if B <= 32 else 64 if B < WIDE_TILE_ROWS else 128
     dots = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= rows]
     return max(dots, key=lambda v: v.params["block_b"], default=None)  # (the first of the largest: spec order)
 
