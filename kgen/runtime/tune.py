@@ -222,8 +222,8 @@ def nearest(k: str) -> tuple[str, dict] | None:
     prefix, _, bucket = k.rpartition("|")
     nums, flags = _parts(bucket)
     free = _free_dims(prefix.partition("|")[0])
-    other = stand_in(k)
-    for want in (flags, *((_parts(other.rpartition("|")[2])[1],) if other else ())):
+    alt = stand_in(k)
+    for want in (flags, *((_parts(alt.rpartition("|")[2])[1],) if alt else ())):
         best = None
         for other, entry in TABLES.entries().items():
             o_prefix, _, o_bucket = other.rpartition("|")

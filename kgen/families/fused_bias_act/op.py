@@ -63,7 +63,7 @@ TUNE_DIMS = ("rows", "cols")
 # Rows beyond the tuned ones take the nearest tuned bucket's winner however many they are
 # (every variant tiles rows alike); columns only from within two powers of two (tune.nearest).
 TUNE_FREE_DIMS = ("rows",)
-TUNE_CLASS_FALLBACK = {"vec8": "tail"}  # tune.nearest: a class nobody tuned takes another's entry
+TUNE_CLASS_FALLBACK = {"vec8": "tail"}  # tune.stand_in: the entry an untuned vec8 bucket takes
 TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
 # Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
 # ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner
