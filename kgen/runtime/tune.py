@@ -208,9 +208,13 @@ def stand_in(k: str) -> str | None:
     nobody tuned (fused_bias_act's `vec8` rows take the `tail` entry of the same sizes,
     whose winner runs them at least as fast)."""
     prefix, _, bucket = k.rpartition("|")
-    mapping = _family_attr(prefix.partition("|")[0], "TUNE_CLASS_FALLBACK", {})
-    other = ".".join(mapping.get(p, p) for p in bucket.split("."))
+    other = ".".join(_stand_in_parts(prefix.partition("|")[0], bucket.split(".")))
     return f"{prefix}|{other}" if other != bucket else None
+
+
+def _stand_in_parts(family: str, parts) -> tuple:
+    mapping = _family_attr(family, "TUNE_CLASS_FALLBACK", {})
+    return tuple(mapping.get(p, p) for p in parts)
 
 
 def nearest(k: str) -> tuple[str, dict] | None:
@@ -221,9 +225,9 @@ def nearest(k: str) -> tuple[str, dict] | None:
     that near. Where nothing of its flags is, those of its `stand_in` are searched."""
     prefix, _, bucket = k.rpartition("|")
     nums, flags = _parts(bucket)
-    free = _free_dims(prefix.partition("|")[0])
-    alt = stand_in(k)
-    for want in (flags, *((_parts(alt.rpartition("|")[2])[1],) if alt else ())):
+    family = prefix.partition("|")[0]
+    free = _free_dims(family)
+    for want in dict.fromkeys((flags, _stand_in_parts(family, flags))):  # its own flags, then the stand-in's
         best = None
         for other, entry in TABLES.entries().items():
             o_prefix, _, o_bucket = other.rpartition("|")
