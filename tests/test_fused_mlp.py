@@ -513,10 +513,79 @@ USER_CUDA = {
 }
 
 
+# ... and the WGMMA variant's: 128-row tiles with barrier layers (the top MLP's outputs reuse
+# its input's and weights' shared memory), x of whole vectors with a last layer on 2 CTAs of 4,
+# an even layer count on a cluster of 2 whose layers are 48, 24 and 16 columns a CTA
+USER_WGMMA = {
+    "367-512-256-1 c8 m128": "widths: [367, 512, 256, 1]\n    cluster: 8\n    block_m: 128\n    warps: 8\n"
+                             "    dtypes: [bfloat16]\n",
+    "64-256-128-10 c4 m128": "widths: [64, 256, 128, 10]\n    cluster: 4\n    block_m: 128\n    warps: 8\n"
+                             "    dtypes: [bfloat16]\n",
+    "40-96-48-24-3 c2 m64": "widths: [40, 96, 48, 24, 3]\n    cluster: 2\n    block_m: 64\n    warps: 4\n"
+                            "    dtypes: [float16]\n",
+}
+
+
 def _user_cuda(key):
     from kgen import spec
 
-    return spec.parse("family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: sm_90\n    " + USER_CUDA[key]).variants[0]
+    arch, body = ("sm_90a", USER_WGMMA[key]) if key in USER_WGMMA else ("sm_90", USER_CUDA[key])
+    return spec.parse(f"family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: {arch}\n    " + body).variants[0]
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+@pytest.mark.parametrize("widths,cluster,block_m", [
+    ((367, 512, 256, 1), 8, 64), ((367, 512, 256, 1), 8, 128), ((13, 512, 256, 64, 16), 8, 128),
+    ((64, 256, 128, 10), 4, 128), ((40, 96, 48, 24, 3), 2, 64), ((1000, 8), 1, 64)])
+def test_wgmma_plan_regions(widths, cluster, block_m):
+    """The WGMMA plan: every layer's padded output columns covered by its active CTAs, each
+    CTA's slice one contiguous run; no region a peer may write into (layer i's output) overlaps
+    what this CTA may still read then -- layer i's input and weights unless it is a barrier
+    layer, every later layer's weights, the biases -- and everything within shared memory."""
+    from kgen.families.fused_mlp import schema
+
+    p = schema.wgmma_plan(widths, cluster, block_m)
+    L = p["layers"]
+    assert p["smem"] <= schema.SMEM_MAX - 1024 and p["threads"] >= 128 * p["warpgroups"]
+    bias = (0, sum(l["n"] for l in L) * 4)
+    w = [(l["w_off"], l["w_off"] + l["w_bytes"]) for l in L]
+    a = [(l["a_off"], l["a_off"] + block_m * 2 * l["kp"]) for l in L]
+    for l in L:
+        assert l["active"] * l["n"] >= l["groups"] * 8 and (l["active"] - 1) * l["n"] < l["groups"] * 8
+        assert l["n"] % 8 == 0 and l["n"] <= schema.WGMMA_N_MAX and l["kp"] % 16 == 0
+        assert all(o % 16 == 0 for o in (l["w_off"], l["a_off"], l["b_off"]))
+        assert not any(_overlaps(w[l["i"]], r) for r in [bias] + w[:l["i"]] + w[l["i"] + 1:])
+        if l["last"]:
+            continue
+        nxt = L[l["i"] + 1]
+        assert l["out_off"] == nxt["a_off"] and l["slice_bytes"] == block_m * l["n"] * 2
+        out = (l["out_off"], l["out_off"] + block_m * 2 * max(nxt["kp"], l["active"] * l["n"]))
+        live = [bias] + w[l["i"] + 1:] + ([] if l["barrier"] else [w[l["i"]], a[l["i"]]])
+        assert not any(_overlaps(out, r) for r in live), (l["i"], out, live)
+    if block_m == 64:  # these fit without reusing anything
+        assert not any(l["barrier"] for l in L)
+    if (widths, block_m) == ((367, 512, 256, 1), 128):  # 128 rows of x and of the 512-wide output: both reused
+        assert [l["barrier"] for l in L] == [True, True, False]
+
+
+def test_wgmma_checks():
+    """What the WGMMA variant cannot be is a SpecError naming the knob."""
+    from kgen import spec
+    from kgen.errors import SpecError
+
+    head = "family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: sm_90a\n"
+    for body, match in (
+            ("widths: [8, 8]\n    cluster: 2\n    block_m: 64\n    warps: 4\n    dtypes: [float32]",
+             "bfloat16 and float16"),
+            ("widths: [8, 8]\n    cluster: 2\n    block_m: 32\n    warps: 4", "64 or 128"),
+            ("widths: [8, 8]\n    cluster: 2\n    block_m: 128\n    warps: 4", "warps 8 for block_m 128"),
+            ("widths: [64, 512, 8]\n    cluster: 1\n    block_m: 64\n    warps: 4", "more than one wgmma's 256"),
+            ("widths: [2048, 2048, 8]\n    cluster: 8\n    block_m: 128\n    warps: 8", "shared memory")):
+        with pytest.raises(SpecError, match=match):
+            spec.parse(head + "    " + body + ("" if "dtypes" in body else "\n    dtypes: [bfloat16]") + "\n")
 
 
 def test_cuda_plan_and_checks():
@@ -538,7 +607,7 @@ def test_cuda_plan_and_checks():
     for l in p["layers"]:
         assert l["per_cta"] * 16 >= l["groups"] and l["per_cta"] % l["nb"] == 0 and l["sa"] % 16 == 8
     assert p["smem"] <= schema.SMEM_MAX and p["buf_off"][0] >= p["weights_bytes"]
-    assert len(CUDA_VARIANTS) >= 4 and {SPEC.variant(n).arch for n in CUDA_VARIANTS} == {"sm_90"}
+    assert len(CUDA_VARIANTS) >= 4 and {SPEC.variant(n).arch for n in CUDA_VARIANTS} == {"sm_90", "sm_90a"}
     head = "family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: sm_90\n"
     with pytest.raises(SpecError, match="bfloat16 and float16"):
         spec.parse(head + "    widths: [8, 8]\n    cluster: 2\n    block_m: 16\n    warps: 4\n    dtypes: [float32]\n")
@@ -563,21 +632,31 @@ def test_cuda_variants_sass():
 
     from kgen.runtime import build, toolchain
 
-    results = build.build_cuda([SPEC.variant(n) for n in CUDA_VARIANTS] + [_user_cuda(k) for k in USER_CUDA])
-    assert len(results) == len(CUDA_VARIANTS) + len(USER_CUDA)
+    users = list(USER_CUDA) + list(USER_WGMMA)
+    results = build.build_cuda([SPEC.variant(n) for n in CUDA_VARIANTS] + [_user_cuda(k) for k in users])
+    assert len(results) == len(CUDA_VARIANTS) + len(users)
     for r in results:
         assert r.status in ("built", "cached"), r.error
         lib = r.entry.file(build.CUDA_LIB)
         sass = toolchain.sass(lib)
+        res = toolchain.resource_usage(lib)
+        assert len(res) == 1 and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+        assert not re.search(r"\b(LDL|STL)\b", sass), r.variant.name
+        if r.variant.arch == "sm_90a":
+            # WGMMA (HGMMA) on shared-memory operands, bulk copies into the peers (UBLKCP) and
+            # their mbarriers (SYNCS), the dependent launch's wait; no GPU-wide fence at all; one
+            # or two indirect branches (the activation's switch) a layer, not one an element
+            for op in ("HGMMA.64x", "UBLKCP", "SYNCS", "ACQBULK", "UCGABAR_ARV"):
+                assert op in sass, (r.variant.name, op)
+            assert not re.search(r"MEMBAR\.\w+\.GPU", sass), r.variant.name
+            assert sass.count("BRX") <= 2 * (len(r.variant.params["widths"]) - 1), (r.variant.name, sass.count("BRX"))
+            continue
         # STAS.128: st.async of 16 bytes into another CTA's shared memory; SYNCS: the
         # mbarriers those complete on; the cluster barrier only at the start and the end
         for op in ("HMMA.16816.F32", "LDSM", "UCGABAR_ARV", "ACQBULK", "STAS.128", "SYNCS"):
             assert op in sass, (r.variant.name, op)
         # one GPU-wide fence (the start's barrier, after the mbarriers' init), none a row tile
         assert sass.count("MEMBAR") <= 2, (r.variant.name, sass.count("MEMBAR"))
-        assert not re.search(r"\b(LDL|STL)\b", sass), r.variant.name
-        res = toolchain.resource_usage(lib)
-        assert len(res) == 1 and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
 
 
 # ------------------------------------------------------------------ GPU
@@ -627,7 +706,8 @@ def test_untuned_widths_keep_generic_variants_to_small_networks():
     top = (367, 512, 256, 1)  # 319 k weights: the exact variants only
     small, large = _untuned(top, 100), _untuned(top, 65536)
     assert small[0].startswith("sm90_") and not any("mw4096" in n for n in small)
-    assert sorted(small) == sorted(large) and large[-1].startswith("sm90_")
+    # a CUDA cluster variant (mma.sync or WGMMA) last
+    assert sorted(small) == sorted(large) and large[-1].startswith("sm90")
     tiles = [int(n.split("_m")[1].split("_")[0]) for n in large if n.startswith("triton_")]
     assert tiles == sorted(tiles, reverse=True) and len(tiles) >= 2
     mid = [n for n in _untuned(top, 2048) if n.startswith("triton_")]
@@ -805,7 +885,7 @@ def test_gpu_cuda_variant(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key", list(USER_CUDA))
+@pytest.mark.parametrize("key", list(USER_CUDA) + list(USER_WGMMA))
 def test_gpu_cuda_variant_user_widths(key):
     """A CUDA variant a user's spec builds (USER_CUDA: aligned x, no unaligned weight, an even
     layer count, a one-CTA last layer) against float64 into a poisoned output, at one row tile,

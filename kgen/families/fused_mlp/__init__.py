@@ -11,7 +11,8 @@ every gradient in two or three Triton launches) and `module` (kgen.nn.FusedMLP).
 is the contract kgen's core reads.
 
 The forward's Triton kernels live in kgen/templates/fused_mlp/triton.py.j2 (rendered per
-variant), the CUDA cluster kernel (sm_90, exact widths, inference) in cuda.cu.j2; the
+variant), the CUDA cluster kernels (exact widths, inference) in cuda.cu.j2 (sm_90, mma.sync)
+and cuda_wgmma.cu.j2 (sm_90a, WGMMA; helpers shared through device.cuh.j2); the
 backward's, generic in the widths (constexprs), in fused_backward_kernels.py (launched by
 fused_backward.py).
 """

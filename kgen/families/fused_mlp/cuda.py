@@ -1,4 +1,5 @@
-"""fused_mlp's CUDA cluster variant as the op runs it (templates/fused_mlp/cuda.cu.j2): one
+"""fused_mlp's CUDA cluster variants as the op runs them (templates/fused_mlp/cuda.cu.j2, and
+cuda_wgmma.cu.j2 with the same launcher arguments): one
 launch of the inference forward for its exact widths, beside a Triton companion that serves
 everything it does not take (the forward with `save` for the backward, inputs not contiguous
 or not 16-byte aligned, other widths)."""

@@ -29,7 +29,7 @@ TUNE_FREE_DIMS = ("B",)
 DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
 TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last}
                     for w, last in ((DLRM_TOP, "sigmoid"), (DLRM_BOTTOM, "relu"))
-                    for b in (128, 2048, 16384, 65536))
+                    for b in (128, 512, 2048, 16384, 65536))
 
 
 def tune_bucket(B: int, widths, precision: str | None = None, **_) -> str:
