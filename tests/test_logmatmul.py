@@ -290,6 +290,13 @@ def test_untuned_shapes_put_the_batchs_tile_first():
                           (64, 4096, 4096, 64)):
         v = lmm.op._by_batch(bf16, B, N, K)
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
+    # below 256 rows, 16 where the 64-row tile's programs are short of a wave (fewer still at a
+    # wide K): cdiv(B, 64) x cdiv(N, 64) against 128 at K <= 128, 32 beyond
+    f32 = dispatch._ordered("logmatmul", "float32", (9, 0))
+    for B, N, K, rows in ((100, 1200, 120, 16), (130, 2500, 120, 16), (100, 4679, 120, 64), (200, 2500, 120, 64),
+                          (60, 1900, 1024, 16), (100, 1200, 1024, 64), (40, 12000, 1024, 64)):
+        v = lmm.op._by_batch(f32, B, N, K)
+        assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
 
 
 def test_cuda_backward_chunks_cover_n_within_shared_memory():

@@ -115,12 +115,19 @@ ODD_K_ROWS = 16
 # (BENCHMARKS.md thirty-seventh session); the tables' B <= 256 buckets at N = K = 4096 also
 # chose the 64-row tile, at 1024^2 the 128-row one.
 WIDE_TILE_ROWS = 256
+# Below it, the 16-row tile where the 64-row one's grid (cdiv(B, 64) x cdiv(N, 64) programs) is
+# short of a wave: under FEW_PROGRAMS[0] programs at K <= FEW_PROGRAMS_K, under FEW_PROGRAMS[1]
+# at any K (the 16-row tile re-reads w once per 16 rows, which a wide K pays for). H200
+# float32, B = 40 to 200, N = 300 to 12000, K = 120 and 1024 (BENCHMARKS.md thirty-eighth
+# session): the 16-row tile 7.1-10.2 us against the 64-row one's 10.1-10.9 at K = 120 under 128
+# programs, and the 64-row one 2-16 % ahead from 32 programs on at K = 1024.
+FEW_PROGRAMS, FEW_PROGRAMS_K = (128, 32), 128
 
 
 def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
-    the batch (16 up to B = 32, 64 below 256, else 128, ODD_K_ROWS where K % 4; the largest
-    there is up to that), instead of spec order's small-batch form: on an H100 at N = K =
+    the batch (16 up to B = 32, 64 below 256 -- 16 where 64-row programs would be few,
+    FEW_PROGRAMS --, else 128, ODD_K_ROWS where K % 4; the largest there is up to that), instead of spec order's small-batch form: on an H100 at N = K =
     4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and 89 us against 287 us at B =
     64. Small weights (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won
     B <= 16 at every tuned size) and the small-batch Triton form above it where B x N is
@@ -134,6 +141,8 @@ def _by_batch(variants, B: int, N: int, K: int):
     if small and B * N <= SMALL_OUTPUTS:
         return next((v for v in variants if v.backend == "triton" and v.params["dot"] == "none"), None)
     rows = ODD_K_ROWS if K % 4 else 16 if B <= 32 else 64 if B < WIDE_TILE_ROWS else 128
+    if rows == 64 and -(-B // 64) * -(-N // 64) < FEW_PROGRAMS[K > FEW_PROGRAMS_K]:
+        rows = 16
     dots = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= rows]
     return max(dots, key=lambda v: v.params["block_b"], default=None)  # (the first of the largest: spec order)
 
