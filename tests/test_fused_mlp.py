@@ -545,17 +545,17 @@ def test_wgmma_plan_regions(widths, cluster, block_m):
     CTA's slice one contiguous run; no region a peer may write into (layer i's output) overlaps
     what this CTA may still read then -- layer i's input and weights unless it is a barrier
     layer, every later layer's weights, the biases -- and everything within shared memory."""
-    from kgen.families.fused_mlp import schema
+    from kgen.families.fused_mlp import cuda_plans as plans
 
-    p = schema.wgmma_plan(widths, cluster, block_m)
+    p = plans.wgmma_plan(widths, cluster, block_m)
     L = p["layers"]
-    assert p["smem"] <= schema.SMEM_MAX - 1024 and p["threads"] >= 128 * p["warpgroups"]
+    assert p["smem"] <= plans.SMEM_MAX - 1024 and p["threads"] >= 128 * p["warpgroups"]
     bias = (0, sum(l["n"] for l in L) * 4)
     w = [(l["w_off"], l["w_off"] + l["w_bytes"]) for l in L]
     a = [(l["a_off"], l["a_off"] + block_m * 2 * l["kp"]) for l in L]
     for l in L:
         assert l["active"] * l["n"] >= l["groups"] * 8 and (l["active"] - 1) * l["n"] < l["groups"] * 8
-        assert l["n"] % 8 == 0 and l["n"] <= schema.WGMMA_N_MAX and l["kp"] % 16 == 0
+        assert l["n"] % 8 == 0 and l["n"] <= plans.WGMMA_N_MAX and l["kp"] % 16 == 0
         assert all(o % 16 == 0 for o in (l["w_off"], l["a_off"], l["b_off"]))
         assert not any(_overlaps(w[l["i"]], r) for r in [bias] + w[:l["i"]] + w[l["i"] + 1:])
         if l["last"]:
@@ -595,18 +595,18 @@ def test_cuda_plan_and_checks():
     SpecError naming the knob."""
     from kgen import spec
     from kgen.errors import SpecError
-    from kgen.families.fused_mlp import schema
+    from kgen.families.fused_mlp import cuda_plans as plans
 
-    p = schema.cuda_plan((367, 512, 256, 1), 16, 32, 8)
+    p = plans.cuda_plan((367, 512, 256, 1), 16, 32, 8)
     assert [(l["kp"], l["groups"], l["per_cta"], l["aligned"]) for l in p["layers"]] == [
         (368, 64, 4, False), (512, 32, 2, True), (256, 1, 1, True)]
     # 102 KB; the whole 32-row tile of x, 32 x 46 chunks over 256 threads, two registers each
     # (367-wide rows are not whole vectors): 12, loaded at each tile's start, not carried ahead
     assert p["ctas_per_sm"] == 2 and (p["x_vectors"], p["x_registers"], p["x_prefetch"]) == (6, 12, False)
-    assert schema.cuda_plan((367, 512, 256, 1), 8, 16, 16)["x_prefetch"]  # the shipped B <= 128 one: 2 chunks
+    assert plans.cuda_plan((367, 512, 256, 1), 8, 16, 16)["x_prefetch"]  # the shipped B <= 128 one: 2 chunks
     for l in p["layers"]:
         assert l["per_cta"] * 16 >= l["groups"] and l["per_cta"] % l["nb"] == 0 and l["sa"] % 16 == 8
-    assert p["smem"] <= schema.SMEM_MAX and p["buf_off"][0] >= p["weights_bytes"]
+    assert p["smem"] <= plans.SMEM_MAX and p["buf_off"][0] >= p["weights_bytes"]
     assert len(CUDA_VARIANTS) >= 4 and {SPEC.variant(n).arch for n in CUDA_VARIANTS} == {"sm_90", "sm_90a"}
     head = "family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: sm_90\n"
     with pytest.raises(SpecError, match="bfloat16 and float16"):

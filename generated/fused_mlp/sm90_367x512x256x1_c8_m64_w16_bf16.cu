@@ -7,7 +7,7 @@
 //
 // A whole MLP of exact widths 367-512-256-1 in one launch, spread over a thread-block
 // cluster of 8 CTAs (sm_90: distributed shared memory), bfloat16, mma.sync m16n8k16
-// with float32 accumulation. Plan: schema.cuda_plan.
+// with float32 accumulation. Plan: cuda_plans.cuda_plan.
 //
 // A cluster owns a tile of 64 rows of x at a time (persistent: the grid holds as many
 // clusters as fit at once, 1 CTA(s) an SM, and each walks the row tiles). Every layer's
@@ -352,7 +352,7 @@ constexpr int WARPS = 16;
 constexpr int THREADS = WARPS * 32;
 constexpr int LAYERS = 3;
 constexpr int SMEM = 200736;
-constexpr int CTAS_PER_SM = 1;  // schema.cuda_plan: shared memory and registers allow
+constexpr int CTAS_PER_SM = 1;  // cuda_plans.cuda_plan: shared memory and registers allow
 constexpr int X_VECTORS = 6;
 constexpr bool X_PREFETCH = false;  // x loaded one row tile ahead
 

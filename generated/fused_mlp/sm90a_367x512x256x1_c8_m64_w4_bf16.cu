@@ -7,7 +7,7 @@
 //
 // A whole MLP of exact widths 367-512-256-1 in one launch on tensor cores (sm_90a:
 // WGMMA), spread over a thread-block cluster of 8 CTAs, bfloat16, float32
-// accumulation. Plan: schema.wgmma_plan.
+// accumulation. Plan: cuda_plans.wgmma_plan.
 //
 // A cluster owns one tile of 64 rows of x (1 warpgroup(s) of 64 rows a
 // CTA; the grid holds one cluster a row tile). Every layer's output columns, in groups of 8,
