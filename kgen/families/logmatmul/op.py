@@ -117,7 +117,7 @@ ODD_K_ROWS = 16
 WIDE_TILE_ROWS = 256
 # Below it, the 16-row tile where the 64-row one's grid (cdiv(B, 64) x cdiv(N, 64) programs) is
 # short of a wave: under FEW_PROGRAMS[0] programs at K <= FEW_PROGRAMS_K, under FEW_PROGRAMS[1]
-# at any K (the 16-row tile re-reads w once per 16 rows, which a wide K pays for). H200
+# at a wider K (the 16-row tile re-reads w once per 16 rows, which a wide K pays for). H200
 # float32, B = 40 to 200, N = 300 to 12000, K = 120 and 1024 (BENCHMARKS.md thirty-eighth
 # session): the 16-row tile 7.1-10.2 us against the 64-row one's 10.1-10.9 at K = 120 under 128
 # programs, and the 64-row one 2-16 % ahead from 32 programs on at K = 1024.
