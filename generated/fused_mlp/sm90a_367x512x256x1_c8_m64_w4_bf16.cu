@@ -579,16 +579,6 @@ struct Params {
   int last_act;
 };
 
-__device__ __forceinline__ float activate_rt(int act, float z) {
-  switch (act) {
-    case kgen::ACT_RELU: return kgen::activate<kgen::ACT_RELU>(z);
-    case kgen::ACT_SIGMOID: return kgen::activate<kgen::ACT_SIGMOID>(z);
-    case kgen::ACT_GELU: return kgen::activate<kgen::ACT_GELU>(z);
-    case kgen::ACT_SILU: return kgen::activate<kgen::ACT_SILU>(z);
-    default: return z;
-  }
-}
-
 
 __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
   uint4 v;
