@@ -418,7 +418,9 @@ def test_a_winner_that_cannot_take_the_shape_gives_way_to_its_buckets_runner_up(
     tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): {"winner": b.name, "times_us": times}})
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, big)
     assert kernel is None and why.startswith("tuned, runner-up")
-    # a nearby bucket's entry, carried over, gives way the same way
+    # a nearby bucket's entry, carried over, gives way the same way (the family's own veto on
+    # wide row tiles at 40 columns set aside: another test's subject)
+    monkeypatch.setattr(fba, "nearby_transfers", lambda shape, bucket, variant: True)
     near = fba.tune_bucket(17, 40, True)
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", near, {**SHAPE, "rows": 17})
     assert kernel is None and why == f"tuned nearby ({bucket}), runner-up ({b.name} does not take the shape)"
@@ -426,6 +428,46 @@ def test_a_winner_that_cannot_take_the_shape_gives_way_to_its_buckets_runner_up(
     tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): {"winner": b.name}})
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket, big)
     assert why in ("spec order", "fallback") and (kernel is None or kernel.name != b.name)
+
+
+def test_a_family_vetoes_a_nearby_winner_where_its_own_rule_knows_better(tables):
+    """`nearby_transfers`: logmatmul keeps a nearby bucket's winner for B <= 16 and for rows
+    beyond the tuned ones at the same N and K classes, and otherwise runs its batch rule;
+    fused_bias_act refuses a Triton row tile more than twice as wide as the call's bucket."""
+    from kgen.families import logmatmul as lmm
+
+    f32 = dispatch.runnable("logmatmul", "float32", CUDA0)
+    wide = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == 128)
+    first = f32[0].name
+
+    def choose(B, N, K):
+        shape = {"B": B, "N": N, "K": K}
+        return dispatch.choose("logmatmul", CUDA0, "float32", lmm.tune_bucket(**shape), shape)
+
+    tuned = lmm.tune_bucket(256, 1024, 1024)
+    tune.record({tune.key("logmatmul", FAKE_DEVICE, "float32", tuned): _entry(wide.name, first=first)})
+    assert choose(200, 1000, 1000) == (dispatch.load(wide), "tuned")
+    kernel, why = choose(1000, 1000, 1000)  # rows beyond the tuned ones, same N and K classes
+    assert (kernel.name, why) == (wide.name, f"tuned nearby ({tuned})")
+    for B, N, K in ((100, 300, 545), (100, 2500, 1024), (130, 300, 1024)):  # other classes / fewer rows
+        kernel, why = choose(B, N, K)
+        rule = lmm.op._by_batch(f32, B, N, K)
+        assert why == "untuned rule" and kernel.name == rule.name != wide.name, (B, N, K)
+    kernel, why = choose(1000, 1000, 1001)  # odd K: a 128-row tile would load one element at a time
+    assert why == "untuned rule" and kernel.params["block_b"] == lmm.op.ODD_K_ROWS
+    assert lmm.nearby_transfers({"B": 8, "N": 300, "K": 545}, tuned, wide)
+    assert lmm.op.TUNED_ROWS == max(s["B"] for s in lmm.TUNE_SHAPES)
+
+    # fused_bias_act: the cols <= 1024 bucket's 1024-wide row tile does not serve 168 columns
+    row_tile = next(v for v in _triton_f32() if v.params["order"] == "down" and v.params["block_cols"] == 1024)
+    flat = next(v for v in _triton_f32() if v.params["order"] == "flat")
+    tuned = fba.tune_bucket(10000, 1000, True)
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", tuned): _entry(row_tile.name, first=flat.name)})
+    for cols, carried in ((168, False), (264, True), (4000, True)):
+        shape = {"rows": 10000, "cols": cols, "has_y": True}
+        kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", fba.tune_bucket(**shape), shape)
+        assert (why == f"tuned nearby ({tuned})") == carried and (kernel.name == row_tile.name) == carried, cols
+    assert fba.nearby_transfers({"rows": 9, "cols": 168, "has_y": True}, tuned, flat)
 
 
 def test_untuned_shapes_go_by_the_familys_rule(tables):

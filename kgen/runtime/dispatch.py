@@ -8,7 +8,8 @@ For one (family, device, dtype, shape bucket), most specific first:
 3. With `KGEN_AUTOTUNE=1`, an untuned bucket is tuned on its first call (not while a CUDA
    graph is captured or torch.compile traces); without it, the winner of the nearest tuned
    bucket of the same device and dtype, if it beat spec order's first choice there clearly
-   (`tune.transfers`).
+   (`tune.transfers`) and the family's optional `nearby_transfers(shape, bucket, variant)`
+   does not veto it for the call's shape.
 4. Spec order (nothing tuned for this device and dtype): CUDA variants whose arch runs on
    the device (exact arch before an older minor of the same major), then Triton variants;
    the op falls back to its PyTorch reference when none can be built. A family's optional
@@ -269,7 +270,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
         winner, why = entry["winner"], f"tuned as {sk.rpartition('|')[2]}"
     if winner is None:
         near = tune.nearest(k)
-        if near is not None and tune.transfers(near[1]):
+        if near is not None and tune.transfers(near[1]) and _nearby_ok(family, device, dtype, shape, near):
             entry = near[1]
             winner, why = entry["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
     fits = _fits(family, shape)
@@ -299,6 +300,22 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
         return by_rule
     kernel = select(family, device, dtype, shape=shape)
     return kernel, "spec order" if kernel is not None else "fallback"
+
+
+def _nearby_ok(family: str, device, dtype: str, shape: dict | None, near: tuple[str, dict]) -> bool:
+    """Whether the nearby bucket's winner may serve `shape`: the family's optional
+    `nearby_transfers(shape, bucket, variant) -> bool` (variant: the winner's, None for the
+    reference or a name no spec dispatch knows) vetoes carrying it where the family knows a
+    better rule, e.g. a tile much wider than the call (a veto leaves the shape to the family's
+    `untuned_order` and spec order)."""
+    from kgen.families import module_of
+
+    hook = getattr(module_of(family), "nearby_transfers", None)
+    if hook is None or shape is None:
+        return True
+    name = near[1]["winner"]
+    variant = next((v for v in runnable(family, dtype, device) if v.name == name), None)
+    return bool(hook(shape, near[0].rpartition("|")[2], variant))
 
 
 def _runner_up(entry: dict, winner: str, why: str, known: dict, fits):

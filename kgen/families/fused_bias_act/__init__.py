@@ -10,6 +10,7 @@ choice and tuning hooks, the torch.library ops and autograd, the public function
 from kgen.families.fused_bias_act.launcher import launch
 from kgen.families.fused_bias_act.numerics import GOLDEN_SHAPES, golden
 from kgen.families.fused_bias_act.op import (
-    OPS, TUNE_CLASS_FALLBACK, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, TUNE_VARIATIONS, fused_bias_act, tune_bucket, tune_inputs, tune_runner)
+    OPS, TUNE_CLASS_FALLBACK, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, TUNE_VARIATIONS, fused_bias_act, nearby_transfers, tune_bucket, tune_inputs,
+    tune_runner)
 from kgen.families.fused_bias_act.reference import reference
 from kgen.families.fused_bias_act.schema import ACTIVATIONS, SCHEMA, TEMPLATES, template_context, triton_aot

@@ -85,6 +85,17 @@ TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
 _ROW_CLASSES = ("tail", "vec8", "vec16")
 
 
+def nearby_transfers(shape: dict, bucket: str, variant) -> bool:
+    """dispatch's veto on a nearby bucket's winner (tune.nearest: columns from up to two powers
+    of two away): not a Triton row tile (order "down") whose block of columns is more than
+    twice the widest of the call's bucket (the choice is cached per bucket), which idles most
+    of its lanes: fp16 10778 x 164 ran the cols <= 1024 bucket's `triton_c1024_r4_w4` at 12.1
+    us of GPU time where the fastest candidate took 4.1 (H200, BENCHMARKS.md thirty-ninth
+    session). The flat order and the CUDA variants cover any width alike."""
+    return not (variant is not None and variant.backend == "triton" and variant.params.get("order") == "down"
+                and variant.params["block_cols"] > 2 << (shape["cols"] - 1).bit_length())
+
+
 def _row_class(cols: int) -> int:
     """The index in _ROW_CLASSES: 2 (cols % 8 == 0), 1 (cols % 4 == 0), 0 (else)."""
     return 2 if cols % 8 == 0 else int(cols % 4 == 0)

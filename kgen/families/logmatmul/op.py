@@ -67,14 +67,6 @@ def _choose(device, dtype, B, N, K):
     name = str(dtype).removeprefix("torch.")
     dims = {"B": B, "N": N, "K": K}
     kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
-    if (why.startswith("tuned nearby") and kernel is not None and kernel.params.get("dot", "none") != "none"
-            and kernel.params["block_b"] > ODD_K_ROWS and K % 4):
-        # a tl.dot tile carried from a bucket of whole K vectors to a K that is not (its
-        # loads then go one element at a time, ODD_K_ROWS): the batch rule instead
-        v = _by_batch(dispatch.runnable(FAMILY, name, device), B, N, K)
-        if v is not None:
-            kernel = dispatch.load(v)
-            dispatch.log_choice(FAMILY, device, name, tune_bucket(**dims), kernel, "untuned rule (K not whole vectors)")
     if kernel is not None and kernel.backend == "cuda":
         companion = dispatch.select(FAMILY, device, name, backend="triton")
         return CudaForward(kernel, companion.module) if companion is not None else None
@@ -86,13 +78,16 @@ def _choose(device, dtype, B, N, K):
 # N = K = 1024 (the H100 and H200 tables: the small-batch Triton form won B <= 64 at 512^2
 # and 1024^2, a tl.dot tile at 4096^2); above B = 64, 512^2 (a tl.dot tile won 1024^2).
 SMALL_WEIGHTS = ((64, 1 << 22), (float("inf"), 1 << 20))
-# ... and B x N (outputs) up to which the small-batch form runs them above B = 16: it takes
-# 4 rows x 16 nodes a program, so its time grows with B x N whatever K (~10 ns a program
-# at K <= 128), while the tl.dot tiles stay at 15-25 us. H200, float32 and bf16, K = 9 to
-# 120 (BENCHMARKS.md thirty-seventh session): up to 60 x 1200 and 130 x 300 the small-batch
-# form is fastest or within 5 %; from 24 x 4679 (float32) / 130 x 1200 on a tl.dot tile
-# wins, by 2.0x at 60 x 4679 and 10x at 130 x 12000.
-SMALL_OUTPUTS = 96 * 1024
+# ... and B x N (outputs) and B x N x K (work) up to which the small-batch form runs them above
+# B = 16. It is one launch with a light host side; the 16-row tl.dot tile, its rival there,
+# is two (the exponentials, then the tile) and costs ~17-35 us a call in a host-bound loop
+# against the small-batch form's ~10-17, while on the GPU alone it is faster from B x N ~
+# 20000 (up to 2.6x at 64 x 1200 x 16). Timed as the tuner times candidates (the larger of
+# host and GPU time a call, timing.cuda_timer), the small-batch form won up to B x N ~ 120000
+# and B x N x K ~ 64M and lost beyond either (121 x 1102 x 99: 1.06x, 64 x 1000 x 1000
+# float32: 1.15x, 107 x 829 x 1262: 1.20x). H200, float32 and bf16, 74 random shapes, B = 17
+# to 300, N = 64 to 2048, K = 8 to 2048 (BENCHMARKS.md thirty-ninth session).
+SMALL_OUTPUTS, SMALL_WORK = 128 * 1024, 1 << 26
 
 
 def untuned_order(variants, shape: dict) -> list:
@@ -102,12 +97,13 @@ def untuned_order(variants, shape: dict) -> list:
     return variants if first is None else [first, *(v for v in variants if v is not first)]
 
 
-# Rows a tl.dot program takes where K is not a multiple of 4: the exponentials' and w's rows
-# (float32) are then not whole 16-byte vectors and the tiles load one or two elements at a
-# time; the 16-row tile ran 1.7-2.1x faster than the 64-row one at every such shape measured
-# (H200, bf16 and float32, 276 x 350 x 1805 to 200 x 3000 x 3000; where K is a multiple of 4
-# the kernels' KA makes the loads whole vectors and the 64-row tile wins as at K = 4096:
-# BENCHMARKS.md thirty-sixth session).
+# Rows a tl.dot program takes where K is odd: the exponentials' and w's rows are then not
+# whole vectors of any size (the kernels' KA = 1) and the tiles load one element at a time;
+# the 16-row tile ran 1.7-2.1x faster than the 64-row one at every such shape measured (H200,
+# bf16 and float32, 276 x 350 x 1805 and others: BENCHMARKS.md thirty-sixth session) and was
+# the fastest candidate at 71 x 2317 x 2005, 186 x 3469 x 1227 and 212 x 2361 x 1507
+# (thirty-ninth). Where K % 4 == 2 the tiles load pairs (KA = 2) and the rows rule wins:
+# 16 rows there ran 1.31-1.58x the fastest (a 64- or 128-row tile) at K = 450 to 1870.
 ODD_K_ROWS = 16
 # The batch from which the 128-row tl.dot tile (float32's) is the rule's: below it the
 # 64-row tile wastes less of its last tile. H200 float32 at B = 130, N = 300 to 12000, K =
@@ -115,33 +111,57 @@ ODD_K_ROWS = 16
 # (BENCHMARKS.md thirty-seventh session); the tables' B <= 256 buckets at N = K = 4096 also
 # chose the 64-row tile, at 1024^2 the 128-row one.
 WIDE_TILE_ROWS = 256
-# Below it, the 16-row tile where the 64-row one's grid (cdiv(B, 64) x cdiv(N, 64) programs) is
+# The 16-row tile where the 64- or 128-row one's grid (cdiv(B, rows) x cdiv(N, 64) programs) is
 # short of a wave: under FEW_PROGRAMS[0] programs at K <= FEW_PROGRAMS_K, under FEW_PROGRAMS[1]
 # at a wider K (the 16-row tile re-reads w once per 16 rows, which a wide K pays for). H200
 # float32, B = 40 to 200, N = 300 to 12000, K = 120 and 1024 (BENCHMARKS.md thirty-eighth
 # session): the 16-row tile 7.1-10.2 us against the 64-row one's 10.1-10.9 at K = 120 under 128
-# programs, and the 64-row one 2-16 % ahead from 32 programs on at K = 1024.
+# programs, and the 64-row one 2-16 % ahead from 32 programs on at K = 1024; at 370 x 188 x 22
+# (9 programs of 128 rows) 6.6 us against 12.5 (thirty-ninth).
 FEW_PROGRAMS, FEW_PROGRAMS_K = (128, 32), 128
+
+
+# A nearby bucket's tuned winner (tune.nearest) serves B > 16 only along rows beyond the
+# tuned ones (B > TUNED_ROWS, the same N and K classes); elsewhere `_by_batch` does. H200,
+# float32 and bf16, B = 60 to 200, N = 300 to 2500, K = 545 and 1024 (BENCHMARKS.md
+# thirty-ninth session): the nearby N <= 1024, K <= 1024, B <= 256 winner (a 64- or 128-row
+# tile) ran 1.05-4.3x the fastest candidate in 15 of 18 cases, the rule's choice within 3 %
+# of it in all 18.
+TUNED_ROWS = 256
+
+
+def nearby_transfers(shape: dict, bucket: str, variant) -> bool:
+    """dispatch's veto on a nearby bucket's winner (above): False where `_by_batch` serves the
+    shape instead, also wherever the winner is a tl.dot tile of more than ODD_K_ROWS rows
+    and K is odd (its loads would go one element at a time)."""
+    B, N, K = shape["B"], shape["N"], shape["K"]
+    if B <= 16:
+        return True  # the small batches: _by_batch names nothing (spec order)
+    if variant is not None and variant.params.get("dot", "none") != "none" and variant.params["block_b"] > ODD_K_ROWS \
+            and K % 2:
+        return False
+    return B > TUNED_ROWS and tune_bucket(B, N, K).split(".")[1:] == bucket.split(".")[1:]
 
 
 def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
-    the batch (16 up to B = 32, 64 below 256 -- 16 where 64-row programs would be few,
-    FEW_PROGRAMS --, else 128, ODD_K_ROWS where K % 4; the largest there is up to that), instead of spec order's small-batch form: on an H100 at N = K =
-    4096 (BENCHMARKS.md) 54 us against 84-91 us at B = 16, and 89 us against 287 us at B =
-    64. Small weights (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won
-    B <= 16 at every tuned size) and the small-batch Triton form above it where B x N is
-    small too (SMALL_OUTPUTS; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
+    the batch (16 up to B = 32, 64 below 256, else 128 -- 16 where those programs would be
+    few, FEW_PROGRAMS --, ODD_K_ROWS where K is odd; the largest there is up to that),
+    instead of spec order's small-batch form: on an H100 at N = K = 4096 (BENCHMARKS.md) 54
+    us against 84-91 us at B = 16, and 89 us against 287 us at B = 64. Small weights
+    (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won B <= 16 at every
+    tuned size) and the small-batch Triton form above it where the outputs are few too
+    (SMALL_OUTPUTS, SMALL_WORK; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
     16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session). None: spec order."""
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
     if small and B <= 16:
         return None
-    if small and B * N <= SMALL_OUTPUTS:
+    if small and B * N <= SMALL_OUTPUTS and B * N * K <= SMALL_WORK:
         return next((v for v in variants if v.backend == "triton" and v.params["dot"] == "none"), None)
-    rows = ODD_K_ROWS if K % 4 else 16 if B <= 32 else 64 if B < WIDE_TILE_ROWS else 128
-    if rows == 64 and -(-B // 64) * -(-N // 64) < FEW_PROGRAMS[K > FEW_PROGRAMS_K]:
+    rows = ODD_K_ROWS if K % 2 else 16 if B <= 32 else 64 if B < WIDE_TILE_ROWS else 128
+    if rows > 16 and -(-B // rows) * -(-N // 64) < FEW_PROGRAMS[K > FEW_PROGRAMS_K]:
         rows = 16
     dots = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= rows]
     return max(dots, key=lambda v: v.params["block_b"], default=None)  # (the first of the largest: spec order)
