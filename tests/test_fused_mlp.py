@@ -627,7 +627,7 @@ def test_cuda_variants_sass():
     """Every shipped CUDA variant compiles for sm_90: mma.sync (HMMA.16816.F32) from ldmatrix
     (LDSM), st.async into the other CTAs' shared memory with mbarriers (no GPU-wide fence per
     row tile), the dependent launch's wait before any memory access (ACQBULK), no local memory
-    or stack."""
+    or stack; on sm_90a, no serialised WGMMA."""
     import re
 
     from kgen.runtime import build, toolchain
@@ -650,6 +650,11 @@ def test_cuda_variants_sass():
                 assert op in sass, (r.variant.name, op)
             assert not re.search(r"MEMBAR\.\w+\.GPU", sass), r.variant.name
             assert sass.count("BRX") <= 2 * (len(r.variant.params["widths"]) - 1), (r.variant.name, sass.count("BRX"))
+            # none of ptxas's warnings that a WGMMA was serialised (C7510: one in a called
+            # function, 2x slower in the thirty-ninth session's prototype; C7511, C7515) or
+            # register reallocation ignored (C7508)
+            log = r.entry.file(build.BUILD_LOG).read_text()
+            assert not re.search(r"C75(08|10|11|15)", log), (r.variant.name, log)
             continue
         # STAS.128: st.async of 16 bytes into another CTA's shared memory; SYNCS: the
         # mbarriers those complete on; the cluster barrier only at the start and the end

@@ -386,6 +386,10 @@ def test_wgmma_variant_sass(cuda_builds, name):
         assert op in sass, op
     assert "IMMA" not in sass.replace("IGMMA", "")  # no mma.sync fallback inside
     assert not re.search(r"\b(LDL|STL)\b", sass)
+    # none of ptxas's warnings that a WGMMA was serialised (C7510, C7511, C7515) or register
+    # reallocation ignored (C7508)
+    log = r.entry.file(build.BUILD_LOG).read_text()
+    assert not re.search(r"C75(08|10|11|15)", log), log
     assert sass.count("ACQBULK") >= sass.count("Function : ") == 12
     res = toolchain.resource_usage(lib)
     assert len(res) == 12
