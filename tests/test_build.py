@@ -149,6 +149,18 @@ def test_triton_variant_compiles_ahead_of_time(triton_builds, name):
         assert all(k["stack"] == 0 for k in res.values()), res
 
 
+def test_a_kernel_built_in_two_forms_keeps_both(triton_builds):
+    """logmatmul's wide tl.dot tiles take their exps in the tile loop or from an exp launch
+    (plans.pre_pass): the build compiles the forward both ways, the second as `.1`, each with
+    its own cubin and resource entry; the 16-row tile has one form."""
+    for name, forms in (("logmatmul/triton_b64_n64_k32_dtf32x3_w4_s3_f32", 2),
+                        ("logmatmul/triton_b16_n64_k64_dtf32x3_w4_f32", 1)):
+        m = triton_builds[name].entry.manifest
+        fwd = sorted(k for k in m["resources"] if k.startswith("logmatmul_fwd_kernel"))
+        assert fwd == ["logmatmul_fwd_kernel", "logmatmul_fwd_kernel.1"][:forms], fwd
+        assert sum(f.startswith("logmatmul_fwd_kernel") and f.endswith(".cubin") for f in m["files"]) == forms
+
+
 @needs_nvcc
 def test_compile_error_carries_command_log_and_source(monkeypatch):
     from kgen import render as render_mod

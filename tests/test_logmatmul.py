@@ -264,7 +264,7 @@ def test_tune_hooks():
 def test_untuned_shapes_put_the_batchs_tile_first():
     """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
     at B = 16; from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
-    64 below 256, else 128), small weights and few outputs the small-batch Triton form; the
+    64 below 512, else 128), small weights and few outputs the small-batch Triton form; the
     rest after it."""
     vs = dispatch._ordered("logmatmul", "float32", (9, 0))
 
@@ -272,7 +272,7 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         return lmm.untuned_order(vs, {"B": B, "N": N, "K": K})
 
     assert order(8, 4096, 4096) == vs and order(16, 512, 512) == vs
-    for B, rows in ((16, 16), (32, 16), (64, 64), (127, 64), (130, 64), (255, 64), (256, 128), (4096, 128)):
+    for B, rows in ((16, 16), (32, 16), (64, 64), (127, 64), (130, 64), (256, 64), (511, 64), (512, 128), (4096, 128)):
         first, *rest = order(B, 4096, 4096)
         assert first.backend == "triton" and first.params["block_b"] == rows and first.params["dot"] != "none"
         assert rest == [v for v in vs if v is not first]
@@ -280,10 +280,12 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     assert first.backend == "triton" and first.params["dot"] == "none"
     # small weights but many outputs or much work: the small-batch form's programs grow with B x N
     # and its time with B x N x K
-    for B, N, K in ((60, 4679, 25), (130, 1200, 60), (24, 12000, 9), (121, 1102, 99), (107, 829, 1262)):
+    # (B x N over 32K: the 16-row tile, one launch as the small-batch form is, runs ahead)
+    for B, N, K in ((60, 4679, 25), (130, 1200, 60), (24, 12000, 9), (121, 1102, 99), (107, 829, 1262),
+                    (370, 188, 22), (60, 1200, 120), (272, 400, 52), (130, 300, 545), (94, 730, 900)):
         first = order(B, N, K)[0]
         assert first.backend == "triton" and first.params["dot"] != "none", (B, N, K)
-    for B, N, K in ((24, 300, 120), (370, 188, 22), (60, 1200, 120), (272, 400, 52), (130, 300, 545), (94, 730, 900)):
+    for B, N, K in ((24, 300, 120), (86, 102, 15), (160, 152, 868), (62, 88, 283), (250, 130, 64)):
         assert order(B, N, K)[0].params["dot"] == "none", (B, N, K)
     # the largest tile a dtype has up to the batch's rows; 16 rows where K is odd (the tiles'
     # loads then are single elements; K % 4 == 2 loads pairs and keeps the rows rule)
@@ -292,12 +294,14 @@ def test_untuned_shapes_put_the_batchs_tile_first():
                           (300, 4096, 1028, 64), (64, 4096, 4096, 64), (137, 2275, 450, 64)):
         v = lmm.op._by_batch(bf16, B, N, K)
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
-    # below 256 rows, 16 where the 64-row tile's programs are short of a wave (fewer still at a
-    # wide K): cdiv(B, 64) x cdiv(N, 64) against 128 at K <= 128, 32 beyond
+    # 16 where the wide tile's programs are short of a wave (fewer still at a wide K):
+    # cdiv(B, rows) x cdiv(N, 64) against 128 at K <= 128, 32 beyond; and where the work is
+    # under 64M at K > 16 (the wide tiles then take their exps in the tile loop too)
     f32 = dispatch._ordered("logmatmul", "float32", (9, 0))
-    for B, N, K, rows in ((110, 1200, 120, 16), (130, 2500, 120, 16), (100, 4679, 120, 64), (200, 2500, 120, 64),
-                          (60, 1900, 1024, 16), (100, 1200, 1024, 64), (40, 12000, 1024, 64),
-                          (370, 1880, 22, 16), (300, 4000, 22, 128)):  # 128 rows: 90 programs / 189
+    for B, N, K, rows in ((110, 1200, 120, 16), (130, 2500, 120, 16), (100, 4679, 120, 16), (200, 2500, 120, 16),
+                          (60, 1900, 1024, 16), (100, 1200, 1024, 64), (40, 12000, 1024, 64), (120, 4679, 120, 64),
+                          (370, 1880, 22, 16), (300, 4000, 22, 16), (386, 3152, 16, 64), (600, 4000, 16, 128),
+                          (700, 1200, 16, 16), (600, 2000, 128, 128)):  # 700 x 1200: 120 programs of 128 rows
         v = lmm.op._by_batch(f32, B, N, K)
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
 
@@ -408,13 +412,15 @@ def test_fast_path_of_a_triton_variant_runs_its_forward(monkeypatch):
     assert torch.equal(lmm.logmatmul(x, w), out) and calls == [1]
 
 
-@pytest.mark.parametrize("name,B,N,K,splits", [(TRITON[0], 3, 37, 100, 1), (TRITON[-1], 5, 70, 300, 1),
-                                               (TRITON[-1], 2, 40, 4096, 3)])
-def test_triton_fast_path_replays_the_forward_launches(monkeypatch, name, B, N, K, splits):
+@pytest.mark.parametrize("name,B,N,K,splits,pre", [(TRITON[0], 3, 37, 100, 1, False), (TRITON[-1], 5, 70, 300, 1, False),
+                                                   (TRITON[-1], 2, 40, 4096, 3, False),
+                                                   (TRITON[-1], 50, 3990, 1024, 2, True)])  # 204M: the exp launch
+def test_triton_fast_path_replays_the_forward_launches(monkeypatch, name, B, N, K, splits, pre):
     """With the launches recorded (FakeTriton, test_triton_launch), the fast path's later calls
     launch the binaries `forward` launched, with the same grids and arguments (pointers as
     integers): x and w as given, the output and scratch new; a hook set since sends the call
-    back through Triton's own launch."""
+    back through Triton's own launch. A wide tl.dot tile launches its exp pass first only at
+    large work (plans.pre_pass)."""
     from types import SimpleNamespace
 
     from test_triton_launch import FakeTriton
@@ -440,7 +446,7 @@ def test_triton_fast_path_replays_the_forward_launches(monkeypatch, name, B, N, 
         f.launches.clear()
     out = fast(x, w)
     direct = [f.launches[-1] for f in fakes.values() if f.launches]
-    assert len(direct) == len(general) == 1 + (mod.DOT != "none") + (splits > 1)
+    assert len(direct) == len(general) == 1 + pre + (splits > 1)
     inputs = {x.data_ptr(), w.data_ptr()}
     for (kind, binary, grid, _, _, args), g in zip(direct, general):
         assert kind == "direct" and binary is g[1] and grid[0] == g[2][0]
@@ -448,7 +454,7 @@ def test_triton_fast_path_replays_the_forward_launches(monkeypatch, name, B, N, 
         for a, b in zip(args, want):
             if b in inputs or not isinstance(b, int) or b < 1 << 20:  # inputs and scalars: the same
                 assert a == b
-    fwd_args = direct[1 if mod.DOT != "none" else 0][5]
+    fwd_args = direct[1 if pre else 0][5]
     assert fwd_args[4] == out.data_ptr()
     assert all(f.launches[-1][0] == "direct" for f in fakes.values() if f.launches)
     # a hook set since: Triton's own launch for every kernel of the call

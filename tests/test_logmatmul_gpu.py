@@ -57,6 +57,21 @@ def test_gpu_triton_fast_path_bound_and_in_a_cuda_graph(name, B, K):
 
 
 @gpu
+@pytest.mark.parametrize("name", [n for n in TRITON if _variant(n).params["dot"] != "none"])
+def test_gpu_tl_dot_tiles_in_both_forms(poison, name):
+    """A tl.dot tile takes its exps in the tile loop (one launch) below plans.PRE_PASS_WORK;
+    at or above it the wide tiles read them from the exp launch, the 16-row tile still not.
+    Both forms within tolerance of float64, forward and gradients, at sizes off every tile."""
+    mod = _gpu_mod(name)
+    v, dev = _variant(name), torch.device("cuda")
+    for B, N, K in ((70, 333, 1030), (67, 3001, 1031)):  # 24M and 207M (PRE_PASS_WORK: 201M)
+        pre = launch._triton_plan(mod, B, N, K, dev)[4]
+        assert pre == (B * N * K > 1 << 27 and v.params["block_b"] > 16), (B, N, K, pre)
+        _assert_ok(numerics.check_case(mod, B, N, K, getattr(torch, v.dtype), torch.float32, dev,
+                                       SPEC.numerics[v.dtype]))
+
+
+@gpu
 @pytest.mark.parametrize("name", ALL_GPU)
 def test_gpu_golden(poison, name):
     v = SPEC.variant(name)
@@ -329,7 +344,8 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
     monkeypatch.setattr(lop, "_BY_SHAPE", {})
     monkeypatch.setattr(lop, "_FAST", {})
     dev = torch.device("cuda")
-    for B, N, K, small in ((31, 23, 545, True), (370, 188, 22, True), (130, 300, 545, True), (130, 1200, 60, False)):
+    for B, N, K, small in ((31, 23, 545, True), (160, 152, 868, True), (250, 130, 64, True), (370, 188, 22, False),
+                          (130, 300, 545, False), (130, 1200, 60, False)):
         mod = lop._module(dev, torch.float32, B, N, K)
         assert (getattr(mod, "DOT", None) == "none") == small, (B, N, K, getattr(mod, "VARIANT", mod))
         _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev, SPEC.numerics["float32"]))

@@ -272,13 +272,16 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
         files, resources = [TRITON_SOURCE], {}
         try:
             mod = _import_file(src, f"kgen_aot_{staging.name.replace('-', '_')}")
+            seen: dict[str, int] = {}  # a kernel compiled in two forms: the second is <name>.1
             for fn, sig, consts, opts, *divisible in module_of(variant.family).triton_aot(variant, mod):
                 compiled = triton.compile(ASTSource(fn, sig, consts, _divisibility(fn, sig, *divisible)),
                                           target=GPUTarget("cuda", cc, 32), options=opts)
-                cubin = f"{fn.__name__}.cubin"
+                n = seen[fn.__name__] = seen.get(fn.__name__, -1) + 1
+                tag = f"{fn.__name__}.{n}" if n else fn.__name__
+                cubin = f"{tag}.cubin"
                 (staging / cubin).write_bytes(compiled.asm["cubin"])
                 files.append(cubin)
-                usage = toolchain.resource_usage(staging / cubin)
+                usage = {f"{k}.{n}" if n else k: v for k, v in toolchain.resource_usage(staging / cubin).items()}
                 for k in usage.values():  # Triton's shared memory is dynamic: cuobjdump shows none
                     k["shared"] = max(k["shared"], int(compiled.metadata.shared))
                 resources.update(usage)

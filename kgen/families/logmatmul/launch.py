@@ -27,7 +27,7 @@ import torch
 
 from kgen.families.logmatmul.plans import (
     BWD_B, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
-    cuda_k_step, cuda_splits, k_split, pow2_at_least, sm_count)
+    cuda_k_step, cuda_splits, k_split, pow2_at_least, pre_pass, sm_count)
 from kgen.families.logmatmul.schema import CUDA_MAX_B, CUDA_MAX_K, cuda_bsl_shape, cuda_op_max_b, cuda_rows
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype, stride_align
@@ -254,7 +254,7 @@ def _triton_plan(mod, B: int, N: int, K: int, device, splits=None) -> tuple:
     """(rows of x per program, K splits, k_slice, n tiles, whether exp(x - m) runs first)."""
     bb = block_b(mod, B)
     splits, k_slice = k_split(B, N, K, bb, mod.BLOCK_N, mod.BLOCK_K, mod.WAVES, sm_count(device), splits)
-    return bb, splits, k_slice, cdiv(N, mod.BLOCK_N), mod.DOT != "none"
+    return bb, splits, k_slice, cdiv(N, mod.BLOCK_N), pre_pass(mod, B, N, K)
 
 
 def _scratch_layout(plan, B: int, N: int, K: int) -> tuple[list[int], list[int]]:
@@ -300,7 +300,7 @@ def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
     N = w.shape[0]
     ka = stride_align(K)  # the kernels' KA
     todo = []
-    if pre:  # tl.dot forms: exp(x - m) once, then a plain tl.dot tile loop
+    if pre:  # wide tl.dot tiles at large work: exp(x - m) once, then a plain tl.dot tile loop
         todo.append((mod.logmatmul_exp_kernel, (B,), (x, e, m, K, REDUCE_BLOCK, ka), {}))
     todo.append((mod.logmatmul_fwd_kernel, (n_tiles * cdiv(B, bb) * splits,),
                  (e if pre else x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles,

@@ -79,16 +79,15 @@ def _choose(device, dtype, B, N, K):
 # and 1024^2, a tl.dot tile at 4096^2); above B = 64, 512^2 (a tl.dot tile won 1024^2).
 SMALL_WEIGHTS = ((64, 1 << 22), (float("inf"), 1 << 20))
 # ... and B x N (outputs) and B x N x K (work) up to which the small-batch form runs them above
-# B = 16. It is one launch with a light host side; the 16-row tl.dot tile, its rival there,
-# is two (the exponentials, then the tile) and costs ~17-35 us a call in a host-bound loop
-# against the small-batch form's ~10-17, while on the GPU alone it is faster from B x N ~
-# 20000 (up to 2.6x at 64 x 1200 x 16). Timed as the tuner times candidates (the larger of
-# host and GPU time a call, timing.cuda_timer), the small-batch form won up to B x N ~ 120000
-# and B x N x K ~ 64M and lost beyond either (121 x 1102 x 99: 1.06x, 64 x 1000 x 1000
-# float32: 1.15x, 107 x 829 x 1262: 1.20x). H200, float32 and bf16, 74 random shapes, B = 17
-# to 300, N = 64 to 2048, K = 8 to 2048 (BENCHMARKS.md thirty-ninth session).
-SMALL_OUTPUTS, SMALL_WORK = 128 * 1024, 1 << 26
-
+# B = 16. It is one launch with a light host side (~9.5 us a call on an H200 host), as is
+# the 16-row tl.dot tile (plans.pre_pass), its rival there, which is faster on the GPU from
+# B x N ~ 20000 (up to 2.6x at 64 x 1200 x 16). Timed as the tuner times candidates (the
+# larger of host and GPU time a call, timing.cuda_timer), the small-batch form lost beyond
+# B x N ~ 32000 (331 x 367 x 39: 22.8 us against 9.7; 185 x 521 x 75: 19.2 against 10.6) and
+# won or tied below it. H200, float32 and bf16, 180 random shapes, B = 17 to 400, N = 64 to
+# 4096, K = 8 to 2048 (BENCHMARKS.md fortieth session; up to 128K outputs while the 16-row
+# tile was two launches, thirty-ninth).
+SMALL_OUTPUTS, SMALL_WORK = 32 * 1024, 1 << 26
 
 def untuned_order(variants, shape: dict) -> list:
     """dispatch's hook where nothing is tuned for the shape: spec order, with `_by_batch`'s
@@ -108,9 +107,18 @@ ODD_K_ROWS = 16
 # The batch from which the 128-row tl.dot tile (float32's) is the rule's: below it the
 # 64-row tile wastes less of its last tile. H200 float32 at B = 130, N = 300 to 12000, K =
 # 60 and 120: 8.8-21.9 us of GPU time against the 128-row tile's 13.8-30.3, every case
-# (BENCHMARKS.md thirty-seventh session); the tables' B <= 256 buckets at N = K = 4096 also
-# chose the 64-row tile, at 1024^2 the 128-row one.
-WIDE_TILE_ROWS = 256
+# (BENCHMARKS.md thirty-seventh session); at B = 256 to 400 too (geomean over 120 random
+# shapes 1.032-1.042 the fastest with the 64-row tile there, 1.036-1.054 with the 128-row one;
+# fortieth). The tables' B <= 256 buckets at N = K = 4096 also chose the 64-row tile, at 1024^2
+# the 128-row one.
+WIDE_TILE_ROWS = 512
+# Work (B x N x K) below which the 16-row tile is the rule's at K > NARROW_K: there the wide
+# tiles run their exps in the tile loop (no exp launch, plans.pre_pass) and the 16-row
+# tile's four times as many programs finish first (H200, 143 x 976 x 316 bf16: 11.8 us
+# against the 64-row tile's 22.3; 66 x 1286 x 176 float32: 8.8 against 14.8). At K <=
+# NARROW_K a 16-row program has too little to do: 386 x 3152 x 16 ran 14.6 us against 9.3
+# (BENCHMARKS.md fortieth session).
+NARROW_TILE_WORK, NARROW_K = 1 << 26, 16
 # The 16-row tile where the 64- or 128-row one's grid (cdiv(B, rows) x cdiv(N, 64) programs) is
 # short of a wave: under FEW_PROGRAMS[0] programs at K <= FEW_PROGRAMS_K, under FEW_PROGRAMS[1]
 # at a wider K (the 16-row tile re-reads w once per 16 rows, which a wide K pays for). H200
@@ -145,8 +153,9 @@ def nearby_transfers(shape: dict, bucket: str, variant) -> bool:
 
 def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
-    the batch (16 up to B = 32, 64 below 256, else 128 -- 16 where those programs would be
-    few, FEW_PROGRAMS --, ODD_K_ROWS where K is odd; the largest there is up to that),
+    the batch (16 up to B = 32, 64 below WIDE_TILE_ROWS, else 128 -- 16 where those programs
+    would be few, FEW_PROGRAMS, or the work small, NARROW_TILE_WORK --, ODD_K_ROWS where K is
+    odd; the largest there is up to that),
     instead of spec order's small-batch form: on an H100 at N = K = 4096 (BENCHMARKS.md) 54
     us against 84-91 us at B = 16, and 89 us against 287 us at B = 64. Small weights
     (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won B <= 16 at every
@@ -161,7 +170,8 @@ def _by_batch(variants, B: int, N: int, K: int):
     if small and B * N <= SMALL_OUTPUTS and B * N * K <= SMALL_WORK:
         return next((v for v in variants if v.backend == "triton" and v.params["dot"] == "none"), None)
     rows = ODD_K_ROWS if K % 2 else 16 if B <= 32 else 64 if B < WIDE_TILE_ROWS else 128
-    if rows > 16 and -(-B // rows) * -(-N // 64) < FEW_PROGRAMS[K > FEW_PROGRAMS_K]:
+    if rows > 16 and (-(-B // rows) * -(-N // 64) < FEW_PROGRAMS[K > FEW_PROGRAMS_K]
+                      or K > NARROW_K and B * N * K < NARROW_TILE_WORK):
         rows = 16
     dots = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= rows]
     return max(dots, key=lambda v: v.params["block_b"], default=None)  # (the first of the largest: spec order)

@@ -30,6 +30,26 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device, _CPU_SMS)
 
 
+# Whether a tl.dot forward first writes e = exp(x - m) with a separate launch
+# (logmatmul_exp_kernel), so that its tile loop is a plain tl.dot with no exp and no maximum
+# per n tile, or takes its rows' maximum and exps inside the tile loop as the FMA form does
+# (one launch). The exp launch pays on the GPU wherever the exps, repeated per n tile, would
+# cost (1.5-2x at N = K = 4096) but adds a launch and the e and m pieces, ~8-10 us a call on an
+# H200 host; below PRE_PASS_WORK (B x N x K) the one-launch form was faster by the tuner's
+# metric (max of host and GPU time a call) and above it slower: 64-row tile, H200 float32 and
+# bf16, 302 x 1418 x 220: 17.0 us against 28.6, 223 x 794 x 636 (113M): 25.7 against 35.0;
+# 372 x 523 x 1298 (252M): 40.5 against 33.3, 170 x 2856 x 614: 46.6 against 33.1. The
+# 16-row tile is always one launch (a wide tile is the rule where the work is large), as is
+# the FMA form (BENCHMARKS.md fortieth session).
+PRE_PASS_WORK = 3 << 26
+PRE_PASS_MIN_ROWS = 32
+
+
+def pre_pass(mod, B: int, N: int, K: int) -> bool:
+    """Whether the variant's forward at B x N x K runs logmatmul_exp_kernel first (PRE)."""
+    return mod.DOT != "none" and mod.BLOCK_B >= PRE_PASS_MIN_ROWS and B * N * K >= PRE_PASS_WORK
+
+
 def block_b(mod, B: int) -> int:
     """Rows of x per forward program: the variant's block_b for tl.dot (its M, at least 16);
     for the FMA form the smallest power of two holding B, at most block_b, so that B = 1

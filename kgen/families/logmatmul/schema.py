@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from kgen.families.logmatmul.plans import PRE_PASS_MIN_ROWS
 from kgen.spec import DTYPES, Knob, Schema
 
 # tl.dot's input precisions for float32 operands; "none" sums with float32 FMAs instead.
@@ -203,27 +204,29 @@ def _bsl_context(p, dtype: str) -> dict:
 
 
 def triton_aot(variant, mod) -> list:
-    """What `kgen build` compiles ahead of time: the forward (partials form) and the fused
-    backward in the variant's dtype, with float32 weights."""
+    """What `kgen build` compiles ahead of time: the forward (partials form, each form a call
+    can take) and the fused backward in the variant's dtype, with float32 weights."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
-    fwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32", "part_s_ptr": "*fp32",
-               "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32", "n_tiles": "i32",
-               "m_ptr": "*fp32"}
-    pre = mod.DOT != "none"  # tl.dot forms read exp(x - m) as float32
-    if pre:
-        fwd_sig["x_ptr"] = "*fp32"
-    fwd_const = {"DIRECT": False, "DOT": mod.DOT, "BLOCK_B": mod.BLOCK_B, "BLOCK_N": mod.BLOCK_N,
+    fwds = []
+    # the forward in each form a call can take (plans.pre_pass): wide tl.dot tiles at large
+    # work read exp(x - m) as float32 from the exp launch; every tile can take its exps itself
+    for pre in (False, True) if mod.DOT != "none" and mod.BLOCK_B >= PRE_PASS_MIN_ROWS else (False,):
+        sig = {"x_ptr": "*fp32" if pre else f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32",
+               "part_s_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32",
+               "n_tiles": "i32"}
+        const = {"DIRECT": False, "DOT": mod.DOT, "BLOCK_B": mod.BLOCK_B, "BLOCK_N": mod.BLOCK_N,
                  "BLOCK_K": mod.BLOCK_K, "PRE": pre, "KA": 16}
-    fwd_sig.update({k: "constexpr" for k in fwd_const})
-    fwd_sig = {k: fwd_sig[k] for k in ("x_ptr", "w_ptr", "part_m_ptr", "part_s_ptr", "out_ptr", "B", "N", "K", "k_slice",
-                                       "n_tiles", "DIRECT", "DOT", "BLOCK_B", "BLOCK_N", "BLOCK_K", "PRE", "m_ptr",
-                                       "KA")}  # the kernel's argument order
+        sig.update({k: "constexpr" for k in const}, m_ptr="*fp32")
+        sig = {k: sig[k] for k in ("x_ptr", "w_ptr", "part_m_ptr", "part_s_ptr", "out_ptr", "B", "N", "K", "k_slice",
+                                   "n_tiles", "DIRECT", "DOT", "BLOCK_B", "BLOCK_N", "BLOCK_K", "PRE", "m_ptr",
+                                   "KA")}  # the kernel's argument order
+        fwds.append((mod.logmatmul_fwd_kernel, sig, const,
+                     {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}, ("K", "k_slice")))
     bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "stats_ptr": "*fp32",
                "dw_ptr": "*fp32", "dxp_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "n_chunk": "i32"}
     bwd_const = {"BB": mod.BWD_B, "BN": mod.BWD_N, "BK": mod.BWD_K, "DIRECT": False, "KA": 16}
     bwd_sig.update({k: "constexpr" for k in bwd_const})
     # K and the K slice multiples of 16 (the issue's and most models' widths): what the JIT
     # specializes at such calls, and so what the build's resource report should show
-    return [(mod.logmatmul_fwd_kernel, fwd_sig, fwd_const, {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES},
-             ("K", "k_slice")),
+    return [*fwds,
             (mod.logmatmul_bwd_kernel, bwd_sig, bwd_const, {"num_warps": mod.BWD_WARPS}, ("K",))]
