@@ -150,11 +150,11 @@ def test_triton_variant_compiles_ahead_of_time(triton_builds, name):
 
 
 def test_a_kernel_built_in_two_forms_keeps_both(triton_builds):
-    """logmatmul's wide tl.dot tiles take their exps in the tile loop or from an exp launch
+    """logmatmul's tl.dot tiles take their exps in the tile loop or from an exp launch
     (plans.pre_pass): the build compiles the forward both ways, the second as `.1`, each with
-    its own cubin and resource entry; the 16-row tile has one form."""
+    its own cubin and resource entry; the FMA form has one form."""
     for name, forms in (("logmatmul/triton_b64_n64_k32_dtf32x3_w4_s3_f32", 2),
-                        ("logmatmul/triton_b16_n64_k64_dtf32x3_w4_f32", 1)):
+                        ("logmatmul/triton_b16_n64_k64_dtf32x3_w4_f32", 2), ("logmatmul/triton_b4_n16_k128_w4_f32", 1)):
         m = triton_builds[name].entry.manifest
         fwd = sorted(k for k in m["resources"] if k.startswith("logmatmul_fwd_kernel"))
         assert fwd == ["logmatmul_fwd_kernel", "logmatmul_fwd_kernel.1"][:forms], fwd

@@ -296,7 +296,7 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
     # 16 where the wide tile's programs are short of a wave (fewer still at a wide K):
     # cdiv(B, rows) x cdiv(N, 64) against 128 at K <= 128, 32 beyond; and where the work is
-    # under 64M at K > 16 (the wide tiles then take their exps in the tile loop too)
+    # under 64M at K > 16 (every tile then takes its exps in the tile loop)
     f32 = dispatch._ordered("logmatmul", "float32", (9, 0))
     for B, N, K, rows in ((110, 1200, 120, 16), (130, 2500, 120, 16), (100, 4679, 120, 16), (200, 2500, 120, 16),
                           (60, 1900, 1024, 16), (100, 1200, 1024, 64), (40, 12000, 1024, 64), (120, 4679, 120, 64),
@@ -355,8 +355,17 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch):
     general, direct = kernel.calls
     assert general[:5] + general[8:] == direct[:5] + direct[8:]  # all but the output pointers
     assert direct[5] == direct[6] == direct[7] == out.data_ptr()
-    mod._plans[(B, N, 1024, torch.float32, torch.float32, None)] = (2, 512)
-    assert mod.direct(B, N, 1024, torch.float32, torch.float32, x.device) is None  # K split: general path
+    # a K split: the partials in one scratch a call, part_s from the first 16-byte boundary
+    # past part_m's splits x B floats; the rest as the general path passes it
+    x2, w2 = torch.randn(B, 1024), torch.rand(N, 1024)
+    mod._plans[(B, N, 1024, torch.float32, torch.float32, None)] = (3, 352)
+    kernel.calls.clear()
+    assert mod.run(x2, w2, torch.empty(B, N), B, N, 1024)
+    out2 = mod.direct(B, N, 1024, torch.float32, torch.float32, x.device)(x2, w2)
+    g2, d2 = kernel.calls
+    assert g2[:5] + g2[8:] == d2[:5] + d2[8:] and d2[11:13] == (3, 352)
+    assert d2[7] == out2.data_ptr() and d2[6] - d2[5] == 4 * 12 and len({d2[5], d2[6], d2[7]}) == 3
+    kernel.calls[:] = [general, direct]
     # a signature the kernel does not take (K = 33: rows not whole 16-byte vectors): the
     # Triton companion's launcher, as the general path would run the companion
     companion = object()

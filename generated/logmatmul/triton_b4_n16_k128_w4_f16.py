@@ -12,9 +12,9 @@
 # 0), then sums w[n, k] exp(x[b, k] - m) over the slice as float32 FMAs on a
 # [BLOCK_B, BLOCK_N, BLOCK_K] register product reduced once at the end. tl.dot forms take
 # their maximum and exps the same way, then tl.dot(exps, w^T) at that input precision (one
-# launch); at large work their wide tiles (PRE, plans.pre_pass) have logmatmul_exp_kernel
-# write e = exp(x - m) with each row's maximum m once first, so that the tile loop is a plain
-# tl.dot with no exp and no maximum per n tile. One split writes out directly; several write (m, s)
+# launch); at large work (PRE, plans.pre_pass) logmatmul_exp_kernel first writes e = exp(x
+# - m) with each row's maximum m once, so that the tile loop is a plain tl.dot with no exp
+# and no maximum per n tile. One split writes out directly; several write (m, s)
 # partials that logmatmul_combine_kernel merges in a fixed order (no atomics). The tiles
 # over N and the K split do not depend on B: at B = 1 every SM streams its share of w.
 #

@@ -139,9 +139,12 @@ class CudaForward:
         return True
 
     def direct(self, B: int, N: int, K: int, x_dtype, w_dtype, device: torch.device):
-        """A launcher for one exact call signature whose plan is one launch (no K split):
-        `f(x, w)` -> out, or None where x or w is not contiguous or not 16-byte aligned
-        (then the general path runs). A signature the kernel does not take (K not whole
+        """A launcher for one exact call signature: `f(x, w)` -> out, or None where x or w
+        is not contiguous or not 16-byte aligned (then the general path runs). A K split's
+        partials take one scratch tensor a call (part_m, then part_s from the next 16-byte
+        boundary): the tensor-core form splits K at most shapes, and through the general
+        path its calls cost ~30 us of host time a call on an H200 host against ~24 us of GPU
+        time at N = K = 4096 (BENCHMARKS.md fortieth session). A signature the kernel does not take (K not whole
         16-byte rows, B above its rows) gets the Triton companion's launcher instead: the
         general path would run the companion anyway, at ~4x the host cost of a direct call
         on an H200 host (BENCHMARKS.md, twenty-second session). The op's fast path keeps it
@@ -156,20 +159,27 @@ class CudaForward:
             plan = self._plan(key)
         if plan is None:  # the kernel does not take the signature: its Triton companion's fast path
             return triton_direct(self.triton, B, N, K, device)
-        if plan[0] != 1:
-            return None
-        k_slice = plan[1]
+        splits, k_slice = plan
         raw, ptr, fail, w32 = self.kernel.raw, self.kernel.ptr, self.kernel.fail, w_dtype is torch.float32
         shape, f32, stream, empty_like = (B, N), torch.float32, current_raw_stream, torch.empty_like
         proto = prototype(shape, f32, device)  # outputs: empty_like of it
+        s_at = -(-splits * B // 4) * 4  # part_s's offset in the scratch, in floats
+        scratch = (s_at + splits * B * N,) if splits > 1 else None
+        s_proto = prototype(scratch, f32, device) if scratch else None
 
         def launch(x, w):
             xp, wp = x.data_ptr(), w.data_ptr()
             if (xp | wp) & 15 or not (x.is_contiguous() and w.is_contiguous()):
                 return None
-            out = empty_like(proto) if _empty is _TORCH_EMPTY else _empty(shape, dtype=f32, device=device)
-            o = out.data_ptr()
-            rc = raw(ptr, index, xp, wp, w32, o, o, o, B, N, K, 1, k_slice, stream(index))
+            if _empty is _TORCH_EMPTY:
+                out = empty_like(proto)
+                part = empty_like(s_proto) if scratch else out
+            else:  # (tests patch _empty to poison buffers)
+                out = _empty(shape, dtype=f32, device=device)
+                part = _empty(scratch, dtype=f32, device=device) if scratch else out
+            o, pm = out.data_ptr(), part.data_ptr()
+            rc = raw(ptr, index, xp, wp, w32, pm, pm + 4 * s_at if scratch else o, o, B, N, K, splits, k_slice,
+                     stream(index))
             if rc:
                 fail(rc)
             return out
@@ -300,7 +310,7 @@ def _triton_launches(mod, x, w, out, part_m, part_s, e, m, plan) -> list[tuple]:
     N = w.shape[0]
     ka = stride_align(K)  # the kernels' KA
     todo = []
-    if pre:  # wide tl.dot tiles at large work: exp(x - m) once, then a plain tl.dot tile loop
+    if pre:  # tl.dot tiles at large work: exp(x - m) once, then a plain tl.dot tile loop
         todo.append((mod.logmatmul_exp_kernel, (B,), (x, e, m, K, REDUCE_BLOCK, ka), {}))
     todo.append((mod.logmatmul_fwd_kernel, (n_tiles * cdiv(B, bb) * splits,),
                  (e if pre else x, w, part_m, part_s, out, B, N, K, k_slice, n_tiles,

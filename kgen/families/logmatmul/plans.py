@@ -38,16 +38,15 @@ def sm_count(device: torch.device) -> int:
 # H200 host; below PRE_PASS_WORK (B x N x K) the one-launch form was faster by the tuner's
 # metric (max of host and GPU time a call) and above it slower: 64-row tile, H200 float32 and
 # bf16, 302 x 1418 x 220: 17.0 us against 28.6, 223 x 794 x 636 (113M): 25.7 against 35.0;
-# 372 x 523 x 1298 (252M): 40.5 against 33.3, 170 x 2856 x 614: 46.6 against 33.1. The
-# 16-row tile is always one launch (a wide tile is the rule where the work is large), as is
-# the FMA form (BENCHMARKS.md fortieth session).
+# 372 x 523 x 1298 (252M): 40.5 against 33.3, 170 x 2856 x 614: 46.6 against 33.1; the
+# 16-row tile alike (16 x 4096 x 4096 bf16, 268M: 53.3 us in one launch against 45.4). The FMA
+# form is always one launch (BENCHMARKS.md fortieth session).
 PRE_PASS_WORK = 3 << 26
-PRE_PASS_MIN_ROWS = 32
 
 
 def pre_pass(mod, B: int, N: int, K: int) -> bool:
     """Whether the variant's forward at B x N x K runs logmatmul_exp_kernel first (PRE)."""
-    return mod.DOT != "none" and mod.BLOCK_B >= PRE_PASS_MIN_ROWS and B * N * K >= PRE_PASS_WORK
+    return mod.DOT != "none" and B * N * K >= PRE_PASS_WORK
 
 
 def block_b(mod, B: int) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kgen.families.logmatmul.plans import PRE_PASS_MIN_ROWS
 from kgen.spec import DTYPES, Knob, Schema
 
 # tl.dot's input precisions for float32 operands; "none" sums with float32 FMAs instead.
@@ -208,9 +207,9 @@ def triton_aot(variant, mod) -> list:
     can take) and the fused backward in the variant's dtype, with float32 weights."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     fwds = []
-    # the forward in each form a call can take (plans.pre_pass): wide tl.dot tiles at large
-    # work read exp(x - m) as float32 from the exp launch; every tile can take its exps itself
-    for pre in (False, True) if mod.DOT != "none" and mod.BLOCK_B >= PRE_PASS_MIN_ROWS else (False,):
+    # the forward in each form a call can take (plans.pre_pass): tl.dot tiles at large work
+    # read exp(x - m) as float32 from the exp launch, below it take their exps themselves
+    for pre in (False, True) if mod.DOT != "none" else (False,):
         sig = {"x_ptr": "*fp32" if pre else f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32",
                "part_s_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32",
                "n_tiles": "i32"}
