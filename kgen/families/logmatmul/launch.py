@@ -144,12 +144,12 @@ class CudaForward:
         partials take one scratch tensor a call (part_m, then part_s from the next 16-byte
         boundary): the tensor-core form splits K at most shapes, and through the general
         path its calls cost ~30 us of host time a call on an H200 host against ~24 us of GPU
-        time at N = K = 4096 (BENCHMARKS.md fortieth session). A signature the kernel does not take (K not whole
-        16-byte rows, B above its rows) gets the Triton companion's launcher instead: the
-        general path would run the companion anyway, at ~4x the host cost of a direct call
-        on an H200 host (BENCHMARKS.md, twenty-second session). The op's fast path keeps it
-        per signature: the plan, the kernel's arguments that do not change and the stream
-        getter are bound once."""
+        time at N = K = 4096 (BENCHMARKS.md fortieth session). A signature the kernel does
+        not take (K not whole 16-byte rows, B above its rows) gets the Triton companion's
+        launcher instead: the general path would run the companion anyway, at ~4x the host
+        cost of a direct call on an H200 host (BENCHMARKS.md, twenty-second session). The
+        op's fast path keeps it per signature: the plan, the kernel's arguments that do not
+        change and the stream getter are bound once."""
         if min(B, N, K) < 1:
             return None
         index = device.index

@@ -89,6 +89,7 @@ SMALL_WEIGHTS = ((64, 1 << 22), (float("inf"), 1 << 20))
 # tile was two launches, thirty-ninth).
 SMALL_OUTPUTS, SMALL_WORK = 32 * 1024, 1 << 26
 
+
 def untuned_order(variants, shape: dict) -> list:
     """dispatch's hook where nothing is tuned for the shape: spec order, with `_by_batch`'s
     variant first where it names one."""
