@@ -210,15 +210,11 @@ def triton_aot(variant, mod) -> list:
     # the forward in each form a call can take (plans.pre_pass): tl.dot tiles at large work
     # read exp(x - m) as float32 from the exp launch, below it take their exps themselves
     for pre in (False, True) if mod.DOT != "none" else (False,):
-        sig = {"x_ptr": "*fp32" if pre else f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32",
-               "part_s_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32",
-               "n_tiles": "i32"}
         const = {"DIRECT": False, "DOT": mod.DOT, "BLOCK_B": mod.BLOCK_B, "BLOCK_N": mod.BLOCK_N,
                  "BLOCK_K": mod.BLOCK_K, "PRE": pre, "KA": 16}
-        sig.update({k: "constexpr" for k in const}, m_ptr="*fp32")
-        sig = {k: sig[k] for k in ("x_ptr", "w_ptr", "part_m_ptr", "part_s_ptr", "out_ptr", "B", "N", "K", "k_slice",
-                                   "n_tiles", "DIRECT", "DOT", "BLOCK_B", "BLOCK_N", "BLOCK_K", "PRE", "m_ptr",
-                                   "KA")}  # the kernel's argument order
+        sig = {"x_ptr": "*fp32" if pre else f"*{t}", "w_ptr": "*fp32", "part_m_ptr": "*fp32",  # argument order
+               "part_s_ptr": "*fp32", "out_ptr": "*fp32", "B": "i32", "N": "i32", "K": "i32", "k_slice": "i32",
+               "n_tiles": "i32", **dict.fromkeys(list(const)[:-1], "constexpr"), "m_ptr": "*fp32", "KA": "constexpr"}
         fwds.append((mod.logmatmul_fwd_kernel, sig, const,
                      {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}, ("K", "k_slice")))
     bwd_sig = {"x_ptr": f"*{t}", "w_ptr": "*fp32", "out_ptr": "*fp32", "g_ptr": "*fp32", "stats_ptr": "*fp32",
