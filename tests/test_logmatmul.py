@@ -282,14 +282,22 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     # and its time with B x N x K
     # (B x N over 32K: the 16-row tile, one launch as the small-batch form is, runs ahead)
     for B, N, K in ((60, 4679, 25), (130, 1200, 60), (24, 12000, 9), (121, 1102, 99), (107, 829, 1262),
-                    (370, 188, 22), (60, 1200, 120), (272, 400, 52), (130, 300, 545), (94, 730, 900)):
+                    (370, 188, 22), (60, 1200, 120), (272, 400, 52), (130, 300, 546), (94, 730, 900)):
         first = order(B, N, K)[0]
         assert first.backend == "triton" and first.params["dot"] != "none", (B, N, K)
     for B, N, K in ((24, 300, 120), (86, 102, 15), (160, 152, 868), (62, 88, 283), (250, 130, 64)):
         assert order(B, N, K)[0].params["dot"] == "none", (B, N, K)
+    # odd K from ODD_K_SMALL_K: the small-batch form up to 96K outputs (float32) or 32K
+    # (16-bit x), whatever the weights' size; the tiles beyond, and at an even or shorter K
+    bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))
+    for dtype_vs, B, N, K, small in ((vs, 130, 300, 545, True), (vs, 115, 312, 657, True), (vs, 57, 1401, 1341, True),
+                                     (vs, 60, 2000, 1001, False), (vs, 130, 300, 511, False),
+                                     (vs, 130, 300, 546, False), (vs, 16, 2000, 1001, False),
+                                     (bf16, 100, 300, 545, True), (bf16, 130, 300, 545, False)):
+        first = lmm.untuned_order(dtype_vs, {"B": B, "N": N, "K": K})[0]
+        assert (first.backend == "triton" and first.params["dot"] == "none") == small, (B, N, K, first.name)
     # the largest tile a dtype has up to the batch's rows; 16 rows where K is odd (the tiles'
     # loads then are single elements; K % 4 == 2 loads pairs and keeps the rows rule)
-    bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))
     for B, N, K, rows in ((276, 350, 4001, 16), (64, 4096, 4097, 16), (64, 4096, 4098, 64), (256, 4096, 4096, 64),
                           (300, 4096, 1028, 64), (64, 4096, 4096, 64), (137, 2275, 450, 64)):
         v = lmm.op._by_batch(bf16, B, N, K)
@@ -304,6 +312,16 @@ def test_untuned_shapes_put_the_batchs_tile_first():
                           (700, 1200, 16, 16), (600, 2000, 128, 128)):  # 700 x 1200: 120 programs of 128 rows
         v = lmm.op._by_batch(f32, B, N, K)
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
+
+
+def test_a_shapes_own_choice_is_not_kept_for_its_bucket():
+    """The op memoises dispatch's choice per bucket only where it is the bucket's (tuned);
+    the untuned rule's, a nearby bucket's, spec order's and a runner-up's are per shape."""
+    for why in ("tuned", "autotuned", "tuned as B<=256.N<=512.K<=1024"):
+        assert lmm.op.by_bucket(why), why
+    for why in ("untuned rule", "tuned nearby (B<=256.N<=1024.K<=1024)", "spec order", "fallback", "forced",
+                "tuned, runner-up (sm90_w4_n8_v4_b4_f32)"):
+        assert not lmm.op.by_bucket(why), why
 
 
 def test_cuda_backward_chunks_cover_n_within_shared_memory():

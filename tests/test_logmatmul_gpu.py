@@ -364,7 +364,7 @@ def test_gpu_cuda_block_sparse_op_int64_indices_and_fallbacks(poison, monkeypatc
 def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
     """With nothing tuned (nor nearby): B > 16 with small weights and few outputs runs the
     small-batch Triton form (not a 16-row tl.dot tile), more outputs the 16-row tile (op.
-    SMALL_OUTPUTS); B <= 16 where the CUDA kernel cannot take K
+    SMALL_OUTPUTS), odd K from 512 up to op.ODD_K_OUTPUTS the small-batch form; B <= 16 where the CUDA kernel cannot take K
     (rows not whole 16-byte vectors) runs its Triton companion through the fast path. Each
     within tolerance of float64, forward and gradients, and bitwise equal to a second call."""
     from kgen.families.logmatmul import op as lop
@@ -377,7 +377,8 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
     monkeypatch.setattr(lop, "_FAST", {})
     dev = torch.device("cuda")
     for B, N, K, small in ((31, 23, 545, True), (160, 152, 868, True), (250, 130, 64, True), (370, 188, 22, False),
-                          (130, 300, 545, False), (130, 1200, 60, False)):
+                          (130, 300, 545, True), (130, 300, 546, False), (60, 2000, 1001, False),
+                          (130, 1200, 60, False)):
         mod = lop._module(dev, torch.float32, B, N, K)
         assert (getattr(mod, "DOT", None) == "none") == small, (B, N, K, getattr(mod, "VARIANT", mod))
         _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev, SPEC.numerics["float32"]))

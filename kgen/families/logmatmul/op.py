@@ -15,7 +15,7 @@ from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
 FAMILY = "logmatmul"
 _FORCED = Override()
-_MODULES: dict = {}  # per shape bucket
+_MODULES: dict = {}  # per shape bucket, where the choice is the bucket's (by_bucket)
 _BY_SHAPE: dict = {}  # per exact shape, in front of _MODULES
 # The eager fast path (`logmatmul`): per exact signature (x shape, w shape, dtypes,
 # devices), a CUDA variant's bound one-launch launcher (CudaForward.direct); and the `using`
@@ -54,14 +54,27 @@ def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
     key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length())
     mod = _MODULES.get(key, MISSING)
     if mod is MISSING:
-        mod = _MODULES[key] = _choose(device, dtype, B, N, K)
+        mod, why = _choose(device, dtype, B, N, K)
+        if by_bucket(why):
+            _MODULES[key] = mod
     if len(_BY_SHAPE) > 4096:  # many shapes: keep the memo small
         _BY_SHAPE.clear()
     _BY_SHAPE[exact] = mod
     return mod
 
 
+def by_bucket(why: str) -> bool:
+    """Whether dispatch's choice (its `why`) holds for the whole shape bucket: a tuned
+    bucket's winner does; the untuned rule (`_by_batch`: K's parity, the outputs B x N), a
+    nearby bucket's winner (vetoed per shape), spec order and a runner-up (the winner did not
+    take this shape) are the shape's own, so that the first shape seen in a bucket does not
+    decide for the others (130 x 300 x 545 and x 546 share a bucket, and the rule runs the
+    small-batch form at the first, the 16-row tile at the second)."""
+    return (why in ("tuned", "autotuned") or why.startswith("tuned as ")) and "runner-up" not in why
+
+
 def _choose(device, dtype, B, N, K):
+    """(what the op runs for the shape, dispatch's why)."""
     from kgen.runtime import dispatch
 
     name = str(dtype).removeprefix("torch.")
@@ -69,8 +82,8 @@ def _choose(device, dtype, B, N, K):
     kernel, why = dispatch.choose_logged(FAMILY, device, name, tune_bucket(**dims), dims)
     if kernel is not None and kernel.backend == "cuda":
         companion = dispatch.select(FAMILY, device, name, backend="triton")
-        return CudaForward(kernel, companion.module) if companion is not None else None
-    return implementation(kernel)
+        return (CudaForward(kernel, companion.module) if companion is not None else None), why
+    return implementation(kernel), why
 
 
 # Weights (N x K) below which a call is small: its time is launches and host, and the
@@ -105,6 +118,16 @@ def untuned_order(variants, shape: dict) -> list:
 # (thirty-ninth). Where K % 4 == 2 the tiles load pairs (KA = 2) and the rows rule wins:
 # 16 rows there ran 1.31-1.58x the fastest (a 64- or 128-row tile) at K = 450 to 1870.
 ODD_K_ROWS = 16
+# ... and at odd K from ODD_K_SMALL_K on, the small-batch form (whose loads along K are
+# scalar whatever K) up to ODD_K_OUTPUTS outputs (B x N; float32, then 16-bit x) whatever the
+# weights' size: there the 16-row tile, loading one element at a time, ran up to 1.7x its time
+# (H200, float32 115 x 312 x 657: 25.7 us against 15.1; 130 x 300 x 545: 23.4 against 14.2).
+# Rule time / fastest candidate (the tuner's metric) at 205 random odd-K shapes (B 17-400,
+# N 256-4096, K 91-2897) not fitted on: geomean 1.035 -> 1.018, 18 -> 8 shapes over 1.2x;
+# 16-bit x loses beyond ~32K outputs (bf16 265 x 160 x 1493: 1.73x), float32 beyond ~96K
+# (60 x 2000 x 1001: 2.1x). BENCHMARKS.md forty-first session.
+ODD_K_SMALL_K = 512
+ODD_K_OUTPUTS = (96 * 1024, 32 * 1024)
 # The batch from which the 128-row tl.dot tile (float32's) is the rule's: below it the
 # 64-row tile wastes less of its last tile. H200 float32 at B = 130, N = 300 to 12000, K =
 # 60 and 120: 8.8-21.9 us of GPU time against the 128-row tile's 13.8-30.3, every case
@@ -162,13 +185,16 @@ def _by_batch(variants, B: int, N: int, K: int):
     (SMALL_WEIGHTS) take spec order at B = 16 (the CUDA kernel: it won B <= 16 at every
     tuned size) and the small-batch Triton form above it where the outputs are few too
     (SMALL_OUTPUTS, SMALL_WORK; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
-    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session). None: spec order."""
+    16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session), as do odd K's moderate
+    outputs (ODD_K_OUTPUTS). None: spec order."""
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
     if small and B <= 16:
         return None
-    if small and B * N <= SMALL_OUTPUTS and B * N * K <= SMALL_WORK:
+    odd_outputs = ODD_K_OUTPUTS[any(v.dtype != "float32" for v in variants)]
+    if (small and B * N <= SMALL_OUTPUTS and B * N * K <= SMALL_WORK
+            or B > 16 and K % 2 and K >= ODD_K_SMALL_K and B * N <= odd_outputs):
         return next((v for v in variants if v.backend == "triton" and v.params["dot"] == "none"), None)
     rows = ODD_K_ROWS if K % 2 else 16 if B <= 32 else 64 if B < WIDE_TILE_ROWS else 128
     if rows > 16 and (-(-B // rows) * -(-N // 64) < FEW_PROGRAMS[K > FEW_PROGRAMS_K]
