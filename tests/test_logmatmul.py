@@ -314,16 +314,6 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
 
 
-def test_a_shapes_own_choice_is_not_kept_for_its_bucket():
-    """The op memoises dispatch's choice per bucket only where it is the bucket's (tuned);
-    the untuned rule's, a nearby bucket's, spec order's and a runner-up's are per shape."""
-    for why in ("tuned", "autotuned", "tuned as B<=256.N<=512.K<=1024"):
-        assert lmm.op.by_bucket(why), why
-    for why in ("untuned rule", "tuned nearby (B<=256.N<=1024.K<=1024)", "spec order", "fallback", "forced",
-                "tuned, runner-up (sm90_w4_n8_v4_b4_f32)"):
-        assert not lmm.op.by_bucket(why), why
-
-
 def test_cuda_backward_chunks_cover_n_within_shared_memory():
     from kgen.families.logmatmul.plans import BWD_B, BWD_CUDA_SMEM, bwd_cuda_chunks
 

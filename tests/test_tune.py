@@ -562,6 +562,16 @@ def test_the_user_table_overrides_the_shipped_one(tables):
     assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)[0].name == b.name
 
 
+def test_only_a_tuned_choice_holds_for_its_bucket():
+    """An op memoises choose's result per bucket only where it is the bucket's (tuned); the
+    untuned rule's, a nearby bucket's, spec order's and a runner-up's are the shape's own."""
+    for why in ("tuned", "autotuned", "tuned as B<=256.N<=512.K<=1024"):
+        assert dispatch.holds_for_bucket(why), why
+    for why in ("untuned rule", "tuned nearby (B<=256.N<=1024.K<=1024)", "spec order", "spec order, by shape",
+                "fallback", "forced", "tuned, runner-up (gemv does not take the shape)"):
+        assert not dispatch.holds_for_bucket(why), why
+
+
 def test_a_reference_winner_dispatches_to_the_reference(tables):
     bucket = fba.tune_bucket(**SHAPE)
     tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket): _entry(tune.REFERENCE)})

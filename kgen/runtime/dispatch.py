@@ -342,6 +342,16 @@ def choose_logged(family: str, device, dtype: str, bucket: str, shape: dict | No
     return kernel, why
 
 
+def holds_for_bucket(why: str) -> bool:
+    """Whether `choose`'s result (its `why`) holds for every shape of the bucket, so that an op
+    may memoise it per bucket: a tuned bucket's winner ("tuned", "autotuned", "tuned as ...")
+    does; the untuned rule's (the family's `untuned_order` sees the exact shape), a nearby
+    bucket's winner (vetoed per shape), spec order's (a variant's fit) and a runner-up's (the
+    winner did not take the shape) are the shape's own: memoised per bucket, the first shape a
+    process sees there would decide for the rest."""
+    return (why in ("tuned", "autotuned") or why.startswith("tuned as ")) and "runner-up" not in why
+
+
 _logged: set = set()
 
 

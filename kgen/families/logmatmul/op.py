@@ -15,7 +15,7 @@ from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
 FAMILY = "logmatmul"
 _FORCED = Override()
-_MODULES: dict = {}  # per shape bucket, where the choice is the bucket's (by_bucket)
+_MODULES: dict = {}  # per shape bucket, where the choice is the bucket's (dispatch.holds_for_bucket)
 _BY_SHAPE: dict = {}  # per exact shape, in front of _MODULES
 # The eager fast path (`logmatmul`): per exact signature (x shape, w shape, dtypes,
 # devices), a CUDA variant's bound one-launch launcher (CudaForward.direct); and the `using`
@@ -54,23 +54,15 @@ def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
     key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length())
     mod = _MODULES.get(key, MISSING)
     if mod is MISSING:
+        from kgen.runtime.dispatch import holds_for_bucket
+
         mod, why = _choose(device, dtype, B, N, K)
-        if by_bucket(why):
+        if holds_for_bucket(why):  # (130 x 300 x 545 and x 546 share a bucket; the rule tells them apart)
             _MODULES[key] = mod
     if len(_BY_SHAPE) > 4096:  # many shapes: keep the memo small
         _BY_SHAPE.clear()
     _BY_SHAPE[exact] = mod
     return mod
-
-
-def by_bucket(why: str) -> bool:
-    """Whether dispatch's choice (its `why`) holds for the whole shape bucket: a tuned
-    bucket's winner does; the untuned rule (`_by_batch`: K's parity, the outputs B x N), a
-    nearby bucket's winner (vetoed per shape), spec order and a runner-up (the winner did not
-    take this shape) are the shape's own, so that the first shape seen in a bucket does not
-    decide for the others (130 x 300 x 545 and x 546 share a bucket, and the rule runs the
-    small-batch form at the first, the 16-row tile at the second)."""
-    return (why in ("tuned", "autotuned") or why.startswith("tuned as ")) and "runner-up" not in why
 
 
 def _choose(device, dtype, B, N, K):
