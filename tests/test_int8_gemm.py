@@ -431,6 +431,34 @@ def test_wgmma_plans_and_checks():
     assert ig.schema._check_variant("cuda", "sm_90a", "int8", dict(big, kernel="mma", ring=0))
 
 
+def test_a_choice_is_memoised_per_bucket_only_where_it_is_the_buckets(monkeypatch):
+    """The untuned preference reads the exact M (int8, N = 4096 on 132 SMs: the 64 x 128
+    WGMMA tile at M = 513, 128 x 256 at M = 1024, one bucket), so the op keeps it per exact
+    shape; a tuned winner holds for its whole bucket. (A CUDA device's index is all the memo
+    reads: _choose is stubbed.)"""
+    wg = [v for v in SPEC.variants if ig.plans.is_wgmma(v)]
+    tile = lambda M: sorted(wg, key=lambda v: ig.plans.preference(v, M, 4096, 132))[0].params  # noqa: E731
+    assert (tile(513)["block_n"], tile(1024)["block_n"]) == (128, 256)
+    dev = torch.device("cuda", 0)
+    for why, calls in (("spec order, by shape", [513, 1024, 700]), ("tuned", [513])):
+        seen = []
+
+        def choose(device, dtype, M, N, K, grouped, fused=False, why=why):
+            seen.append(M)
+            return ("impl", M), why
+
+        monkeypatch.setattr(ig.op, "_choose", choose)
+        monkeypatch.setattr(ig.op, "_IMPLS", {})
+        monkeypatch.setattr(ig.op, "_BY_SHAPE", {})
+        got = [ig.op._impl(dev, torch.int8, M, 4096, 4096, False) for M in (513, 1024, 513, 700, 1024)]
+        assert seen == calls, (why, seen)
+        if why == "tuned":  # the bucket's first shape's choice, for every shape of it
+            assert got == [("impl", 513)] * 5
+        else:
+            assert got == [("impl", 513), ("impl", 1024), ("impl", 513), ("impl", 700), ("impl", 1024)]
+        assert ig.op._impl(dev, torch.int8, 1025, 4096, 4096, False) == ("impl", 1025)  # the next bucket
+
+
 def test_gemv_plans():
     """Spec order without a table entry puts the gemv variants first at M <= 16 and last
     above; the K split fills an H100 at N = 4096 and keeps the partials small at M = 16."""
@@ -461,7 +489,11 @@ def test_gemv_plans():
         assert (vs[0].params.get("split_k", 1) > 1) == split, (M, N, vs[0].name)
     assert ig.plans.gemv_splits(64, 1, 4096, 4096, 132) * 64 * 4 >= 12 * 132  # 64 CTAs of 4 warps x splits
     assert ig.plans.gemv_splits(16, 1, 4096, 4096, 132, 1, 8) == 1  # 256 CTAs of 8 K-warps fill the SMs
-    assert ig.plans.gemv_splits(16, 1, 1024, 4096, 132, 1, 8) == 2  # ranges of >= 4 steps a warp
+    assert ig.plans.gemv_fill_splits(16, 1, 1024, 4096, 132, 1, 8) == 2  # ranges of >= 4 steps a warp
+    # ... but a split costs the op ~6 us of host time: only a grid predicted slower than that
+    # splits (512 warps over 4 MiB: ~6 us unsplit; 64 warps over 8 MiB: ~55 us)
+    assert ig.plans.gemv_splits(16, 1, 1024, 4096, 132, 1, 8) == 1
+    assert ig.plans.gemv_splits(16, 1, 128, 65536, 132, 1, 8) == ig.plans.gemv_fill_splits(16, 1, 128, 65536, 132, 1, 8) > 4
     assert ig.plans.gemv_splits(64, 1, 65536, 4096, 132) == 1
     s = ig.plans.gemv_splits(64, 16, 4096, 11008, 132)
     assert 1 < s and 2 * s * 16 * 4096 * 4 <= 4096 * 11008 / 8 + 1
@@ -615,6 +647,7 @@ def test_int8_linear_never_runs_the_reference_where_a_kernel_is_tuned(monkeypatc
     entry = {"winner": tune.REFERENCE, "times_us": {tune.REFERENCE: 10.0, pick.name: 11.0}}
     monkeypatch.setattr(tune, "lookup", lambda k: entry if "int8_gemm" in k and "|int8|" in k else None)
     monkeypatch.setattr(ig.op, "_IMPLS", {})
+    monkeypatch.setattr(ig.op, "_BY_SHAPE", {})
     assert ig.op._impl(DEV, torch.int8, M, N, K, False) is None
     impl = ig.op._fused_impl(DEV, M, N, K)
     assert impl is not None and impl.cuda is None and impl.triton is dispatch.load(pick).module, (pick.name, cap)
@@ -634,6 +667,7 @@ def test_untuned_shapes_run_the_shape_preference(monkeypatch):
     monkeypatch.setattr(tune, "lookup", lambda k: None)
     monkeypatch.setattr(tune, "nearest", lambda k: None)
     monkeypatch.setattr(ig.op, "_IMPLS", {})
+    monkeypatch.setattr(ig.op, "_BY_SHAPE", {})
     sm90a = torch.cuda.get_device_capability() == (9, 0)
     # W8A16 above W8A16_REFERENCE_M rows: the reference (dequantised weight, cuBLAS), but
     # for N or K not a multiple of 8 (cuBLAS's slower kernels)
@@ -825,5 +859,5 @@ def test_gemv_graph_replay_and_dispatch(monkeypatch):
     monkeypatch.setattr(tune, "lookup", lambda k: None)  # nothing tuned, nothing nearby
     monkeypatch.setattr(tune, "nearest", lambda k: None)
     monkeypatch.delenv("KGEN_AUTOTUNE", raising=False)
-    impl = ig.op._choose(DEV, torch.int8, 3, 777, 512, False)
+    impl, _ = ig.op._choose(DEV, torch.int8, 3, 777, 512, False)
     assert impl is not None and impl.gemv, impl and impl.name

@@ -15,7 +15,8 @@ from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, 
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
-_IMPLS: dict = {}
+_IMPLS: dict = {}  # per tuned bucket (dispatch.holds_for_bucket); _memo
+_BY_SHAPE: dict = {}  # per exact shape, in front of _IMPLS
 # The eager fast path (host cost of small calls, where a decode step's GEMV takes ~10 us of
 # GPU): per exact call signature (op, shapes, dtypes, device, bias, group size) that went
 # to a kernel, its bound launcher (launch.direct: the CUDA kernel's, or the Triton module's
@@ -63,11 +64,7 @@ def _impl(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, grou
         return forced
     if device.type != "cuda":
         return None
-    key = (device.index, dtype, (M - 1).bit_length(), N, K, grouped)  # tune_bucket's classes
-    impl = _IMPLS.get(key, MISSING)
-    if impl is MISSING:
-        impl = _IMPLS[key] = _choose(device, dtype, M, N, K, grouped)
-    return impl
+    return _memo(device, dtype, M, N, K, grouped, False)
 
 
 def _fused_impl(device: torch.device, M: int, N: int, K: int):
@@ -78,18 +75,38 @@ def _fused_impl(device: torch.device, M: int, N: int, K: int):
     impl = _impl(device, torch.int8, M, N, K, False)
     if impl is not None or device.type != "cuda" or _FORCED.get() is not MISSING:
         return impl
-    key = (device.index, "fused", (M - 1).bit_length(), N, K)
+    return _memo(device, torch.int8, M, N, K, False, True)
+
+
+def _memo(device, dtype, M, N, K, grouped, fused):
+    """_choose's implementation, memoised per exact shape (_BY_SHAPE) and, where it is the
+    tuned bucket's (dispatch.holds_for_bucket), per bucket (_IMPLS): the untuned preference
+    reads the exact M (a tile's row waste, its grid's waves: plans.preference), so memoised
+    per bucket the first M a process saw there would decide for every other."""
+    exact = (device.index, dtype, M, N, K, grouped, fused)
+    impl = _BY_SHAPE.get(exact, MISSING)
+    if impl is not MISSING:
+        return impl
+    key = (device.index, dtype, (M - 1).bit_length(), N, K, grouped, fused)  # tune_bucket's classes
     impl = _IMPLS.get(key, MISSING)
     if impl is MISSING:
-        impl = _IMPLS[key] = _choose(device, torch.int8, M, N, K, False, fused=True)
+        from kgen.runtime.dispatch import holds_for_bucket
+
+        impl, why = _choose(device, dtype, M, N, K, grouped, fused)
+        if holds_for_bucket(why):
+            _IMPLS[key] = impl
+    if len(_BY_SHAPE) > 4096:  # ever-new shapes: keep the memo small
+        _BY_SHAPE.clear()
+    _BY_SHAPE[exact] = impl
     return impl
 
 
 def _choose(device, dtype, M, N, K, grouped, fused=False):
-    """Dispatch's choice for the bucket; where it fell to spec order (nothing tuned), the
-    family's shape preference (plans.preference) among the same candidates instead, or
-    for W8A16 at large M and K the reference (plans.w8a16_prefers_reference). `fused`:
-    never the reference; a tuned bucket's fastest other candidate."""
+    """(what the op runs, dispatch's why): dispatch's choice for the bucket; where it fell
+    to spec order (nothing tuned), the family's shape preference (plans.preference) among
+    the same candidates instead, or for W8A16 at large M and K the reference
+    (plans.w8a16_prefers_reference). `fused`: never the reference; a tuned bucket's
+    fastest other candidate."""
     from kgen.errors import KgenError
     from kgen.runtime import dispatch, tune
 
@@ -99,7 +116,7 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
     kernel, why = dispatch.choose(FAMILY, device, name, bucket, shape)
     cap = torch.cuda.get_device_capability(device)
     sms = plans.sm_count(device)
-    prefer = lambda v: plans.preference(v, M, N, sms)  # noqa: E731
+    prefer = lambda v: plans.preference(v, M, N, sms, K)  # noqa: E731
     triton = sorted(dispatch.candidates(FAMILY, name, cap, backend="triton"), key=prefer)
     if fused and kernel is None:
         entry = tune.lookup(tune.key(FAMILY, tune.device_key(device.index), name, bucket)) or {}
@@ -124,9 +141,9 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
                                      str(e).splitlines()[0])
     dispatch.log_choice(FAMILY, device, name, bucket, kernel, why)
     if kernel is None or kernel.backend == "triton":
-        return implementation(kernel)
+        return implementation(kernel), why
     companion = next((k for k in map(_try_load, triton) if k is not None), None)
-    return implementation(kernel, companion) if companion is not None else None
+    return (implementation(kernel, companion) if companion is not None else None), why
 
 
 def _try_load(v):

@@ -99,15 +99,42 @@ def wgmma_splits(params, M: int, N: int, K: int, sms: int) -> int:
     return max(1, min((sms // 2 + tiles // 2) // tiles, most))
 
 
-def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
-    """K splits of a gemv call (CTAs of `warps` row warps x `k_warps` K-warps): enough warps
-    to fill the SMs, each warp's range >= GEMV_MIN_STEPS steps, and the int32 / float32
-    partials (M x N x 4 bytes a split, twice) <= 1/8 of N x K."""
+def gemv_fill_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
+    """K splits that fill the SMs with a gemv call's warps (CTAs of `warps` row warps x
+    `k_warps` K-warps): enough warps for GEMV_WARPS_PER_SM an SM, each warp's range >=
+    GEMV_MIN_STEPS steps, and the int32 / float32 partials (M x N x 4 bytes a split, twice)
+    <= 1/8 of N x K."""
     steps = cdiv(K, GEMV_STEP)
     cta_warps = cdiv(N, rows_per_cta) * warps * k_warps
     s = min(cdiv(GEMV_WARPS_PER_SM * sms, cta_warps), steps // (GEMV_MIN_STEPS * k_warps), K // (64 * M),
             GEMV_MAX_SPLITS)
     return max(1, s)
+
+
+# A K split costs the op a partial plane and a second launch: ~6 us more host time a call
+# (H200, the op as a user calls it: ~14-15 us where the unsplit call took ~8-9), more than it
+# saves on the GPU unless the unsplit grid is badly starved. So a gemv call splits (as
+# gemv_fill_splits says) only where its unsplit grid is predicted to take longer than
+# GEMV_SPLIT_MIN_US: GEMV_FIXED_US plus the weight's bytes over its warps streaming
+# GEMV_WARP_BYTES_PER_US each (fitted on H200 16-bit calls, e.g. fp16 10 x 237 x 14896:
+# 120 warps, predicted 14.8 us, measured 15.1; int8 warps stream ~2x faster, so the
+# prediction errs towards splitting). Measured on 64 random shapes M <= 16 that split under
+# gemv_fill_splits, the op's time with 1-8 splits forced: this plan within 1.001x the best
+# count (geomean; worst 1.08), filling the SMs 1.38x (worst 2.15) (BENCHMARKS.md,
+# forty-second session).
+GEMV_FIXED_US = 3.0
+GEMV_WARP_BYTES_PER_US = 2500.0
+GEMV_SPLIT_MIN_US = 16.0
+
+
+def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
+    """K splits of a gemv call: gemv_fill_splits where the unsplit grid is predicted slower
+    than a split call's host cost, else 1."""
+    fill = gemv_fill_splits(rows_per_cta, M, N, K, sms, warps, k_warps)
+    if fill == 1:
+        return 1
+    unsplit_us = GEMV_FIXED_US + N * K / (cdiv(N, rows_per_cta) * warps * k_warps * GEMV_WARP_BYTES_PER_US)
+    return fill if unsplit_us > GEMV_SPLIT_MIN_US else 1
 
 
 def gemv_splits_of(params, M: int, N: int, K: int, sms: int) -> int:
@@ -137,11 +164,33 @@ def wgmma_tile_cost(params, M: int, N: int, sms: int) -> float:
     return cdiv(cdiv(M, bm) * cdiv(N, bn), sms) * bm * bn / WGMMA_TILE_EFFICIENCY.get(bm * bn, 0.76)
 
 
-def preference(variant, M: int, N: int | None = None, sms: int | None = None) -> tuple:
-    """Sort key of a variant for a call with M rows (N columns, on `sms` SMs, where known)
-    when the tuning table has nothing for its bucket (smaller first): at M <= 16 the CUDA
-    gemv variants (weight rows streamed straight into mma.sync registers; spec order among
-    them; last at larger M); above it the Hopper WGMMA kernel (int8 on sm_90a; every int8
+# Among the gemv variants (M <= 16, N and K known): the 8-K-warp CTAs (spec order's first)
+# fill the SMs at small N without a K split, but every CTA pays a reduction of its K-warps'
+# sums through shared memory, and at small K each K-warp streams a step or two: where N
+# gives enough row warps, one K-warp a CTA (4 row warps) streams the weight faster. Such a
+# variant runs at N >= GEMV_ROW_WARPS_N where its grid fills the SMs without a K split
+# (gemv_fill_splits; measured when every such split ran, costing ~6 us of host time a call:
+# more than the one-K-warp grid saved on the GPU at every split shape). H200, 153 random
+# untuned shapes M <= 16, the op as a user calls it (BENCHMARKS.md forty-second session):
+# 11 ran >= 10 % faster (fp16 7 x 29445 x 352 0.38x the time), none > 2 % slower.
+GEMV_ROW_WARPS_N = 2048
+
+
+def _gemv_rank(p, M: int, N: int | None, K: int | None, sms: int | None) -> int:
+    """0: a one-K-warp variant where it is preferred; 1: the K-warp variants; 2: a one-K-warp
+    variant elsewhere (and where N, K or the SMs are not known: spec order, rank 1)."""
+    if N is None or K is None or not sms or p["warps_m"] > 1:
+        return 1
+    fill = gemv_fill_splits(p["block_n"], M, N, K, sms, p["warps_n"], p["warps_m"])  # (as measured)
+    return 0 if N >= GEMV_ROW_WARPS_N and fill == 1 else 2
+
+
+def preference(variant, M: int, N: int | None = None, sms: int | None = None, K: int | None = None) -> tuple:
+    """Sort key of a variant for a call with M rows (N columns, K depth, on `sms` SMs, where
+    known) when the tuning table has nothing for its bucket (smaller first): at M <= 16 the
+    CUDA gemv variants (weight rows streamed straight into mma.sync registers; among them
+    one K-warp a CTA at large N, else the K-warp ones, _gemv_rank; spec order within a rank;
+    last at larger M); above it the Hopper WGMMA kernel (int8 on sm_90a; every int8
     bucket above M = 16 in the shipped H100 and H200 tables went to it; at untuned shapes on
     an H200 the op ran 3-6.6x faster than with the Triton tile, BENCHMARKS.md twenty-second
     session), its tile by predicted time (wgmma_tile_cost; by M, WGMMA_TILES, where N is not
@@ -157,7 +206,7 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None) ->
     p = variant.params
     split = p.get("split_k", 1)
     if is_gemv(variant):  # first where it takes M, last elsewhere
-        return (-1,) if M <= GEMV_MAX_M else (float("inf"),)
+        return (-1, _gemv_rank(p, M, N, K, sms)) if M <= GEMV_MAX_M else (float("inf"),)
     if is_wgmma(variant):
         if N is not None and sms:  # (a 128-row tile at M <= 64 computes half zeros or more)
             return (0, M <= 64 < p["block_m"], wgmma_tile_cost(p, M, N, sms), -p["block_m"] * p["block_n"])
