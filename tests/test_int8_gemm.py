@@ -410,7 +410,11 @@ def test_wgmma_plans_and_checks():
     assert ig.plans.wgmma_splits(big, 4096, 4096, 4096, 132) == 1
     assert ig.plans.wgmma_splits(big, 64, 4096, 11008, 132) == 4  # 16 tiles: 64 CTAs
     assert ig.plans.wgmma_splits(small, 17, 4096, 4096, 132) == 1  # 64 tiles already
-    assert ig.plans.wgmma_splits(small, 64, 1024, 4096, 132) == 4  # 16 tiles
+    assert ig.plans.wgmma_fill_splits(small, 64, 1024, 4096, 132) == 4  # 16 tiles
+    # ... but a split costs the op ~7 us of host time: 16 tiles over K = 4096, ~9 us unsplit,
+    # do not split; over K = 16384 (~27 us) they do
+    assert ig.plans.wgmma_splits(small, 64, 1024, 4096, 132) == 1
+    assert ig.plans.wgmma_splits(small, 64, 1024, 16384, 132) == ig.plans.wgmma_fill_splits(small, 64, 1024, 16384, 132) > 1
     for M, N, K in ((64, 4096, 11008), (17, 1000, 272), (64, 22016, 4096), (200, 4096, 4096), (1, 64, 65536)):
         for knobs in (big, small):
             s = ig.plans.wgmma_splits(knobs, M, N, K, 132)
@@ -612,7 +616,7 @@ def test_wgmma_in_a_cuda_graph_and_under_compile():
     if not runs:
         pytest.skip("no sm_90a device")
     impl = ig.implementation(_kernel(runs[0]))
-    M, N, K = 40, 1000, 2048  # int8_mm splits K here; int8_linear at M = 300 does not
+    M, N, K = 40, 1000, 16384  # int8_mm splits K here (a long unsplit grid); int8_linear at M = 300 does not
     a, b, a2 = _ints(M, K), _ints(N, K), _ints(300, K)
     sa, sb = torch.rand(300, device=DEV) / 64, torch.rand(N, device=DEV) / 64
     bias = torch.randn(N, device=DEV)

@@ -90,13 +90,35 @@ def is_wgmma(variant) -> bool:
 # e.g. M = 64, 4096 x 4096, 64 x 64 tiles: 9.7 us unsplit, 11.4 with 4 splits, 13.3 with 5.
 WGMMA_BK = 128
 WGMMA_MIN_PANELS = 4
+# ... but in the op a split call (a partial plane and the combine launch) costs ~7-8 us more
+# host time than an unsplit one (H200: ~16-17 us against ~8.5-9), more than the split saves
+# where the unsplit grid is quick. So a call splits only where its unsplit grid is predicted
+# slower than SPLIT_MIN_US: WGMMA_FIXED_US plus wgmma_tile_cost (waves x tile area / the
+# tile's efficiency) x K x WGMMA_US_PER_COST_K (fitted on 64 x 64 tiles in one wave: 0.0015 us
+# a K step of 1, e.g. 142 x 558 x 15312, 27 tiles: 25.9 us measured, 26 predicted). Measured
+# on 60 random untuned int8 shapes M 17-160 whose fill plan split K, the op with 1, 2, the
+# plan's and twice the plan's splits forced: this plan 1.011x the best count (geomean; worst
+# 1.17), the fill plan 1.442x (worst 2.03) (BENCHMARKS.md, forty-second session).
+WGMMA_FIXED_US = 3.0
+WGMMA_US_PER_COST_K = 1.83e-7
+SPLIT_MIN_US = 16.0
 
 
-def wgmma_splits(params, M: int, N: int, K: int, sms: int) -> int:
-    """K splits of a wgmma call: the count that makes about sms / 2 CTAs of the call's tiles."""
+def wgmma_fill_splits(params, M: int, N: int, K: int, sms: int) -> int:
+    """K splits that make about sms / 2 CTAs of a wgmma call's tiles."""
     tiles = cdiv(M, params["block_m"]) * cdiv(N, params["block_n"])
     most = min(cdiv(K, WGMMA_BK) // WGMMA_MIN_PANELS, K // (16 * M), 65535)
     return max(1, min((sms // 2 + tiles // 2) // tiles, most))
+
+
+def wgmma_splits(params, M: int, N: int, K: int, sms: int) -> int:
+    """K splits of a wgmma call: wgmma_fill_splits where the unsplit grid is predicted slower
+    than a split call's host cost (SPLIT_MIN_US), else 1."""
+    fill = wgmma_fill_splits(params, M, N, K, sms)
+    if fill == 1:
+        return 1
+    unsplit_us = WGMMA_FIXED_US + wgmma_tile_cost(params, M, N, sms) * K * WGMMA_US_PER_COST_K
+    return fill if unsplit_us > SPLIT_MIN_US else 1
 
 
 def gemv_fill_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
@@ -115,7 +137,7 @@ def gemv_fill_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps:
 # (H200, the op as a user calls it: ~14-15 us where the unsplit call took ~8-9), more than it
 # saves on the GPU unless the unsplit grid is badly starved. So a gemv call splits (as
 # gemv_fill_splits says) only where its unsplit grid is predicted to take longer than
-# GEMV_SPLIT_MIN_US: GEMV_FIXED_US plus the weight's bytes over its warps streaming
+# SPLIT_MIN_US: GEMV_FIXED_US plus the weight's bytes over its warps streaming
 # GEMV_WARP_BYTES_PER_US each (fitted on H200 16-bit calls, e.g. fp16 10 x 237 x 14896:
 # 120 warps, predicted 14.8 us, measured 15.1; int8 warps stream ~2x faster, so the
 # prediction errs towards splitting). Measured on 64 random shapes M <= 16 that split under
@@ -124,7 +146,6 @@ def gemv_fill_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps:
 # forty-second session).
 GEMV_FIXED_US = 3.0
 GEMV_WARP_BYTES_PER_US = 2500.0
-GEMV_SPLIT_MIN_US = 16.0
 
 
 def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int = 4, k_warps: int = 1) -> int:
@@ -134,7 +155,7 @@ def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int 
     if fill == 1:
         return 1
     unsplit_us = GEMV_FIXED_US + N * K / (cdiv(N, rows_per_cta) * warps * k_warps * GEMV_WARP_BYTES_PER_US)
-    return fill if unsplit_us > GEMV_SPLIT_MIN_US else 1
+    return fill if unsplit_us > SPLIT_MIN_US else 1
 
 
 def gemv_splits_of(params, M: int, N: int, K: int, sms: int) -> int:
