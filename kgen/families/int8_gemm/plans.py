@@ -37,15 +37,34 @@ def block_k(mod, group_size: int | None) -> int:
     return bk
 
 
+# A split Triton call (partials, then the combine launch) costs the op ~8 us more host time
+# than an unsplit one (H200: ~22-24 us against ~14-15 through the replayed launches), so it
+# splits only where the unsplit grid is predicted slower than TRITON_SPLIT_MIN_US: 3 us plus
+# the tiles an SM runs (programs sharing an SM share its throughput) x K x (TRITON_NS_PER_K +
+# TRITON_NS_PER_K_AREA x the tile's area) ns (fitted on H200 W8A16 unsplit times: 16 x 64
+# tiles ~3.1-4.9 ns a unit of K, 64 x 128 ~9-12). Measured on 84 random untuned W8A16 shapes
+# M 17-128 whose plan split, the op with 1, 2 and the plan's splits forced: this 1.021x the
+# best count (geomean; worst 1.38), the plan alone 1.182x (worst 2.10) (BENCHMARKS.md,
+# forty-second session).
+TRITON_SPLIT_MIN_US = 20.0
+TRITON_NS_PER_K = 2.4
+TRITON_NS_PER_K_AREA = 1.0e-3
+
+
 def splits(mod, M: int, N: int, K: int, bk: int, sms: int) -> tuple[int, int]:
     """(splits, k_split): how many K ranges of k_split (a multiple of bk) elements the call
     uses: up to mod.SPLIT_K, as many as bring the grid to CTAS_PER_SM programs per SM,
-    each at least MIN_STEPS_PER_SPLIT steps long."""
+    each at least MIN_STEPS_PER_SPLIT steps long; one where the unsplit grid is predicted
+    quicker than a split call's host cost (TRITON_SPLIT_MIN_US)."""
     steps = cdiv(K, bk)
     s = 1
     if mod.SPLIT_K > 1:
         tiles = cdiv(M, mod.BLOCK_M) * cdiv(N, mod.BLOCK_N)
         s = max(1, min(mod.SPLIT_K, cdiv(CTAS_PER_SM * sms, tiles), steps // MIN_STEPS_PER_SPLIT))
+        waves = cdiv(tiles, sms)
+        per_k_ns = TRITON_NS_PER_K + TRITON_NS_PER_K_AREA * mod.BLOCK_M * mod.BLOCK_N
+        if s > 1 and 3.0 + waves * K * per_k_ns / 1000 <= TRITON_SPLIT_MIN_US:
+            s = 1
     k_split = cdiv(steps, s) * bk
     return cdiv(K, k_split) if K else 1, k_split
 
