@@ -10,7 +10,8 @@ CUDA (sm_80 mma.sync, int8 only): one launch, epilogue fused; it needs K % 16 ==
 16-byte aligned a and b (cp.async moves 16-byte pieces), else the Triton module runs.
 CUDA wgmma (sm_90a, int8_mm and int8_linear, any M): TMA + WGMMA s8 tiles, with K splits
 (plans.wgmma_splits) where the tiles do not fill the SMs and the unsplit grid is slow enough
-to pay for the split's host cost: the gemv kernel's launcher arguments and partial planes. It needs K % 16 == 0 and 16-byte aligned a and b (TMA).
+to pay for the split's host cost: the gemv kernel's launcher arguments and partial planes.
+It needs K % 16 == 0 and 16-byte aligned a and b (TMA).
 CUDA gemv (M <= 16, all three ops): one launch, or with K splits (plans.gemv_splits) a
 partial workspace [splits, M, N] and the combine kernel, both in one launcher call; it needs
 K % 16 == 0, 16-byte aligned a / x and b, and group_size % 64 == 0 (a 64-k step within one

@@ -39,7 +39,7 @@ def block_k(mod, group_size: int | None) -> int:
 
 # A split Triton call (partials, then the combine launch) costs the op ~8 us more host time
 # than an unsplit one (H200: ~22-24 us against ~14-15 through the replayed launches), so it
-# splits only where the unsplit grid is predicted slower than TRITON_SPLIT_MIN_US: 3 us plus
+# splits only where the unsplit grid is predicted slower than TRITON_SPLIT_MIN_US: FIXED_US plus
 # the tiles an SM runs (programs sharing an SM share its throughput) x K x (TRITON_NS_PER_K +
 # TRITON_NS_PER_K_AREA x the tile's area) ns (fitted on H200 W8A16 unsplit times: 16 x 64
 # tiles ~3.1-4.9 ns a unit of K, 64 x 128 ~9-12). Measured on 84 random untuned W8A16 shapes
@@ -47,6 +47,7 @@ def block_k(mod, group_size: int | None) -> int:
 # best count (geomean; worst 1.38), the plan alone 1.182x (worst 2.10) (BENCHMARKS.md,
 # forty-second session).
 TRITON_SPLIT_MIN_US = 20.0
+FIXED_US = 3.0  # a grid's fixed time (launch, first loads) in the unsplit predictions below
 TRITON_NS_PER_K = 2.4
 TRITON_NS_PER_K_AREA = 1.0e-3
 
@@ -63,7 +64,7 @@ def splits(mod, M: int, N: int, K: int, bk: int, sms: int) -> tuple[int, int]:
         s = max(1, min(mod.SPLIT_K, cdiv(CTAS_PER_SM * sms, tiles), steps // MIN_STEPS_PER_SPLIT))
         waves = cdiv(tiles, sms)
         per_k_ns = TRITON_NS_PER_K + TRITON_NS_PER_K_AREA * mod.BLOCK_M * mod.BLOCK_N
-        if s > 1 and 3.0 + waves * K * per_k_ns / 1000 <= TRITON_SPLIT_MIN_US:
+        if s > 1 and FIXED_US + waves * K * per_k_ns / 1000 <= TRITON_SPLIT_MIN_US:
             s = 1
     k_split = cdiv(steps, s) * bk
     return cdiv(K, k_split) if K else 1, k_split
@@ -112,13 +113,12 @@ WGMMA_MIN_PANELS = 4
 # ... but in the op a split call (a partial plane and the combine launch) costs ~7-8 us more
 # host time than an unsplit one (H200: ~16-17 us against ~8.5-9), more than the split saves
 # where the unsplit grid is quick. So a call splits only where its unsplit grid is predicted
-# slower than SPLIT_MIN_US: WGMMA_FIXED_US plus wgmma_tile_cost (waves x tile area / the
+# slower than SPLIT_MIN_US: FIXED_US plus wgmma_tile_cost (waves x tile area / the
 # tile's efficiency) x K x WGMMA_US_PER_COST_K (fitted on 64 x 64 tiles in one wave: 0.0015 us
 # a K step of 1, e.g. 142 x 558 x 15312, 27 tiles: 25.9 us measured, 26 predicted). Measured
 # on 60 random untuned int8 shapes M 17-160 whose fill plan split K, the op with 1, 2, the
 # plan's and twice the plan's splits forced: this plan 1.011x the best count (geomean; worst
 # 1.17), the fill plan 1.442x (worst 2.03) (BENCHMARKS.md, forty-second session).
-WGMMA_FIXED_US = 3.0
 WGMMA_US_PER_COST_K = 1.83e-7
 SPLIT_MIN_US = 16.0
 
@@ -136,7 +136,7 @@ def wgmma_splits(params, M: int, N: int, K: int, sms: int) -> int:
     fill = wgmma_fill_splits(params, M, N, K, sms)
     if fill == 1:
         return 1
-    unsplit_us = WGMMA_FIXED_US + wgmma_tile_cost(params, M, N, sms) * K * WGMMA_US_PER_COST_K
+    unsplit_us = FIXED_US + wgmma_tile_cost(params, M, N, sms) * K * WGMMA_US_PER_COST_K
     return fill if unsplit_us > SPLIT_MIN_US else 1
 
 
@@ -156,14 +156,13 @@ def gemv_fill_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps:
 # (H200, the op as a user calls it: ~14-15 us where the unsplit call took ~8-9), more than it
 # saves on the GPU unless the unsplit grid is badly starved. So a gemv call splits (as
 # gemv_fill_splits says) only where its unsplit grid is predicted to take longer than
-# SPLIT_MIN_US: GEMV_FIXED_US plus the weight's bytes over its warps streaming
+# SPLIT_MIN_US: FIXED_US plus the weight's bytes over its warps streaming
 # GEMV_WARP_BYTES_PER_US each (fitted on H200 16-bit calls, e.g. fp16 10 x 237 x 14896:
 # 120 warps, predicted 14.8 us, measured 15.1; int8 warps stream ~2x faster, so the
 # prediction errs towards splitting). Measured on 64 random shapes M <= 16 that split under
 # gemv_fill_splits, the op's time with 1-8 splits forced: this plan within 1.001x the best
 # count (geomean; worst 1.08), filling the SMs 1.38x (worst 2.15) (BENCHMARKS.md,
 # forty-second session).
-GEMV_FIXED_US = 3.0
 GEMV_WARP_BYTES_PER_US = 2500.0
 
 
@@ -173,7 +172,7 @@ def gemv_splits(rows_per_cta: int, M: int, N: int, K: int, sms: int, warps: int 
     fill = gemv_fill_splits(rows_per_cta, M, N, K, sms, warps, k_warps)
     if fill == 1:
         return 1
-    unsplit_us = GEMV_FIXED_US + N * K / (cdiv(N, rows_per_cta) * warps * k_warps * GEMV_WARP_BYTES_PER_US)
+    unsplit_us = FIXED_US + N * K / (cdiv(N, rows_per_cta) * warps * k_warps * GEMV_WARP_BYTES_PER_US)
     return fill if unsplit_us > SPLIT_MIN_US else 1
 
 
