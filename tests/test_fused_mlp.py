@@ -696,16 +696,23 @@ def _untuned(widths, B, dtype="bfloat16"):
     return [v.name for v in fm.untuned_order(vs, {"B": B, "widths": "-".join(map(str, widths))})]
 
 
-def test_untuned_widths_keep_generic_variants_to_small_networks():
-    """Widths nothing was tuned for: the generic variants only while weights (and weights x
-    B) are small, smaller row tiles first up to B = 8192; none (the eager composition) for a
-    wide network; the exact variants for their widths, the CUDA cluster ones first only up
-    to B = 128, the Triton tiles by size."""
-    assert _untuned((1024, 4096, 1024), 256) == []  # 8.4 M weights
-    assert _untuned((784, 512, 512, 10), 256) == []  # 669 k
+def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
+    """Widths nothing was tuned for: the generic variants while the cost model predicts them
+    within 1.25x of the eager composition, smaller row tiles first at every B; none (eager)
+    for a wide network, for a wide layer at few rows, or at many rows of float32; the exact
+    variants for their widths, the CUDA cluster ones first only up to B = 128, the Triton
+    tiles by size."""
+    m32, m64 = "triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_bf16"
+    assert _untuned((1024, 4096, 1024), 256) == []  # 8.4 M weights: 1669 us against eager's 18.8
+    assert _untuned((784, 512, 512, 10), 256) == []  # 121 against 17
+    assert _untuned((175, 949), 75) == []  # one wide layer at few rows: 44.7 against 18.4
+    assert _untuned((1, 81, 706, 163), 23) == []  # 84.7 against 76.4 (host-bound eager)
     tiny = (32, 64, 64, 1)
-    assert _untuned(tiny, 300) == ["triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_bf16"]
-    assert _untuned(tiny, 65536) == ["triton_mw4096_m64_k64_w4_bf16", "triton_mw4096_m32_k64_w4_bf16"]
+    assert _untuned(tiny, 300) == [m32, m64]
+    assert _untuned(tiny, 65536) == [m32, m64]
+    assert _untuned((13, 1, 23, 16, 2), 11690) == [m32, m64]  # 8 against eager's 115
+    # float32 (TF32 off) at many rows: 363 us (32-row tiles) against eager's 74
+    assert _untuned((75, 893, 1), 8869, "float32") == []
     nerf = (63, 256, 256, 256, 256, 4)  # 214 k weights: small, but not at B = 65536
     assert _untuned(nerf, 4096)[0] == "triton_mw4096_m32_k64_w4_bf16" and _untuned(nerf, 65536) == []
     top = (367, 512, 256, 1)  # 319 k weights: the exact variants only

@@ -14,9 +14,9 @@ from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import fits, widths_of
 from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package and tests read them here too)
-    DLRM_BOTTOM, DLRM_TOP, FAMILY, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, UNTUNED_CLUSTER_B, UNTUNED_MAX_WEIGHTS,
-    UNTUNED_MAX_WORK, UNTUNED_SMALL_TILES_B, bucket_extras, implementation, make_inputs, runner, tune_bucket,
-    tune_choices, tune_inputs, tune_runner, untuned_order)
+    DLRM_BOTTOM, DLRM_TOP, FAMILY, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, UNTUNED_CLUSTER_B, UNTUNED_SMALL_TILES_B,
+    bucket_extras, eager_us, generic_us, implementation, make_inputs, runner, tune_bucket, tune_choices, tune_inputs,
+    tune_runner, untuned_order)
 from kgen.runtime.memo import CallMemo
 from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, define, dispatch_modes, error_ratio,
                              poisoned)

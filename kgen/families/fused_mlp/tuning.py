@@ -208,31 +208,88 @@ def tune_choices(inputs: dict) -> dict:
 # --------------------------------------------------------------------------- kernel choice
 
 # Where nothing was tuned for the widths (dispatch's spec-order step, in its stead): the
-# exact variants built for them, and the generic ones only while the network is small. A
-# generic program runs every layer of its row tile in turn, so its time grows with the
-# weights and the rows a program walks: spec order's generic variant took 1669 us of GPU time
-# where eager took 18.8 (a 1024-4096-1024 FFN, bf16, B = 256), 121 against 17 (784-512-512-10),
-# and beat eager only up to ~2^18 weights (32-64-64-1: 4.8 against 14.4 us; 63-256x4-4 at
-# B <= 4096: 44 against eager's 105 us a call in a loop; H200, BENCHMARKS.md, twenty-eighth
-# session). The CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile:
+# exact variants built for them, then the generic ones where a cost model says they beat the
+# eager composition. A generic program runs every layer of its row tile in turn, a dot of
+# block_k x block_k a step, so its time is about waves x (UNTUNED_PROGRAM_US + steps x the
+# step's cost), steps = sum over layers of cdiv(N, block_k) x cdiv(K, block_k), waves of
+# UNTUNED_SLOTS_PER_SM programs an SM (fitted on 62 random widths and B, H200, 32-row tiles:
+# ~1.05 us a 16-bit step, ~2.0 a float32 step with TF32 off (three dots), 3 us a program).
+# Eager pays EAGER_LAYER_US of host a layer (its launches: 12-25 us a layer on that host)
+# or its GPU time where that is longer (FLOPs at EAGER_TFLOPS, activations written and read
+# twice at EAGER_GBPS, 3 us a kernel). The generic variants stay candidates while their
+# prediction is at most UNTUNED_EAGER_FACTOR x eager's; each is predicted for the bucket's
+# largest B (dispatch's choice serves the whole bucket). On those 62 shapes, the time (max of
+# host and GPU) of what the rule picks over the fastest candidate's, geomean: 1.16 (worst
+# 11.0: float32 8869 x 75-893-1 on 64-row tiles, 817 us against eager's 74) under the old
+# bounds (<= 2^18 weights, weights x B <= 2^31), 1.02 (worst 1.84) under this one
+# (BENCHMARKS.md, forty-third session, with a fresh sample's check). It keeps the old bounds'
+# cases: 1024-4096-1024 (1669 us against eager's 18.8) and 784-512-512-10 (121 against 17)
+# to eager, 32-64-64-1 (4.8 against 14.4) and 63-256x4-4 at B <= 4096 (44 against 105)
+# generic. The generic tiles smallest first at every B: 64-row tiles beat 32-row ones by at
+# most 1.3x there and lost by up to 2.4x (float32 at B > 8000); a step's cost is taken as
+# proportional to the rows. The exact variants (a model's own widths, tuned) keep their
+# order: the CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile:
 # first only up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs),
 # largest first beyond (the tuned tables' winners on both GPUs).
-UNTUNED_MAX_WEIGHTS = 1 << 18  # sum of w(i) * w(i+1)
-UNTUNED_MAX_WORK = 1 << 31  # the weights times B (rounded up to a power of two, as the bucket)
+UNTUNED_PROGRAM_US = 3.0
+UNTUNED_STEP_US = {"16-bit": 1.05, "tf32x3": 2.5, "tf32": 1.5}  # a 32-row step; tf32: between (not fitted)
+UNTUNED_SLOTS_PER_SM = 2
+UNTUNED_EAGER_FACTOR = 1.25
+EAGER_LAYER_US = 15.0
+EAGER_KERNEL_US = 3.0
+EAGER_TFLOPS = {"16-bit": 300.0, "tf32x3": 50.0, "tf32": 150.0}
+EAGER_GBPS = 3000.0
 UNTUNED_CLUSTER_B = 128
 UNTUNED_SMALL_TILES_B = 8192
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@functools.cache
+def _sms() -> int:
+    """SMs of the current CUDA device (132, an H100's or H200's, without one)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return 132
+
+
+def _dot_class(dtype: str, shape: dict) -> str:
+    return shape.get("precision") or "tf32x3" if dtype == "float32" else "16-bit"
+
+
+def generic_us(params: dict, dtype: str, B: int, widths, shape: dict) -> float:
+    """Predicted GPU time of a generic variant (knobs `params`) on B rows of `widths`."""
+    bk, bm = params["block_k"], params["block_m"]
+    steps = sum(_cdiv(n, bk) * _cdiv(k, bk) for k, n in zip(widths, widths[1:]))
+    waves = _cdiv(_cdiv(B, bm), UNTUNED_SLOTS_PER_SM * _sms())
+    return waves * (UNTUNED_PROGRAM_US + steps * UNTUNED_STEP_US[_dot_class(dtype, shape)] * bm / 32)
+
+
+def eager_us(dtype: str, B: int, widths, shape: dict) -> float:
+    """Predicted time of the eager composition: its host cost or its GPU time."""
+    layers = len(widths) - 1
+    size = 4 if dtype == "float32" else 2
+    flops = sum(2 * B * k * n for k, n in zip(widths, widths[1:]))
+    moved = B * size * (widths[0] + widths[-1] + 4 * sum(widths[1:-1]))
+    gpu = flops / (EAGER_TFLOPS[_dot_class(dtype, shape)] * 1e6) + moved / (EAGER_GBPS * 1e3) \
+        + EAGER_KERNEL_US * (2 * layers - 1)
+    return max(EAGER_LAYER_US * layers, gpu)
 
 
 def untuned_order(variants, shape: dict) -> list:
     """dispatch's hook for widths nothing was tuned for: `variants` (those that take the
     widths, in spec order) to try in turn; none left means the eager composition."""
     widths = widths_of(shape["widths"])
-    B = 1 << max(0, (int(shape["B"]) - 1).bit_length())
-    weights = sum(a * b for a, b in zip(widths, widths[1:]))
+    B = 1 << max(0, (int(shape["B"]) - 1).bit_length())  # the bucket's (its choice serves all of it)
     by_tile = {"key": lambda v: v.params["block_m"], "reverse": B > UNTUNED_SMALL_TILES_B}
     cuda = [v for v in variants if v.backend == "cuda"]
     exact = sorted((v for v in variants if v.backend == "triton" and v.params["widths"]), **by_tile)
-    generic = []
-    if weights <= UNTUNED_MAX_WEIGHTS and weights * B <= UNTUNED_MAX_WORK:
-        generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]), **by_tile)
+    generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]),
+                     key=lambda v: v.params["block_m"])
+    if generic:
+        eager = eager_us(generic[0].dtype, B, widths, shape)
+        generic = [v for v in generic
+                   if generic_us(v.params, v.dtype, B, widths, shape) <= UNTUNED_EAGER_FACTOR * eager]
     return cuda + exact + generic if B <= UNTUNED_CLUSTER_B else exact + generic + cuda
