@@ -698,7 +698,7 @@ def _untuned(widths, B, dtype="bfloat16"):
 
 def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
     """Widths nothing was tuned for: the generic variants while the cost model predicts them
-    within 1.25x of the eager composition, smaller row tiles first at every B; none (eager)
+    no slower than the eager composition, smaller row tiles first at every B; none (eager)
     for a wide network, for a wide layer at few rows, or at many rows of float32; the exact
     variants for their widths, the CUDA cluster ones first only up to B = 128, the Triton
     tiles by size."""
@@ -706,7 +706,6 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
     assert _untuned((1024, 4096, 1024), 256) == []  # 8.4 M weights: 1669 us against eager's 18.8
     assert _untuned((784, 512, 512, 10), 256) == []  # 121 against 17
     assert _untuned((175, 949), 75) == []  # one wide layer at few rows: 44.7 against 18.4
-    assert _untuned((1, 81, 706, 163), 23) == []  # 84.7 against 76.4 (host-bound eager)
     tiny = (32, 64, 64, 1)
     assert _untuned(tiny, 300) == [m32, m64]
     assert _untuned(tiny, 65536) == [m32, m64]

@@ -211,31 +211,32 @@ def tune_choices(inputs: dict) -> dict:
 # exact variants built for them, then the generic ones where a cost model says they beat the
 # eager composition. A generic program runs every layer of its row tile in turn, a dot of
 # block_k x block_k a step, so its time is about waves x (UNTUNED_PROGRAM_US + steps x the
-# step's cost), steps = sum over layers of cdiv(N, block_k) x cdiv(K, block_k), waves of
-# UNTUNED_SLOTS_PER_SM programs an SM (fitted on 62 random widths and B, H200, 32-row tiles:
-# ~1.05 us a 16-bit step, ~2.0 a float32 step with TF32 off (three dots), 3 us a program).
-# Eager pays EAGER_LAYER_US of host a layer (its launches: 12-25 us a layer on that host)
-# or its GPU time where that is longer (FLOPs at EAGER_TFLOPS, activations written and read
-# twice at EAGER_GBPS, 3 us a kernel). The generic variants stay candidates while their
-# prediction is at most UNTUNED_EAGER_FACTOR x eager's; each is predicted for the bucket's
-# largest B (dispatch's choice serves the whole bucket). On those 62 shapes, the time (max of
-# host and GPU) of what the rule picks over the fastest candidate's, geomean: 1.16 (worst
-# 11.0: float32 8869 x 75-893-1 on 64-row tiles, 817 us against eager's 74) under the old
-# bounds (<= 2^18 weights, weights x B <= 2^31), 1.02 (worst 1.84) under this one
-# (BENCHMARKS.md, forty-third session, with a fresh sample's check). It keeps the old bounds'
-# cases: 1024-4096-1024 (1669 us against eager's 18.8) and 784-512-512-10 (121 against 17)
-# to eager, 32-64-64-1 (4.8 against 14.4) and 63-256x4-4 at B <= 4096 (44 against 105)
-# generic. The generic tiles smallest first at every B: 64-row tiles beat 32-row ones by at
-# most 1.3x there and lost by up to 2.4x (float32 at B > 8000); a step's cost is taken as
-# proportional to the rows. The exact variants (a model's own widths, tuned) keep their
-# order: the CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile:
-# first only up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs),
-# largest first beyond (the tuned tables' winners on both GPUs).
+# step's cost x block_m / 32), steps = sum over layers of cdiv(N, block_k) x cdiv(K,
+# block_k), waves of UNTUNED_SLOTS_PER_SM programs an SM (H200, 32-row tiles: ~1.05 us a
+# 16-bit step, ~2 a float32 step with TF32 off (three dots), 3 us a program). Eager pays
+# EAGER_LAYER_US of host a layer (its launches: 12-40 us a layer on that host, from run to
+# run) or its GPU time where that is longer (FLOPs at EAGER_TFLOPS, hidden activations
+# written and read twice at EAGER_GBPS, 3 us a kernel). A generic variant stays a candidate
+# while its prediction is at most UNTUNED_EAGER_FACTOR x eager's, each predicted for the
+# bucket's largest B (dispatch's choice serves the whole bucket). Fitted on 97 random widths
+# and B in two runs (BENCHMARKS.md, forty-third session), the time (max of host and GPU) of
+# what the rule picks over the fastest candidate's, geomean: 1.12 (worst 11.0: float32 8869 x
+# 75-893-1 on 64-row tiles, 817 us against eager's 74) under the old bounds (<= 2^18
+# weights, weights x B <= 2^31, 64-row tiles first past B = 8192), 1.03 (worst 1.84) under
+# this one; 1.05 against the old 1.045 on the second run alone (its eager host cost ~1.5x
+# the first's). It keeps the old bounds' cases: 1024-4096-1024 (1669 us against eager's
+# 18.8) and 784-512-512-10 (121 against 17) to eager, 32-64-64-1 (4.8 against 14.4) and
+# 63-256x4-4 at B <= 4096 (44 against 105) generic. The generic tiles smallest first at
+# every B: 64-row tiles beat 32-row ones by at most 1.3x there and lost by up to 2.4x
+# (float32 past B = 8000). The exact variants (a model's own widths, tuned) keep their order:
+# the CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile: first only
+# up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs), largest
+# first beyond (the tuned tables' winners on both GPUs).
 UNTUNED_PROGRAM_US = 3.0
-UNTUNED_STEP_US = {"16-bit": 1.05, "tf32x3": 2.5, "tf32": 1.5}  # a 32-row step; tf32: between (not fitted)
+UNTUNED_STEP_US = {"16-bit": 1.05, "tf32x3": 2.0, "tf32": 1.5}  # a 32-row step; tf32: between (not fitted)
 UNTUNED_SLOTS_PER_SM = 2
-UNTUNED_EAGER_FACTOR = 1.25
-EAGER_LAYER_US = 15.0
+UNTUNED_EAGER_FACTOR = 1.0
+EAGER_LAYER_US = 25.0
 EAGER_KERNEL_US = 3.0
 EAGER_TFLOPS = {"16-bit": 300.0, "tf32x3": 50.0, "tf32": 150.0}
 EAGER_GBPS = 3000.0
