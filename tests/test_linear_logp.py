@@ -472,6 +472,30 @@ def test_float32_backward_chunks():
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
 
 
+def test_float32_small_grids_take_cublas(monkeypatch):
+    """float32 with TF32 off: a dW or dH pass whose Triton grid has fewer programs than
+    FP32_TRITON_MIN_PROGRAMS runs cuBLAS's float32 GEMM instead (a few programs looping over
+    all of K took ~1.2 ms on an H200), each pass on its own; the gradients are the Triton
+    kernels' within float32 rounding (different summation orders), over one or many chunks."""
+    args = backward_args(variant(), 7, torch.float32, seed=5)
+    hidden, weight, bias = args[1], args[2], args[4]
+    mod = args[0]
+    dw = launch.dw_grid(mod, weight.shape[0], hidden.shape[1])[0]
+    dh = launch.dh_grid(mod, hidden.shape[0], hidden.shape[1])[0]
+    assert dh < dw  # (the test's shape: dH's grid the smaller)
+    got = {}
+    for least, want in ((0, (False, False)), (dh + 1, (False, True)), (1 << 30, (True, True))):
+        monkeypatch.setattr(launch, "FP32_TRITON_MIN_PROGRAMS", least)
+        plan = launch.backward_plan(mod, hidden, weight, bias, 1 << 30, 1 << 30)
+        assert (plan.blas, plan.blas_dw, plan.blas_dh) == (False, *want), least
+        for budget in (1 << 30, 1):
+            got[least, budget] = llp.backward(*args, workspace_bytes=budget, accumulator_bytes=budget)
+    ref = got[0, 1 << 30]
+    for key, grads in got.items():
+        for name, a, b in zip(("grad_h", "grad_w", "grad_b"), ref, grads):
+            torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-6, msg=f"{name} {key}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
     """Every buffer starts as NaN (ints as out-of-range values): no element of any output

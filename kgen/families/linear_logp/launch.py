@@ -87,9 +87,9 @@ import torch
 from kgen.families.linear_logp import cuda_variant
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import (
-    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
-    _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid, dw_grid,
-    dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _device_props,
+    _precision, _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid,
+    dw_grid, dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
 
 LN2 = 0.6931471805599453
 # Backward budgets (bytes): the dz chunk workspace (by default together with a separate
@@ -107,6 +107,13 @@ IN_PLACE = True
 PLAN_CACHE = os.environ.get("KGEN_LINEAR_LOGP_PLAN_CACHE", "1") != "0"
 PLANS_MAX = 256  # plans kept; the cache starts over when full
 _PLANS: dict = {}
+# float32 with TF32 off: dW and dH run the Triton "tf32x3" kernels (float32's accuracy at
+# ~3x cuBLAS's float32 rate) only where a pass's grid has at least this many programs; a
+# smaller grid loops one program over all of K: at N = 11, D = 344, V = 5632 the dH kernel's
+# 3 programs took ~1.2 ms where cuBLAS's float32 GEMM (no TF32: float32 accuracy) takes
+# microseconds (BENCHMARKS.md, forty-third session). None: the GPU's SM count; 0 (and off
+# the GPU, where tests run the interpreter) the Triton kernels whatever the grid.
+FP32_TRITON_MIN_PROGRAMS: Optional[int] = None
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -209,9 +216,11 @@ class BackwardPlan(NamedTuple):
     rows_view: tuple[int, int]  # "rows": (rows, columns) of a block's dz; else (0, 0)
     tiles_n: int  # row tiles of the Triton dz kernel (rows of the bias sums)
     chunks: tuple[Chunk, ...]
-    blas: bool  # dW and dH by cuBLAS through torch (else the Triton kernels)
+    blas: bool  # dW and dH by cuBLAS through torch (else the Triton kernels, see blas_dw / blas_dh)
     common: dict  # the Triton backward kernels' tile and precision constants
     one_chunk: bool  # one workspace chunk of all of V, no float32 sums, cuBLAS: backward's short path
+    blas_dw: bool  # dW by cuBLAS (blas, or a float32 Triton grid too small: FP32_TRITON_MIN_PROGRAMS)
+    blas_dh: bool  # dH likewise
 
 
 def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = None,
@@ -231,7 +240,7 @@ def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = No
         return _make_plan(mod, hidden, weight, bias, prec, workspace_bytes, accumulator_bytes)
     key = (id(mod), N, D, weight.shape[0], dtype, hidden.device, bias is None,
            (hidden.data_ptr() | weight.data_ptr()) % 16 == 0, prec, workspace_bytes, accumulator_bytes,
-           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP)
+           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP, FP32_TRITON_MIN_PROGRAMS)
     plan = _PLANS.get(key)
     if plan is None or plan.impl is not mod:
         if len(_PLANS) >= PLANS_MAX:
@@ -270,8 +279,16 @@ def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accu
     chunks = chunk_schedule(N, D, V, esize, granule, chunk, acc.alias_from, bpart_rows,
                             in_place=IN_PLACE and acc.home != "rows")
     one_chunk = blas and acc.home in ("output", "direct") and [tuple(c) for c in chunks] == [(0, V, None)]
+    blas_dw = blas_dh = blas
+    if not blas:
+        least = FP32_TRITON_MIN_PROGRAMS
+        if least is None:
+            dev = hidden.device
+            least = _device_props(dev.index).multi_processor_count if dev.type == "cuda" else 0
+        blas_dw = dw_grid(mod, max(c.v1 - c.v0 for c in chunks), D)[0] < least
+        blas_dh = dh_grid(mod, N, D)[0] < least
     return BackwardPlan(impl, mod, cuda, acc, chunk, space, rows_view, tiles_n, tuple(chunks), blas,
-                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk)
+                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk, blas_dw, blas_dh)
 
 
 def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
@@ -377,7 +394,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
     def dw_pass(v0, v1, dz=dz):
-        if p.blas:  # (no views where the chunk is all of dz's columns or of the vocabulary)
+        if p.blas_dw:  # (no views where the chunk is all of dz's columns or of the vocabulary)
             a = dz if v1 - v0 == dz.shape[1] else dz[:, :v1 - v0]
             torch.mm(a.T, hidden, out=grad_w if v1 - v0 == V else grad_w[v0:v1])
         else:
@@ -387,7 +404,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     def dh_pass(first, v0, v1, pieces, dz=dz, dz_row0=0):
         """acc (+)= dz @ weight[v0:v1] for each piece; dz's row r0 is dz_row0."""
         for r0, r1, acc in pieces:
-            if p.blas:
+            if p.blas_dh:
                 a = dz if (r0 - dz_row0, r1 - dz_row0, v1 - v0) == (0, *dz.shape) else \
                     dz[r0 - dz_row0:r1 - dz_row0, :v1 - v0]
                 _accumulate(acc, a, weight if v1 - v0 == V else weight[v0:v1], first)
