@@ -250,7 +250,8 @@ def _cdiv(a: int, b: int) -> int:
 
 @functools.cache
 def _sms() -> int:
-    """SMs of the current CUDA device (132, an H100's or H200's, without one)."""
+    """SMs of the CUDA device current at the first call (132, an H100's or H200's, without one):
+    a constant of the predictions below."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     return 132
