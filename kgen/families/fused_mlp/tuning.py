@@ -14,6 +14,7 @@ from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.reference import backward_lean, eager
 from kgen.families.fused_mlp.schema import fits, widths_of
+from kgen.runtime.op import sm_count
 
 FAMILY = "fused_mlp"
 
@@ -248,13 +249,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.cache
 def _sms() -> int:
-    """SMs of the CUDA device current at the first call (132, an H100's or H200's, without one):
-    a constant of the predictions below."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return 132
+    """SMs of the current CUDA device (132, an H100's or H200's, without one)."""
+    cuda = torch.cuda.is_available()
+    return sm_count(torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"), 132)
 
 
 def _dot_class(dtype: str, shape: dict) -> str:

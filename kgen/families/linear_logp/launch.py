@@ -86,9 +86,10 @@ import torch
 
 from kgen.families.linear_logp import cuda_variant
 from kgen.families.linear_logp.cuda_variant import CudaForward
+from kgen.runtime.op import sm_count
 from kgen.families.linear_logp.plans import (
-    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _device_props,
-    _precision, _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid,
+    COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
+    _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid,
     dw_grid, dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
 
 LN2 = 0.6931471805599453
@@ -107,12 +108,10 @@ IN_PLACE = True
 PLAN_CACHE = os.environ.get("KGEN_LINEAR_LOGP_PLAN_CACHE", "1") != "0"
 PLANS_MAX = 256  # plans kept; the cache starts over when full
 _PLANS: dict = {}
-# float32 with TF32 off: dW and dH run the Triton "tf32x3" kernels (float32's accuracy at
-# ~3x cuBLAS's float32 rate) only where a pass's grid has at least this many programs; a
-# smaller grid loops one program over all of K: at N = 11, D = 344, V = 5632 the dH kernel's
-# 3 programs took ~1.2 ms where cuBLAS's float32 GEMM (no TF32: float32 accuracy) takes
-# microseconds (BENCHMARKS.md, forty-third session). None: the GPU's SM count; 0 (and off
-# the GPU, where tests run the interpreter) the Triton kernels whatever the grid.
+# float32 with TF32 off: dW and dH run the Triton "tf32x3" kernels (float32 accuracy at ~3x
+# cuBLAS's float32 rate) only where a pass's grid has this many programs, else cuBLAS's
+# float32 GEMM (3 dH programs over all of V took ~1.2 ms at 11 x 344 x 5632; BENCHMARKS.md,
+# forty-third session). None: the SM count (off the GPU 0: always the Triton kernels).
 FP32_TRITON_MIN_PROGRAMS: Optional[int] = None
 
 
@@ -283,8 +282,7 @@ def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accu
     if not blas:
         least = FP32_TRITON_MIN_PROGRAMS
         if least is None:
-            dev = hidden.device
-            least = _device_props(dev.index).multi_processor_count if dev.type == "cuda" else 0
+            least = sm_count(hidden.device, 0)
         blas_dw = dw_grid(mod, max(c.v1 - c.v0 for c in chunks), D)[0] < least
         blas_dh = dh_grid(mod, N, D)[0] < least
     return BackwardPlan(impl, mod, cuda, acc, chunk, space, rows_view, tiles_n, tuple(chunks), blas,
