@@ -13,6 +13,7 @@ import triton.language as tl
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kgen.runtime import triton_launch as tlaunch
 
@@ -127,16 +128,37 @@ def test_a_new_specialisation_recompiles(fake, change, monkeypatch):
     assert _go(fake, *args, **kw)[0] == "direct"  # and it is reused in its turn
 
 
+def test_tma_descriptor_arguments(fake):
+    """A host-side TMA descriptor argument: launched directly once its dtype and block shape
+    were launched before (the descriptor object itself passed on: Triton's launcher encodes
+    it from its base, shape and strides on every launch), a new block shape or dtype goes to
+    Triton; a replay with one is refused (its base address is inside the descriptor)."""
+    x, y, h = torch.empty(16, 16), torch.empty(32, 16), torch.empty(16, 16, dtype=torch.float16)
+    b = torch.empty(64)
+    d1, d2 = TensorDescriptor.from_tensor(x, [8, 16]), TensorDescriptor.from_tensor(y, [8, 16])
+    first = _go(fake, d1, b, 32, 7, 0.5)
+    second = _go(fake, d2, b, 32, 7, 0.5)
+    assert first[0] == "plain" and second[0] == "direct" and second[1] is first[1] and second[5][0] is d2
+    for other in (TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(h, [8, 16])):
+        got = _go(fake, other, b, 32, 7, 0.5)
+        assert got[0] == "plain" and got[1] is not first[1]
+    assert tlaunch.replay([(fake.jit, (3,), (d1, b, 32, 7, 0.5), {"BLOCK": 64, "MODE": "a", "num_warps": 4})],
+                          (x, b)) is None
+
+
 def test_reused_binary_is_always_tritons_choice(fake):
     """Random calls over every class Triton specialises: each launch ran the binary Triton's
     own specialisation picks for its arguments, and most of them directly."""
     rng = random.Random(0)
     base = torch.empty(256)
     ints = [0, 1, 2, 15, 16, 17, 32, 48, -16, -1, (1 << 31) - 16, 1 << 31, 1 << 40, (1 << 63) + 16]
+    # host-side TMA descriptors: Triton keys their dtype and block shape
+    descs = [TensorDescriptor.from_tensor(t.view(16, -1), blk) for t in (base, base.half(), base.clone())
+             for blk in ([8, 16], [16, 16], [16, 8])]
     calls = []  # 60 argument sets, each drawn several times below
     for _ in range(60):
         a = base[rng.choice([0, 0, 1, 4, 8]):]
-        b = rng.choice([base, base.half()[3:], base.bfloat16()])
+        b = rng.choice([base, base.half()[3:], base.bfloat16(), *rng.sample(descs, 2)])
         args = (a, b, rng.choice(ints), rng.choice(ints), rng.choice([0.5, 2.0]))
         kw = {"BLOCK": rng.choice([16, 64]), "MODE": rng.choice(["a", "b", 1, True]), "num_warps": rng.choice([4, 8])}
         calls.append((args, kw))

@@ -18,7 +18,10 @@ reused is the one Triton would pick: the kernel; the current device; the keyword
 fpsan casts); and per argument, its value for constexpr parameters, else a tensor's dtype and
 whether its address is 16-byte aligned, an int's i32 / i64 / u64 range, == 1 and % 16 == 0
 (also for do_not_specialize ints: finer than Triton, never coarser), a float's or a bool's
-type. Anything else (another argument type, an unhashable constexpr) takes the plain launch.
+type, a host-side TMA descriptor's (triton.tools.tensor_descriptor.TensorDescriptor) base
+dtype, block shape, padding and TF32 rounding (Triton keys the first two; its launcher
+encodes the descriptor from the rest on every launch, direct ones included). Anything else
+(another argument type, an unhashable constexpr) takes the plain launch.
 
 The plain `kernel[grid]` launch runs instead (counted in STATS) where this could differ from
 it: the Triton interpreter (not a JITFunction), torch.compile tracing (Dynamo traces the
@@ -50,11 +53,9 @@ import re
 
 import torch
 
-from kgen.runtime.streams import current_raw_stream
-
-# the device Triton launches on: torch's current one (what driver.active.get_current_device
-# returns), read without torch.cuda's lazy-init check
-current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+# current_device: the device Triton launches on, torch's current one (what
+# driver.active.get_current_device returns)
+from kgen.runtime.streams import current_device, current_raw_stream
 
 # what the plain path takes and the direct one skips, for tests and benchmarks
 STATS = {"direct": 0, "plain": 0, "driver": 0}  # driver: of the direct ones, by the trampoline's cuLaunchKernel
@@ -67,6 +68,7 @@ SUPPORTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # the releases whose JITFunction.r
 _CACHE: dict = {}  # key -> _Entry
 _FNS: dict = {}  # id(JITFunction) -> (it, (arg_names, constexpr positions, defaults) or None)
 _MISSING = object()
+_TDESC = _MISSING  # triton.tools.tensor_descriptor.TensorDescriptor, once _check_triton read it
 _state: dict = {}  # "reason": why direct launches are off (None: on), "knobs": the knob reader
 
 
@@ -92,6 +94,7 @@ def _check_triton() -> str | None:
         from triton import knobs
         from triton.compiler import CompiledKernel
         from triton.runtime.jit import JITFunction
+        from triton.tools.tensor_descriptor import TensorDescriptor
     except ImportError as e:
         return f"Triton's layout is not the one read ({e})"
     try:
@@ -116,6 +119,8 @@ def _check_triton() -> str | None:
     # AttributeError on every launch: whether the knob exists is read once
     _state.update(jit=JITFunction, compiled=CompiledKernel, runtime=rt,
                   stages_knob=hasattr(rt, "add_stages_inspection_hook"))
+    global _TDESC
+    _TDESC = TensorDescriptor
     return None
 
 
@@ -171,6 +176,9 @@ def _spec(a):
         return t
     if a is None:
         return None
+    if t is _TDESC:
+        return (t, a.base.dtype, tuple(a.block_shape), getattr(a, "padding", "zero"),
+                getattr(a, "round_f32_to_tf32", False))
     return _MISSING
 
 
@@ -352,7 +360,7 @@ def replay(launches, slots, scalars=()) -> "Replay | None":
     kw); `slots` the tensors whose addresses change from call to call (x, weights, outputs,
     scratch); `scalars` (launch index, argument index) of non-tensor arguments that change
     too (an alpha). Returns a `Replay`, called with one address per slot and then one value
-    per scalar, or None where the launches cannot be replayed: a binary not launched yet,
+    per scalar, or None where the launches cannot be replayed: a TMA descriptor argument, a binary not launched yet,
     the plain path in force (see `launch`), a grid that is not a tuple of ints, a tensor
     argument that is neither a slot nor inside one, slots that overlap (aliased inputs: their
     addresses could not be told apart later) or a slot not 16-byte aligned (the recorded
@@ -391,6 +399,8 @@ def replay(launches, slots, scalars=()) -> "Replay | None":
                     return None
                 patches.append((ai, *where))
                 template[ai] = None
+            elif type(a) is _TDESC:  # (its base's address is inside it: not replayed)
+                return None
         moved = tuple((ai, len(slots) + j) for j, (l2, ai) in enumerate(scalars) if l2 == li)
         steps.append((e.run, e.function, e.metadata, _grid3(grid), template, tuple(patches), moved,
                       _driver_step(e, template, patches, moved)))
