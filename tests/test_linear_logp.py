@@ -411,8 +411,8 @@ def test_backward_plan_cache_is_bitwise(monkeypatch, case):
     monkeypatch.setattr(launch, "_PLANS", {})
     monkeypatch.setattr(launch, "_make_plan", lambda *a: real(*a)._replace(one_chunk=False))
     general = llp.backward(*args, **budgets)
-    # the short path: one chunk of all of V and cuBLAS's GEMMs (not float32 with TF32 off)
-    assert made[0].one_chunk == (budgets["workspace_bytes"] is None and made[0].blas), made[0].acc
+    # the short path: one chunk of all of V (float32 too: its GEMMs are cuBLAS's as well)
+    assert made[0].one_chunk == (budgets["workspace_bytes"] is None), made[0].acc
     for name, *outs in zip(("grad_h", "grad_w", "grad_b"), fresh, first, cached, general):
         assert (outs[0] is None) == (not case[2] and name == "grad_b"), name
         if outs[0] is not None:
@@ -464,7 +464,8 @@ def test_backward_plan_key(monkeypatch):
 
 
 def test_float32_backward_chunks():
-    """float32 (TF32 off: the Triton dW and dH kernels) over several chunks equals one chunk."""
+    """float32 (TF32 off: the Triton dz kernel's "tf32x3" recompute, float32 GEMMs) over
+    several chunks equals one chunk."""
     args = backward_args(variant(), 7, torch.float32, seed=3)
     one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
     many = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
@@ -472,28 +473,28 @@ def test_float32_backward_chunks():
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
 
 
-def test_float32_small_grids_take_cublas(monkeypatch):
-    """float32 with TF32 off: a dW or dH pass whose Triton grid has fewer programs than
-    FP32_TRITON_MIN_PROGRAMS runs cuBLAS's float32 GEMM instead (a few programs looping over
-    all of K took ~1.2 ms on an H200), each pass on its own; the gradients are the Triton
-    kernels' within float32 rounding (different summation orders), over one or many chunks."""
-    args = backward_args(variant(), 7, torch.float32, seed=5)
-    hidden, weight, bias = args[1], args[2], args[4]
-    mod = args[0]
-    dw = launch.dw_grid(mod, weight.shape[0], hidden.shape[1])[0]
-    dh = launch.dh_grid(mod, hidden.shape[0], hidden.shape[1])[0]
-    assert dh < dw  # (the test's shape: dH's grid the smaller)
-    got = {}
-    for least, want in ((0, (False, False)), (dh + 1, (False, True)), (1 << 30, (True, True))):
-        monkeypatch.setattr(launch, "FP32_TRITON_MIN_PROGRAMS", least)
-        plan = launch.backward_plan(mod, hidden, weight, bias, 1 << 30, 1 << 30)
-        assert (plan.blas, plan.blas_dw, plan.blas_dh) == (False, *want), least
-        for budget in (1 << 30, 1):
-            got[least, budget] = llp.backward(*args, workspace_bytes=budget, accumulator_bytes=budget)
-    ref = got[0, 1 << 30]
-    for key, grads in got.items():
-        for name, a, b in zip(("grad_h", "grad_w", "grad_b"), ref, grads):
-            torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-6, msg=f"{name} {key}")
+@pytest.mark.parametrize("entropy", [True, False])
+def test_float32_few_rows_take_the_logits_path(monkeypatch, entropy):
+    """float32 at a few rows (launch.logits_path; on the GPU only, forced here): the logits
+    by one GEMM and the `kept` kernels over them, forward and backward, with every buffer
+    poisoned first: against float64, and within float32 rounding of the tile kernels
+    (the same sums in another order); the tile kernels not launched."""
+    def poisoned(shape, dtype_, device):
+        if dtype_.is_floating_point:
+            return torch.full(shape, float("nan"), dtype=dtype_, device=device)
+        return torch.full(shape, 1 << 30, dtype=dtype_, device=device)
+
+    mod = variant()
+    inputs = make_inputs(7, 257, 40)
+    tiles = run(mod, *inputs, entropy=entropy)
+    monkeypatch.setattr(launch, "_empty", poisoned)
+    monkeypatch.setattr(launch, "logits_path", lambda hidden, weight: True)
+    for name in ("linear_logp_fwd_kernel", "linear_logp_bwd_dz_kernel"):
+        monkeypatch.setattr(mod, name, None)  # (a launch of either would fail)
+    got = run(mod, *inputs, entropy=entropy)
+    check_against_reference(mod, *inputs, entropy=entropy)
+    for name, a, b in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got, tiles):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -611,6 +612,24 @@ def test_keep_logits_out_of_range_targets_give_nan_rows(monkeypatch):
     bad[[1, 4]] = True
     assert torch.isnan(logp[bad]).all() and torch.isnan(ent[bad]).all()
     assert torch.isfinite(logp[~bad]).all() and torch.isfinite(ent[~bad]).all()
+
+
+def test_backward_follows_a_forward_that_ran_the_reference(monkeypatch):
+    """Where the tuning table gives the PyTorch reference for a forward's shape bucket (and a
+    kernel without a shape, as the backward asks), the backward runs the reference too: the
+    reference forward's lse2 and ez2 are zeros, which a kernel backward would take for the
+    row statistics. Against float64, forward and gradients."""
+    mod = variant()
+    monkeypatch.setattr(llp.op, "_module", lambda device, dtype, shape=None: None if shape is not None else mod)
+    hidden, weight, target, bias = make_inputs(5, 300, 24)
+    leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
+    logp, ent = ops.linear_logp(leaves[0], leaves[1], target, leaves[2], temperature=0.7, return_entropy=True)
+    g = torch.Generator().manual_seed(1)
+    ((logp * torch.randn(5, generator=g)).sum() + (ent * torch.randn(5, generator=g)).sum()).backward()
+    got = (logp, ent, *(x.grad for x in leaves))
+    want = run(None, hidden, weight, target, bias, oracle=True)
+    for name, a, e in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got, want):
+        torch.testing.assert_close(a, e.float(), rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_keep_logits_under_compile_and_on_the_reference_path(monkeypatch):

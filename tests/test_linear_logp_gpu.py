@@ -3,6 +3,9 @@ against float64 with poisoned outputs, CUDA graph replay and torch.compile."""
 
 import contextlib
 import math
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -192,6 +195,33 @@ def check_graph_replay(context, dtype, N: int = 129):
         torch.cuda.synchronize()
         ref, _ = llp.reference(h, w, t, b, compute=torch.float64)
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_float32_backward_in_a_fresh_autograd_thread():
+    """A fresh process's first float32 backward (TF32 off) on an sm_90+ GPU: its first CUDA
+    work in autograd's worker thread is the Triton dz kernel with TMA descriptor arguments,
+    which Triton's launcher encodes before it makes a context current; that thread starts
+    with none (streams.bind_context), and the call failed with "invalid device context".
+    Gradients against float64: the "tf32x3" recompute and float32 GEMMs keep ~1e-6 of the
+    largest gradient (bound 1e-5)."""
+    code = textwrap.dedent("""
+        import torch
+        from kgen import ops
+        torch.backends.cuda.matmul.allow_tf32 = False
+        g = torch.Generator(device="cuda").manual_seed(0)
+        h = torch.randn(300, 256, device="cuda", generator=g).requires_grad_()
+        w = (torch.randn(5003, 256, device="cuda", generator=g) / 16).requires_grad_()
+        t = torch.randint(0, 5003, (300,), device="cuda", generator=g)
+        ops.linear_logp(h, w, t).sum().backward()
+        hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        torch.log_softmax(hd @ wd.T, -1).gather(1, t[:, None]).sum().backward()
+        for a, b in ((h.grad, hd.grad), (w.grad, wd.grad)):
+            err = ((a.double() - b).abs().max() / b.abs().max()).item()
+            assert err < 1e-5, err
+        print("gradients ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "gradients ok" in r.stdout, r.stderr[-4000:]
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

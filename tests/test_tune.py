@@ -202,6 +202,7 @@ def test_buckets():
     assert b(1025, 4104) != b(1024, 4104)
     assert llp.tune_bucket(4096, 2048, 151936) == "N<=4096.D<=2048.V<=262144"
     assert llp.tune_bucket(1, 1, 1) == "N<=1.D<=1.V<=1"
+    assert llp.tune_bucket(1, 1, 1, precision="tf32") == "N<=1.D<=1.V<=1.tf32"
     # the per-call cache keys follow the buckets exactly
     shapes = ((1, 1), (3, 40), (1000, 4104), (1024, 4100), (1024, 4101), (1025, 4104), (1000, 4102))
     for r, c in shapes:
@@ -299,6 +300,29 @@ def test_family_choices_are_timed_recorded_and_chosen_over_probes(tables, labell
     opt_times[40].pop("z")
     r = tune.tune("fused_bias_act", torch.device("cpu"), "float32", s40, variants=[a, b], timer=lucky)
     assert r.choices["choices_us"]["c"]["y"] == 5.0 and r.entry()["choices"] == {"c": "x"}
+
+
+def test_linear_logp_float32_buckets_name_the_precision(monkeypatch):
+    """linear_logp's float32 buckets carry the dot precision (TF32 on or off: a few rows run
+    the logits path with it off, the tiles with it on), the 16-bit ones nothing; the op's
+    per-bucket choice is kept per precision, so toggling TF32 chooses anew once."""
+    from kgen.families.linear_logp import op as llp_op
+
+    seen = []
+    monkeypatch.setattr(llp_op, "_MODULES", {})
+    monkeypatch.setattr(llp_op, "_choose", lambda device, dtype, shape: seen.append(
+        (dtype, llp.tune_bucket(*shape, **llp.bucket_extras(str(dtype)[6:])))) or object())
+    cuda = types.SimpleNamespace(type="cuda", index=0)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    try:  # (restored by hand: torch's C++ state, which monkeypatch fails to restore)
+        for on in (False, True, False, True):
+            torch.backends.cuda.matmul.allow_tf32 = on
+            for dtype in (torch.float32, torch.bfloat16):
+                llp_op._module(cuda, dtype, (8, 512, 1024))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert seen == [(torch.float32, "N<=8.D<=512.V<=1024.tf32x3"), (torch.bfloat16, "N<=8.D<=512.V<=1024"),
+                    (torch.float32, "N<=8.D<=512.V<=1024.tf32")]
 
 
 def test_fused_mlp_backward_choice_reads_the_table(tables, capsys, monkeypatch):

@@ -1,5 +1,5 @@
-"""linear_logp's backward, stage by stage (issue 19): per dz chunk, the Triton dz / dW / dH
-kernels and the cuBLAS GEMMs of the same sizes (dW: dz^T @ hidden into the output dtype;
+"""linear_logp's backward, stage by stage (issue 19): per dz chunk, the dz kernels (Triton,
+and the CUDA one where it applies) and the backward's cuBLAS GEMMs, with GEMMs of the same sizes (dW: dz^T @ hidden into the output dtype;
 dH: acc += dz @ weight into float32 through addmm's out_dtype), plus the whole op forward
 and forward + backward against the forward GEMM. Also checks addmm(out_dtype=float32)'s
 accumulation against float64 on this GPU.
@@ -12,7 +12,7 @@ from triton.testing import do_bench
 
 from kgen import ops
 from kgen.families.linear_logp import cuda_variant, launch, op
-from kgen.families.linear_logp.plans import GROUP, _precision, _tile_sources, _tiles, dh_grid, dw_grid, dz_grid
+from kgen.families.linear_logp.plans import GROUP, _precision, _tile_sources, _tiles, dz_grid
 
 
 def bench(fn):
@@ -86,21 +86,13 @@ def main():
         def dz_cuda():
             cuda.dz(h, w, t, lse2, None, ca, None, dz, v0, v1, 1.0, -100)
 
-        def dw_k():
-            mod.linear_logp_bwd_dw_kernel[dw_grid(mod, chunk, D)](dz, h, gw, N, D, v0, v1, chunk, **common)
-
-        def dh_k():
-            mod.linear_logp_bwd_dh_kernel[dh_grid(mod, N, D)](dz, w, acc, gh, N, D, v0, v1, chunk,
-                                                               ACCUMULATE=True, FINAL=False, **common)
         wc = w[v0:v1]
         rows = [("dz (Triton, recompute + epilogue)", bench(dz_k)),
                 ("cuBLAS h @ w_chunk.T (bf16 out)", bench(lambda: torch.mm(h, wc.T))),
                 *([("dz (CUDA sm_90a, recompute + epilogue)", bench(dz_cuda))]
                   if isinstance(cuda, launch.CudaForward) and cuda.takes_dz(h, w, None) else []),
                 ("cuBLAS h @ w_chunk.T (fp32 out)", bench(lambda: torch.mm(h, wc.T, out_dtype=torch.float32))),
-                ("dW (Triton)", bench(dw_k)),
                 ("dW cuBLAS mm(dz.T, h, out=gw)", bench(lambda: torch.mm(dz.T, h, out=gw[v0:v1]))),
-                ("dH (Triton, fp32 acc)", bench(dh_k)),
                 ("dH cuBLAS addmm fp32 acc", bench(lambda: torch.addmm(acc, dz, wc, out_dtype=torch.float32, out=acc))),
                 ("dH cuBLAS mm bf16 out (no acc)", bench(lambda: torch.mm(dz, wc, out=gh)))]
         print(f"chunk {chunk} columns ({V / chunk:.1f} chunks); per chunk, {f / 1e9:.1f} GFLOP each:")

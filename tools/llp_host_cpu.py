@@ -63,7 +63,7 @@ def stub_triton():
     return SimpleNamespace(
         __name__="stub_triton", BLOCK_N=128, BLOCK_V=256, BLOCK_D=64, NUM_WARPS=8, NUM_STAGES=3, SPLIT_V=4,
         linear_logp_fwd_kernel=k, linear_logp_combine_kernel=k, linear_logp_bwd_dz_kernel=k,
-        linear_logp_bwd_dw_kernel=k, linear_logp_bwd_dh_kernel=k, linear_logp_target_check_kernel=k)
+        linear_logp_target_check_kernel=k)
 
 
 def stub_cuda(triton_mod):

@@ -45,11 +45,11 @@ from kgen.families.linear_logp.checks import TARGET_CHECK_BLOCK, check_inputs, c
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.launch import LN2, LOG2E, backward, backward_plan, forward
 from kgen.families.linear_logp.op import (
-    _FORCED, _MODULES, GRAD_TOL, OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, _module, golden, implementation,
-    linear_logp, tune_bucket, tune_inputs, tune_runner, using)
+    _FORCED, _MODULES, GRAD_TOL, OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, _module, bucket_extras, golden,
+    implementation, linear_logp, tune_bucket, tune_inputs, tune_runner, using)
 from kgen.families.linear_logp.plans import (
     COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, GROUP_BYTES, TARGET_BLOCK_D, _precision, _target_in_tile, _tma,
-    combine_grid, dh_grid, dw_grid, dz_grid, fwd_grid, triton_splits, wave_splits)
+    combine_grid, dz_grid, fwd_grid, triton_splits, wave_splits)
 from kgen.families.linear_logp.reference import reference, reference_backward, reference_dz
 from kgen.families.linear_logp.schema import SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits
 # Registers torch.ops.kgen.linear_logp_dist(_backward) (group=...; imports op).

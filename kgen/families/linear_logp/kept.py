@@ -21,6 +21,7 @@ from kgen.families.linear_logp import launch
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import (
     KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, KEPT_FWD_PROGRAMS_PER_SM, LOG2E, _cdiv, _device_props)
+from kgen.runtime import triton_launch
 
 
 def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -33,17 +34,18 @@ def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(hidden.float(), weight.float().T)
 
 
-def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_index: int, with_entropy: bool):
+def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_index: int, with_entropy: bool,
+                 shape=None):
     """`forward`'s outputs and contract from materialised logits: (logp, entropy, lse2,
     ez2, z), z = kept_logits(hidden, weight) for backward_kept. `mod`: a Triton module or a
     CudaForward (its Triton companion's logits pass and combine run; the tiles are
-    KEPT_FWD_BLOCK, not the module's).
+    KEPT_FWD_BLOCK, not the module's). `shape`: logp's and entropy's, as forward's.
     Extra memory: N * V * 4 bytes (z) until the backward, and forward's partials."""
     mod = mod.triton if isinstance(mod, CudaForward) else mod
     N = hidden.shape[0]
     V = weight.shape[0]
     dev = hidden.device
-    logp, entropy, lse2, ez2 = outs = launch._outputs(N, with_entropy, dev)
+    logp, entropy, lse2, ez2 = outs = launch._outputs(N, with_entropy, dev, shape)
     z = kept_logits(hidden, weight)
     if N == 0:
         return logp, entropy, lse2, ez2, z
@@ -54,9 +56,10 @@ def forward_kept(mod, hidden, weight, target, bias, temperature: float, ignore_i
     splits = max(1, min(tiles_v, _cdiv(want, tiles_n)))
     part = launch._empty((4, splits, N), torch.float32, dev)
     scale = LOG2E / temperature
-    mod.linear_logp_logits_fwd_kernel[(tiles_n * splits,)](
-        z, bias if bias is not None else z, target, part, N, V, splits, scale,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps)
+    triton_launch.launch(
+        mod.linear_logp_logits_fwd_kernel, (tiles_n * splits,),
+        (z, bias if bias is not None else z, target, part, N, V, splits, scale),
+        dict(HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps))
     launch.combine(mod, part, splits, hidden, weight, target, bias, outs, scale, ignore_index, with_entropy, False)
     return logp, entropy, lse2, ez2, z
 
@@ -67,8 +70,7 @@ def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, gr
     dtype) from z in one elementwise pass (the linear_logp_bwd_dz_logits_kernel of `mod`, a
     Triton module, or of a CudaForward's Triton companion), then
     grad_weight = dz^T @ hidden and grad_hidden = dz @ weight as one GEMM each (torch.mm:
-    cuBLAS; float32 with TF32 off in full float32, exact but slower than the recomputing
-    path's "tf32x3" kernels). No recompute, no float32 sums. Extra memory: N * V * elsize
+    cuBLAS; float32 with TF32 off in full float32, as the recomputing path's). No recompute, no float32 sums. Extra memory: N * V * elsize
     (dz) + cdiv(N, KEPT_DZ_BLOCK[0]) * V * 4 with a bias (its column sums), besides z itself."""
     mod = mod.triton if isinstance(mod, CudaForward) else mod
     N = hidden.shape[0]
@@ -83,12 +85,13 @@ def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, gr
     bpart = launch._empty((tiles_n, V), torch.float32, dev) if bias is not None else dz
     with_entropy = grad_entropy is not None
     g_logp = grad_logp if grad_logp is not None else lse2
-    mod.linear_logp_bwd_dz_logits_kernel[(tiles_n * _cdiv(V, block_v),)](
-        z, bias if bias is not None else z, target, lse2, ez2 if with_entropy else lse2,
-        g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
-        N, V, LOG2E / temperature, 1.0 / temperature, ignore_index,
-        HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
-        HAS_GLOGP=grad_logp is not None, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps)
+    triton_launch.launch(
+        mod.linear_logp_bwd_dz_logits_kernel, (tiles_n * _cdiv(V, block_v),),
+        (z, bias if bias is not None else z, target, lse2, ez2 if with_entropy else lse2,
+         g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
+         N, V, LOG2E / temperature, 1.0 / temperature, ignore_index),
+        dict(HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
+             HAS_GLOGP=grad_logp is not None, BLOCK_N=block_n, BLOCK_V=block_v, num_warps=warps))
     if bias is not None:
         grad_b.copy_(bpart.sum(0))
     torch.mm(dz, weight, out=grad_h)

@@ -31,9 +31,12 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
               output element written once in the output dtype;
   dH:         acc += dz @ weight[v0:v1] into float32 sums of grad_hidden; grad_hidden is
               written in its dtype after the last chunk.
-  dW and dH are cuBLAS GEMMs through torch (dH with addmm's float32 out_dtype), except
-  float32 with TF32 off, where the Triton kernels (tl.dot "tf32x3") run them: cuBLAS's
-  float32 GEMM has no tensor cores. Why not one fused kernel with atomics: grad_weight would
+  dW and dH are cuBLAS GEMMs through torch (dH with addmm's float32 out_dtype), float32
+  with TF32 off too: there cuBLAS's float32 GEMM (no tensor cores, ~50 TFLOP/s on an H200)
+  ran 1.4-1.7x faster than Triton "tf32x3" kernels did at large sizes (BENCHMARKS.md,
+  forty-fourth session): dz^T and weight[v0:v1] reach a GEMM with their reduction dimension
+  strided, and TF32 tensor-core products read only K-contiguous operands from shared
+  memory, so every tile went through registers to be transposed. Why not one fused kernel with atomics: grad_weight would
   need a float32 [V, D] buffer (1.2-2 GiB at the target shapes) and grad_hidden one of
   N*D*4 bytes; atomics into the 16-bit outputs would not accumulate in float32. The price
   of separate passes is that dz makes one round trip through the workspace (N*V*elsize
@@ -86,11 +89,11 @@ import torch
 
 from kgen.families.linear_logp import cuda_variant
 from kgen.families.linear_logp.cuda_variant import CudaForward
-from kgen.runtime.op import sm_count
 from kgen.families.linear_logp.plans import (
     COMBINE_BLOCK, COMBINE_DOT_BLOCK, GROUP, LOG2E, TARGET_BLOCK_D, AccumulatorPlan, Chunk, _cdiv, _precision,
-    _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid, dh_grid,
-    dw_grid, dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
+    _target_in_tile, _tile_sources, _tiles, accumulator_plan, chunk_schedule, combine_grid,
+    dz_grid, dz_stride, fwd_grid, triton_splits, workspace_chunk)
+from kgen.runtime import triton_launch
 
 LN2 = 0.6931471805599453
 # Backward budgets (bytes): the dz chunk workspace (by default together with a separate
@@ -108,11 +111,25 @@ IN_PLACE = True
 PLAN_CACHE = os.environ.get("KGEN_LINEAR_LOGP_PLAN_CACHE", "1") != "0"
 PLANS_MAX = 256  # plans kept; the cache starts over when full
 _PLANS: dict = {}
-# float32 with TF32 off: dW and dH run the Triton "tf32x3" kernels (float32 accuracy at ~3x
-# cuBLAS's float32 rate) only where a pass's grid has this many programs, else cuBLAS's
-# float32 GEMM (3 dH programs over all of V took ~1.2 ms at 11 x 344 x 5632; BENCHMARKS.md,
-# forty-third session). None: the SM count (off the GPU 0: always the Triton kernels).
-FP32_TRITON_MIN_PROGRAMS: Optional[int] = None
+# float32 at a few rows on the GPU: the logits by one cuBLAS GEMM (a GEMV at N = 1: the
+# weight read once at bandwidth), then the `kept` module's kernels over them, forward and
+# backward (the backward recomputes them so), rather than the Triton tiles, whose 64 rows
+# a program multiply zeros at N << 64. Where N <= F32_LOGITS_MAX_ROWS[the dot precision]
+# and the logits take at most F32_LOGITS_MAX_BYTES (temporary, freed by the end of each
+# pass: the backward holds them and dz of the same size, within the 64 MiB promise). The bounds, from an H200 (BENCHMARKS.md, forty-fourth session): TF32 off ("tf32x3",
+# three tensor-core products a step) the logits path took 0.4-0.9x the tiles' GPU time
+# forward and 0.46-0.95x forward + backward up to N = 32, mixed at 64; TF32 on (one
+# product) only N = 1 gained (0.83-0.91x), N >= 4 lost up to 1.6x at D = 1024. Both paths
+# keep the same contract (lse2, ez2), so a forward and its backward may take either.
+F32_LOGITS_MAX_ROWS = {"tf32x3": 32, "tf32": 1}
+F32_LOGITS_MAX_BYTES = 16 << 20
+
+
+def logits_path(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether forward and backward take the float32 few-rows path (F32_LOGITS_MAX_ROWS)."""
+    N = hidden.shape[0]
+    return (hidden.dtype == torch.float32 and hidden.is_cuda and N <= F32_LOGITS_MAX_ROWS[_precision(torch.float32)]
+            and N * weight.shape[0] * 4 <= F32_LOGITS_MAX_BYTES)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -131,6 +148,11 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     V = weight.shape[0]
     dev = hidden.device
     f32 = torch.float32
+    if logits_path(hidden, weight):
+        from kgen.families.linear_logp import kept  # (kept imports this module)
+
+        return kept.forward_kept(mod, hidden, weight, target, bias, temperature, ignore_index, with_entropy,
+                                 shape=shape)[:4]
     logp, entropy, lse2, ez2 = _outputs(N, with_entropy, dev, shape)
     if N == 0:
         return logp, entropy, lse2, ez2
@@ -148,11 +170,11 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     target_dot = not _target_in_tile(hidden.dtype, prec)
     part = _empty((4, splits, N), f32, dev)  # plane 2 unwritten when target_dot
     h_src, w_src, tma = _tile_sources(mod, hidden, weight)
-    mod.linear_logp_fwd_kernel[fwd_grid(mod, N, splits)](
-        h_src, w_src, bias if bias is not None else weight, target, part,
-        N, V, D, splits, scale,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
-        PRECISION=prec, TMA=tma, **_tiles(mod))
+    triton_launch.launch(
+        mod.linear_logp_fwd_kernel, fwd_grid(mod, N, splits),
+        (h_src, w_src, bias if bias is not None else weight, target, part, N, V, D, splits, scale),
+        dict(HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, TARGET_IN_TILE=not target_dot,
+             PRECISION=prec, TMA=tma, **_tiles(mod)))
     combine(mod, part, splits, hidden, weight, target, bias, (logp, entropy, lse2, ez2), scale, ignore_index,
             with_entropy, target_dot)
     return logp, entropy, lse2, ez2
@@ -175,12 +197,13 @@ def combine(mod, part, splits: int, hidden, weight, target, bias, outs, scale: f
     logp, entropy, lse2, ez2 = outs
     N, D = hidden.shape
     block = COMBINE_DOT_BLOCK if target_dot else COMBINE_BLOCK
-    mod.linear_logp_combine_kernel[combine_grid(N, block)](
-        part, target, hidden, weight, bias if bias is not None else weight,
-        logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
-        N, weight.shape[0], D, splits, ignore_index, scale,
-        WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
-        BLOCK=block, BLOCK_D=TARGET_BLOCK_D)
+    triton_launch.launch(
+        mod.linear_logp_combine_kernel, combine_grid(N, block),
+        (part, target, hidden, weight, bias if bias is not None else weight,
+         logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
+         N, weight.shape[0], D, splits, ignore_index, scale),
+        dict(WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
+             BLOCK=block, BLOCK_D=TARGET_BLOCK_D))
 
 
 def _gradients(hidden, weight, bias):
@@ -207,7 +230,7 @@ class BackwardPlan(NamedTuple):
     """What a backward call does, decided from its shapes, dtype, bias or not, pointer
     alignment, budgets and the module switches alone (see backward_plan)."""
     impl: Any  # what backward was given (held: its id is in the plan's key)
-    mod: Any  # the Triton module: its dz kernel (unless `cuda`), its tiles, float32's dW and dH
+    mod: Any  # the Triton module: its dz kernel (unless `cuda`), its tiles
     cuda: Optional[CudaForward]  # the CUDA dz kernel's variant, where it applies
     acc: AccumulatorPlan
     chunk: int  # the workspace's columns
@@ -215,11 +238,8 @@ class BackwardPlan(NamedTuple):
     rows_view: tuple[int, int]  # "rows": (rows, columns) of a block's dz; else (0, 0)
     tiles_n: int  # row tiles of the Triton dz kernel (rows of the bias sums)
     chunks: tuple[Chunk, ...]
-    blas: bool  # dW and dH by cuBLAS through torch (else the Triton kernels, see blas_dw / blas_dh)
-    common: dict  # the Triton backward kernels' tile and precision constants
-    one_chunk: bool  # one workspace chunk of all of V, no float32 sums, cuBLAS: backward's short path
-    blas_dw: bool  # dW by cuBLAS (blas, or a float32 Triton grid too small: FP32_TRITON_MIN_PROGRAMS)
-    blas_dh: bool  # dH likewise
+    common: dict  # the Triton dz kernel's tile and precision constants
+    one_chunk: bool  # one workspace chunk of all of V, no float32 sums: backward's short path
 
 
 def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = None,
@@ -239,7 +259,7 @@ def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = No
         return _make_plan(mod, hidden, weight, bias, prec, workspace_bytes, accumulator_bytes)
     key = (id(mod), N, D, weight.shape[0], dtype, hidden.device, bias is None,
            (hidden.data_ptr() | weight.data_ptr()) % 16 == 0, prec, workspace_bytes, accumulator_bytes,
-           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP, FP32_TRITON_MIN_PROGRAMS)
+           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP)
     plan = _PLANS.get(key)
     if plan is None or plan.impl is not mod:
         if len(_PLANS) >= PLANS_MAX:
@@ -259,11 +279,6 @@ def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accu
     dtype = hidden.dtype
     esize = dtype.itemsize
     granule = max(mod.BLOCK_V, mod.BLOCK_D)
-    # dW and dH are plain GEMMs on the dz chunk: cuBLAS through torch (at or above the
-    # Triton kernels' speed: 0.92-1.09x vs 1.32-1.72x a same-sized GEMM, H100, BENCHMARKS.md),
-    # except float32 with TF32 off, where cuBLAS's float32 GEMM runs without tensor cores and
-    # the Triton kernels' "tf32x3" dots keep float32 accuracy at ~3x its speed.
-    blas = prec != "tf32x3"
     acc = accumulator_plan(N, D, V, dtype, granule, accumulator_bytes, workspace_bytes)
     chunk = workspace_chunk(N, V, esize, granule, workspace_bytes - acc.separate_bytes)
     # (Row-block rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)
@@ -277,16 +292,9 @@ def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accu
     bpart_rows = _cdiv(tiles_n * 4, esize) if bias is not None else 0  # float32 sums, in dz rows
     chunks = chunk_schedule(N, D, V, esize, granule, chunk, acc.alias_from, bpart_rows,
                             in_place=IN_PLACE and acc.home != "rows")
-    one_chunk = blas and acc.home in ("output", "direct") and [tuple(c) for c in chunks] == [(0, V, None)]
-    blas_dw = blas_dh = blas
-    if not blas:
-        least = FP32_TRITON_MIN_PROGRAMS
-        if least is None:
-            least = sm_count(hidden.device, 0)
-        blas_dw = dw_grid(mod, max(c.v1 - c.v0 for c in chunks), D)[0] < least
-        blas_dh = dh_grid(mod, N, D)[0] < least
-    return BackwardPlan(impl, mod, cuda, acc, chunk, space, rows_view, tiles_n, tuple(chunks), blas,
-                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk, blas_dw, blas_dh)
+    one_chunk = acc.home in ("output", "direct") and [tuple(c) for c in chunks] == [(0, V, None)]
+    return BackwardPlan(impl, mod, cuda, acc, chunk, space, rows_view, tiles_n, tuple(chunks),
+                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk)
 
 
 def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
@@ -303,6 +311,11 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     N, D = hidden.shape
     V = weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
+    if logits_path(hidden, weight):
+        from kgen.families.linear_logp import kept  # (kept imports this module)
+
+        return kept.backward_kept(mod, kept.kept_logits(hidden, weight), hidden, weight, target, bias, lse2, ez2,
+                                  grad_logp, grad_entropy, temperature, ignore_index, on_grad_hidden=on_grad_hidden)
     grad_h, grad_w, grad_b = _gradients(hidden, weight, bias)
     if N == 0:
         return grad_h, grad_w, grad_b
@@ -321,12 +334,13 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             bpart = _empty((p.tiles_n, chunk), torch.float32, dev) if bias is not None else dz
             h_src, w_src, tma = _tile_sources(mod, hidden, weight)
             g_logp = grad_logp if grad_logp is not None else lse2
-            mod.linear_logp_bwd_dz_kernel[dz_grid(mod, N, V)](
-                h_src, w_src, bias if bias is not None else weight, target, lse2, ez2 if with_entropy else lse2,
-                g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
-                N, V, D, 0, V, chunk, LOG2E / temperature, 1.0 / temperature, ignore_index,
-                HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
-                HAS_GLOGP=grad_logp is not None, TMA=tma, **common)
+            triton_launch.launch(
+                mod.linear_logp_bwd_dz_kernel, dz_grid(mod, N, V),
+                (h_src, w_src, bias if bias is not None else weight, target, lse2, ez2 if with_entropy else lse2,
+                 g_logp, grad_entropy if with_entropy else g_logp, dz, bpart,
+                 N, V, D, 0, V, chunk, LOG2E / temperature, 1.0 / temperature, ignore_index),
+                dict(HAS_BIAS=bias is not None, WRITE_BPART=bias is not None, WITH_ENTROPY=with_entropy,
+                     HAS_GLOGP=grad_logp is not None, TMA=tma, **common))
             if bias is not None:
                 grad_b.copy_((bpart if chunk == V else bpart[:, :V]).sum(0))
         a = dz if chunk == V else dz[:, :V]
@@ -383,33 +397,26 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
             r0, r1 = rows
             n, h = r1 - r0, _tile_sources(mod, hidden[r0:r1], weight)[0]
             per_row = tuple(x[r0:r1] for x in row_inputs)
-        mod.linear_logp_bwd_dz_kernel[dz_grid(mod, n, v1 - v0)](
-            h, w_src, bias if bias is not None else weight, *per_row, dz, bpart,
-            n, V, D, v0, v1, dz.stride(0), LOG2E / temperature, 1.0 / temperature, ignore_index,
-            HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy,
-            HAS_GLOGP=grad_logp is not None, TMA=tma, **common)
+        triton_launch.launch(
+            mod.linear_logp_bwd_dz_kernel, dz_grid(mod, n, v1 - v0),
+            (h, w_src, bias if bias is not None else weight, *per_row, dz, bpart,
+             n, V, D, v0, v1, dz.stride(0), LOG2E / temperature, 1.0 / temperature, ignore_index),
+            dict(HAS_BIAS=bias is not None, WRITE_BPART=write_bpart, WITH_ENTROPY=with_entropy,
+                 HAS_GLOGP=grad_logp is not None, TMA=tma, **common))
         if write_bpart:
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
     def dw_pass(v0, v1, dz=dz):
-        if p.blas_dw:  # (no views where the chunk is all of dz's columns or of the vocabulary)
-            a = dz if v1 - v0 == dz.shape[1] else dz[:, :v1 - v0]
-            torch.mm(a.T, hidden, out=grad_w if v1 - v0 == V else grad_w[v0:v1])
-        else:
-            mod.linear_logp_bwd_dw_kernel[dw_grid(mod, v1 - v0, D)](
-                dz, hidden, grad_w, N, D, v0, v1, dz.stride(0), **common)
+        # (no views where the chunk is all of dz's columns or of the vocabulary)
+        a = dz if v1 - v0 == dz.shape[1] else dz[:, :v1 - v0]
+        torch.mm(a.T, hidden, out=grad_w if v1 - v0 == V else grad_w[v0:v1])
 
     def dh_pass(first, v0, v1, pieces, dz=dz, dz_row0=0):
         """acc (+)= dz @ weight[v0:v1] for each piece; dz's row r0 is dz_row0."""
         for r0, r1, acc in pieces:
-            if p.blas_dh:
-                a = dz if (r0 - dz_row0, r1 - dz_row0, v1 - v0) == (0, *dz.shape) else \
-                    dz[r0 - dz_row0:r1 - dz_row0, :v1 - v0]
-                _accumulate(acc, a, weight if v1 - v0 == V else weight[v0:v1], first)
-            else:  # float32: acc is grad_h itself
-                mod.linear_logp_bwd_dh_kernel[dh_grid(mod, r1 - r0, D)](
-                    dz[r0 - dz_row0:], weight, acc, acc, r1 - r0, D, v0, v1, dz.stride(0),
-                    ACCUMULATE=not first, FINAL=False, **common)
+            a = dz if (r0 - dz_row0, r1 - dz_row0, v1 - v0) == (0, *dz.shape) else \
+                dz[r0 - dz_row0:r1 - dz_row0, :v1 - v0]
+            _accumulate(acc, a, weight if v1 - v0 == V else weight[v0:v1], first)
 
     def finish(pieces):
         """grad_hidden from the float32 sums (pieces in row order)."""

@@ -15,6 +15,7 @@ from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
 from kgen.families.linear_logp.launch import backward, forward
+from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes
 
@@ -58,7 +59,8 @@ def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int,
         key = (device.index, dtype)
     else:  # tune_bucket's classes as plain integers (a generator here cost every call)
         N, D, V = shape
-        key = (device.index, dtype, (N - 1).bit_length(), (D - 1).bit_length(), (V - 1).bit_length())
+        key = (device.index, dtype, (N - 1).bit_length(), (D - 1).bit_length(), (V - 1).bit_length(),
+               _precision(dtype) if dtype == torch.float32 else None)
     mod = _MODULES.get(key, MISSING)
     if mod is MISSING:
         mod = _MODULES[key] = _choose(device, dtype, shape)
@@ -74,7 +76,8 @@ def _choose(device: torch.device, dtype: torch.dtype, shape):
         dispatch.log_choice("linear_logp", device, name, "backward", kernel, "spec order")
     else:
         dims = dict(zip(TUNE_DIMS, shape))
-        kernel, _ = dispatch.choose_logged("linear_logp", device, name, tune_bucket(**dims), dims)
+        kernel, _ = dispatch.choose_logged("linear_logp", device, name, tune_bucket(**dims, **bucket_extras(name)),
+                                           dims)
     companion = None
     if kernel is not None and kernel.backend == "cuda":
         companion = dispatch.select("linear_logp", device, name, backend="triton")
@@ -99,11 +102,23 @@ TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
 _REFERENCE_TUNE_BYTES = 64 << 20
 
 
-def tune_bucket(N: int, D: int, V: int) -> str:
-    return ".".join(f"{k}<={1 << (n - 1).bit_length()}" for k, n in zip(TUNE_DIMS, (N, D, V)))
+def tune_bucket(N: int, D: int, V: int, precision: Optional[str] = None, **_) -> str:
+    """N, D and V each rounded up to a power of two, and for float32 the dot precision
+    (bucket_extras): with TF32 off a few rows run the logits path whatever the variant
+    (launch.logits_path) and the tiles run "tf32x3", with it on the tiles run one TF32
+    product: the variants' order differs (an n128 tile took 1.5-1.7x an n64 one at N <= 32
+    with TF32 on, H200, BENCHMARKS.md forty-fourth session)."""
+    sizes = ".".join(f"{k}<={1 << (n - 1).bit_length()}" for k, n in zip(TUNE_DIMS, (N, D, V)))
+    return f"{sizes}.{precision}" if precision else sizes
 
 
-def tune_inputs(device, dtype: str, N: int, D: int, V: int) -> dict:
+def bucket_extras(dtype: str) -> dict:
+    """float32's dot precision from torch.backends.cuda.matmul.allow_tf32 (plans._precision),
+    a part of its bucket (`kgen tune --tf32`); nothing for the 16-bit dtypes."""
+    return {"precision": _precision(torch.float32)} if dtype == "float32" else {}
+
+
+def tune_inputs(device, dtype: str, N: int, D: int, V: int, precision: Optional[str] = None) -> dict:
     t = getattr(torch, dtype)
     g = torch.Generator(device=device).manual_seed(0)
     return {"hidden": (torch.randn(N, D, device=device, generator=g) * 0.5).to(t),
@@ -181,8 +196,14 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                    grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int,
                    logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation, or from the forward's
-    kept logits where given; see launch's docstring."""
-    mod = _module(hidden.device, hidden.dtype)
+    kept logits where given; see launch's docstring. Where the forward ran the PyTorch
+    reference (the tuning table's winner for its shape bucket), so does the backward: that
+    forward leaves lse2 and ez2 zero, which a kernel backward would take for the row
+    statistics (gradients off by orders of magnitude, float32 at N = 5, V >= 100000 on an
+    H200 before this)."""
+    N, D = hidden.shape
+    mod = _module(hidden.device, hidden.dtype) if _module(hidden.device, hidden.dtype, (N, D, weight.shape[0])) \
+        is not None or N == 0 else None
     if mod is not None:
         args = (hidden.contiguous(), weight.contiguous(), target.contiguous(),
                 bias.contiguous() if bias is not None else None, lse2, ez2, grad_logp.contiguous(),

@@ -11,6 +11,8 @@ from typing import Any, NamedTuple, Optional
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kgen.runtime.streams import bind_context
+
 # Rows per program of the combine kernel: 4 * splits loads per row summing the CUDA
 # partials; with the target gather-dot (the Triton forward), 2 * D elements per row, so
 # fewer rows a program, to spread the N * D reads over more SMs, in TARGET_BLOCK_D-element
@@ -111,6 +113,8 @@ def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any,
     tensors themselves (pointer loads)."""
     if not _tma(hidden, weight):
         return hidden, weight, False
+    if hidden.is_cuda:
+        bind_context()  # (the launch encodes the descriptors: autograd's thread may have no context yet)
     return (TensorDescriptor.from_tensor(hidden, [mod.BLOCK_N, mod.BLOCK_D]),
             TensorDescriptor.from_tensor(weight, [mod.BLOCK_V, mod.BLOCK_D]), True)
 
@@ -131,14 +135,6 @@ def combine_grid(N: int, block: int = COMBINE_BLOCK) -> tuple[int]:
 
 def dz_grid(mod, N: int, width: int) -> tuple[int]:
     return (_cdiv(N, mod.BLOCK_N) * _cdiv(width, mod.BLOCK_V),)
-
-
-def dw_grid(mod, width: int, D: int) -> tuple[int]:
-    return (_cdiv(width, mod.BLOCK_V) * _cdiv(D, mod.BLOCK_N),)
-
-
-def dh_grid(mod, N: int, D: int) -> tuple[int]:
-    return (_cdiv(N, mod.BLOCK_N) * _cdiv(D, mod.BLOCK_V),)
 
 
 def _tiles(mod) -> dict:
