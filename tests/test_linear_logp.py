@@ -10,7 +10,7 @@ import torch
 
 from kgen import ops, render as render_mod, spec
 from kgen.families import linear_logp as llp
-from kgen.families.linear_logp import cuda_variant, launch, plans
+from kgen.families.linear_logp import backward_launch, cuda_variant, launch, plans
 from kgen.runtime import dispatch
 
 if torch.cuda.is_available():
@@ -124,8 +124,8 @@ def test_half_precision(monkeypatch, dtype, borrow):
     """16-bit inputs with the float32 grad_hidden accumulator in its own buffer, or (borrow)
     in grad_weight's tail with one-tile V chunks (N=7, V=257: 2N rows fit in half of V)."""
     if borrow:
-        monkeypatch.setattr(launch, "WORKSPACE_BYTES", 1)
-        monkeypatch.setattr(launch, "ACCUMULATOR_BYTES", 0)
+        monkeypatch.setattr(backward_launch, "WORKSPACE_BYTES", 1)
+        monkeypatch.setattr(backward_launch, "ACCUMULATOR_BYTES", 0)
     check_against_reference(variant(), *make_inputs(7, 257, 40, dtype=dtype))
 
 
@@ -212,15 +212,15 @@ def backward_args(mod, N, dtype, seed, bias=True):
     (1000, 512, 5000, torch.float32, ("output", 0, 5000)),
 ])
 def test_accumulator_plan(N, D, V, dtype, want):
-    plan = plans.accumulator_plan(N, D, V, dtype, 256, launch.ACCUMULATOR_BYTES, launch.WORKSPACE_BYTES)
+    plan = plans.accumulator_plan(N, D, V, dtype, 256, backward_launch.ACCUMULATOR_BYTES, backward_launch.WORKSPACE_BYTES)
     assert (plan.home, plan.own_rows, plan.alias_from) == want
     assert plan.alias_from % 256 == 0 or plan.alias_from == V
     if plan.home == "tail":  # the rows past own_rows fit in grad_weight's rows from alias_from on
         assert (N - plan.own_rows) * D * 4 <= (V - plan.alias_from) * D * 2
     if plan.home == "rows":  # the whole vocabulary for 896 rows a block in the workspace: no sums kept
         assert (plan.row_block, plan.block_width, plan.separate_bytes) == (896, V, 0)
-        assert plan.row_block * V * 2 <= launch.WORKSPACE_BYTES
-    assert plan.separate_bytes <= launch.ACCUMULATOR_BYTES
+        assert plan.row_block * V * 2 <= backward_launch.WORKSPACE_BYTES
+    assert plan.separate_bytes <= backward_launch.ACCUMULATOR_BYTES
 
 
 def check_schedule(chunks, N, D, V, esize, granule, chunk, free_until, extra_rows):
@@ -264,8 +264,8 @@ SCHEDULES = {
 def test_chunk_schedule_at_benchmark_shapes(shape):
     N, D, V = shape
     before, after, widths = SCHEDULES[shape]
-    plan = plans.accumulator_plan(N, D, V, torch.bfloat16, 256, launch.ACCUMULATOR_BYTES, launch.WORKSPACE_BYTES)
-    chunk = plans.workspace_chunk(N, V, 2, 256, launch.WORKSPACE_BYTES - plan.separate_bytes)
+    plan = plans.accumulator_plan(N, D, V, torch.bfloat16, 256, backward_launch.ACCUMULATOR_BYTES, backward_launch.WORKSPACE_BYTES)
+    chunk = plans.workspace_chunk(N, V, 2, 256, backward_launch.WORKSPACE_BYTES - plan.separate_bytes)
     old = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from, in_place=False)
     new = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from)
     assert all(c.at is None for c in old)
@@ -274,7 +274,7 @@ def test_chunk_schedule_at_benchmark_shapes(shape):
     assert (len(old), len(new), [c.v1 - c.v0 for c in wide]) == (before, after, widths)
     # after the in-place chunks, workspace chunks as before, from where they end
     v = wide[-1].v1
-    rest = launch._chunks(v, plan.alias_from, chunk) + launch._chunks(plan.alias_from, V, chunk)
+    rest = backward_launch._chunks(v, plan.alias_from, chunk) + backward_launch._chunks(plan.alias_from, V, chunk)
     assert [(c.v0, c.v1) for c in new[len(wide):]] == rest
     # with bias, 2 * cdiv(N, 128) rows of bias sums after each dz: about as wide
     bias_rows = 2 * -(-N // 128)
@@ -304,7 +304,7 @@ def test_chunk_schedule_small_shapes():
     # no room: N >> D, or the workspace at least as wide as a chunk in place could be
     for args in ((4096, 64, 32000, 2, 256, 256, 32000), (1024, 1024, 32000, 2, 256, 16384, 32000)):
         assert plans.chunk_schedule(*args) == plans.chunk_schedule(*args, in_place=False)
-        assert [(c.v0, c.v1) for c in plans.chunk_schedule(*args)] == launch._chunks(0, args[-1], args[-2])
+        assert [(c.v0, c.v1) for c in plans.chunk_schedule(*args)] == backward_launch._chunks(0, args[-1], args[-2])
 
 
 # Budgets that send the gradients at D = 40, V = 257 (granule 32, 32-column workspace
@@ -353,16 +353,16 @@ def test_backward_accumulator_homes(monkeypatch, home, in_place):
     args = backward_args(mod, N, dtype, seed=3, bias=bias)
     one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
     monkeypatch.setattr(launch, "_empty", lambda shape, dt, dev: torch.full(shape, float("nan"), dtype=dt, device=dev))
-    monkeypatch.setattr(launch, "CONVERT_BYTES", 1)  # sums in grad_hidden's buffer converted row by row
-    monkeypatch.setattr(launch, "IN_PLACE", in_place)
-    monkeypatch.setattr(launch, "PLAN_CACHE", False)  # the plan made for this call: its schedule recorded
+    monkeypatch.setattr(backward_launch, "CONVERT_BYTES", 1)  # sums in grad_hidden's buffer converted row by row
+    monkeypatch.setattr(backward_launch, "IN_PLACE", in_place)
+    monkeypatch.setattr(backward_launch, "PLAN_CACHE", False)  # the plan made for this call: its schedule recorded
     schedules = []
 
     def recorded(*a, **k):
         schedules.append(plans.chunk_schedule(*a, **k))
         return schedules[-1]
 
-    monkeypatch.setattr(launch, "chunk_schedule", recorded)
+    monkeypatch.setattr(backward_launch, "chunk_schedule", recorded)
     many = llp.backward(*args, workspace_bytes=workspace, accumulator_bytes=budget)
     assert [(c.v0, c.v1) for c in schedules[0] if c.at is not None] == (wide if in_place else [])
     assert all(torch.isfinite(t).all() for t in many if t is not None)
@@ -397,22 +397,22 @@ def test_backward_plan_cache_is_bitwise(monkeypatch, case):
     short one applies; the plan is made once per key."""
     mod = variant()
     args, budgets = _backward_case(mod, *case)
-    monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(launch, "PLAN_CACHE", False)
+    monkeypatch.setattr(backward_launch, "_PLANS", {})
+    monkeypatch.setattr(backward_launch, "PLAN_CACHE", False)
     fresh = llp.backward(*args, **budgets)
-    monkeypatch.setattr(launch, "PLAN_CACHE", True)
+    monkeypatch.setattr(backward_launch, "PLAN_CACHE", True)
     made = []
-    real = launch._make_plan
-    monkeypatch.setattr(launch, "_make_plan", lambda *a: made.append(real(*a)) or made[-1])
+    real = backward_launch._make_plan
+    monkeypatch.setattr(backward_launch, "_make_plan", lambda *a: made.append(real(*a)) or made[-1])
     first = llp.backward(*args, **budgets)
     cached = llp.backward(*args, **budgets)
-    assert len(made) == 1 and len(launch._PLANS) == 1
+    assert len(made) == 1 and len(backward_launch._PLANS) == 1
     # the general path for the same plan (the short path's views and launches are its own)
-    monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(launch, "_make_plan", lambda *a: real(*a)._replace(one_chunk=False))
+    monkeypatch.setattr(backward_launch, "_PLANS", {})
+    monkeypatch.setattr(backward_launch, "_make_plan", lambda *a: real(*a)._replace(one_chunk=False))
     general = llp.backward(*args, **budgets)
-    # the short path: one chunk of all of V (float32 too: its GEMMs are cuBLAS's as well)
-    assert made[0].one_chunk == (budgets["workspace_bytes"] is None), made[0].acc
+    # the short path: one chunk of all of V and cuBLAS's GEMMs (not float32's Triton dH)
+    assert made[0].one_chunk == (budgets["workspace_bytes"] is None and not made[0].dh_cols), made[0].acc
     for name, *outs in zip(("grad_h", "grad_w", "grad_b"), fresh, first, cached, general):
         assert (outs[0] is None) == (not case[2] and name == "grad_b"), name
         if outs[0] is not None:
@@ -424,7 +424,7 @@ def test_backward_plan_key(monkeypatch):
     """What a plan depends on is in its key: a change of shape, dtype, bias, budgets,
     switches, precision, implementation or alignment (the CUDA dz kernel's condition) gets
     its own plan, equal to one made anew; the same call again gets the same plan object."""
-    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(backward_launch, "_PLANS", {})
     mod = variant()
     cuda = llp.CudaForward.__new__(llp.CudaForward)
     cuda.triton = mod
@@ -437,7 +437,7 @@ def test_backward_plan_key(monkeypatch):
              (mod, h.float(), w.float(), b.float(), None, None), (mod, h, w, b, 1, None), (mod, h, w, b, 1, 0),
              (variant(SPLIT_V=3, BLOCK_V=64), h, w, b, None, None), (cuda, h, w, None, None, None),
              (cuda, odd, w, None, None, None), (cuda, h, w, b, None, None)]
-    switches = [(launch, "IN_PLACE", False), (launch, "WORKSPACE_BYTES", 1), (launch, "ACCUMULATOR_BYTES", 0),
+    switches = [(backward_launch, "IN_PLACE", False), (backward_launch, "WORKSPACE_BYTES", 1), (backward_launch, "ACCUMULATOR_BYTES", 0),
                 (cuda_variant, "CUDA_DZ", "never"), (cuda_variant, "CUDA_DZ_MAX_FLOP", 0),
                 (torch.backends.cuda.matmul, "allow_tf32", not torch.backends.cuda.matmul.allow_tf32)]
     seen = {}
@@ -450,27 +450,42 @@ def test_backward_plan_key(monkeypatch):
                 try:
                     if s is not None:
                         setattr(*s)
-                    got = launch.backward_plan(*c)
+                    got = backward_launch.backward_plan(*c)
                     with monkeypatch.context() as m:
-                        m.setattr(launch, "PLAN_CACHE", False)
-                        assert got == launch.backward_plan(*c), (i, s)
+                        m.setattr(backward_launch, "PLAN_CACHE", False)
+                        assert got == backward_launch.backward_plan(*c), (i, s)
                     assert seen.setdefault((i, s and s[1]), got) is got, (i, s)
                 finally:
                     if s is not None:
                         setattr(*s[:2], saved)
-    assert len(launch._PLANS) == len({id(plan) for plan in seen.values()})  # (a switch may not change a key)
+    assert len(backward_launch._PLANS) == len({id(plan) for plan in seen.values()})  # (a switch may not change a key)
     assert calls[9][0] is cuda and seen[(9, None)].cuda is cuda and seen[(10, None)].cuda is None
     assert seen[(9, "CUDA_DZ")].cuda is None and seen[(9, None)].one_chunk
 
 
-def test_float32_backward_chunks():
-    """float32 (TF32 off: the Triton dz kernel's "tf32x3" recompute, float32 GEMMs) over
-    several chunks equals one chunk."""
+def test_float32_backward_chunks(monkeypatch):
+    """float32 (TF32 off: the Triton dz kernel's "tf32x3" recompute; dW by cuBLAS, dH by the
+    Triton kernel over transposed weight copies or by cuBLAS, DH_TRITON) over several chunks
+    (some wider than the workspace: dH in pieces of its columns) equals one chunk, with every
+    buffer poisoned first."""
+    def poisoned(shape, dtype_, device):
+        return torch.full(shape, float("nan") if dtype_.is_floating_point else 1 << 30, dtype=dtype_, device=device)
+
+    monkeypatch.setattr(launch, "_empty", poisoned)
     args = backward_args(variant(), 7, torch.float32, seed=3)
-    one = llp.backward(*args, workspace_bytes=1 << 30, accumulator_bytes=1 << 30)
-    many = llp.backward(*args, workspace_bytes=1, accumulator_bytes=0)
-    for name, a, b in zip(("grad_h", "grad_w", "grad_b"), one, many):
-        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=name)
+    got = []
+    for dh in (True, False):
+        monkeypatch.setattr(backward_launch, "DH_TRITON", dh)
+        for budget in (1 << 30, 1):
+            plan = backward_launch.backward_plan(args[0], args[1], args[2], args[4], budget, budget)
+            assert bool(plan.dh_cols) == dh and (budget > 1 or len(plan.chunks) > 1)
+            if dh and budget == 1:
+                assert any(c.v1 - c.v0 > plan.dh_cols for c in plan.chunks)  # pieces
+            got.append(llp.backward(*args, workspace_bytes=budget, accumulator_bytes=budget))
+    for i, grads in enumerate(got[1:]):
+        for name, a, b in zip(("grad_h", "grad_w", "grad_b"), got[0], grads):
+            assert torch.isfinite(b).all(), (name, i)
+            torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-6, msg=f"{name} {i}")
 
 
 @pytest.mark.parametrize("entropy", [True, False])
@@ -507,8 +522,8 @@ def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
         return torch.full(shape, 1 << 30, dtype=dtype_, device=device)
 
     monkeypatch.setattr(launch, "_empty", poisoned)
-    monkeypatch.setattr(launch, "WORKSPACE_BYTES", 1)  # many chunks
-    monkeypatch.setattr(launch, "ACCUMULATOR_BYTES", 0)  # bf16: borrow grad_weight's tail
+    monkeypatch.setattr(backward_launch, "WORKSPACE_BYTES", 1)  # many chunks
+    monkeypatch.setattr(backward_launch, "ACCUMULATOR_BYTES", 0)  # bf16: borrow grad_weight's tail
     for split in (1, 64):
         got = run(variant(SPLIT_V=split), *make_inputs(7, 257, 40, dtype=dtype))
         for name, t in zip(("logp", "entropy", "grad_h", "grad_w", "grad_b"), got):

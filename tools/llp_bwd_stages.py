@@ -11,7 +11,7 @@ import torch
 from triton.testing import do_bench
 
 from kgen import ops
-from kgen.families.linear_logp import cuda_variant, launch, op
+from kgen.families.linear_logp import backward_launch, cuda_variant, launch, op
 from kgen.families.linear_logp.plans import GROUP, _precision, _tile_sources, _tiles, dz_grid
 
 
@@ -65,7 +65,7 @@ def main():
             mod = mod.triton
         esize = 2
         granule = max(mod.BLOCK_V, mod.BLOCK_D)
-        chunk = launch.WORKSPACE_BYTES // (N * esize) // granule * granule
+        chunk = backward_launch.WORKSPACE_BYTES // (N * esize) // granule * granule
         chunk = min(chunk, V // granule * granule)
         lse2 = torch.zeros(N, device=dev)
         ca = torch.randn(N, device=dev) * 1e-3
@@ -106,7 +106,7 @@ def main():
 
 def tiles(shapes):
     """Per shape: the dz kernel's time per chunk with each bf16 Triton variant's tiles, and
-    launch.backward alone (after one forward) under several budgets."""
+    backward_launch.backward alone (after one forward) under several budgets."""
     from kgen import spec as spec_mod
     from kgen.runtime import dispatch
 
@@ -123,7 +123,7 @@ def tiles(shapes):
         g = torch.randn(N, device=dev)
         gemm = bench(lambda: h @ w.T)
         print(f"\n(N, D, V) = ({N}, {D}, {V}) bf16: forward GEMM {gemm:.3f} ms", flush=True)
-        chunk = launch.WORKSPACE_BYTES // (N * 2) // 256 * 256
+        chunk = backward_launch.WORKSPACE_BYTES // (N * 2) // 256 * 256
         lse2 = torch.zeros(N, device=dev)
         ca = torch.randn(N, device=dev) * 1e-3
         dz = torch.empty(N, chunk, device=dev, dtype=dt)
@@ -145,8 +145,8 @@ def tiles(shapes):
         logp, ent, lse2, ez2 = launch.forward(mod, h, w, t, None, 1.0, -100, False)
         for ws_mib, acc_mib in ((56, 16), (56, 32), (40, 16), (56, 0), (72, 16)):
             def bwd():
-                return launch.backward(mod, h, w, t, None, lse2, ez2, g, None, 1.0, -100)
-            launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES = ws_mib << 20, acc_mib << 20
+                return backward_launch.backward(mod, h, w, t, None, lse2, ez2, g, None, 1.0, -100)
+            backward_launch.WORKSPACE_BYTES, backward_launch.ACCUMULATOR_BYTES = ws_mib << 20, acc_mib << 20
             bwd()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -159,7 +159,7 @@ def tiles(shapes):
             ms = bench(bwd)
             print(f"  backward, budgets workspace {ws_mib} MiB (incl. separate sums) / sums {acc_mib} MiB: "
                   f"{ms:.3f} ms = {ms / gemm:.2f}x the GEMM, {extra} MiB extra", flush=True)
-        launch.WORKSPACE_BYTES, launch.ACCUMULATOR_BYTES = 56 << 20, 16 << 20
+        backward_launch.WORKSPACE_BYTES, backward_launch.ACCUMULATOR_BYTES = 56 << 20, 16 << 20
         del h, w
         torch.cuda.empty_cache()
 

@@ -5,8 +5,8 @@ Usage on a GPU machine (repo root): PYTHONPATH=$PWD python3 tools/llp_small_call
 `--breakdown`: the pieces of one small call (N=8, D=512, V=1024) timed interleaved, min over
 rounds, and a cProfile of the backward called directly (the autograd engine runs a CUDA
 backward on its own thread, where a profiler of the main thread does not see it).
-Before/after the backward's plan cache (launch.backward_plan) in one device call: each run
-prints a "kgen op (dispatch), plan cache off" row (launch.PLAN_CACHE off for that row, as
+Before/after the backward's plan cache (backward_launch.backward_plan) in one device call: each run
+prints a "kgen op (dispatch), plan cache off" row (backward_launch.PLAN_CACHE off for that row, as
 KGEN_LINEAR_LOGP_PLAN_CACHE=0 sets it for a whole process) next to the default
 "kgen op (dispatch)" row, both against the eager expression measured in the same run.
 Before/after the eager fast path (op._fast, kgen/families/linear_logp/fast.py): the "kgen op
@@ -39,15 +39,15 @@ def inputs(N, D, V):
 
 
 def no_plan_cache(fn):
-    """fn with launch.backward making its plan anew every call (the cache's "before")."""
-    from kgen.families.linear_logp import launch
+    """fn with backward_launch.backward making its plan anew every call (the cache's "before")."""
+    from kgen.families.linear_logp import backward_launch
 
     def run():
-        saved, launch.PLAN_CACHE = launch.PLAN_CACHE, False
+        saved, backward_launch.PLAN_CACHE = backward_launch.PLAN_CACHE, False
         try:
             fn()
         finally:
-            launch.PLAN_CACHE = saved
+            backward_launch.PLAN_CACHE = saved
     return run
 
 
@@ -118,7 +118,7 @@ def main():
 def instrumented(step, calls=300):
     """Wall time per call of `step` and of the op's pieces inside it (wrapped with timers):
     what is left is the autograd engine and torch.autograd.Function's own work."""
-    from kgen.families.linear_logp import fast as llp_fast, launch
+    from kgen.families.linear_logp import backward_launch, fast as llp_fast, launch
 
     spent: dict = {}
 
@@ -134,9 +134,9 @@ def instrumented(step, calls=300):
         return fn, wrapper
 
     # _op: the forward op with its autograd.Function; _bwd_op: the backward op, called from
-    # inside the engine; launch.forward / launch.backward: the kernels' host code in them;
+    # inside the engine; launch.forward / backward_launch.backward: the kernels' host code in them;
     # _fast: the eager fast path (its Function and launches), ForwardLaunch.run its forward
-    patches = [(llp_op, "_op"), (llp_op, "_bwd_op"), (launch, "forward"), (launch, "backward"), (llp_op, "_fast"),
+    patches = [(llp_op, "_op"), (llp_op, "_bwd_op"), (launch, "forward"), (backward_launch, "backward"), (llp_op, "_fast"),
                (llp_fast.ForwardLaunch, "run")]
     saved = []
     for owner, name in patches:
@@ -146,7 +146,7 @@ def instrumented(step, calls=300):
     # op.py holds its own references to launch's functions and to its impls (via define)
     saved.append((llp_op, "forward", llp_op.forward))
     saved.append((llp_op, "backward", llp_op.backward))
-    llp_op.forward, llp_op.backward = launch.forward, launch.backward
+    llp_op.forward, llp_op.backward = launch.forward, backward_launch.backward
     try:
         for _ in range(20):
             step()
@@ -170,7 +170,7 @@ def breakdown(N=8, D=512, V=1024):
     import pstats
 
     from kgen.benchmarks.fused_bias_act import interleaved_min
-    from kgen.families.linear_logp import launch, plans
+    from kgen.families.linear_logp import backward_launch, launch, plans
     from kgen.families.linear_logp.checks import check_inputs
     from kgen.runtime import dispatch
 
@@ -223,7 +223,7 @@ def breakdown(N=8, D=512, V=1024):
         "Triton combine launch": combine_kernel,
         "_tile_sources (TMA descriptors)": lambda: plans._tile_sources(tri, h, w),
         "triton_splits": lambda: plans.triton_splits(tri, N, V, h.device),
-        "launch.backward (Triton)": lambda: launch.backward(tri, h, w, t, None, lse2, ez2, g, None, 1.0, -100),
+        "backward_launch.backward (Triton)": lambda: backward_launch.backward(tri, h, w, t, None, lse2, ez2, g, None, 1.0, -100),
         "torch.mm (N x V) @ (V x D)": lambda: torch.mm(torch.empty(N, V, device="cuda", dtype=torch.bfloat16), w),
         "autograd: identity fwd+bwd": autograd_only,
         "_forward_impl direct": lambda: llp_op._forward_impl(h, w, t, None, 1.0, -100, False, False),

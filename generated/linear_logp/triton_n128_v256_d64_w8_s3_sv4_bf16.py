@@ -401,3 +401,33 @@ def linear_logp_bwd_dz_logits_kernel(
     _dz_tile(acc, rows, row_ok, cols, col_ok, cols, b_ptr, t_ptr, lse_ptr, ez_ptr, glogp_ptr, gent_ptr,
              dz_ptr, bpart_ptr + tile_n * V, V, scale, inv_t, ignore_index,
              HAS_BIAS, WRITE_BPART, WITH_ENTROPY, HAS_GLOGP)
+
+
+@triton.jit
+def linear_logp_bwd_dh_kernel(
+    dz_src, wt_src, acc_ptr,
+    N, D, width,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """acc (+)= dz @ weight[v0:v1] for a [BLOCK_N x BLOCK_V] tile of grad_hidden's float32
+    sums acc [N, D], from tensor descriptors of dz [N, width] and of weight[v0:v1]'s transposed
+    copy wt [D, width] (boxes [BLOCK_N, BLOCK_D] and [BLOCK_V, BLOCK_D]): both operands
+    contiguous along the reduction, as the forward's (_logit_tile), which TF32 tensor-core
+    products read from shared memory as they are (dz @ weight itself has weight's reduction
+    dimension strided: Triton transposed every tile through registers, ~0.45x this rate).
+    The zero fill past width is the reduction's tail. Grid: cdiv(N, BLOCK_N) * cdiv(D, BLOCK_V)."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_d = tl.cdiv(D, BLOCK_V)
+    tile_n, tile_d = _grouped_tile(tl.program_id(0), tiles_n, tiles_d, GROUP)
+    rows = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tile_d * BLOCK_V + tl.arange(0, BLOCK_V)
+    row_ok = rows < N
+    col_ok = cols < D
+    acc = _logit_tile(dz_src, wt_src, tile_n * BLOCK_N, tile_d * BLOCK_V, rows, cols, row_ok, col_ok, width,
+                      BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, True)
+    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    ok = row_ok[:, None] & col_ok[None, :]
+    if ACCUMULATE:
+        acc += tl.load(acc_ptr + offs, mask=ok, other=0.0)
+    tl.store(acc_ptr + offs, acc, mask=ok)

@@ -2,7 +2,7 @@
 a built variant's C entry points behind the interface `launch` calls -- the forward's
 partials and their combine in one launcher call, and on sm_90a the backward's dz kernel --
 with their grids (splits, row groups), and the policy of when the backward takes the CUDA
-dz kernel (CUDA_DZ). `launch.forward` and `launch.backward` run it; the Triton companion
+dz kernel (CUDA_DZ). `launch.forward` and `backward_launch.backward` run it; the Triton companion
 (`CudaForward.triton`) supplies everything else."""
 
 from __future__ import annotations

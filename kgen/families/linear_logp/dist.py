@@ -64,9 +64,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from kgen.families.linear_logp.backward_launch import backward
 from kgen.families.linear_logp.checks import check_inputs
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
-from kgen.families.linear_logp.launch import LN2, LOG2E, backward, forward
+from kgen.families.linear_logp.launch import LN2, LOG2E, forward
 from kgen.families.linear_logp.op import _FORCED, _module, keeps_logits, using
 from kgen.runtime.op import MISSING, define
 

@@ -1,7 +1,7 @@
 """linear_logp's eager fast path: per exact call signature that the general path served
 once, the forward decided once (ForwardLaunch) and, where a gradient is needed, an
-autograd.Function (`Step`) whose backward calls launch.backward directly (its plan cached
-there, launch.backward_plan) — no torch.library wrapper, no argument checks, no kernel
+autograd.Function (`Step`) whose backward calls backward_launch.backward directly (its plan cached
+there, backward_launch.backward_plan) — no torch.library wrapper, no argument checks, no kernel
 choice, no reshapes, fewer buffers, and one or two autograd outputs instead of five.
 
 Why: a small call is host-bound. The general path (op.linear_logp -> kgen.runtime.op's
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from kgen.families.linear_logp import launch
+from kgen.families.linear_logp import backward_launch, launch
 from kgen.families.linear_logp.cuda_variant import CudaForward
+from kgen.families.linear_logp.plans import _cdiv
 
 
 # The fast path's CUDA forward keeps the partials in the allocation of lse2 and ez2 when a
@@ -45,7 +46,7 @@ class ForwardLaunch:
         if isinstance(mod, CudaForward) and N > 0 and mod.takes(hidden, weight, bias):
             splits = mod.splits(N, V, hidden.device)
             self.go = mod.bind_forward(N, V, D, splits, with_entropy, hidden.device)
-            rows = launch._cdiv(N, 4) * 4  # floats of lse2 (or ez2) rounded to 16 bytes
+            rows = _cdiv(N, 4) * 4  # floats of lse2 (or ez2) rounded to 16 bytes
             self.ez_at = rows if with_entropy else 0
             self.part_at = 2 * rows if with_entropy else rows
             self.part_len = 4 * splits * N
@@ -158,7 +159,7 @@ class Step(torch.autograd.Function):
             gh, gw, gb = reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy,
                                             ctx.temperature, ctx.ignore_index)
         else:
-            gh, gw, gb = launch.backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
+            gh, gw, gb = backward_launch.backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
                                          ctx.temperature, ctx.ignore_index)
         if shape is not None:
             gh = gh.view(*shape, entry.D)

@@ -9,8 +9,8 @@ multiplying), then the same combine. Backward (`backward_kept`): dz [N, V] from 
 elementwise pass (linear_logp_bwd_dz_logits_kernel: the dz kernel's epilogue), then
 grad_hidden = dz @ weight and grad_weight = dz^T @ hidden as one GEMM each: three GEMMs a
 training step instead of four, no float32 sums; N*V*elsize bytes more while it runs. The
-contracts (arguments, outputs, dtypes) are launch.forward's and launch.backward's; buffers
-come from launch._empty (tests poison it). Where it pays: op.KEEP_LOGITS_MIN_FLOP.
+contracts (arguments, outputs, dtypes) are launch.forward's and backward_launch.backward's;
+buffers come from launch._empty (tests poison it). Where it pays: op.KEEP_LOGITS_MIN_FLOP.
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@ from typing import Optional
 import torch
 
 from kgen.families.linear_logp import fast
+from kgen.families.linear_logp.backward_launch import backward
 from kgen.families.linear_logp.checks import check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
-from kgen.families.linear_logp.launch import backward, forward
+from kgen.families.linear_logp.launch import forward
 from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
+from kgen.families.linear_logp.tuning import TUNE_DIMS, bucket_extras, tune_bucket
 from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes
 
 # --------------------------------------------------------------------------- kernel choice
@@ -86,61 +88,6 @@ def _choose(device: torch.device, dtype: torch.dtype, shape):
     return implementation(kernel, companion) if kernel is not None else None
 
 
-# --------------------------------------------------------------------------- tuning
-
-# Buckets: N, D and V each rounded up to a power of two. Bias, entropy and temperature are
-# not in the bucket: they add O(N + V) work that every variant does alike.
-TUNE_DIMS = ("N", "D", "V")
-# Rows beyond the tuned ones (N > 4096) take the nearest tuned bucket's winner however many
-# they are: every variant tiles N alike (tune.nearest).
-TUNE_FREE_DIMS = ("N",)
-TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
-                    for d, v in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))
-                    for n in (1, 8, 16, 32, 64, 128, 512, 4096))
-# The reference materialises float32 logits and their softmax: a candidate only where that
-# stays within the op's extra-memory promise (launch's docstring: < 64 MiB).
-_REFERENCE_TUNE_BYTES = 64 << 20
-
-
-def tune_bucket(N: int, D: int, V: int, precision: Optional[str] = None, **_) -> str:
-    """N, D and V each rounded up to a power of two, and for float32 the dot precision
-    (bucket_extras): with TF32 off a few rows run the logits path whatever the variant
-    (launch.logits_path) and the tiles run "tf32x3", with it on the tiles run one TF32
-    product: the variants' order differs (an n128 tile took 1.5-1.7x an n64 one at N <= 32
-    with TF32 on, H200, BENCHMARKS.md forty-fourth session)."""
-    sizes = ".".join(f"{k}<={1 << (n - 1).bit_length()}" for k, n in zip(TUNE_DIMS, (N, D, V)))
-    return f"{sizes}.{precision}" if precision else sizes
-
-
-def bucket_extras(dtype: str) -> dict:
-    """float32's dot precision from torch.backends.cuda.matmul.allow_tf32 (plans._precision),
-    a part of its bucket (`kgen tune --tf32`); nothing for the 16-bit dtypes."""
-    return {"precision": _precision(torch.float32)} if dtype == "float32" else {}
-
-
-def tune_inputs(device, dtype: str, N: int, D: int, V: int, precision: Optional[str] = None) -> dict:
-    t = getattr(torch, dtype)
-    g = torch.Generator(device=device).manual_seed(0)
-    return {"hidden": (torch.randn(N, D, device=device, generator=g) * 0.5).to(t),
-            "weight": (torch.randn(V, D, device=device, generator=g) * D ** -0.5).to(t),
-            "target": torch.randint(0, V, (N,), device=device, generator=g)}
-
-
-def tune_runner(kernel, inputs: dict):
-    """One forward (no bias, no entropy) of `kernel` (None: the reference); outputs are
-    fresh allocations."""
-    h, w, t = inputs["hidden"], inputs["weight"], inputs["target"]
-    if kernel is None:
-        if h.shape[0] * w.shape[0] * 8 > _REFERENCE_TUNE_BYTES:
-            raise ValueError(f"the reference's logits would take over {_REFERENCE_TUNE_BYTES >> 20} MiB")
-        return lambda: reference(h, w, t)
-    mod = implementation(kernel)
-    if isinstance(mod, CudaForward) and not mod.takes(h, w, None):
-        # it would run its Triton companion: not this variant's time
-        raise ValueError(f"{kernel.name} does not take {tuple(h.shape)} hidden rows")
-    return lambda: forward(mod, h, w, t, None, 1.0, -100, False)
-
-
 # --------------------------------------------------------------------------- torch.library
 
 
@@ -196,7 +143,7 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
                    grad_entropy: Optional[torch.Tensor], temperature: float, ignore_index: int,
                    logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias or [0]) by recomputation, or from the forward's
-    kept logits where given; see launch's docstring. Where the forward ran the PyTorch
+    kept logits where given; see backward_launch's docstring. Where the forward ran the PyTorch
     reference (the tuning table's winner for its shape bucket), so does the backward: that
     forward leaves lse2 and ez2 zero, which a kernel backward would take for the row
     statistics (gradients off by orders of magnitude, float32 at N = 5, V >= 100000 on an
@@ -380,9 +327,10 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     gradient. Differentiable for hidden, weight and bias under any upstream gradients.
 
     The N x V logits are not materialised on CUDA (extra memory in the docstring of
-    kgen.families.linear_logp.launch, < 64 MiB at N=8192, V=128256) except where the
+    kgen.families.linear_logp.backward_launch, < 64 MiB at N=8192, V=128256) except where the
     tuning table found the PyTorch reference fastest, which it may only where those logits
-    take under 64 MiB; CPU tensors use the float32 PyTorch reference. In eager mode the implementation is called directly (an
+    take under 64 MiB, and float32 calls of a few rows (launch.logits_path: at most 16 MiB
+    of logits, freed by the end of each pass); CPU tensors use the float32 PyTorch reference. In eager mode the implementation is called directly (an
     autograd.Function when a gradient is needed), under torch.compile the registered op.
     Dtypes, shapes and devices are checked before any launch. Target values are not, by
     default: a target outside [0, V) that is not ignore_index gives that row a NaN logp (and

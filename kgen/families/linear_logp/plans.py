@@ -119,6 +119,19 @@ def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any,
             TensorDescriptor.from_tensor(weight, [mod.BLOCK_V, mod.BLOCK_D]), True)
 
 
+def dh_grid(mod, N: int, D: int) -> tuple[int]:
+    return (_cdiv(N, mod.BLOCK_N) * _cdiv(D, mod.BLOCK_V),)
+
+
+def dh_sources(mod, dz: torch.Tensor, width: int, wt: torch.Tensor) -> tuple[Any, Any]:
+    """Tensor descriptors of dz [rows, width] (its row stride kept) and wt [D, width] (wt's
+    row stride kept) for linear_logp_bwd_dh_kernel."""
+    if dz.is_cuda:
+        bind_context()
+    return (TensorDescriptor(dz, [dz.shape[0], width], [dz.stride(0), 1], [mod.BLOCK_N, mod.BLOCK_D]),
+            TensorDescriptor(wt, [wt.shape[0], width], [wt.stride(0), 1], [mod.BLOCK_V, mod.BLOCK_D]))
+
+
 def triton_splits(mod, N: int, V: int, device: torch.device) -> int:
     """V splits of the Triton forward for this call: wave_splits with one resident program
     per SM and the variant's SPLIT_V as the minimum. Off the GPU (the interpreter): SPLIT_V,
