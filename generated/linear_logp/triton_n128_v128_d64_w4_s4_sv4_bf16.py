@@ -413,7 +413,7 @@ def linear_logp_bwd_dh_kernel(
     """acc (+)= dz @ weight[v0:v1] for a [BLOCK_N x BLOCK_V] tile of grad_hidden's float32
     sums acc [N, D], from tensor descriptors of dz [N, width] and of weight[v0:v1]'s transposed
     copy wt [D, width] (boxes [BLOCK_N, BLOCK_D] and [BLOCK_V, BLOCK_D]): both operands
-    contiguous along the reduction, as the forward's (_logit_tile), which TF32 tensor-core
+    contiguous along the reduction, as the forward's (_logit_tile's TMA form), which TF32 tensor-core
     products read from shared memory as they are (dz @ weight itself has weight's reduction
     dimension strided: Triton transposed every tile through registers, ~0.45x this rate).
     The zero fill past width is the reduction's tail. Grid: cdiv(N, BLOCK_N) * cdiv(D, BLOCK_V)."""
@@ -426,8 +426,14 @@ def linear_logp_bwd_dh_kernel(
     col_ok = cols < D
     acc = _logit_tile(dz_src, wt_src, tile_n * BLOCK_N, tile_d * BLOCK_V, rows, cols, row_ok, col_ok, width,
                       BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, True)
-    offs = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    offs = rows[:, None] * D + cols[None, :]  # (int32: the host takes this kernel where N * D < 2**31)
     ok = row_ok[:, None] & col_ok[None, :]
     if ACCUMULATE:
-        acc += tl.load(acc_ptr + offs, mask=ok, other=0.0)
-    tl.store(acc_ptr + offs, acc, mask=ok)
+        # One program adds to each element once per launch and launches run in stream order,
+        # so the sum is the same every run (old + this chunk's, as a load-add-store would give);
+        # a load-add-store held the old tile in registers beside the new one and spilled
+        # (Triton 3.9, sm_90: 255 registers and an 8-24 byte stack; loaded before the loop as
+        # the dots' start, 224-264 bytes), the atomic form none (202-255 registers).
+        tl.atomic_add(acc_ptr + offs, acc, mask=ok, sem="relaxed")
+    else:
+        tl.store(acc_ptr + offs, acc, mask=ok)

@@ -15,8 +15,8 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   ran 1.4-1.7x faster than Triton "tf32x3" kernels did at large sizes (BENCHMARKS.md,
   forty-fourth session): dz^T and weight[v0:v1] reach a GEMM with their reduction dimension
   strided, and TF32 tensor-core products read only K-contiguous operands from shared
-  memory, so every tile went through registers to be transposed. Except dH there where its
-  grid fills the GPU and TMA applies (backward_plan's dh_cols): weight[v0:v1] is copied
+  memory, so every tile went through registers to be transposed. Except dH there, with
+  DH_TRITON on, where its grid fills the GPU and TMA applies (backward_plan's dh_cols): weight[v0:v1] is copied
   transposed (wt [D, chunk], in the workspace budget) and linear_logp_bwd_dh_kernel multiplies
   K-contiguous tiles, as the dz kernel does. Why not one fused kernel with atomics: grad_weight would
   need a float32 [V, D] buffer (1.2-2 GiB at the target shapes) and grad_hidden one of
@@ -91,8 +91,13 @@ IN_PLACE = True
 # call instead of taking it from _PLANS (tools/llp_small_calls.py measures both).
 PLAN_CACHE = os.environ.get("KGEN_LINEAR_LOGP_PLAN_CACHE", "1") != "0"
 PLANS_MAX = 256  # plans kept; the cache starts over when full
-# Module switch: False keeps float32's dH on cuBLAS everywhere (backward_plan's dh_cols).
-DH_TRITON = True
+# Module switch: True lets float32's dH (TF32 off) run linear_logp_bwd_dh_kernel where its
+# grid fills the GPU (backward_plan's dh_cols); False keeps it on cuBLAS. Off by default for
+# now: the kernel's GPU-measured form (4-11 % off the training step on an H200, gradients
+# within float32 rounding; BENCHMARKS.md forty-fourth session) added the old sums by a
+# load-add-store that spilled under Triton 3.9, and its shipped form (an atomic add, no
+# stack) has run only under the interpreter so far.
+DH_TRITON = False
 _PLANS: dict = {}
 
 
@@ -158,7 +163,7 @@ def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accu
     # float32, TF32 off: dH by the Triton kernel over K-contiguous tiles where its grid has at
     # least a program per SM and TMA applies; the workspace then also holds weight chunks
     # transposed (D rows more a column)
-    dh = (DH_TRITON and prec == "tf32x3" and _tma(hidden, weight)
+    dh = (DH_TRITON and prec == "tf32x3" and _tma(hidden, weight) and N * D < 2 ** 31  # (int32 offsets)
           and dh_grid(mod, N, D)[0] >= sm_count(hidden.device, 0))
     chunk = workspace_chunk(N + D if dh else N, V, esize, granule, workspace_bytes - acc.separate_bytes)
     # (Row-block rows padded to 16 bytes: cuBLAS's fast kernels want aligned leading dimensions.)

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from kgen.families.linear_logp.plans import KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, _precision, _target_in_tile
+from kgen.families.linear_logp.plans import GROUP, KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, _precision, _target_in_tile
 from kgen.spec import DTYPES, Knob, Schema
 
 # Opt-in shared memory per block (bytes) by arch; the pipelined tiles must fit.
@@ -218,8 +218,8 @@ def template_context(variant) -> dict:
 
 def triton_aot(variant, mod) -> list:
     """What `kgen build` compiles ahead of time: the forward kernel (bias, entropy) in the
-    variant's dtype: the one whose speed matters most, enough to report its resources; and
-    keep_logits' two kernels."""
+    variant's dtype: the one whose speed matters most, enough to report its resources;
+    keep_logits' two kernels; and float32's dH kernel."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     tma = True  # every dtype loads its tiles through TMA (_tma) on sm_90+
     h_src, w_src = ((f"tensordesc<{t}[{mod.BLOCK_N}, {mod.BLOCK_D}]>", f"tensordesc<{t}[{mod.BLOCK_V}, {mod.BLOCK_D}]>")
@@ -231,8 +231,16 @@ def triton_aot(variant, mod) -> list:
              "TARGET_IN_TILE": _target_in_tile(getattr(torch, variant.dtype), prec),
              "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
     sig.update({k: "constexpr" for k in const})
-    return [(mod.linear_logp_fwd_kernel, sig, const,
-             {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}), *_kept_aot(mod, t)]
+    opts = {"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES}
+    out = [(mod.linear_logp_fwd_kernel, sig, const, opts), *_kept_aot(mod, t)]
+    if variant.dtype == "float32":  # the backward's dH kernel, TF32 off (backward_launch._dh_triton)
+        dh = {"dz_src": f"tensordesc<fp32[{mod.BLOCK_N}, {mod.BLOCK_D}]>",
+              "wt_src": f"tensordesc<fp32[{mod.BLOCK_V}, {mod.BLOCK_D}]>", "acc_ptr": "*fp32",
+              "N": "i32", "D": "i32", "width": "i32"}
+        const = {"ACCUMULATE": True, "PRECISION": "tf32x3", "GROUP": GROUP,
+                 "BLOCK_N": mod.BLOCK_N, "BLOCK_V": mod.BLOCK_V, "BLOCK_D": mod.BLOCK_D}
+        out.append((mod.linear_logp_bwd_dh_kernel, {**dh, **dict.fromkeys(const, "constexpr")}, const, opts))
+    return out
 
 
 def _kept_aot(mod, t: str) -> list:
