@@ -70,8 +70,9 @@ def backward_kept(mod, z, hidden, weight, target, bias, lse2, ez2, grad_logp, gr
     dtype) from z in one elementwise pass (the linear_logp_bwd_dz_logits_kernel of `mod`, a
     Triton module, or of a CudaForward's Triton companion), then
     grad_weight = dz^T @ hidden and grad_hidden = dz @ weight as one GEMM each (torch.mm:
-    cuBLAS; float32 with TF32 off in full float32, as the recomputing path's). No recompute, no float32 sums. Extra memory: N * V * elsize
-    (dz) + cdiv(N, KEPT_DZ_BLOCK[0]) * V * 4 with a bias (its column sums), besides z itself."""
+    cuBLAS; float32 with TF32 off in full float32, as the recomputing path's). No
+    recompute, no float32 sums. Extra memory: N * V * elsize (dz) + cdiv(N, KEPT_DZ_BLOCK[0])
+    * V * 4 with a bias (its column sums), besides z itself."""
     mod = mod.triton if isinstance(mod, CudaForward) else mod
     N = hidden.shape[0]
     V = weight.shape[0]

@@ -149,8 +149,8 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     statistics (gradients off by orders of magnitude, float32 at N = 5, V >= 100000 on an
     H200 before this)."""
     N, D = hidden.shape
-    mod = _module(hidden.device, hidden.dtype) if _module(hidden.device, hidden.dtype, (N, D, weight.shape[0])) \
-        is not None or N == 0 else None
+    ran_reference = N > 0 and _module(hidden.device, hidden.dtype, (N, D, weight.shape[0])) is None
+    mod = None if ran_reference else _module(hidden.device, hidden.dtype)
     if mod is not None:
         args = (hidden.contiguous(), weight.contiguous(), target.contiguous(),
                 bias.contiguous() if bias is not None else None, lse2, ez2, grad_logp.contiguous(),
@@ -330,8 +330,9 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     kgen.families.linear_logp.backward_launch, < 64 MiB at N=8192, V=128256) except where the
     tuning table found the PyTorch reference fastest, which it may only where those logits
     take under 64 MiB, and float32 calls of a few rows (launch.logits_path: at most 16 MiB
-    of logits, freed by the end of each pass); CPU tensors use the float32 PyTorch reference. In eager mode the implementation is called directly (an
-    autograd.Function when a gradient is needed), under torch.compile the registered op.
+    of logits, freed by the end of each pass); CPU tensors use the float32 PyTorch
+    reference. In eager mode the implementation is called directly (an autograd.Function
+    when a gradient is needed), under torch.compile the registered op.
     Dtypes, shapes and devices are checked before any launch. Target values are not, by
     default: a target outside [0, V) that is not ignore_index gives that row a NaN logp (and
     entropy), never a read outside weight and never a plausible number. Checking them needs
