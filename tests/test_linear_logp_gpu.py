@@ -197,6 +197,46 @@ def check_graph_replay(context, dtype, N: int = 129):
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
+def test_float32_triton_dh_against_cublas_and_float64(monkeypatch):
+    """float32 with TF32 off where backward_plan takes the Triton dH kernel (DH_TRITON on; its
+    grid fills the GPU; the workspace budget small enough for many chunks, the first ones
+    wider than it: dH in pieces): gradients against float64 and against the cuBLAS dH, and
+    bit for bit run to run (its atomic epilogue has one adder per element a launch). Bounds:
+    "tf32x3" products and float32 sums over V = 20011 columns keep ~1e-6 of the largest
+    gradient; 1e-5."""
+    from kgen.families.linear_logp import backward_launch
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the Triton dH kernel reads its tiles by TMA (sm_90+)")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h, w, b, t = _inputs(2100, 20011, 1024, torch.float32, seed=11)
+        monkeypatch.setattr(backward_launch, "WORKSPACE_BYTES", 8 << 20)
+        runs = {}
+        for dh in (True, False, True):
+            monkeypatch.setattr(backward_launch, "DH_TRITON", dh)
+            plan = backward_launch.backward_plan(llp.op._module(h.device, h.dtype), h, w, b)
+            if dh and not plan.dh_cols:
+                pytest.skip("the dH grid (136 programs) is below this GPU's SM count")
+            assert bool(plan.dh_cols) == dh and len(plan.chunks) > 1
+            leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+            logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.9, return_entropy=True)
+            (logp.sum() - 0.3 * ent.sum()).backward()
+            runs.setdefault(dh, []).append([x.grad for x in leaves])
+        ref = [x.double().requires_grad_() for x in (h, w, b)]
+        lp, en = llp.reference(ref[0], ref[1], t, ref[2], temperature=0.9, compute=torch.float64)
+        (lp.sum() - 0.3 * en.sum()).backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    first, again = runs[True]
+    for name, a, a2, c, r in zip(("hidden", "weight", "bias"), first, again, runs[False][0], ref):
+        assert torch.equal(a, a2), name
+        scale = r.grad.abs().max().item()
+        assert (a.double() - r.grad).abs().max().item() <= 1e-5 * scale, name
+        assert (a - c).abs().max().item() <= 1e-5 * scale, name
+
+
 def test_float32_backward_in_a_fresh_autograd_thread():
     """A fresh process's first float32 backward (TF32 off) on an sm_90+ GPU: its first CUDA
     work in autograd's worker thread is the Triton dz kernel with TMA descriptor arguments,
