@@ -212,7 +212,8 @@ def backward_args(mod, N, dtype, seed, bias=True):
     (1000, 512, 5000, torch.float32, ("output", 0, 5000)),
 ])
 def test_accumulator_plan(N, D, V, dtype, want):
-    plan = plans.accumulator_plan(N, D, V, dtype, 256, backward_launch.ACCUMULATOR_BYTES, backward_launch.WORKSPACE_BYTES)
+    plan = plans.accumulator_plan(N, D, V, dtype, 256, backward_launch.ACCUMULATOR_BYTES,
+                                  backward_launch.WORKSPACE_BYTES)
     assert (plan.home, plan.own_rows, plan.alias_from) == want
     assert plan.alias_from % 256 == 0 or plan.alias_from == V
     if plan.home == "tail":  # the rows past own_rows fit in grad_weight's rows from alias_from on
@@ -264,7 +265,8 @@ SCHEDULES = {
 def test_chunk_schedule_at_benchmark_shapes(shape):
     N, D, V = shape
     before, after, widths = SCHEDULES[shape]
-    plan = plans.accumulator_plan(N, D, V, torch.bfloat16, 256, backward_launch.ACCUMULATOR_BYTES, backward_launch.WORKSPACE_BYTES)
+    plan = plans.accumulator_plan(N, D, V, torch.bfloat16, 256, backward_launch.ACCUMULATOR_BYTES,
+                                  backward_launch.WORKSPACE_BYTES)
     chunk = plans.workspace_chunk(N, V, 2, 256, backward_launch.WORKSPACE_BYTES - plan.separate_bytes)
     old = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from, in_place=False)
     new = plans.chunk_schedule(N, D, V, 2, 256, chunk, plan.alias_from)
@@ -437,7 +439,8 @@ def test_backward_plan_key(monkeypatch):
              (mod, h.float(), w.float(), b.float(), None, None), (mod, h, w, b, 1, None), (mod, h, w, b, 1, 0),
              (variant(SPLIT_V=3, BLOCK_V=64), h, w, b, None, None), (cuda, h, w, None, None, None),
              (cuda, odd, w, None, None, None), (cuda, h, w, b, None, None)]
-    switches = [(backward_launch, "IN_PLACE", False), (backward_launch, "WORKSPACE_BYTES", 1), (backward_launch, "ACCUMULATOR_BYTES", 0),
+    switches = [(backward_launch, "IN_PLACE", False), (backward_launch, "WORKSPACE_BYTES", 1),
+                (backward_launch, "ACCUMULATOR_BYTES", 0),
                 (cuda_variant, "CUDA_DZ", "never"), (cuda_variant, "CUDA_DZ_MAX_FLOP", 0),
                 (torch.backends.cuda.matmul, "allow_tf32", not torch.backends.cuda.matmul.allow_tf32)]
     seen = {}

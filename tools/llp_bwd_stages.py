@@ -1,5 +1,6 @@
 """linear_logp's backward, stage by stage (issue 19): per dz chunk, the dz kernels (Triton,
-and the CUDA one where it applies) and the backward's cuBLAS GEMMs, with GEMMs of the same sizes (dW: dz^T @ hidden into the output dtype;
+and the CUDA one where it applies) and the backward's cuBLAS GEMMs, with GEMMs of the same
+sizes (dW: dz^T @ hidden into the output dtype;
 dH: acc += dz @ weight into float32 through addmm's out_dtype), plus the whole op forward
 and forward + backward against the forward GEMM. Also checks addmm(out_dtype=float32)'s
 accumulation against float64 on this GPU.

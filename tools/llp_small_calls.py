@@ -136,7 +136,8 @@ def instrumented(step, calls=300):
     # _op: the forward op with its autograd.Function; _bwd_op: the backward op, called from
     # inside the engine; launch.forward / backward_launch.backward: the kernels' host code in them;
     # _fast: the eager fast path (its Function and launches), ForwardLaunch.run its forward
-    patches = [(llp_op, "_op"), (llp_op, "_bwd_op"), (launch, "forward"), (backward_launch, "backward"), (llp_op, "_fast"),
+    patches = [(llp_op, "_op"), (llp_op, "_bwd_op"), (launch, "forward"), (backward_launch, "backward"),
+               (llp_op, "_fast"),
                (llp_fast.ForwardLaunch, "run")]
     saved = []
     for owner, name in patches:
@@ -223,7 +224,8 @@ def breakdown(N=8, D=512, V=1024):
         "Triton combine launch": combine_kernel,
         "_tile_sources (TMA descriptors)": lambda: plans._tile_sources(tri, h, w),
         "triton_splits": lambda: plans.triton_splits(tri, N, V, h.device),
-        "backward_launch.backward (Triton)": lambda: backward_launch.backward(tri, h, w, t, None, lse2, ez2, g, None, 1.0, -100),
+        "backward_launch.backward (Triton)":
+            lambda: backward_launch.backward(tri, h, w, t, None, lse2, ez2, g, None, 1.0, -100),
         "torch.mm (N x V) @ (V x D)": lambda: torch.mm(torch.empty(N, V, device="cuda", dtype=torch.bfloat16), w),
         "autograd: identity fwd+bwd": autograd_only,
         "_forward_impl direct": lambda: llp_op._forward_impl(h, w, t, None, 1.0, -100, False, False),

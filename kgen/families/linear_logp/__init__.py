@@ -36,8 +36,9 @@ bases load their logit tiles by TMA on sm_90+ (the forward and dz kernels), anyt
 pointer loads (Triton specialises on 16-byte alignment by itself).
 Float32 inputs use TF32 tensor cores only when torch.backends.cuda.matmul.allow_tf32 is
 set, as torch.matmul does (with it off, "tf32x3" tiles keep float32's accuracy, and a few
-rows take the logits from cuBLAS: launch.logits_path); their buckets name the setting. Float16 inputs keep dz in float16 (as eager PyTorch does), so
-probabilities below ~6e-8 flush to zero there.
+rows take the logits from cuBLAS: launch.logits_path); their buckets name the setting.
+Float16 inputs keep dz in float16 (as eager PyTorch does), so probabilities below ~6e-8
+flush to zero there.
 """
 
 # Not re-exported: the switches and patch points plans.TMA, plans._device_props,

@@ -2,7 +2,8 @@
 decides once per shape), on a Triton module or a `CudaForward` (cuda_variant), from the
 forward's lse2 and ez2 (launch.forward). Every buffer comes from launch._empty.
 
-Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0, v1):
+Backward: recompute by V chunks, deterministic (no two adders of one element race). For
+each chunk [v0, v1):
   dz kernel:  recompute logits, write dz (input dtype) to a workspace [N, chunk] (the
               first chunks: to grad_weight's unwritten rows, below) and float32 column
               sums per row tile (for grad_bias);
@@ -16,11 +17,13 @@ Backward: recompute by V chunks, no atomics (deterministic). For each chunk [v0,
   forty-fourth session): dz^T and weight[v0:v1] reach a GEMM with their reduction dimension
   strided, and TF32 tensor-core products read only K-contiguous operands from shared
   memory, so every tile went through registers to be transposed. Except dH there, with
-  DH_TRITON on, where its grid fills the GPU and TMA applies (backward_plan's dh_cols): weight[v0:v1] is copied
-  transposed (wt [D, chunk], in the workspace budget) and linear_logp_bwd_dh_kernel multiplies
-  K-contiguous tiles, as the dz kernel does. Why not one fused kernel with atomics: grad_weight would
-  need a float32 [V, D] buffer (1.2-2 GiB at the target shapes) and grad_hidden one of
-  N*D*4 bytes; atomics into the 16-bit outputs would not accumulate in float32. The price
+  DH_TRITON on, where its grid fills the GPU and TMA applies (backward_plan's dh_cols):
+  weight[v0:v1] is copied transposed (wt [D, chunk], in the workspace budget) and
+  linear_logp_bwd_dh_kernel multiplies K-contiguous tiles, as the dz kernel does, adding to
+  the sums with one atomic per element (its only adder in that launch). Why not one fused
+  kernel with atomics: grad_weight would need a float32 [V, D] buffer (1.2-2 GiB at the
+  target shapes) and grad_hidden one of N*D*4 bytes; atomics into the 16-bit outputs would
+  not accumulate in float32. The price
   of separate passes is that dz makes one round trip through the workspace (N*V*elsize
   written once, read twice; a chunk of up to 56 MiB mostly stays in a 50 MiB L2) and the
   float32 sums are read and written once per chunk (8*N*D bytes: dH runs at ~1.2x a
@@ -245,7 +248,8 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
     if plan.home in ("output", "direct"):
         pieces = [(0, N, grad_h)]
     elif plan.home == "rows":
-        pieces = [(0, N, launch._empty((min(plan.row_block, N), D), torch.float32, dev) if plan.separate_bytes else None)]
+        sums = launch._empty((min(plan.row_block, N), D), torch.float32, dev) if plan.separate_bytes else None
+        pieces = [(0, N, sums)]
     else:
         own = plan.own_rows
         pieces = [(0, own, grad_h.view(-1)[:own * D * 4 // esize].view(torch.float32).view(own, D))] if own else []
