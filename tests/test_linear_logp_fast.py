@@ -373,3 +373,76 @@ def test_gpu_fast_path_bitwise_no_wait_and_graph(bias):
                 assert torch.equal(a, e)
     finally:
         op.FAST = saved
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,entropy,bias", [(1, True, True), (7, False, False), (100, True, False)])
+def test_gpu_fast_path_float32_few_rows(monkeypatch, N, entropy, bias):
+    """float32 with TF32 off at a few rows (launch.logits_path: the cuBLAS logits, then two
+    Triton launches forward and one backward, which the fast path replays, kept.FewRows): each call's outputs and
+    gradients equal the general path's bit for bit, every buffer poisoned first, across
+    temperatures and ignore_index values (1 is one Triton specialises on: a replay per
+    value) and under CUDA graph capture; the replay served the later calls. (N = 100: past
+    F32_LOGITS_MAX_ROWS, within F32_LOGITS_MAX_ELEMS at this V.)"""
+    from kgen.runtime import triton_launch
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(N)
+    D, V = 264, 3001
+    h = torch.randn(N, D, device=dev, generator=g)
+    w = torch.randn(V, D, device=dev, generator=g) * D ** -0.5
+    b = torch.randn(V, device=dev, generator=g) * 0.5 if bias else None
+    t = torch.randint(0, V, (N,), device=dev, generator=g)
+    t[::3] = 1  # ignored where ignore_index is 1
+    g_logp, g_ent = torch.randn(N, device=dev, generator=g), torch.randn(N, device=dev, generator=g)
+    leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+    def run(temperature, ignore_index):
+        for x in leaves:
+            if x is not None:
+                x.grad = None
+        out = ops.linear_logp(leaves[0], leaves[1], t, leaves[2], temperature=temperature,
+                              ignore_index=ignore_index, return_entropy=entropy)
+        logp, ent = out if entropy else (out, None)
+        loss = (logp * g_logp).sum() + ((ent * g_ent).sum() if entropy else 0)
+        loss.backward()
+        return [x.detach() for x in (logp, ent) if x is not None] + [x.grad for x in leaves if x is not None]
+
+    calls = [(0.9, -100), (1.3, -100), (0.7, 1), (1.0, -100), (0.7, 1)]
+    monkeypatch.setattr(op, "FAST", False)
+    want = [run(*c) for c in calls]
+    monkeypatch.setattr(op, "FAST", True)
+    op._FAST.clear()
+    run(*calls[0])
+    (entry,) = op._FAST.values()
+    few = entry.launch.few
+    assert launch.logits_path(h, w) and few is not None and not few.replays
+    before, driver = op.STATS["fast"], triton_launch.STATS["driver"]
+    for c, e in zip(calls, want):
+        for a, b_ in zip(run(*c), e):
+            assert torch.equal(a, b_), c
+    assert op.STATS["fast"] == before + len(calls) and set(few.replays) == {-100, 1}
+    assert None not in few.replays.values() and len(few.dz_replays) == 2 and None not in few.dz_replays.values()
+    # the forward's two launches and the backward's one, all but the first call of each ignore_index
+    assert triton_launch.STATS["driver"] >= driver + 3 * (len(calls) - 2)
+    # captured in a CUDA graph (warmed up on a side stream), replayed against eager calls
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run(0.8, -100)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear_logp(leaves[0], leaves[1], t, leaves[2], temperature=0.8, return_entropy=entropy)
+    with torch.no_grad():
+        leaves[0].copy_(torch.randn(N, D, device=dev, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        eager = ops.linear_logp(leaves[0], leaves[1], t, leaves[2], temperature=0.8, return_entropy=entropy)
+    for a, e in zip(out if entropy else (out,), eager if entropy else (eager,)):
+        assert torch.equal(a, e)

@@ -1,7 +1,7 @@
 """linear_logp's float32 forward against torch.compile of the PyTorch expression and the
 F.linear GEMM, with TF32 off and on (issue 19), and its largest error against float64.
-Usage on a GPU machine (repo root): PYTHONPATH=$PWD python3 tools/llp_f32_bench.py [--dh-triton]
-(--dh-triton: float32's dH by the Triton kernel, backward_launch.DH_TRITON, off by default)"""
+Usage on a GPU machine (repo root): PYTHONPATH=$PWD python3 tools/llp_f32_bench.py [--dh-cublas]
+(--dh-cublas: float32's dH by cuBLAS instead of the Triton kernel, backward_launch.DH_TRITON off)"""
 
 import sys
 
@@ -17,10 +17,10 @@ def expr(h, w, t):
 
 
 def main():
-    if "--dh-triton" in sys.argv[1:]:
+    if "--dh-cublas" in sys.argv[1:]:
         from kgen.families.linear_logp import backward_launch
 
-        backward_launch.DH_TRITON = True
+        backward_launch.DH_TRITON = False
     torch.manual_seed(0)
     compiled = torch.compile(expr)
     print("device", torch.cuda.get_device_name(), "torch", torch.__version__)

@@ -43,7 +43,7 @@ flush to zero there.
 
 # Not re-exported: the switches and patch points plans.TMA, plans._device_props,
 # backward_launch.WORKSPACE_BYTES, .ACCUMULATOR_BYTES, .PLAN_CACHE and .DH_TRITON,
-# launch.F32_LOGITS_MAX_ROWS, fast.SHARED_PARTIALS_BYTES, launch._empty, cuda_variant.CUDA_DZ,
+# launch.F32_LOGITS_MAX_ROWS, .F32_LOGITS_MAX_ELEMS, fast.SHARED_PARTIALS_BYTES, launch._empty, cuda_variant.CUDA_DZ,
 # op.FAST and op._FAST; set them on their own module (a copy here would not take effect).
 from kgen.families.linear_logp.backward_launch import backward, backward_plan
 from kgen.families.linear_logp.checks import TARGET_CHECK_BLOCK, check_inputs, check_target_range

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kgen.families.linear_logp import backward_launch, launch
+from kgen.families.linear_logp import backward_launch, kept, launch
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import _cdiv
 
@@ -34,16 +34,20 @@ class ForwardLaunch:
     takes the inputs: logp, entropy if asked, and one float32 buffer [lse2 | ez2 |
     partials] (each part from a 16-byte boundary; the partials in a buffer of their own when
     a gradient is needed and they are larger than SHARED_PARTIALS_BYTES), with the launcher
-    call's constant arguments bound (CudaForward.bind_forward). Otherwise `forward` itself."""
+    call's constant arguments bound (CudaForward.bind_forward). On the float32 few-rows
+    path (launch.logits_path) kept.FewRows: the same buffers, its two Triton launches
+    replayed. Otherwise `forward` itself."""
 
-    __slots__ = ("mod", "N", "with_entropy", "go", "ez_at", "part_at", "part_len", "shared")
+    __slots__ = ("mod", "N", "with_entropy", "go", "few", "ez_at", "part_at", "part_len", "shared")
 
     def __init__(self, mod, hidden, weight, bias, with_entropy: bool):
         N, D = hidden.shape
         V = weight.shape[0]
         self.mod, self.N, self.with_entropy = mod, N, with_entropy
         self.go = None
-        if isinstance(mod, CudaForward) and N > 0 and mod.takes(hidden, weight, bias):
+        self.few = kept.FewRows(mod, hidden, weight, with_entropy) if N > 0 and launch.logits_path(
+            hidden, weight) else None
+        if self.few is None and isinstance(mod, CudaForward) and N > 0 and mod.takes(hidden, weight, bias):
             splits = mod.splits(N, V, hidden.device)
             self.go = mod.bind_forward(N, V, D, splits, with_entropy, hidden.device)
             rows = _cdiv(N, 4) * 4  # floats of lse2 (or ez2) rounded to 16 bytes
@@ -58,6 +62,9 @@ class ForwardLaunch:
         (a gradient is needed); `shape`: logp's and entropy's (N elements; default [N])."""
         go = self.go
         if go is None:
+            if self.few is not None and launch.logits_path(hidden, weight):  # (TF32 may have been switched since)
+                logp, entropy, buf = self.few.run(hidden, weight, target, bias, temperature, ignore_index, shape)
+                return logp, entropy, (buf,)
             logp, entropy, lse2, ez2 = launch.forward(self.mod, hidden, weight, target, bias, temperature, ignore_index,
                                                self.with_entropy, shape=shape)
             return logp, entropy if self.with_entropy else None, (lse2, ez2)
@@ -82,6 +89,8 @@ class ForwardLaunch:
 
     def rows(self, saved) -> tuple:
         """(lse2 [N], ez2 [N] or anything without entropy) of a forward's `saved`."""
+        if self.few is not None and len(saved) == 1:
+            return self.few.rows(saved[0])
         if self.go is None:
             return saved
         buf, N = saved[0], self.N
@@ -153,7 +162,11 @@ class Step(torch.autograd.Function):
             if not grad_entropy.is_contiguous():
                 grad_entropy = grad_entropy.contiguous()
         mod = entry.backward_module(hidden.device, hidden.dtype)
-        if mod is None:  # the reference, as the general path's backward would run it
+        few = entry.launch.few
+        if mod is not None and few is not None and len(saved) == 1 and launch.logits_path(hidden, weight):
+            gh, gw, gb = few.backward(mod, hidden, weight, target, bias, saved[0], grad_logp, grad_entropy,
+                                      ctx.temperature, ctx.ignore_index)
+        elif mod is None:  # the reference, as the general path's backward would run it
             from kgen.families.linear_logp.reference import reference_backward
 
             gh, gw, gb = reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy,

@@ -42,23 +42,31 @@ LN2 = 0.6931471805599453
 # float32 at a few rows on the GPU: the logits by one cuBLAS GEMM (a GEMV at N = 1: the
 # weight read once at bandwidth), then the `kept` module's kernels over them, forward and
 # backward (the backward recomputes them so), rather than the Triton tiles, whose 64 rows
-# a program multiply zeros at N << 64. Where N <= F32_LOGITS_MAX_ROWS[the dot precision]
-# and the logits take at most F32_LOGITS_MAX_BYTES (temporary, freed by the end of each
-# pass: the backward holds them and dz of the same size, within the 64 MiB promise). The
-# bounds, from an H200 (BENCHMARKS.md, forty-fourth session): TF32 off ("tf32x3", three
-# tensor-core products a step) the logits path took 0.4-0.9x the tiles' GPU time
-# forward and 0.46-0.95x forward + backward up to N = 32, mixed at 64; TF32 on (one
-# product) only N = 1 gained (0.83-0.91x), N >= 4 lost up to 1.6x at D = 1024. Both paths
-# keep the same contract (lse2, ez2), so a forward and its backward may take either.
+# a program multiply zeros at N << 64, and whose grid at a small vocabulary (V / 128
+# column tiles) leaves SMs idle. Where N <= F32_LOGITS_MAX_ROWS[the dot precision] or
+# the logits have at most F32_LOGITS_MAX_ELEMS[precision] elements, and in any case take
+# at most F32_LOGITS_MAX_BYTES (temporary, freed by the end of each pass: the backward
+# holds them and dz of the same size, within the 64 MiB promise). The bounds, from an H200
+# (BENCHMARKS.md, forty-fourth and forty-fifth sessions), GPU time: TF32 off ("tf32x3",
+# three tensor-core products a step) the logits path took 0.4-0.9x the tiles' forward and
+# 0.46-0.95x forward + backward up to N = 32, mixed at 64 (V >= 16384: tiles); at
+# N * V <= 2^19 it took 0.32-0.84x forward, 0.47-0.92x forward + backward (N = 48-128 at
+# V = 4096-8192), and lost from 2^20 on at D <= 1024 (1.07-1.25x); TF32 on (one product)
+# only N = 1 gained (0.83-0.91x), N >= 4 lost up to 1.6x at D = 1024. Both paths keep the
+# same contract (lse2, ez2), so a forward and its backward may take either.
 F32_LOGITS_MAX_ROWS = {"tf32x3": 32, "tf32": 1}
+F32_LOGITS_MAX_ELEMS = {"tf32x3": 1 << 19, "tf32": 0}
 F32_LOGITS_MAX_BYTES = 16 << 20
 
 
 def logits_path(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether forward and backward take the float32 few-rows path (F32_LOGITS_MAX_ROWS)."""
-    N = hidden.shape[0]
-    return (hidden.dtype == torch.float32 and hidden.is_cuda and N <= F32_LOGITS_MAX_ROWS[_precision(torch.float32)]
-            and N * weight.shape[0] * 4 <= F32_LOGITS_MAX_BYTES)
+    """Whether forward and backward take the float32 few-rows path (F32_LOGITS_MAX_ROWS,
+    F32_LOGITS_MAX_ELEMS)."""
+    if hidden.dtype != torch.float32 or not hidden.is_cuda:
+        return False
+    N, V = hidden.shape[0], weight.shape[0]
+    prec = _precision(torch.float32)
+    return (N <= F32_LOGITS_MAX_ROWS[prec] or N * V <= F32_LOGITS_MAX_ELEMS[prec]) and N * V * 4 <= F32_LOGITS_MAX_BYTES
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:
@@ -123,16 +131,22 @@ def combine(mod, part, splits: int, hidden, weight, target, bias, outs, scale: f
     """`mod`'s linear_logp_combine_kernel: the `splits` partials part [4, splits, N] into
     outs = (logp, entropy, lse2, ez2); target_dot: the target logit by a gather-dot
     (partials plane 2 unwritten), else summed from plane 2."""
+    triton_launch.launch(*combine_launch(mod, part, splits, hidden, weight, target, bias, outs, scale, ignore_index,
+                                         with_entropy, target_dot))
+
+
+def combine_launch(mod, part, splits: int, hidden, weight, target, bias, outs, scale: float, ignore_index: int,
+                   with_entropy: bool, target_dot: bool) -> tuple:
+    """combine's launch as (kernel, grid, args, options); scale is the 15th argument."""
     logp, entropy, lse2, ez2 = outs
     N, D = hidden.shape
     block = COMBINE_DOT_BLOCK if target_dot else COMBINE_BLOCK
-    triton_launch.launch(
-        mod.linear_logp_combine_kernel, combine_grid(N, block),
-        (part, target, hidden, weight, bias if bias is not None else weight,
-         logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
-         N, weight.shape[0], D, splits, ignore_index, scale),
-        dict(WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
-             BLOCK=block, BLOCK_D=TARGET_BLOCK_D))
+    return (mod.linear_logp_combine_kernel, combine_grid(N, block),
+            (part, target, hidden, weight, bias if bias is not None else weight,
+             logp, entropy if with_entropy else logp, lse2, ez2 if with_entropy else lse2,
+             N, weight.shape[0], D, splits, ignore_index, scale),
+            dict(WITH_ENTROPY=with_entropy, TARGET_DOT=target_dot, HAS_BIAS=bias is not None,
+                 BLOCK=block, BLOCK_D=TARGET_BLOCK_D))
 
 
 def _gradients(hidden, weight, bias):
