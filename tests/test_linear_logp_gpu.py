@@ -237,21 +237,23 @@ def test_float32_triton_dh_against_cublas_and_float64(monkeypatch):
         assert (a - c).abs().max().item() <= 1e-5 * scale, name
 
 
-def test_float32_backward_in_a_fresh_autograd_thread():
-    """A fresh process's first float32 backward (TF32 off) on an sm_90+ GPU: its first CUDA
-    work in autograd's worker thread is the Triton dz kernel with TMA descriptor arguments,
-    which Triton's launcher encodes before it makes a context current; that thread starts
-    with none (streams.bind_context), and the call failed with "invalid device context".
-    Gradients against float64: the "tf32x3" recompute and float32 GEMMs keep ~1e-6 of the
-    largest gradient (bound 1e-5)."""
-    code = textwrap.dedent("""
+@pytest.mark.parametrize("N", [300, 8])
+def test_float32_backward_in_a_fresh_autograd_thread(N):
+    """A fresh process's first float32 backward (TF32 off) on an sm_90+ GPU: at N = 300 its
+    first CUDA work in autograd's worker thread is the Triton dz kernel with TMA descriptor
+    arguments, which Triton's launcher encodes before it makes a context current; that
+    thread starts with none (streams.bind_context), and the call failed with "invalid
+    device context". At N = 8 (launch.logits_path) it is the cuBLAS logits GEMM, for which
+    torch warned that it had to set the primary context. Gradients against float64: the
+    "tf32x3" recompute and float32 GEMMs keep ~1e-6 of the largest gradient (bound 1e-5)."""
+    code = textwrap.dedent(f"""
         import torch
         from kgen import ops
         torch.backends.cuda.matmul.allow_tf32 = False
         g = torch.Generator(device="cuda").manual_seed(0)
-        h = torch.randn(300, 256, device="cuda", generator=g).requires_grad_()
+        h = torch.randn({N}, 256, device="cuda", generator=g).requires_grad_()
         w = (torch.randn(5003, 256, device="cuda", generator=g) / 16).requires_grad_()
-        t = torch.randint(0, 5003, (300,), device="cuda", generator=g)
+        t = torch.randint(0, 5003, ({N},), device="cuda", generator=g)
         ops.linear_logp(h, w, t).sum().backward()
         hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         torch.log_softmax(hd @ wd.T, -1).gather(1, t[:, None]).sum().backward()
@@ -262,6 +264,7 @@ def test_float32_backward_in_a_fresh_autograd_thread():
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "gradients ok" in r.stdout, r.stderr[-4000:]
+    assert "no current CUDA context" not in r.stderr, r.stderr[-4000:]
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

@@ -22,6 +22,7 @@ from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import (
     KEPT_DZ_BLOCK, KEPT_FWD_BLOCK, KEPT_FWD_PROGRAMS_PER_SM, LOG2E, _cdiv, _device_props)
 from kgen.runtime import triton_launch
+from kgen.runtime.streams import bind_context
 
 
 def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,10 @@ def kept_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     keeps for the backward. 16-bit inputs: one cuBLAS GEMM with float32 output (float32
     accumulation, as the tile dots); float32 as torch.mm takes it (TF32 where allowed, as
     F.linear); on the CPU (tests) float32 math."""
-    if hidden.is_cuda and hidden.dtype != torch.float32:
-        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    if hidden.is_cuda:
+        bind_context()  # (autograd's worker thread may have no context: torch warns before cuBLAS)
+        if hidden.dtype != torch.float32:
+            return torch.mm(hidden, weight.T, out_dtype=torch.float32)
     return torch.mm(hidden.float(), weight.float().T)
 
 
