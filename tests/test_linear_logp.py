@@ -491,6 +491,43 @@ def test_float32_backward_chunks(monkeypatch):
             torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-6, msg=f"{name} {i}")
 
 
+def test_float32_tf32_dw_from_transposed_hidden(monkeypatch):
+    """float32 with TF32 on over several chunks (some in grad_weight's unwritten rows):
+    grad_weight's GEMMs read a transposed copy of hidden kept in grad_weight's last rows
+    (backward_launch.HT_COPY, backward_plan's ht_from), the chunks over those rows hidden
+    itself; with every buffer poisoned first, equal within float32 rounding to the same
+    backward without the copy and to one chunk."""
+    def poisoned(shape, dtype_, device):
+        return torch.full(shape, float("nan") if dtype_.is_floating_point else 1 << 30, dtype=dtype_, device=device)
+
+    monkeypatch.setattr(launch, "_empty", poisoned)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # (a module attribute monkeypatch cannot undo)
+    try:
+        _dw_from_transposed_hidden(monkeypatch)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _dw_from_transposed_hidden(monkeypatch):
+    args = backward_args(variant(), 7, torch.float32, seed=5)
+    V = args[2].shape[0]
+    got = []
+    for ht, budget in ((True, 1), (False, 1), (True, 1 << 30)):
+        monkeypatch.setattr(backward_launch, "HT_COPY", ht)
+        plan = backward_launch.backward_plan(args[0], args[1], args[2], args[4], budget, budget)
+        if budget == 1:
+            assert (plan.ht_from < V) == ht and any(c.at is not None for c in plan.chunks)
+            assert all(c.v1 <= plan.ht_from or c.v0 >= plan.ht_from for c in plan.chunks)
+        else:
+            assert plan.one_chunk and plan.ht_from == V
+        got.append(llp.backward(*args, workspace_bytes=budget, accumulator_bytes=budget))
+    for i, grads in enumerate(got[1:]):
+        for name, a, b in zip(("grad_h", "grad_w", "grad_b"), got[0], grads):
+            assert torch.isfinite(a).all() and torch.isfinite(b).all(), (name, i)
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, msg=f"{name} {i}")
+
+
 @pytest.mark.parametrize("entropy", [True, False])
 def test_float32_few_rows_take_the_logits_path(monkeypatch, entropy):
     """float32 at a few rows (launch.logits_path; on the GPU only, forced here): the logits

@@ -384,8 +384,6 @@ def test_gpu_fast_path_float32_few_rows(monkeypatch, N, entropy, bias):
     temperatures and ignore_index values (1 is one Triton specialises on: a replay per
     value) and under CUDA graph capture; the replay served the later calls. (N = 100: past
     F32_LOGITS_MAX_ROWS, within F32_LOGITS_MAX_ELEMS at this V.)"""
-    from kgen.runtime import triton_launch
-
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(N)
     D, V = 264, 3001
@@ -398,7 +396,18 @@ def test_gpu_fast_path_float32_few_rows(monkeypatch, N, entropy, bias):
     leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(
         shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # (a module attribute monkeypatch cannot undo)
+    try:
+        _few_rows_calls(monkeypatch, N, D, V, entropy, h, w, t, leaves, g, g_logp, g_ent)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _few_rows_calls(monkeypatch, N, D, V, entropy, h, w, t, leaves, g, g_logp, g_ent):
+    from kgen.runtime import triton_launch
+
+    dev = h.device
 
     def run(temperature, ignore_index):
         for x in leaves:

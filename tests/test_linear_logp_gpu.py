@@ -237,6 +237,42 @@ def test_float32_triton_dh_against_cublas_and_float64(monkeypatch):
         assert (a - c).abs().max().item() <= 1e-5 * scale, name
 
 
+def test_float32_tf32_dw_from_transposed_hidden(monkeypatch):
+    """float32 with TF32 on over several chunks: grad_weight's GEMMs read hidden's transposed
+    copy in grad_weight's last rows (backward_launch.HT_COPY): gradients against float64
+    and against the backward without the copy, bit for bit run to run. Bounds: TF32 rounds
+    the GEMMs' operands to 11 bits (2^-11 relative a product, partly cancelling over N =
+    2100 and V = 20011 terms: ~5e-4 of the largest gradient measured); 3e-3 against float64,
+    2e-3 between the two forms."""
+    from kgen.families.linear_logp import backward_launch
+
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        h, w, b, t = _inputs(2100, 20011, 1024, torch.float32, seed=12)
+        monkeypatch.setattr(backward_launch, "WORKSPACE_BYTES", 8 << 20)
+        runs = {}
+        for ht in (True, False, True):
+            monkeypatch.setattr(backward_launch, "HT_COPY", ht)
+            plan = backward_launch.backward_plan(llp.op._module(h.device, h.dtype), h, w, b)
+            assert (plan.ht_from < 20011) == ht and len(plan.chunks) > 1
+            leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+            logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.9, return_entropy=True)
+            (logp.sum() - 0.3 * ent.sum()).backward()
+            runs.setdefault(ht, []).append([x.grad for x in leaves])
+        ref = [x.double().requires_grad_() for x in (h, w, b)]
+        lp, en = llp.reference(ref[0], ref[1], t, ref[2], temperature=0.9, compute=torch.float64)
+        (lp.sum() - 0.3 * en.sum()).backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    first, again = runs[True]
+    for name, a, a2, c, r in zip(("hidden", "weight", "bias"), first, again, runs[False][0], ref):
+        assert torch.equal(a, a2), name
+        scale = r.grad.abs().max().item()
+        assert (a.double() - r.grad).abs().max().item() <= 3e-3 * scale, name
+        assert (a - c).abs().max().item() <= 2e-3 * scale, name
+
+
 @pytest.mark.parametrize("N", [300, 8])
 def test_float32_backward_in_a_fresh_autograd_thread(N):
     """A fresh process's first float32 backward (TF32 off) on an sm_90+ GPU: at N = 300 its

@@ -101,6 +101,14 @@ PLANS_MAX = 256  # plans kept; the cache starts over when full
 # torch.compile's), gradients against float64 and the cuBLAS dH in the GPU tests
 # (BENCHMARKS.md, forty-fifth session).
 DH_TRITON = True
+# Module switch: True lets float32 with TF32 on take dW from a transposed copy of hidden
+# (backward_plan's ht_from): cuBLAS's TF32 GEMMs want the reduction dimension contiguous in
+# their second operand, and grad_weight = dz^T @ hidden reads hidden along N. On an H200,
+# per chunk (N x chunk x D): 267 -> 173 us at 4096 x 3584 x 2048, 513 -> 368 at 1024 x 14336
+# x 4096, 529 -> 343 at 8192 x 1792 x 4096 (the forward-layout GEMM: 170 / 356 / 356;
+# BENCHMARKS.md, forty-fifth session). The copy lives in grad_weight's last rows, not yet
+# written: no memory; the chunks over those rows read hidden itself.
+HT_COPY = True
 _PLANS: dict = {}
 
 
@@ -123,6 +131,8 @@ class BackwardPlan(NamedTuple):
     common: dict  # the Triton dz kernel's tile and precision constants
     one_chunk: bool  # one workspace chunk of all of V, no float32 sums: backward's short path
     dh_cols: int  # float32, TF32 off: columns of the transposed weight copy for the Triton dH kernel (0: cuBLAS)
+    ht_from: int  # float32, TF32 on: grad_weight row where hidden's transposed copy starts (V: none)
+    ht_ld: int  # that copy's row stride: N rounded up to 16 bytes
 
 
 def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = None,
@@ -142,7 +152,7 @@ def backward_plan(mod, hidden, weight, bias, workspace_bytes: Optional[int] = No
         return _make_plan(mod, hidden, weight, bias, prec, workspace_bytes, accumulator_bytes)
     key = (id(mod), N, D, weight.shape[0], dtype, hidden.device, bias is None,
            (hidden.data_ptr() | weight.data_ptr()) % 16 == 0, prec, workspace_bytes, accumulator_bytes,
-           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP, DH_TRITON, plans.TMA)
+           IN_PLACE, cuda_variant.CUDA_DZ, cuda_variant.CUDA_DZ_MAX_FLOP, DH_TRITON, HT_COPY, plans.TMA)
     plan = _PLANS.get(key)
     if plan is None or plan.impl is not mod:
         if len(_PLANS) >= PLANS_MAX:
@@ -181,8 +191,18 @@ def _make_plan(impl, hidden, weight, bias, prec: str, workspace_bytes: int, accu
     chunks = chunk_schedule(N, D, V, esize, granule, chunk, acc.alias_from, bpart_rows,
                             in_place=IN_PLACE and acc.home != "rows")
     one_chunk = not dh and acc.home in ("output", "direct") and [tuple(c) for c in chunks] == [(0, V, None)]
+    # float32, TF32 on, several chunks: hidden transposed ([D, ht_ld], D * ht_ld elements:
+    # ht_ld rows of D) into grad_weight's last rows from ht_from (a granule edge), where
+    # in-place chunks stop; the chunks below it take dW from the copy
+    ht_ld = _cdiv(N, 4) * 4
+    ht_from = (V - ht_ld) // granule * granule
+    if HT_COPY and prec == "tf32" and acc.home == "output" and not one_chunk and ht_from >= granule:
+        chunks = chunk_schedule(N, D, V, esize, granule, chunk, ht_from, bpart_rows, in_place=IN_PLACE)
+    else:
+        ht_from = V
     return BackwardPlan(impl, mod, cuda, acc, chunk, space, rows_view, tiles_n, tuple(chunks),
-                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk, chunk if dh else 0)
+                        dict(PRECISION=prec, GROUP=GROUP, **_tiles(mod)), one_chunk, chunk if dh else 0,
+                        ht_from, ht_ld)
 
 
 def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy,
@@ -295,10 +315,18 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
         if write_bpart:
             grad_b[v0:v1] = bpart[:, :v1 - v0].sum(0)
 
+    if p.ht_from < V:  # hidden transposed, in grad_weight's rows [ht_from, ...) (backward_plan)
+        at = p.ht_from * D
+        ht = grad_w.view(-1)[at:at + D * p.ht_ld].view(D, p.ht_ld)[:, :N]
+        ht.copy_(hidden.T)
+        h_dw = ht.T
+    else:
+        h_dw = hidden
+
     def dw_pass(v0, v1, dz=dz):
         # (no views where the chunk is all of dz's columns or of the vocabulary)
         a = dz if v1 - v0 == dz.shape[1] else dz[:, :v1 - v0]
-        torch.mm(a.T, hidden, out=grad_w if v1 - v0 == V else grad_w[v0:v1])
+        torch.mm(a.T, h_dw if v1 <= p.ht_from else hidden, out=grad_w if v1 - v0 == V else grad_w[v0:v1])
 
     wt = launch._empty((D, p.dh_cols), dtype, dev) if p.dh_cols else None
 
