@@ -11,8 +11,9 @@ each chunk [v0, v1):
               output element written once in the output dtype;
   dH:         acc += dz @ weight[v0:v1] into float32 sums of grad_hidden; grad_hidden is
               written in its dtype after the last chunk.
-  dW and dH are cuBLAS GEMMs through torch (dH with addmm's float32 out_dtype), float32
-  with TF32 off too: there cuBLAS's float32 GEMM (no tensor cores, ~50 TFLOP/s on an H200)
+  dW and dH are cuBLAS GEMMs through torch (dH with addmm's float32 out_dtype; float32 with
+  TF32 on takes dW's hidden from a transposed copy in grad_weight's last rows, HT_COPY),
+  float32 with TF32 off too: there cuBLAS's float32 GEMM (no tensor cores, ~50 TFLOP/s on an H200)
   ran 1.4-1.7x faster than Triton "tf32x3" kernels did at large sizes (BENCHMARKS.md,
   forty-fourth session): dz^T and weight[v0:v1] reach a GEMM with their reduction dimension
   strided, and TF32 tensor-core products read only K-contiguous operands from shared
