@@ -50,3 +50,20 @@ def pytest_sessionfinish(session, exitstatus):
 
 requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None and not os.environ.get("KGEN_NVCC"),
                                    reason="nvcc not installed")
+
+
+@pytest.fixture
+def tf32():
+    """`tf32(on)` sets torch.backends.cuda.matmul.allow_tf32 for the test and restores it
+    after (monkeypatch cannot: the attribute is served by the module's __getattr__, so its
+    undo deletes instead of resetting)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+
+    def set_tf32(on: bool) -> None:
+        matmul.allow_tf32 = on
+
+    yield set_tf32
+    matmul.allow_tf32 = saved

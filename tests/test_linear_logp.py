@@ -491,7 +491,7 @@ def test_float32_backward_chunks(monkeypatch):
             torch.testing.assert_close(b, a, rtol=2e-6, atol=2e-6, msg=f"{name} {i}")
 
 
-def test_float32_tf32_dw_from_transposed_hidden(monkeypatch):
+def test_float32_tf32_dw_from_transposed_hidden(monkeypatch, tf32):
     """float32 with TF32 on over several chunks (some in grad_weight's unwritten rows):
     grad_weight's GEMMs read a transposed copy of hidden kept in grad_weight's last rows
     (backward_launch.HT_COPY, backward_plan's ht_from), the chunks over those rows hidden
@@ -501,15 +501,7 @@ def test_float32_tf32_dw_from_transposed_hidden(monkeypatch):
         return torch.full(shape, float("nan") if dtype_.is_floating_point else 1 << 30, dtype=dtype_, device=device)
 
     monkeypatch.setattr(launch, "_empty", poisoned)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True  # (a module attribute monkeypatch cannot undo)
-    try:
-        _dw_from_transposed_hidden(monkeypatch)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def _dw_from_transposed_hidden(monkeypatch):
+    tf32(True)
     args = backward_args(variant(), 7, torch.float32, seed=5)
     V = args[2].shape[0]
     got = []
@@ -571,23 +563,15 @@ def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
     check_against_reference(variant(SPLIT_V=64), *make_inputs(7, 257, 40, dtype=dtype))
 
 
-def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch):
+def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch, tf32):
     """With TF32 allowed, float32 inputs take the target logit from the forward's own tile
     (partials plane 2, written: buffers start as NaN) rather than the combine's float32
     gather-dot, which would not match TF32 logits. (The interpreter's dots are float32.)"""
-    # Saved and restored by hand: the flag lives in torch's C++ state behind __getattr__ /
-    # __setattr__, and monkeypatch (pytest 9.2) undoes a name absent from the instance's
-    # __dict__ by deleting it, which fails at teardown.
-    matmul = torch.backends.cuda.matmul
-    allowed = matmul.allow_tf32
-    matmul.allow_tf32 = True
-    try:
-        assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
-        assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
-        monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
-        check_against_reference(variant(), *make_inputs(33, 257, 40))
-    finally:
-        matmul.allow_tf32 = allowed
+    tf32(True)
+    assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
+    assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
+    check_against_reference(variant(), *make_inputs(33, 257, 40))
 
 
 def count_kept(monkeypatch) -> list:

@@ -377,13 +377,16 @@ def test_gpu_fast_path_bitwise_no_wait_and_graph(bias):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,entropy,bias", [(1, True, True), (7, False, False), (100, True, False)])
-def test_gpu_fast_path_float32_few_rows(monkeypatch, N, entropy, bias):
+def test_gpu_fast_path_float32_few_rows(monkeypatch, tf32, N, entropy, bias):
     """float32 with TF32 off at a few rows (launch.logits_path: the cuBLAS logits, then two
     Triton launches forward and one backward, which the fast path replays, kept.FewRows): each call's outputs and
     gradients equal the general path's bit for bit, every buffer poisoned first, across
     temperatures and ignore_index values (1 is one Triton specialises on: a replay per
     value) and under CUDA graph capture; the replay served the later calls. (N = 100: past
     F32_LOGITS_MAX_ROWS, within F32_LOGITS_MAX_ELEMS at this V.)"""
+    from kgen.runtime import triton_launch
+
+    tf32(False)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(N)
     D, V = 264, 3001
@@ -396,18 +399,6 @@ def test_gpu_fast_path_float32_few_rows(monkeypatch, N, entropy, bias):
     leaves = [x.clone().requires_grad_() if x is not None else None for x in (h, w, b)]
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(
         shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # (a module attribute monkeypatch cannot undo)
-    try:
-        _few_rows_calls(monkeypatch, N, D, V, entropy, h, w, t, leaves, g, g_logp, g_ent)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def _few_rows_calls(monkeypatch, N, D, V, entropy, h, w, t, leaves, g, g_logp, g_ent):
-    from kgen.runtime import triton_launch
-
-    dev = h.device
 
     def run(temperature, ignore_index):
         for x in leaves:

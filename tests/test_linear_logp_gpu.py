@@ -197,7 +197,7 @@ def check_graph_replay(context, dtype, N: int = 129):
         torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_float32_triton_dh_against_cublas_and_float64(monkeypatch):
+def test_float32_triton_dh_against_cublas_and_float64(monkeypatch, tf32):
     """float32 with TF32 off where backward_plan takes the Triton dH kernel (DH_TRITON on; its
     grid fills the GPU; the workspace budget small enough for many chunks, the first ones
     wider than it: dH in pieces): gradients against float64 and against the cuBLAS dH, and
@@ -206,50 +206,47 @@ def test_float32_triton_dh_against_cublas_and_float64(monkeypatch):
     gradient; 1e-5."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the Triton dH kernel reads its tiles by TMA (sm_90+)")
-    _float32_backward_forms(monkeypatch, "DH_TRITON", False, 11, lambda plan: bool(plan.dh_cols), 1e-5, 1e-5,
+    tf32(False)
+    _float32_backward_forms(monkeypatch, "DH_TRITON", 11, lambda plan: bool(plan.dh_cols), 1e-5, 1e-5,
                             skip="the dH grid (136 programs) is below this GPU's SM count")
 
 
-def test_float32_tf32_dw_from_transposed_hidden(monkeypatch):
+def test_float32_tf32_dw_from_transposed_hidden(monkeypatch, tf32):
     """float32 with TF32 on over several chunks: grad_weight's GEMMs read hidden's transposed
     copy in grad_weight's last rows (backward_launch.HT_COPY): gradients against float64
     and against the backward without the copy, bit for bit run to run. Bounds: TF32 rounds
     the GEMMs' operands to 11 bits (2^-11 relative a product, partly cancelling over N =
     2100 and V = 20011 terms: ~5e-4 of the largest gradient measured); 3e-3 against float64,
     2e-3 between the two forms."""
-    _float32_backward_forms(monkeypatch, "HT_COPY", True, 12, lambda plan: plan.ht_from < 20011, 3e-3, 2e-3)
+    tf32(True)
+    _float32_backward_forms(monkeypatch, "HT_COPY", 12, lambda plan: plan.ht_from < 20011, 3e-3, 2e-3)
 
 
-def _float32_backward_forms(monkeypatch, switch: str, tf32: bool, seed: int, takes, to_float64: float,
-                            between: float, skip: str = ""):
+def _float32_backward_forms(monkeypatch, switch: str, seed: int, takes, to_float64: float, between: float,
+                            skip: str = ""):
     """A float32 training step at 2100 x 1024 x 20011 over several chunks (an 8 MiB
-    workspace) with backward_launch.<switch> on, off and on again (TF32 as `tf32`; `takes(plan)`:
-    whether the plan runs the switched form; `skip`: skip where it does not, else assert):
-    gradients within to_float64 (of the largest) of float64, within `between` of the other
-    form, and bit for bit run to run."""
+    workspace) with backward_launch.<switch> on, off and on again (TF32 as the caller set
+    it; `takes(plan)`: whether the plan runs the switched form; `skip`: skip where it does
+    not, else assert): gradients within to_float64 (of the largest) of float64, within
+    `between` of the other form, and bit for bit run to run."""
     from kgen.families.linear_logp import backward_launch
 
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32  # (a module attribute monkeypatch cannot undo)
-    try:
-        h, w, b, t = _inputs(2100, 20011, 1024, torch.float32, seed=seed)
-        monkeypatch.setattr(backward_launch, "WORKSPACE_BYTES", 8 << 20)
-        runs = {}
-        for on in (True, False, True):
-            monkeypatch.setattr(backward_launch, switch, on)
-            plan = backward_launch.backward_plan(llp.op._module(h.device, h.dtype), h, w, b)
-            if on and skip and not takes(plan):
-                pytest.skip(skip)
-            assert takes(plan) == on and len(plan.chunks) > 1
-            leaves = [x.clone().requires_grad_() for x in (h, w, b)]
-            logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.9, return_entropy=True)
-            (logp.sum() - 0.3 * ent.sum()).backward()
-            runs.setdefault(on, []).append([x.grad for x in leaves])
-        ref = [x.double().requires_grad_() for x in (h, w, b)]
-        lp, en = llp.reference(ref[0], ref[1], t, ref[2], temperature=0.9, compute=torch.float64)
-        (lp.sum() - 0.3 * en.sum()).backward()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+    h, w, b, t = _inputs(2100, 20011, 1024, torch.float32, seed=seed)
+    monkeypatch.setattr(backward_launch, "WORKSPACE_BYTES", 8 << 20)
+    runs = {}
+    for on in (True, False, True):
+        monkeypatch.setattr(backward_launch, switch, on)
+        plan = backward_launch.backward_plan(llp.op._module(h.device, h.dtype), h, w, b)
+        if on and skip and not takes(plan):
+            pytest.skip(skip)
+        assert takes(plan) == on and len(plan.chunks) > 1
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.9, return_entropy=True)
+        (logp.sum() - 0.3 * ent.sum()).backward()
+        runs.setdefault(on, []).append([x.grad for x in leaves])
+    ref = [x.double().requires_grad_() for x in (h, w, b)]
+    lp, en = llp.reference(ref[0], ref[1], t, ref[2], temperature=0.9, compute=torch.float64)
+    (lp.sum() - 0.3 * en.sum()).backward()
     first, again = runs[True]
     for name, a, a2, c, r in zip(("hidden", "weight", "bias"), first, again, runs[False][0], ref):
         assert torch.equal(a, a2), name
