@@ -249,8 +249,9 @@ def test_exact_variants_compile_without_stack_or_spills():
     runs them), compile ahead of time for sm_90 (in a process that does not interpret Triton:
     the interpreter does not check what Triton's compiler does, e.g. a loop-carried tile's
     shape) with no spills, within sm_90's 227 KB of shared memory, and (the shipped ones)
-    no stack; float32: both kernels (TF32 on; off, "tf32x3", which splits every operand). The
-    unrolled kernels before had 255 registers and 336-1712 B stacks."""
+    no stack; float32: both kernels (TF32 on; off, "tf32x3", which splits every operand) and the
+    TF32-rounded weight copies launched first. The unrolled kernels before had 255 registers
+    and 336-1712 B stacks."""
     import json
     import os
     import subprocess
@@ -264,12 +265,17 @@ def test_exact_variants_compile_without_stack_or_spills():
     assert r.returncode == 0, r.stdout + r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     pads = [row for row in rows if row["kernel"] == "pad_rows_kernel"]
-    rows = [row for row in rows if row["kernel"] != "pad_rows_kernel"]
+    copies = [row for row in rows if row["kernel"] == "tf32_weights_kernel"]
+    rows = [row for row in rows if row["kernel"] not in ("pad_rows_kernel", "tf32_weights_kernel")]
     # the weight pads: the shipped top-MLP variants reading a 368-wide copy of W0 (all but m128)
     assert {row["name"] for row in pads if row["name"] in exact} == {
         n for n in exact if n.startswith("triton_367x") and SPEC.variant(n).params["align"]}
     assert all(row["local"] == 0 and row["stack"] == 0 for row in pads), pads
     f32 = [n for n in exact if n.endswith("_f32")]
+    # float32's TF32-rounded weight copies (every float32 variant; the PLAN_CASES are float32)
+    assert sorted(row["name"] for row in copies if row["name"] in exact) == sorted(f32)
+    assert len(copies) == len(f32) + len(PLAN_CASES)
+    assert all(row["local"] == 0 and row["stack"] == 0 for row in copies), copies
     assert len(rows) == len(exact) + len(f32) + 2 * len(PLAN_CASES), rows
     assert {(row["name"], row["precision"]) for row in rows} >= {(n, p) for n in f32 for p in ("tf32", "tf32x3")}
     for row in rows:  # a user's plans at 16-row tiles may keep a few bytes of stack (8 B seen)
@@ -1005,6 +1011,9 @@ def _faked(name):
         ns["WEIGHT_STRIDES"] = real.WEIGHT_STRIDES
         fakes["pad_rows_kernel"] = FakeTriton(real.pad_rows_kernel.fn)
         ns["pad_rows_kernel"] = fakes["pad_rows_kernel"].jit
+    if hasattr(real, "tf32_weights_kernel"):  # float32: the TF32-rounded weights
+        fakes["tf32_weights_kernel"] = FakeTriton(real.tf32_weights_kernel.fn)
+        ns["tf32_weights_kernel"] = fakes["tf32_weights_kernel"].jit
     return SimpleNamespace(**ns), fakes
 
 
@@ -1018,6 +1027,9 @@ FAST_CASES = [  # variant, widths, biases, TF32, activations
     ("triton_13x512x256x64x16_m64_k64_w8_f32", (13, 512, 256, 64, 16), [True, False, True, False], False,
      ("gelu", "none")),
     ("triton_mw4096_m32_k64_w4_bf16", (13, 100, 37, 5), [False, True, True], True, ("silu", "relu")),  # scratch
+    # float32 with TF32 on: every weight from its TF32-rounded copy, made by one launch first
+    ("triton_367x512x256x1_m64_k64_w8_f32", (367, 512, 256, 1), True, True, ("relu", "sigmoid")),
+    ("triton_mw4096_m32_k64_w4_f32", (13, 100, 37, 5), [False, True, True], True, ("silu", "relu")),
 ]
 
 
@@ -1070,13 +1082,19 @@ def _fast_path_case(monkeypatch, name, widths, bias, tf32, acts):
     scratch = [i for i, a in enumerate(general[5]) if isinstance(a, torch.Tensor) and i > 1
                and a.data_ptr() not in {t.data_ptr() for t in (x, *ws, *(b for b in bs if b is not None))}]
     padded = [i for i, w in enumerate(ws) if mod.EXACT and mod.WEIGHT_STRIDES[i] != w.shape[1]]
-    assert padded == ([0] if widths[0] == 367 else [])  # W0's 734-byte rows: a 368-wide copy
-    assert bool(scratch) == (kname.endswith("x3") or not mod.EXACT or bool(padded))
+    assert padded == ([0] if widths[0] == 367 else [])  # W0's rows not whole 16-byte vectors: a 368-wide copy
+    rounded = tf32 and name.endswith("_f32")  # every weight from a TF32-rounded copy in the scratch
+    assert bool(scratch) == (kname.endswith("x3") or not mod.EXACT or bool(padded) or rounded)
     for i in scratch:
         assert args[i] - args[scratch[0]] == want[i] - want[scratch[0]]
-    for i in padded:  # pad_rows replayed first: this call's weight into this call's scratch
+    for i in [] if rounded else padded:  # pad_rows replayed first: this call's weight into this call's scratch
         pad = fakes["pad_rows_kernel"].launches[-1]
         assert pad[0] == "direct" and pad[5][:2] == (ws[i].data_ptr(), args[4 + 3 * i])
+    if rounded:  # tf32_weights replayed first: this call's weights into this call's scratch, in pairs
+        t = fakes["tf32_weights_kernel"].launches[-1]
+        w_at = [(4 if mod.EXACT else 2) + 3 * i for i in range(len(ws))]  # the forward's weight arguments
+        assert t[0] == "direct" and all(a in scratch for a in w_at)
+        assert t[5][:2 * len(ws)] == tuple(v for w, a in zip(ws, w_at) for v in (w.data_ptr(), args[a]))
     same = [i for i in range(len(args)) if i != 1 and i not in scratch]
     assert [args[i] for i in same] == [want[i] for i in same]
     assert all(type(a) is not torch.Tensor for a in args)

@@ -582,3 +582,64 @@ def test_gpu_fused_backward_reproducible_at_large_b(widths, acts, option):
     for a, b in zip(first[1 + L:], lean_b):
         # the same float32 column sums of the same dz in another order, rounded once
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2 * float(b.float().abs().max()))
+
+
+def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the nearest TF32 value (10 explicit mantissa bits), ties away from zero, in
+    float64 arithmetic: cvt.rna.tf32.f32's rounding (and cuBLAS's for TF32 operands)."""
+    d = x.double()
+    m, e = torch.frexp(d)  # |m| in [0.5, 1): 11 significant bits are m * 2^11
+    q = torch.ldexp(torch.ones_like(d), (e - 11).clamp(min=-136))  # TF32's subnormal step: 2^-136
+    r = torch.copysign(torch.floor(d.abs() / q + 0.5) * q, d)  # (-0.0 stays -0.0)
+    r = torch.where(r.abs() > 3.4028234663852886e38, torch.copysign(torch.full_like(d, torch.inf), d), r)
+    return torch.where(torch.isfinite(d), r, d).float()
+
+
+def test_tf32_operands_rounded_to_nearest(tf32):
+    """With TF32 on, the float32 Triton kernels round each dot operand to the nearest TF32
+    value (ties away from zero, as cvt.rna and cuBLAS) instead of letting the tensor cores
+    truncate it: truncation biased every product by -7e-4 relative (H200, forty-sixth session)
+    and put fused_mlp's TF32 gradients 2-7x further from float64 than eager's. Both copies of
+    the rounding -- the backward kernels' `_tf32_round` and the float32 forward modules'
+    `tf32_round` (templates/common/triton_tf32.py.j2) -- against a float64 rounding of ties,
+    near-ties, the largest float32 (to inf), subnormals, +-0, inf and NaN; and a float32
+    forward with TF32 on equals the float64 product of the rounded operands (the interpreter
+    multiplies in float32)."""
+    import triton
+    import triton.language as tl
+    from kgen.families.fused_mlp import fused_backward_kernels as fbk
+
+    (v,) = [v for v in dispatch.shipped_spec("fused_mlp").variants
+            if v.backend == "triton" and v.dtype == "float32" and v.name.startswith("triton_mw4096_m32")]
+    rounders = {"backward": fbk._tf32_round, "forward": dispatch.load(v).module.tf32_round}
+
+    bits = torch.tensor([0x3F800FFF, 0x3F801000, 0x3F801001, 0xBF801000, 0x3F803000, 0x3F9FF000, 0x7F7FFFFF,
+                         0x7F7FE000, 0x00000001, 0x00001000, 0x00800FFF, 0x80000000, 0x00000000, 0x7F800000,
+                         0xFF800000, 0x7FC00000, 0x7FFFF000], dtype=torch.int64).to(torch.int32)
+    special = bits.view(torch.float32)
+    x = torch.cat([special, torch.randn(4000) * torch.exp2(torch.randint(-60, 60, (4000,)).float())])
+    want = _tf32_nearest(x)
+    for name, fn in rounders.items():
+        @triton.jit
+        def _round(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+            i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(y_ptr + i, ROUND(tl.load(x_ptr + i, mask=i < n)), mask=i < n)
+
+        _round.fn.__globals__["ROUND"] = fn
+        y = torch.full_like(x, 7.0)
+        _round[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+        nan = torch.isnan(want)
+        assert torch.isnan(y[nan]).all(), name
+        assert torch.equal(y[~nan].view(torch.int32), want[~nan].view(torch.int32)), (
+            name, x[~nan][y[~nan] != want[~nan]][:8], y[~nan][y[~nan] != want[~nan]][:8])
+
+    # applied: one layer, TF32 on, the generic float32 variant (awkward widths: masked tiles)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(37, 100, generator=g), torch.randn(53, 100, generator=g) / 10
+    exact = x.double() @ w.double().T
+    rounded = _tf32_nearest(x).double() @ _tf32_nearest(w).double().T
+    scale = float(exact.abs().max())
+    tf32(True)
+    out, _ = fm.forward(dispatch.load(v).module, x, [w], [None], "none", "none")
+    assert float((out.double() - rounded).abs().max()) < 1e-6 * scale  # float32 sums of the rounded products
+    assert float((exact - rounded).abs().max()) > 1e-4 * scale  # (the rounding is visible at that bound)

@@ -75,7 +75,7 @@ MAX_LAYERS = 8
 
 SCRATCH_WIDTH = 0
 # each layer's weight row stride (schema.weight_strides): a weight whose rows are shorter
-# is read from a zero-padded copy pad_rows_kernel makes each call (launch._exact_scratch;
+# is read from a zero-padded copy pad_rows_kernel makes each call (launch._scratch;
 # its grid and constexprs: schema.pad_launch)
 WEIGHT_STRIDES = [368, 512, 256]
 

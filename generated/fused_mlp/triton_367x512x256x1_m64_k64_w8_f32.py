@@ -50,6 +50,56 @@ def activate(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def tf32_round(x):
+    # float32 -> the nearest TF32 value, ties away from zero (cvt.rna.tf32.f32's rounding, as
+    # cuBLAS rounds its TF32 operands): half a TF32 ulp added to the magnitude's bits, then the
+    # 13 low mantissa bits cleared. The tensor cores would truncate them instead: products
+    # biased by -7e-4 relative and 2.6x cuBLAS's rms error (H200, BENCHMARKS.md forty-sixth
+    # session), which compounds through a chain of layers. A NaN is kept as it is (the add
+    # could carry its payload into the sign); past TF32's largest value it gives inf, as cvt.rna.
+    r = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, r, x)
+
+
+@triton.jit
+def tf32_operand(a, PRECISION: tl.constexpr):
+    # a dot's activation operand, TF32-rounded where PRECISION is "tf32" ("tf32x3" splits it
+    # into a TF32 high part and the exact rest itself)
+    if PRECISION == "tf32":
+        a = tf32_round(a)
+    return a
+
+
+@triton.jit
+def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # rows n of src [N, K] to dst [N, KS], rounded, zero columns K..KS-1
+    for k0 in tl.range(0, KS, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(src + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        tl.store(dst + n[:, None] * KS + k[None, :], tf32_round(v), mask=(n[:, None] < N) & (k[None, :] < KS))
+
+
+@triton.jit
+def tf32_weights_kernel(
+        w0_ptr, d0_ptr,
+        w1_ptr, d1_ptr,
+        w2_ptr, d2_ptr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Float32 with TF32 on, launched before the forward (launch._plan): every weight w<i> [N, K]
+    # copied to d<i> [N, KS], rounded (tf32_round, as cuBLAS rounds its operands; the forward's
+    # tiles of it go to the tensor cores as they are), zero columns K..KS-1, where KS is
+    # the layer's WEIGHT_STRIDES entry. Grid: (row blocks of the tallest weight, layers).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    layer = tl.program_id(1)
+    if layer == 0:
+        _tf32_copy(w0_ptr, d0_ptr, n, 512, 367, 368, BLOCK_K)
+    if layer == 1:
+        _tf32_copy(w1_ptr, d1_ptr, n, 256, 512, 512, BLOCK_K)
+    if layer == 2:
+        _tf32_copy(w2_ptr, d2_ptr, n, 1, 256, 256, BLOCK_K)
+
+
+@triton.jit
 def activate_runtime(z, code):
     # `code` is a runtime value: one uniform branch per tile, and one compile for every
     # activation (a constexpr code made each activation pair a 15-25 s JIT compile)
@@ -75,7 +125,7 @@ MAX_LAYERS = 8
 
 SCRATCH_WIDTH = 512
 # each layer's weight row stride (schema.weight_strides): a weight whose rows are shorter
-# is read from a zero-padded copy pad_rows_kernel makes each call (launch._exact_scratch;
+# is read from a zero-padded copy pad_rows_kernel makes each call (launch._scratch;
 # its grid and constexprs: schema.pad_launch)
 WEIGHT_STRIDES = [368, 512, 256]
 
@@ -115,7 +165,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
             kc0 = k0 + tl.arange(0, 64)
             a0 = tl.load(x_ptr + rows[:, None] * 367 + kc0[None, :], mask=rmask[:, None] & (kc0[None, :] < 367), other=0.0)
             w0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0[:, None], mask=(kc0[:, None] < 368), other=0.0)
-            acc0 = tl.dot(a0, w0, acc0, input_precision=PRECISION)
+            acc0 = tl.dot(tf32_operand(a0, PRECISION), w0, acc0, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc0 += tl.load(b0_ptr + nc0).to(tl.float32)[None, :]
         z0 = acc0.to(DTYPE)
@@ -125,7 +175,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
         hc0 = activate_runtime(z0.to(tl.float32), act).to(DTYPE)
 
         w1 = tl.load(w1_ptr + nc1[None, :] * 512 + nc0[:, None])
-        acc1 = tl.dot(hc0, w1, acc1, input_precision=PRECISION)
+        acc1 = tl.dot(tf32_operand(hc0, PRECISION), w1, acc1, input_precision=PRECISION)
     # layer 1's epilogue, on its whole accumulator
     if (bias_mask >> 1) & 1:
         acc1 += tl.load(b1_ptr + nc1).to(tl.float32)[None, :]
@@ -139,7 +189,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
     kc2 = tl.arange(0, 256)
     nc2 = tl.arange(0, 16)
     w2 = tl.load(w2_ptr + nc2[None, :] * 256 + kc2[:, None], mask=(nc2[None, :] < 1), other=0.0)
-    acc2 = tl.dot(h2, w2, input_precision=PRECISION)
+    acc2 = tl.dot(tf32_operand(h2, PRECISION), w2, input_precision=PRECISION)
     if (bias_mask >> 2) & 1:
         acc2 += tl.load(b2_ptr + nc2, mask=nc2 < 1, other=0.0).to(tl.float32)[None, :]
     z2 = acc2.to(DTYPE)
@@ -168,7 +218,7 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
             kc0 = k0 + tl.arange(0, 32)
             a0 = tl.load(x_ptr + rows[:, None] * 367 + kc0[None, :], mask=rmask[:, None] & (kc0[None, :] < 367), other=0.0)
             w0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0[:, None], mask=(kc0[:, None] < 368), other=0.0)
-            acc0 = tl.dot(a0, w0, acc0, input_precision=PRECISION)
+            acc0 = tl.dot(tf32_operand(a0, PRECISION), w0, acc0, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc0 += tl.load(b0_ptr + nc0).to(tl.float32)[None, :]
         z0 = acc0.to(DTYPE)
@@ -190,7 +240,7 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
             kc1 = k0 + tl.arange(0, 32)
             a1 = tl.load(s0_ptr + rows[:, None] * 512 + kc1[None, :], mask=rmask[:, None], other=0.0)
             w1 = tl.load(w1_ptr + nc1[None, :] * 512 + kc1[:, None])
-            acc1 = tl.dot(a1, w1, acc1, input_precision=PRECISION)
+            acc1 = tl.dot(tf32_operand(a1, PRECISION), w1, acc1, input_precision=PRECISION)
         if (bias_mask >> 1) & 1:
             acc1 += tl.load(b1_ptr + nc1).to(tl.float32)[None, :]
         z1 = acc1.to(DTYPE)
@@ -200,7 +250,7 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
         hc1 = activate_runtime(z1.to(tl.float32), act).to(DTYPE)
 
         w2 = tl.load(w2_ptr + nc2[None, :] * 256 + nc1[:, None], mask=(nc2[None, :] < 1), other=0.0)
-        acc2 = tl.dot(hc1, w2, acc2, input_precision=PRECISION)
+        acc2 = tl.dot(tf32_operand(hc1, PRECISION), w2, acc2, input_precision=PRECISION)
     # layer 2's epilogue, on its whole accumulator
     if (bias_mask >> 2) & 1:
         acc2 += tl.load(b2_ptr + nc2, mask=nc2 < 1, other=0.0).to(tl.float32)[None, :]

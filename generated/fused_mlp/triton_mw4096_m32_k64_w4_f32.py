@@ -48,6 +48,90 @@ def activate(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def tf32_round(x):
+    # float32 -> the nearest TF32 value, ties away from zero (cvt.rna.tf32.f32's rounding, as
+    # cuBLAS rounds its TF32 operands): half a TF32 ulp added to the magnitude's bits, then the
+    # 13 low mantissa bits cleared. The tensor cores would truncate them instead: products
+    # biased by -7e-4 relative and 2.6x cuBLAS's rms error (H200, BENCHMARKS.md forty-sixth
+    # session), which compounds through a chain of layers. A NaN is kept as it is (the add
+    # could carry its payload into the sign); past TF32's largest value it gives inf, as cvt.rna.
+    r = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, r, x)
+
+
+@triton.jit
+def tf32_operand(a, PRECISION: tl.constexpr):
+    # a dot's activation operand, TF32-rounded where PRECISION is "tf32" ("tf32x3" splits it
+    # into a TF32 high part and the exact rest itself)
+    if PRECISION == "tf32":
+        a = tf32_round(a)
+    return a
+
+
+@triton.jit
+def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr):
+    # rows n of src [N, K] to dst [N, KS], rounded, zero columns K..KS-1
+    for k0 in tl.range(0, KS, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(src + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        tl.store(dst + n[:, None] * KS + k[None, :], tf32_round(v), mask=(n[:, None] < N) & (k[None, :] < KS))
+
+
+@triton.jit
+def tf32_weights_kernel(
+        w0_ptr, d0_ptr,
+        w1_ptr, d1_ptr,
+        w2_ptr, d2_ptr,
+        w3_ptr, d3_ptr,
+        w4_ptr, d4_ptr,
+        w5_ptr, d5_ptr,
+        w6_ptr, d6_ptr,
+        w7_ptr, d7_ptr,
+        D0: tl.constexpr,
+        D1: tl.constexpr,
+        D2: tl.constexpr,
+        D3: tl.constexpr,
+        D4: tl.constexpr,
+        D5: tl.constexpr,
+        D6: tl.constexpr,
+        D7: tl.constexpr,
+        D8: tl.constexpr,
+        NUM_LAYERS: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Float32 with TF32 on, launched before the forward (launch._plan): every weight w<i> [N, K]
+    # copied to d<i> [N, KS], rounded (tf32_round, as cuBLAS rounds its operands; the forward's
+    # tiles of it go to the tensor cores as they are), zero columns K..KS-1, where KS is
+    # K (the generic kernel reads weights at their width). Grid: (row blocks of the tallest
+    # weight, layers).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    layer = tl.program_id(1)
+    if NUM_LAYERS > 0:
+        if layer == 0:
+            _tf32_copy(w0_ptr, d0_ptr, n, D1, D0, D0, BLOCK_K)
+    if NUM_LAYERS > 1:
+        if layer == 1:
+            _tf32_copy(w1_ptr, d1_ptr, n, D2, D1, D1, BLOCK_K)
+    if NUM_LAYERS > 2:
+        if layer == 2:
+            _tf32_copy(w2_ptr, d2_ptr, n, D3, D2, D2, BLOCK_K)
+    if NUM_LAYERS > 3:
+        if layer == 3:
+            _tf32_copy(w3_ptr, d3_ptr, n, D4, D3, D3, BLOCK_K)
+    if NUM_LAYERS > 4:
+        if layer == 4:
+            _tf32_copy(w4_ptr, d4_ptr, n, D5, D4, D4, BLOCK_K)
+    if NUM_LAYERS > 5:
+        if layer == 5:
+            _tf32_copy(w5_ptr, d5_ptr, n, D6, D5, D5, BLOCK_K)
+    if NUM_LAYERS > 6:
+        if layer == 6:
+            _tf32_copy(w6_ptr, d6_ptr, n, D7, D6, D6, BLOCK_K)
+    if NUM_LAYERS > 7:
+        if layer == 7:
+            _tf32_copy(w7_ptr, d7_ptr, n, D8, D7, D7, BLOCK_K)
+
+
+@triton.jit
 def activate_runtime(z, code):
     # `code` is a runtime value: one uniform branch per tile, and one compile for every
     # activation (a constexpr code made each activation pair a 15-25 s JIT compile)
@@ -110,7 +194,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             kmask = kc < D0
             h = tl.load(x_ptr + rows[:, None] * D0 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             w = tl.load(w0_ptr + nc[None, :] * D0 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(h, w, acc, input_precision=PRECISION)
+            acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc += tl.load(b0_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
         z = acc.to(DTYPE)
@@ -136,7 +220,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z0_ptr + rows[:, None] * D1 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w1_ptr + nc[None, :] * D1 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 1) & 1:
                 acc += tl.load(b1_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -162,7 +246,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z1_ptr + rows[:, None] * D2 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w2_ptr + nc[None, :] * D2 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 2) & 1:
                 acc += tl.load(b2_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -188,7 +272,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z2_ptr + rows[:, None] * D3 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w3_ptr + nc[None, :] * D3 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 3) & 1:
                 acc += tl.load(b3_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -214,7 +298,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z3_ptr + rows[:, None] * D4 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w4_ptr + nc[None, :] * D4 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 4) & 1:
                 acc += tl.load(b4_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -240,7 +324,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z4_ptr + rows[:, None] * D5 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w5_ptr + nc[None, :] * D5 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 5) & 1:
                 acc += tl.load(b5_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -266,7 +350,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z5_ptr + rows[:, None] * D6 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w6_ptr + nc[None, :] * D6 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 6) & 1:
                 acc += tl.load(b6_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -292,7 +376,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
                 h = tl.load(z6_ptr + rows[:, None] * D7 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
                 w = tl.load(w7_ptr + nc[None, :] * D7 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(h, w, acc, input_precision=PRECISION)
+                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 7) & 1:
                 acc += tl.load(b7_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)

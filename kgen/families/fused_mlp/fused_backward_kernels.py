@@ -27,7 +27,9 @@ that Triton specialises on), so there is nothing to render into generated/. The 
 decorated at import: a process that interprets Triton sets TRITON_INTERPRET before importing
 kgen (tests/conftest.py does). The activations repeat the forward's formulas
 (kgen/templates/common/triton_activations.py.j2, which a Python module cannot include),
-float32 in and out; `code` is a runtime value (one compile serves every activation).
+float32 in and out; `code` is a runtime value (one compile serves every activation). So does
+`_dot`, the templates' tf32_dot (kgen/templates/common/triton_tf32.py.j2): with TF32 on, float32
+operands rounded to the nearest TF32 value as cuBLAS rounds them, not truncated by the tensor cores.
 """
 
 from __future__ import annotations
@@ -41,6 +43,26 @@ _RELU = tl.constexpr(ACT_CODE["relu"])
 _SIGMOID = tl.constexpr(ACT_CODE["sigmoid"])
 _GELU = tl.constexpr(ACT_CODE["gelu"])
 _SILU = tl.constexpr(ACT_CODE["silu"])
+
+
+@triton.jit
+def _tf32_round(x):
+    """float32 -> the nearest TF32 value, ties away from zero (cvt.rna.tf32.f32, as cuBLAS):
+    half a TF32 ulp added to the magnitude's bits, the 13 low mantissa bits cleared; NaN kept."""
+    r = ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+    return tl.where(x == x, r, x)
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr):
+    """tl.dot(a, b, acc, input_precision=PRECISION), float32 operands rounded by _tf32_round
+    first where PRECISION is "tf32" (16-bit operands and "tf32x3" as they are)."""
+    if PRECISION == "tf32":
+        if a.dtype == tl.float32:
+            a = _tf32_round(a)
+        if b.dtype == tl.float32:
+            b = _tf32_round(b)
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -130,7 +152,7 @@ def _chain_gemm(src_ptr, w_ptr, z_ptr, dst_ptr, rows, rmask, code,
             nmask = nc < N
             a = tl.load(src_ptr + rows[:, None] * N + nc[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
             w = tl.load(w_ptr + nc[:, None] * WK + kc[None, :], mask=nmask[:, None] & (kc < WK)[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            acc = _dot(a, w, acc, PRECISION)
         g = acc.to(DTYPE)
         m = rmask[:, None] & kmask[None, :]
         at = rows[:, None] * K + kc[None, :]
@@ -200,7 +222,7 @@ def _dw_tile(t, src_ptr, d_ptr, out_ptr, r0, r1, code,
         h = tl.load(src_ptr + rr[:, None] * SK + k[None, :], mask=rm[:, None] & lmask[None, :], other=0.0)
         if H_ACT:
             h = _act(h.to(tl.float32), code).to(d_ptr.dtype.element_ty)
-        acc = tl.dot(tl.trans(a), h, acc, input_precision=PRECISION)
+        acc = _dot(tl.trans(a), h, acc, PRECISION)
     tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=nmask[:, None] & (k < K)[None, :])
 

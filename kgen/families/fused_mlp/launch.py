@@ -4,7 +4,10 @@ Forward (one launch, grid = cdiv(B, BLOCK_M) programs): each program owns BLOCK_
 x and runs every layer on them (templates/fused_mlp/triton.py.j2). An exact variant reads a
 large weight whose rows are not whole 16-byte vectors (DLRM top's 367-wide W0) at a rounded-up
 stride (WEIGHT_STRIDES), from a zero-padded copy that a pad_rows_kernel launch before the
-forward writes into the call's scratch (`_exact_scratch`). An exact variant keeps its
+forward writes into the call's scratch (`_scratch`). Float32 with TF32 on, every variant
+reads every weight from a TF32-rounded copy (cuBLAS's rounding; the tensor cores would
+truncate), all written by one tf32_weights_kernel launch before the forward into the same
+scratch, and the kernel rounds its activation operands itself. An exact variant keeps its
 activations on chip as its plan says (schema.plan: a wide hidden layer streamed chunk by
 chunk into the next layer's accumulator), with a B x width scratch pair only for layers too
 wide for that (SCRATCH_WIDTH; 0 for the DLRM MLPs but in float32's TF32-off kernel, which
@@ -31,7 +34,7 @@ import torch
 
 from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.reference import backward as torch_backward, backward_lean
-from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, pad_launch
+from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, pad_launch, tf32_weights_launch
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
 
@@ -70,7 +73,10 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     `forward` launches, in order, with its buffers allocated (the scratch: the one
     allocation whose views the launches take, if any: the hidden layers' rows, and the
     zero-padded copies of the weights the kernel reads at a wider stride (WEIGHT_STRIDES),
-    each made by a pad_rows launch before the forward's)."""
+    each made by a pad_rows launch before the forward's). Float32 with TF32 on: a copy of
+    every weight, TF32-rounded (and padded where the stride asks), all made by one
+    tf32_weights launch before the forward's (its tiles of them then carry cuBLAS's rounding,
+    not the tensor cores' truncation; the kernel rounds its activation operands itself)."""
     B, L = x.shape[0], len(weights)
     widths = [x.shape[1]] + [w.shape[0] for w in weights]
     if out is None:
@@ -84,25 +90,23 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     if B == 0:
         return out, zs, [], None
     args = [x, out]
-    scratch, launches = None, []  # (the generic kernel's scratch, below)
+    prec = precision(x.dtype)
+    tf32 = x.dtype == torch.float32 and prec == "tf32"
     if mod.EXACT:
         zbuf = zs if save else [None] * L
-        scratch, weights, launches = _exact_scratch(mod, x, weights)
+        scratch, weights, launches = _scratch(mod, x, weights, 2 * mod.SCRATCH_WIDTH, mod.WEIGHT_STRIDES, tf32)
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
             rows = B * mod.SCRATCH_WIDTH
             args += [scratch[:rows], scratch[rows: 2 * rows]]
         else:
             args += [x, x]
     else:
-        if save:
-            zbuf = zs
-        else:  # hidden layers' z in regions of one scratch, each only ever at one width
-            regions, rows = hidden_regions(widths)
-            zbuf = [None] * L
-            if rows:
-                scratch = torch.empty(B * rows, dtype=x.dtype, device=x.device)
-                for i, (at, w) in enumerate(regions):
-                    zbuf[i] = scratch[B * at: B * (at + w)]
+        # hidden layers' z (without `save`) in regions of the scratch, each only ever at one width
+        regions, rows = hidden_regions(widths) if not save else ([], 0)
+        scratch, weights, launches = _scratch(mod, x, weights, rows, widths[:-1], tf32)
+        zbuf = zs if save else [None] * L
+        for i, (at, w) in enumerate(regions):
+            zbuf[i] = scratch[B * at: B * (at + w)]
     bias_mask = 0
     n_slots = L if mod.EXACT else MAX_LAYERS
     for i in range(n_slots):
@@ -114,7 +118,7 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
             args += [x, x, x]
     # runtime flags (not constexprs: one compile per variant serves every choice)
     args += [B, bias_mask, ACT_CODE[activation], ACT_CODE[last_activation], int(save) | (int(keep_last) << 1)]
-    kw = dict(PRECISION=precision(x.dtype), BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
+    kw = dict(PRECISION=prec, BLOCK_M=mod.BLOCK_M, num_warps=mod.NUM_WARPS)
     if mod.EXACT:  # its loops' pipeline depth (Triton's default, 3, puts the 13-512-256-64-16
         # float32 variant's weight tiles past the 227 KB of shared memory)
         kw["num_stages"] = mod.NUM_STAGES
@@ -128,25 +132,34 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     return out, zs, launches, scratch
 
 
-def _exact_scratch(mod, x, weights):
-    """(the scratch or None, the weights as the exact kernel reads them, the launches that
-    make them): one allocation with the hidden rows first (2 x B x SCRATCH_WIDTH) and after
-    them, each 16-byte aligned, a zero-padded copy of every weight the kernel reads at a
-    wider stride than its width (WEIGHT_STRIDES), with the pad_rows launch that writes it."""
+def _scratch(mod, x, weights, rows: int, strides, tf32: bool):
+    """(the scratch or None, the weights as the kernel reads them, the launches that make
+    them): one allocation with `rows` x B hidden elements first and after them, each 16-byte
+    aligned, a copy of every weight the kernel reads from one -- with `tf32` all of them,
+    TF32-rounded at their `strides`, written by one tf32_weights launch; else those an exact
+    kernel reads at a wider stride than their width, zero-padded, one pad_rows launch each."""
     def up(n):  # to 64 elements: 16-byte aligned in any dtype
         return -(-n // 64) * 64
 
-    pads = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, mod.WEIGHT_STRIDES)) if w.shape[1] != s]
-    at = [up(2 * x.shape[0] * mod.SCRATCH_WIDTH)]
-    for _, n, s in pads:
+    copies = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, strides)) if tf32 or w.shape[1] != s]
+    at = [up(rows * x.shape[0])]
+    for _, n, s in copies:
         at.append(at[-1] + up(n * s))
     scratch = torch.empty(at[-1], dtype=x.dtype, device=x.device) if at[-1] else None
-    weights, launches = list(weights), []
-    for (i, n, s), a in zip(pads, at):
-        dst = scratch[a: a + n * s]
-        grid_, constexprs, opts = pad_launch(n, weights[i].shape[1], s)
-        launches.append((mod.pad_rows_kernel, grid_, [weights[i], dst], {**constexprs, **opts}))
-        weights[i] = dst
+    src, weights, launches = weights, list(weights), []
+    for (i, n, s), a in zip(copies, at):
+        weights[i] = scratch[a: a + n * s]
+    if tf32:
+        widths = (src[0].shape[1], *(w.shape[0] for w in src))
+        grid_, constexprs, opts = tf32_weights_launch(widths, mod.EXACT)
+        args = [t for pair in zip(src, weights) for t in pair]
+        if not mod.EXACT:  # (the generic kernel's unused layer slots)
+            args += [x, x] * (MAX_LAYERS - len(src))
+        launches.append((mod.tf32_weights_kernel, grid_, args, {**constexprs, **opts}))
+    else:
+        for i, n, s in copies:
+            grid_, constexprs, opts = pad_launch(n, src[i].shape[1], s)
+            launches.append((mod.pad_rows_kernel, grid_, [src[i], weights[i]], {**constexprs, **opts}))
     return scratch, weights, launches
 
 

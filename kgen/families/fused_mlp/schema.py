@@ -83,6 +83,23 @@ def pad_launch(n: int, k: int, stride: int) -> tuple[tuple[int], dict, dict]:
                                   "BLOCK_N": PAD_ROWS}, {"num_warps": PAD_WARPS}
 
 
+
+# tf32_weights_kernel (templates/fused_mlp/triton.py.j2): rows and columns a program's step, warps
+TF32_ROWS, TF32_COLS, TF32_WARPS = 8, 128, 4
+
+
+def tf32_weights_launch(widths: tuple[int, ...], exact: bool) -> tuple[tuple[int, int], dict, dict]:
+    """(grid, constexprs, options) of the tf32_weights_kernel launch that writes every
+    weight's TF32-rounded copy before a float32 forward with TF32 on (the forward's tensor-core
+    tiles of a weight then are cuBLAS's rounding of it, not the hardware's truncation): what
+    the op launches (launch._plan) and what `kgen build` compiles ahead of time (triton_aot).
+    An exact variant's copies are at its widths, a generic one's at the call's (constexprs)."""
+    L = len(widths) - 1
+    c = {"BLOCK_N": TF32_ROWS, "BLOCK_K": TF32_COLS}
+    if not exact:
+        c.update({f"D{i}": (widths[i] if i <= L else 1) for i in range(MAX_LAYERS + 1)}, NUM_LAYERS=L)
+    return (-(-max(widths[1:]) // TF32_ROWS), L), c, {"num_warps": TF32_WARPS}
+
 def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = REG_MAX,
          align: bool = True, block_n: int = 0) -> list[dict]:
     """How an exact variant runs its layers: a list of steps, each running one layer (or two,
@@ -259,7 +276,8 @@ def triton_aot(variant, mod) -> list:
     activations, biases and `save` are runtime arguments), for an exact variant at its
     widths (float32: its TF32 kernel and its "tf32x3" one), for a generic one at the DLRM
     bottom MLP's widths (when they fit its bound; float32: "tf32x3", what a call gets with
-    TF32 off, PyTorch's default, the heavier of the two)."""
+    TF32 off, PyTorch's default, the heavier of the two); and the copies launched before
+    (float32: the TF32 weights; exact: the weight pads)."""
     t = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[variant.dtype]
     exact = bool(variant.params["widths"])
     widths = tuple(variant.params["widths"]) or (13, 512, 256, 64, 16)
@@ -287,6 +305,10 @@ def triton_aot(variant, mod) -> list:
     for fn, prec in fns:
         c = dict(const, PRECISION=prec)
         out.append((fn, dict(sig, **{k: "constexpr" for k in c}), c, opts))
+    if variant.dtype == "float32":  # TF32 on: every weight's rounded copy, launched first (launch._plan)
+        _, c, tf32_opts = tf32_weights_launch(widths, exact)
+        tf32_sig = {f"{p}{i}_ptr": f"*{t}" for i in range(n_slots) for p in ("w", "d")}
+        out.append((mod.tf32_weights_kernel, {**tf32_sig, **{name: "constexpr" for name in c}}, c, tf32_opts))
     if exact:  # the weight pads a call launches first (launch._plan)
         for width, n, stride in zip(widths, widths[1:], mod.WEIGHT_STRIDES):
             if stride != width:
