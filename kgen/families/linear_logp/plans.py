@@ -45,7 +45,14 @@ def _precision(dtype: torch.dtype) -> str:
     low part, three tensor-core products), which keeps float32's accuracy (products to
     ~2^-22 relative, under the 2^-24 * sqrt(D) rounding of the float32 sums themselves)
     at tensor-core speed. "ieee" is an FMA loop that Triton (3.6-3.9, sm_90) compiles with a
-    6-23 KB per-thread stack and that ran 8x slower than torch.compile's float32 GEMM."""
+    6-23 KB per-thread stack and that ran 8x slower than torch.compile's float32 GEMM.
+    Known cost of "tf32" here: Triton hands the float32 tiles to the tensor cores, which
+    truncate them to TF32 where cuBLAS rounds to nearest, so the logits carry a -7e-4
+    relative bias: logp errors against float64 of 2.7-3.5e-3 (mean +7e-4) where eager
+    PyTorch's are 0.8-1.1e-3 (mean ~0), gradients as accurate as eager's (H200, BENCHMARKS.md
+    forty-sixth session). fused_mlp rounds its operands (templates/common/triton_tf32.py.j2);
+    here the weight tiles go from TMA straight to the tensor cores, and rounding them on the
+    way costs a pass through registers per tile, not measured yet."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "tf32x3"
     return "tf32"
