@@ -83,7 +83,6 @@ def pad_launch(n: int, k: int, stride: int) -> tuple[tuple[int], dict, dict]:
                                   "BLOCK_N": PAD_ROWS}, {"num_warps": PAD_WARPS}
 
 
-
 # tf32_weights_kernel (templates/fused_mlp/triton.py.j2): rows and columns a program's step, warps
 TF32_ROWS, TF32_COLS, TF32_WARPS = 8, 128, 4
 
@@ -99,6 +98,7 @@ def tf32_weights_launch(widths: tuple[int, ...], exact: bool) -> tuple[tuple[int
     if not exact:
         c.update({f"D{i}": (widths[i] if i <= L else 1) for i in range(MAX_LAYERS + 1)}, NUM_LAYERS=L)
     return (-(-max(widths[1:]) // TF32_ROWS), L), c, {"num_warps": TF32_WARPS}
+
 
 def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = REG_MAX,
          align: bool = True, block_n: int = 0) -> list[dict]:
