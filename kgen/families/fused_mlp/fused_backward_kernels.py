@@ -28,7 +28,7 @@ decorated at import: a process that interprets Triton sets TRITON_INTERPRET befo
 kgen (tests/conftest.py does). The activations repeat the forward's formulas
 (kgen/templates/common/triton_activations.py.j2, which a Python module cannot include),
 float32 in and out; `code` is a runtime value (one compile serves every activation). So does
-`_tf32_round` the templates' tf32_round (kgen/templates/common/triton_tf32.py.j2): with TF32 on,
+`_tf32_round`, the templates' tf32_round (kgen/templates/common/triton_tf32.py.j2): with TF32 on,
 `_dot` rounds both float32 operands to the nearest TF32 value, as cuBLAS rounds them, where the
 tensor cores would truncate them (the forward reads rounded weight copies; here every tile is
 rounded in the kernel).
