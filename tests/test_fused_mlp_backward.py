@@ -622,7 +622,7 @@ def _tf32_nearest(x: torch.Tensor) -> torch.Tensor:
     """float32 -> the nearest TF32 value (10 explicit mantissa bits), ties away from zero, in
     float64 arithmetic: cvt.rna.tf32.f32's rounding (and cuBLAS's for TF32 operands)."""
     d = x.double()
-    m, e = torch.frexp(d)  # |m| in [0.5, 1): 11 significant bits are m * 2^11
+    _, e = torch.frexp(d)  # d = m * 2^e, |m| in [0.5, 1): 11 significant bits are m * 2^11
     q = torch.ldexp(torch.ones_like(d), (e - 11).clamp(min=-136))  # TF32's subnormal step: 2^-136
     r = torch.copysign(torch.floor(d.abs() / q + 0.5) * q, d)  # (-0.0 stays -0.0)
     r = torch.where(r.abs() > 3.4028234663852886e38, torch.copysign(torch.full_like(d, torch.inf), d), r)
