@@ -675,3 +675,31 @@ def test_tf32_operands_rounded_to_nearest(tf32):
     out, _ = fm.forward(dispatch.load(v).module, x, [w], [None], "none", "none")
     assert float((out.double() - rounded).abs().max()) < 1e-6 * scale  # float32 sums of the rounded products
     assert float((exact - rounded).abs().max()) > 1e-4 * scale  # (the rounding is visible at that bound)
+
+
+def test_tf32_backward_chain_reads_rounded_weights(tf32):
+    """Float32 with TF32 on, the fused backward's dz chain reads every weight it multiplies
+    from a TF32-rounded copy (Plan.copies: one launch before the chain, W0 included when x's
+    gradient is asked for, zero-padded to the chain's stride) and rounds its other operand in
+    the kernel: grad_x of a two-layer MLP without activations equals, within float32 sums,
+    the float64 products of the rounded operands, dz0 = rna(g) @ rna(W1) rounded to float32,
+    then rna(dz0) @ rna(W0) -- and not the unrounded products (TF32 truncation would be
+    further still)."""
+    tf32(True)
+    g0 = torch.Generator().manual_seed(11)
+    B, widths = 37, (29, 45, 19)
+    x = torch.randn(B, widths[0], generator=g0)
+    ws = [torch.randn(widths[i + 1], widths[i], generator=g0) / 5 for i in range(2)]
+    g = torch.randn(B, widths[2], generator=g0)
+    needs = (True, False, False, False, False)
+    p = fb.plan(widths, torch.float32, x.device, B, (False, False), ("none", "none"), needs)
+    assert [c[0] for c in p.copies] == [0, 1] and not p.pads
+    gx, gws, gbs = fb.backward(g, x, ws, [False, False], [None, None], "none", "none", needs)
+    assert gws == [None, None] and gbs == [None, None]
+    r = _tf32_nearest
+    dz0 = (r(g).double() @ r(ws[1]).double()).float()
+    want = r(dz0).double() @ r(ws[0]).double()
+    plain = (g.double() @ ws[1].double()) @ ws[0].double()
+    scale = float(want.abs().max())
+    assert float((gx.double() - want).abs().max()) < 1e-5 * scale
+    assert float((plain - want).abs().max()) > 1e-4 * scale

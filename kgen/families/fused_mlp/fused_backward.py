@@ -12,7 +12,10 @@ bias gradients are views of one flat buffer in the dtype (16-element-aligned slo
 allocation, kept alive by any of them): grad_w [w(i+1), w(i)], grad_b the float32 column sum
 of dz rounded once, as dz.sum(0). float32 dots take launch.precision's choice, as the
 forward: TF32 where torch.backends.cuda.matmul.allow_tf32 is set, else "tf32x3" (float32's
-accuracy on tensor cores; "ieee" is an FMA loop that Triton compiles with a stack).
+accuracy on tensor cores; "ieee" is an FMA loop that Triton compiles with a stack). With TF32,
+operands are rounded to the nearest TF32 value as cuBLAS rounds them (the tensor cores would
+truncate): the weights the dz chain reads once a call, into TF32-rounded copies in the scratch
+(`Plan.copies`, one fused_mlp_bwd_tf32_kernel launch first), every other operand in the kernels.
 
 Which launches and buffers a call gets (block sizes, split, layout) is decided once per
 call signature and `needs` (`Plan`, kept by train.Entry), with two options the tuner may
@@ -41,6 +44,7 @@ from kgen.families.fused_mlp.fused_backward_kernels import (  # Plan.launches re
     fused_mlp_bwd_dz_kernel,
     fused_mlp_bwd_pad_kernel,
     fused_mlp_bwd_sum_kernel,
+    fused_mlp_bwd_tf32_kernel,
 )
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, padded, weight_strides
 from kgen.runtime import triton_launch
@@ -82,6 +86,7 @@ DW_STAGES = 3
 SPLIT_MIN_ROWS, SPLIT_WAVES = 256, 4
 SUM_BLOCK = 1024
 PAD_BLOCK_R = 16  # rows a program of the pad copies (Plan with `pad`)
+TF32_BLOCK_R, TF32_BLOCK_K = 8, 128  # a program's rows and column step of the TF32 copies (Plan.copies)
 ALIGN = 16  # elements: every buffer slice starts 16-byte aligned
 
 _empty = torch.empty  # every buffer the kernels write (tests poison them through this)
@@ -142,8 +147,15 @@ class Plan:
         if self.xs != widths[0]:
             self.pads.append(("x", B, widths[0], self.xs, at))
             at = _up(at + B * self.xs)
+        # float32 with TF32 on: every weight the chain reads from a TF32-rounded copy (zero-padded
+        # to its stride too), all written by one fused_mlp_bwd_tf32_kernel launch first
+        self.copies = []  # (layer, rows, K, stride, scratch offset)
+        tf32 = precision == "tf32" and dtype == torch.float32
         for i, (st, k) in enumerate(zip(self.ws, widths)):
-            if st != k:
+            if tf32 and chain_reads[i]:
+                self.copies.append((i, widths[i + 1], k, st, at))
+                at = _up(at + widths[i + 1] * st)
+            elif st != k:
                 self.pads.append((i, widths[i + 1], k, st, at))
                 at = _up(at + widths[i + 1] * st)
         self.dz_numel = max(at, ALIGN)
@@ -244,6 +256,15 @@ class Plan:
                 w[what] = dst
             out.append((fused_mlp_bwd_pad_kernel, (-(-rows // PAD_BLOCK_R),), [src, dst, rows],
                         dict(K=k, S=st, SP=padded(st), BLOCK_R=PAD_BLOCK_R, num_warps=4)))
+        if self.copies:  # float32, TF32 on: the chain's weights rounded
+            srcs, dsts = [filler] * MAX_LAYERS, [filler] * MAX_LAYERS
+            for c, (i, rows, k, st, at) in enumerate(self.copies):
+                srcs[c], dsts[c] = weights[i], scratch[at:at + rows * st]
+                w[i] = dsts[c]
+            ns, ks, ss = (tuple(e[j] for e in self.copies) for j in (1, 2, 3))
+            out.append((fused_mlp_bwd_tf32_kernel, (-(-max(ns) // TF32_BLOCK_R), len(self.copies)), [*srcs, *dsts],
+                        dict(NS=ns, KS=ks, SS=ss, NUM=len(self.copies), BLOCK_R=TF32_BLOCK_R, BLOCK_K=TF32_BLOCK_K,
+                             num_warps=4)))
         out += [(fused_mlp_bwd_dz_kernel, self.chain_grid, [grad, gx if gx is not None else filler, *w, *z, *d,
                                                             *self.chain_ints], self.chain_kw)]
         if self.dw_grid[0]:  # (none: only grad_x asked for)

@@ -56,13 +56,14 @@ def _tf32_round(x):
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr):
+def _dot(a, b, acc, PRECISION: tl.constexpr, ROUND_B: tl.constexpr):
     """tl.dot(a, b, acc, input_precision=PRECISION), float32 operands rounded by _tf32_round
-    first where PRECISION is "tf32" (16-bit operands and "tf32x3" as they are)."""
+    first where PRECISION is "tf32" -- a always, b where ROUND_B (not a weight tile read
+    from the copy fused_mlp_bwd_tf32_kernel rounded); 16-bit operands and "tf32x3" as they are."""
     if PRECISION == "tf32":
         if a.dtype == tl.float32:
             a = _tf32_round(a)
-        if b.dtype == tl.float32:
+        if ROUND_B and b.dtype == tl.float32:
             b = _tf32_round(b)
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
@@ -154,7 +155,7 @@ def _chain_gemm(src_ptr, w_ptr, z_ptr, dst_ptr, rows, rmask, code,
             nmask = nc < N
             a = tl.load(src_ptr + rows[:, None] * N + nc[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
             w = tl.load(w_ptr + nc[:, None] * WK + kc[None, :], mask=nmask[:, None] & (kc < WK)[None, :], other=0.0)
-            acc = _dot(a, w, acc, PRECISION)
+            acc = _dot(a, w, acc, PRECISION, False)  # (w: a rounded copy under TF32)
         g = acc.to(DTYPE)
         m = rmask[:, None] & kmask[None, :]
         at = rows[:, None] * K + kc[None, :]
@@ -224,7 +225,7 @@ def _dw_tile(t, src_ptr, d_ptr, out_ptr, r0, r1, code,
         h = tl.load(src_ptr + rr[:, None] * SK + k[None, :], mask=rm[:, None] & lmask[None, :], other=0.0)
         if H_ACT:
             h = _act(h.to(tl.float32), code).to(d_ptr.dtype.element_ty)
-        acc = _dot(tl.trans(a), h, acc, PRECISION)
+        acc = _dot(tl.trans(a), h, acc, PRECISION, True)
     tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=nmask[:, None] & (k < K)[None, :])
 
@@ -307,3 +308,25 @@ def fused_mlp_bwd_pad_kernel(src_ptr, dst_ptr, R, K: tl.constexpr, S: tl.constex
     c = tl.arange(0, SP)
     v = tl.load(src_ptr + r[:, None] * K + c[None, :], mask=(r[:, None] < R) & (c[None, :] < K), other=0.0)
     tl.store(dst_ptr + r[:, None] * S + c[None, :], v, mask=(r[:, None] < R) & (c[None, :] < S))
+
+
+@triton.jit
+def fused_mlp_bwd_tf32_kernel(s0, s1, s2, s3, s4, s5, s6, s7, d0, d1, d2, d3, d4, d5, d6, d7,
+                              NS: tl.constexpr, KS: tl.constexpr, SS: tl.constexpr, NUM: tl.constexpr,
+                              BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Float32 with TF32 on (Plan.copies): copy c of NUM, d<c> [NS[c], SS[c]] = s<c> [NS[c], KS[c]]
+    rounded by _tf32_round, zero columns KS[c]..SS[c]-1: the weights the dz chain reads, each
+    rounded once a call rather than a tile at a time in every program. Grid: (row blocks of
+    the tallest, NUM)."""
+    r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    j = tl.program_id(1)
+    for c in tl.static_range(NUM):
+        if j == c:
+            src = _pick(c, s0, s1, s2, s3, s4, s5, s6, s7)
+            dst = _pick(c, d0, d1, d2, d3, d4, d5, d6, d7)
+            for k0 in tl.range(0, SS[c], BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                v = tl.load(src + r[:, None] * KS[c] + k[None, :], mask=(r[:, None] < NS[c]) & (k[None, :] < KS[c]),
+                            other=0.0)
+                tl.store(dst + r[:, None] * SS[c] + k[None, :], _tf32_round(v),
+                         mask=(r[:, None] < NS[c]) & (k[None, :] < SS[c]))
