@@ -12,6 +12,7 @@ from kgen import ops, render as render_mod, spec
 from kgen.families import linear_logp as llp
 from kgen.families.linear_logp import backward_launch, cuda_variant, launch, plans
 from kgen.runtime import dispatch
+from tf32_rounding import tf32_rounded
 
 if torch.cuda.is_available():
     pytest.skip("interpreter tests (CPU tensors); the GPU ones are in test_linear_logp_gpu.py",
@@ -563,15 +564,54 @@ def test_poisoned_outputs_are_fully_written(monkeypatch, dtype):
     check_against_reference(variant(SPLIT_V=64), *make_inputs(7, 257, 40, dtype=dtype))
 
 
-def test_float32_under_tf32_keeps_the_target_logit_in_the_tile(monkeypatch, tf32):
-    """With TF32 allowed, float32 inputs take the target logit from the forward's own tile
-    (partials plane 2, written: buffers start as NaN) rather than the combine's float32
-    gather-dot, which would not match TF32 logits. (The interpreter's dots are float32.)"""
+def logits_level_grads(hidden, weight, target, bias, z_hidden, z_weight, temperature, g_logp, g_ent):
+    """(logp, entropy, grad_hidden, grad_weight, grad_bias) in float64 with the logits taken
+    from (z_hidden, z_weight) and the gradient GEMMs from (hidden, weight): what linear_logp
+    computes when its logit tiles read rounded operands and its gradient GEMMs do not."""
+    f64 = torch.float64
+    z = z_hidden.to(f64) @ z_weight.to(f64).T + bias.to(f64)
+    z = (z / temperature).requires_grad_()
+    valid = target != -100
+    lsm = torch.log_softmax(z, -1)
+    logp = torch.where(valid, lsm.gather(1, torch.where(valid, target, 0)[:, None])[:, 0], 0.0)
+    ent = torch.where(valid, -(lsm.exp() * lsm).sum(-1), 0.0)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    dz = z.grad / temperature
+    return logp.detach(), ent.detach(), dz @ weight.to(f64), dz.T @ hidden.to(f64), dz.sum(0)
+
+
+def test_float32_under_tf32_rounds_operands_to_nearest(monkeypatch, tf32):
+    """With TF32 allowed, float32 logit tiles loaded by TMA reach the dot rounded to the
+    nearest TF32 value (ties to even, the descriptors' loads), as cuBLAS rounds its operands
+    (the tensor cores would truncate: a -7e-4 relative bias on an H200). Forward and the
+    backward's recomputed dz alike: logp, entropy and the gradients (whose GEMMs take the
+    operands as they are) equal, within float32 sums, the float64 values from the rounded
+    operands, and not those from the operands as they are. With every buffer NaN first, so
+    the target logit is taken from the forward's own tile (partials plane 2, written) rather
+    than the combine's float32 gather-dot, which would not match TF32 logits. (The
+    interpreter's dots are float32: the rounding shows.)"""
+    from kgen.runtime import tf32_descriptors
+    import triton
+    if not hasattr(triton.tools.tensor_descriptor.TensorDescriptor, "round_f32_to_tf32"):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter does not round descriptor loads (3.7+ does)")
     tf32(True)
     assert llp._target_in_tile(torch.float32, llp._precision(torch.float32))
     assert not llp._target_in_tile(torch.bfloat16, llp._precision(torch.bfloat16))
     monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype))
-    check_against_reference(variant(), *make_inputs(33, 257, 40))
+    hidden, weight, target, bias = make_inputs(33, 257, 40)
+    assert plans._tile_sources(variant(), hidden, weight)[2]
+    assert tf32_descriptors.rounding_descriptor(hidden, [16, 16]).round_f32_to_tf32
+    got = run(variant(), hidden, weight, target, bias)
+    g = torch.Generator().manual_seed(1)  # (run's upstream gradients)
+    g_logp, g_ent = torch.randn(33, generator=g), torch.randn(33, generator=g)
+    rh, rw = (tf32_rounded(t, "even") for t in (hidden, weight))
+    want = logits_level_grads(hidden, weight, target, bias, rh, rw, 0.7, g_logp, g_ent)
+    plain = logits_level_grads(hidden, weight, target, bias, hidden, weight, 0.7, g_logp, g_ent)
+    for name, a, w, p in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, want, plain):
+        scale = max(1.0, float(w.abs().max()))
+        err, off = float((a.detach().double() - w).abs().max()), float((p - w).abs().max())
+        assert err < 2e-5 * scale, (name, err)  # float32 sums (OUT_TOL, GRAD_TOL)
+        assert off > 20 * err, (name, off, err)  # (the rounding is visible at that bound)
 
 
 def count_kept(monkeypatch) -> list:

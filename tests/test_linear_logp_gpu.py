@@ -15,6 +15,7 @@ from kgen import ops, spec
 from kgen.families import linear_logp as llp
 from kgen.families.linear_logp import cuda_variant, launch, plans
 from kgen.runtime import dispatch
+from tf32_rounding import tf32_rounded
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = spec.load(ROOT / "kgen" / "specs" / "linear_logp.yaml")
@@ -220,6 +221,43 @@ def test_float32_tf32_dw_from_transposed_hidden(monkeypatch, tf32):
     2e-3 between the two forms."""
     tf32(True)
     _float32_backward_forms(monkeypatch, "HT_COPY", 12, lambda plan: plan.ht_from < 20011, 3e-3, 2e-3)
+
+
+def test_gpu_float32_tf32_operands_rounded_to_nearest(monkeypatch, tf32):
+    """float32 with TF32 on: the logit tiles TMA loads reach the tensor cores rounded to the
+    nearest TF32 value (ties to even; on Triton 3.6 through runtime.tf32_descriptors'
+    backport), as cuBLAS rounds its operands (the tensor cores would truncate: logits biased
+    by -7e-4 relative, logp errors 3x eager's on an H200). logp and entropy against float64
+    from the rounded operands: float32 sums over D = 1000 and V = 20011 and ex2.approx keep
+    ~1e-5; bound 5e-5, where the float64 values from the operands as they are differ by
+    ~1e-3. The backward's dz kernel recomputes the logits the same way: with g_logp = 1 and
+    no entropy gradient, grad_bias sums over V to sum_rows (1 - sum_v p) / T, 0 up to float32
+    rounding (~1e-6 a row) when the recomputed logits match the forward's lse, ~1e-3 a row
+    when they do not; bound 1e-4 a row."""
+    from kgen.runtime import tf32_descriptors
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("TMA loads (sm_90+); pointer loads leave float32 tiles to the tensor cores' truncation")
+    tf32(True)
+    N, V, D = 300, 20011, 1000
+    h, w, b, t = _inputs(N, V, D, torch.float32, seed=31)
+    assert tf32_descriptors.rounding_descriptor(h, [64, 32]) is not None
+    monkeypatch.setattr(llp.op, "KEEP_LOGITS_MIN_FLOP", float("inf"))
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    with _path(monkeypatch, "triton-tma", torch.float32):
+        assert plans._tile_sources(llp.op._module(h.device, h.dtype), h, w)[2]
+        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.9, return_entropy=True)
+        logp.sum().backward()
+    rh, rw = (tf32_rounded(x, "even") for x in (h, w))
+    want = llp.reference(rh, rw, t, b, temperature=0.9, compute=torch.float64)
+    plain = llp.reference(h, w, t, b, temperature=0.9, compute=torch.float64)
+    for name, a, r, p in zip(("logp", "entropy"), (logp, ent), want, plain):
+        err, off = (a.detach().double() - r).abs().max().item(), (p - r).abs().max().item()
+        assert err <= 5e-5 and off > 20 * err, (name, err, off)
+    rows = int((t != -100).sum())
+    total = leaves[2].grad.double().sum().item()
+    print(f"grad_bias sum {total:.3e} over {rows} rows")
+    assert abs(total) <= 1e-4 * rows
 
 
 def _float32_backward_forms(monkeypatch, switch: str, seed: int, takes, to_float64: float, between: float,

@@ -12,6 +12,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kgen.runtime.streams import bind_context
+from kgen.runtime.tf32_descriptors import rounding_descriptor
 
 # Rows per program of the combine kernel: 4 * splits loads per row summing the CUDA
 # partials; with the target gather-dot (the Triton forward), 2 * D elements per row, so
@@ -46,13 +47,14 @@ def _precision(dtype: torch.dtype) -> str:
     ~2^-22 relative, under the 2^-24 * sqrt(D) rounding of the float32 sums themselves)
     at tensor-core speed. "ieee" is an FMA loop that Triton (3.6-3.9, sm_90) compiles with a
     6-23 KB per-thread stack and that ran 8x slower than torch.compile's float32 GEMM.
-    Known cost of "tf32" here: Triton hands the float32 tiles to the tensor cores, which
-    truncate them to TF32 where cuBLAS rounds to nearest, so the logits carry a -7e-4
-    relative bias: logp errors against float64 of 2.7-3.5e-3 (mean +7e-4) where eager
-    PyTorch's are 0.8-1.1e-3 (mean ~0), gradients as accurate as eager's (H200, BENCHMARKS.md
-    forty-sixth session). fused_mlp rounds its operands (templates/common/triton_tf32.py.j2);
-    here the weight tiles go from TMA straight to the tensor cores, and rounding them on the
-    way costs a pass through registers per tile, not measured yet."""
+    Under "tf32" the float32 tiles that TMA loads (_tma: sm_90+, D % 4 == 0, aligned bases)
+    are rounded to the nearest TF32 value on the way to shared memory, as cuBLAS rounds its
+    operands, at no cost (_tile_sources, runtime.tf32_descriptors); the tensor cores
+    themselves would truncate, which biased the logits by -7e-4 relative: logp errors
+    against float64 of 2.9-3.4e-3 (mean +7e-4) where eager PyTorch's are 0.9-1.1e-3 (mean
+    ~0), now eager's to the third digit (H200, BENCHMARKS.md forty-sixth and forty-seventh
+    sessions). Pointer loads (sm_80, or D % 4 != 0) still truncate: rounding their tiles in
+    registers made the forward 6x slower on an H200 (2.0 -> 12.2 ms at 2048 x 2047 x 32000)."""
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "tf32x3"
     return "tf32"
@@ -117,13 +119,18 @@ def _tma(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any, Any, bool]:
     """(h_src, w_src, TMA) for _logit_tile: descriptors with the variant's boxes, or the
-    tensors themselves (pointer loads)."""
+    tensors themselves (pointer loads). Float32 under "tf32" (_precision): descriptors whose
+    loads round the tiles to the nearest TF32 value (runtime.tf32_descriptors), as cuBLAS
+    rounds its operands; where this Triton cannot, pointer loads."""
     if not _tma(hidden, weight):
         return hidden, weight, False
     if hidden.is_cuda:
         bind_context()  # (the launch encodes the descriptors: autograd's thread may have no context yet)
-    return (TensorDescriptor.from_tensor(hidden, [mod.BLOCK_N, mod.BLOCK_D]),
-            TensorDescriptor.from_tensor(weight, [mod.BLOCK_V, mod.BLOCK_D]), True)
+    hb, wb = [mod.BLOCK_N, mod.BLOCK_D], [mod.BLOCK_V, mod.BLOCK_D]
+    if hidden.dtype == torch.float32 and _precision(torch.float32) == "tf32":
+        h, w = rounding_descriptor(hidden, hb), rounding_descriptor(weight, wb)
+        return (h, w, True) if h is not None else (hidden, weight, False)
+    return TensorDescriptor.from_tensor(hidden, hb), TensorDescriptor.from_tensor(weight, wb), True
 
 
 def dh_grid(mod, N: int, D: int) -> tuple[int]:
