@@ -419,3 +419,61 @@ def test_trampoline_declines_without_a_launch():
     assert tramp.triton_call(1, 1, 1, 1, 128, 0, 0, b"x", 1) == -1  # an unknown code
     with pytest.raises(TypeError):
         tramp.triton_call(1, 1, 1, 1, 128, 0, 0, "qi", 1, 2)
+
+
+def test_tf32_descriptor_backport_for_triton_36(monkeypatch):
+    """runtime.tf32_descriptors on a Triton without `round_f32_to_tf32` (3.6's layout, faked):
+    the descriptor carries the attribute and the launcher's make_tensordesc_arg, wrapped
+    once, encodes it with the TFLOAT32 element type (11), every other descriptor (and the
+    decomposed form, metadata None) as before; on Triton >= 3.7 the field itself."""
+    import sys
+    from dataclasses import dataclass
+
+    import triton.backends.nvidia as nvidia_backends
+
+    from kgen.runtime import tf32_descriptors as td
+
+    if "round_f32_to_tf32" in TensorDescriptor.__dataclass_fields__:
+        d = td.rounding_descriptor(torch.zeros(8, 8), [8, 8])
+        assert type(d) is TensorDescriptor and d.round_f32_to_tf32
+
+    @dataclass
+    class Descriptor36:  # 3.6's fields and from_tensor signature
+        base: object
+        shape: list
+        strides: list
+        block_shape: list
+        padding: str = "zero"
+
+        @staticmethod
+        def from_tensor(tensor, block_shape, padding="zero"):
+            return Descriptor36(tensor, tensor.shape, tensor.stride(), block_shape, padding)
+
+    seen = []
+
+    def make_tensordesc_arg(arg, metadata):
+        seen.append(None if metadata is None else metadata["elem_type"])
+        return ["map"]
+
+    driver = SimpleNamespace(make_tensordesc_arg=make_tensordesc_arg,
+                             TMA_DTYPE_DEVICE_TO_HOST={**{i: i for i in range(16)}, 8: 10, 9: 8, 10: 9})
+    monkeypatch.setitem(sys.modules, "triton.backends.nvidia.driver", driver)
+    monkeypatch.setattr(nvidia_backends, "driver", driver, raising=False)
+    monkeypatch.setattr(td, "TensorDescriptor", Descriptor36)
+    monkeypatch.setattr(td, "_state", {})
+    x = torch.zeros(8, 8)
+    d = td.rounding_descriptor(x, [8, 8])
+    assert type(d) is Descriptor36 and d.round_f32_to_tf32 and td._state["how"] == "backport"
+    wrapped = driver.make_tensordesc_arg
+    assert wrapped is not make_tensordesc_arg
+    meta = {"elem_type": 7, "swizzle": 3}
+    assert wrapped(d, meta) == ["map"] and wrapped(Descriptor36.from_tensor(x, [8, 8]), meta) == ["map"]
+    wrapped(d, None)
+    assert seen == [11, 7, None] and meta == {"elem_type": 7, "swizzle": 3}  # (the binary's metadata untouched)
+    monkeypatch.setattr(td, "_state", {})
+    td.rounding_descriptor(x, [8, 8])
+    assert driver.make_tensordesc_arg is wrapped  # wrapped once a process
+    # a launcher of another shape: no rounding offered (callers take plain descriptors)
+    monkeypatch.setattr(td, "_state", {})
+    driver.make_tensordesc_arg = lambda arg, metadata, extra: None
+    assert td.rounding_descriptor(x, [8, 8]) is None

@@ -13,8 +13,8 @@ by wrapping `triton.backends.nvidia.driver.make_tensordesc_arg` so that a descri
 the attribute is encoded with the TF32 element type (what 3.7's launcher does; the wrapper
 changes nothing for any other descriptor). 3.6's interpreter does not round.
 
-`rounding_descriptor` returns None where this Triton offers neither (callers then round in
-the kernel or take pointer loads)."""
+`rounding_descriptor` returns None where this Triton offers neither (callers then take plain
+descriptors, whose float32 tiles the tensor cores truncate)."""
 
 from __future__ import annotations
 

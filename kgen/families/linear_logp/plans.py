@@ -121,7 +121,7 @@ def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any,
     """(h_src, w_src, TMA) for _logit_tile: descriptors with the variant's boxes, or the
     tensors themselves (pointer loads). Float32 under "tf32" (_precision): descriptors whose
     loads round the tiles to the nearest TF32 value (runtime.tf32_descriptors), as cuBLAS
-    rounds its operands; where this Triton cannot, pointer loads."""
+    rounds its operands (where this Triton cannot, plain ones: the tensor cores truncate)."""
     if not _tma(hidden, weight):
         return hidden, weight, False
     if hidden.is_cuda:
@@ -129,7 +129,8 @@ def _tile_sources(mod, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[Any,
     hb, wb = [mod.BLOCK_N, mod.BLOCK_D], [mod.BLOCK_V, mod.BLOCK_D]
     if hidden.dtype == torch.float32 and _precision(torch.float32) == "tf32":
         h, w = rounding_descriptor(hidden, hb), rounding_descriptor(weight, wb)
-        return (h, w, True) if h is not None else (hidden, weight, False)
+        if h is not None:
+            return h, w, True
     return TensorDescriptor.from_tensor(hidden, hb), TensorDescriptor.from_tensor(weight, wb), True
 
 
