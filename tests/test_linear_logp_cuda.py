@@ -334,3 +334,46 @@ def test_gemv_shares_that_split_groups(monkeypatch, name, splits):
         _check(got[:2], h, w, t, b, 0.9, impl.kernel.variant.dtype)
         again = llp.forward(impl, h, w, t, b, 0.9, -100, True, splits=splits)
         assert all(torch.equal(a, c) for a, c in zip(got, again)), N
+
+
+F32_GEMV = [n for n in GEMV if SPEC.variant(n).dtype == "float32"]
+
+
+@pytest.mark.parametrize("name", F32_GEMV)
+@pytest.mark.parametrize("N", [1, 5, 16])
+def test_float32_gemv_in_both_precisions(monkeypatch, tf32, name, N):
+    """The float32 gemv kernel, precision read per call. TF32 allowed: one product of operands
+    rounded to the nearest TF32 value (sm_90 cvt.rn: ties to even; sm_80: ties away), so logp
+    and entropy equal float64 from the rounded operands within float32 sums and ex2.approx
+    (bound 5e-5), where float64 from the operands as they are differs by ~1e-3. TF32 off:
+    three products (~2^-21 relative), within the spec's float32 tolerance of float64. The
+    same launch bound once (bind_forward, as the fast path holds it) follows the setting;
+    every buffer poisoned; D = 1004 (16-byte rows, not a multiple of 8), V = 3001."""
+    from tf32_rounding import tf32_rounded
+
+    impl = _impl(name)
+    h, w, b, t = _inputs(N, 3001, 1004, torch.float32, seed=40 + N)
+    assert impl.takes(h, w, b)
+    _poison(monkeypatch)
+    ties = "even" if torch.cuda.get_device_capability() >= (9, 0) else "away"
+    rh, rw = (tf32_rounded(x, ties) for x in (h, w))
+    for on in (True, False, True):
+        tf32(on)
+        logp, ent, _, _ = llp.forward(impl, h, w, t, b, 0.9, -100, True)
+        if on:
+            want = llp.reference(rh, rw, t, b, temperature=0.9, compute=torch.float64)
+            plain = llp.reference(h, w, t, b, temperature=0.9, compute=torch.float64)
+            for nm, a, r, p in zip(("logp", "entropy"), (logp, ent), want, plain):
+                err, off = (a.double() - r).abs().max().item(), (p - r).abs().max().item()
+                assert err <= 5e-5 and off > 20 * err, (nm, err, off)
+        else:
+            _check((logp, ent), h, w, t, b, 0.9, "float32")
+    go = impl.bind_forward(N, 3001, 1004, 1, False, h.device, torch.float32)
+    for on in (False, True):
+        tf32(on)
+        outs = [torch.full((N,), float("nan"), device="cuda") for _ in range(3)]
+        part = torch.empty(4 * N, device="cuda")
+        go(h.data_ptr(), w.data_ptr(), 0, t.data_ptr(), part.data_ptr(), outs[0].data_ptr(), 0, outs[1].data_ptr(),
+           0, -100, math.log2(math.e))
+        want = llp.reference(*((rh, rw) if on else (h, w)), t, compute=torch.float64)[0]
+        assert (outs[0].double() - want).abs().max().item() <= (5e-5 if on else 2e-5), on

@@ -17,12 +17,19 @@
 // ld.global.nc and no L1 allocation (read once) one trip ahead into registers the loop
 // carries; ring > 0, with cp.async into the lane's own slots of a ring of that many trips in
 // shared memory. The same 16 bytes of hidden row 8 h + g come through L1 (every warp of the
-// SM reads them). The weight rows are mma.sync's A operand (16 x 16) and the hidden
-// rows its B operand (16 x 8, one 8-row column group per h): m16n8k16 with float32
-// accumulation, like the tiled kernels.
+// SM reads them). The weight rows are mma.sync's A operand (16 x K) and the hidden
+// rows its B operand (K x 8, one 8-row column group per h), float32 accumulation:
+// 16-bit, m16n8k16 like the tiled kernels; float32, m16n8k8 on TF32 operands rounded to
+// nearest in registers (cvt.rn on sm_90; add-and-mask on sm_80, which keeps infinities
+// and the canonical NaN), with TF32 off ("exact" launches) in 3 products a step (each
+// operand v = hi + lo, hi = tf32(v), lo = tf32(v - hi): lo.hi + hi.lo + hi.hi, ~2^-21
+// relative, as Triton's "tf32x3"), each step's sums begun at 0 in the tensor cores and added
+// to the thread's float32 totals (a long chain of tensor-core accumulations would add up
+// their truncations).
 // K permutation: an MMA sums over k, so any order of k that A and B share gives the same sum:
-// lane t's columns [32 p + 8 t, 32 p + 8 t + 8) of piece p go to the k slots of its t, words
-// {0, 1} to one MMA and {2, 3} to the next (per word: a pair of columns, as the fragments hold).
+// lane t's 16 bytes of piece p, columns [LANE_COLS (4 p + t), + LANE_COLS), go to the k slots
+// of its t, words {0, 1} to one MMA and {2, 3} to the next (per word: a pair of 16-bit
+// columns, or one float32 column, as the fragments hold: slots t and t + 4 of m16n8k8).
 // After a group's last step, the lane's logits (vocabulary rows 16 grp + g and + 8, hidden rows
 // 8 h + 2 t and + 1) are scaled, biased and folded into one online-softmax state per hidden row
 // (kgen::SoftmaxRow, base 2, the tiled kernels' contract); the target logit is taken where its
@@ -384,7 +391,10 @@ cudaError_t launch_pdl(int device, void (*kernel)(Params...), dim3 grid, dim3 bl
 using T = __half;
 constexpr int WARPS = 16;     // warps per CTA, each on its own vocabulary groups
 constexpr int STEP = 64;       // columns of D per step
-constexpr int PIECES = STEP / 32;      // 16-byte loads per lane per weight row and step
+constexpr int LANE_COLS = 16 / sizeof(T);     // columns of a 16-byte load
+constexpr int PIECE_COLS = 4 * LANE_COLS;     // columns of a piece: a 16-byte load of each of 4 lanes
+constexpr int PIECES = STEP / PIECE_COLS;     // 16-byte loads per lane per weight row and step
+static_assert(PIECES >= 1 && STEP % PIECE_COLS == 0, "a step is whole pieces");
 constexpr int UNROLL = 2;   // steps per trip (loaded one trip ahead)
 constexpr int MAX_N = 16;     // the most hidden rows a call may have
 constexpr int RING = 0;       // trips in flight per warp through shared memory (0: registers)
@@ -419,8 +429,17 @@ __device__ __forceinline__ void load_cached(uint32_t* r, const void* p, bool ok)
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "l"(p), "r"((int)ok));
 }
 
-// MT: hidden rows per pass (8 or MAX_N; >= N), in TG = MT / 8 MMA column groups.
-template <int MT, bool HAS_BIAS, bool ENTROPY>
+// d += a . b for one piece's MMA (words: see the K permutation above); EXACT: float32 in 3
+// products (TF32 off).
+template <bool EXACT>
+__device__ __forceinline__ void mma_piece(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  static_assert(!EXACT, "16-bit products are exact");
+  kgen::mma_m16n8k16<T>(d, a, b);
+}
+
+// MT: hidden rows per pass (8 or MAX_N; >= N), in TG = MT / 8 MMA column groups. EXACT:
+// float32 with TF32 off (mma_piece).
+template <int MT, bool HAS_BIAS, bool ENTROPY, bool EXACT>
 __global__ void __launch_bounds__(THREADS, MIN_CTAS)
 linear_logp_fwd_gemv(const T* __restrict__ hidden, const T* __restrict__ weight, const T* __restrict__ bias,
                      const int64_t* __restrict__ target, float* __restrict__ part, int N, int V, int D, int splits,
@@ -469,7 +488,7 @@ linear_logp_fwd_gemv(const T* __restrict__ hidden, const T* __restrict__ weight,
       const int64_t row = min(16 * lg + g, V - 1);
 #pragma unroll
       for (int p = 0; p < PIECES; ++p) {
-        const int k = lk * STEP + 32 * p + 8 * t;
+        const int k = lk * STEP + PIECE_COLS * p + LANE_COLS * t;
         const bool ok = live && k < D;
 #pragma unroll
         for (int e = 0; e < 2; ++e)
@@ -520,10 +539,11 @@ linear_logp_fwd_gemv(const T* __restrict__ hidden, const T* __restrict__ weight,
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (i + u < total) {  // warp-uniform
+        float sum[TG][4] = {};  // EXACT: the step's sums, added to acc at its end
         uint32_t xv[TG][PIECES][4];
 #pragma unroll
         for (int p = 0; p < PIECES; ++p) {
-          const int k = ck * STEP + 32 * p + 8 * t;
+          const int k = ck * STEP + PIECE_COLS * p + LANE_COLS * t;
 #pragma unroll
           for (int h = 0; h < TG; ++h) load_cached(xv[h][p], xrow[h] + (k < D ? k : 0), k < D);
         }
@@ -536,9 +556,15 @@ linear_logp_fwd_gemv(const T* __restrict__ hidden, const T* __restrict__ weight,
 #pragma unroll
             for (int h = 0; h < TG; ++h) {
               const uint32_t b[2] = {xv[h][p][2 * j], xv[h][p][2 * j + 1]};
-              kgen::mma_m16n8k16<T>(acc[h], a, b);
+              mma_piece<EXACT>(EXACT ? sum[h] : acc[h], a, b);
             }
           }
+        if constexpr (EXACT) {
+#pragma unroll
+          for (int h = 0; h < TG; ++h)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[h][r] += sum[h][r];
+        }
         if (++ck == spg) {
           if (head && cg == g0) store_partial();  // the end of a group another warp began
           else fold(cg);
@@ -645,11 +671,11 @@ linear_logp_fwd_gemv(const T* __restrict__ hidden, const T* __restrict__ weight,
 // Dynamic shared memory: the weight rings (RING > 0).
 constexpr int RING_BYTES = RING * UNROLL * PIECES * 2 * 32 * 16 * WARPS;
 
-template <int MT, bool HAS_BIAS, bool ENTROPY>
+template <int MT, bool HAS_BIAS, bool ENTROPY, bool EXACT>
 cudaError_t launch_mt(const T* hidden, const T* weight, const T* bias, const int64_t* target, float* part, int N,
                       int V, int D, int splits, float scale, int device, cudaStream_t stream) {
   static uint64_t configured = 0;
-  auto kernel = linear_logp_fwd_gemv<MT, HAS_BIAS, ENTROPY>;
+  auto kernel = linear_logp_fwd_gemv<MT, HAS_BIAS, ENTROPY, EXACT>;
   const cudaError_t e = kgen::opt_in_shared_memory(kernel, RING_BYTES, device, configured);
   if (e != cudaSuccess) return e;
   return launch_pdl(device, kernel, dim3((unsigned)splits), dim3(THREADS), RING_BYTES, stream, hidden, weight, bias,
@@ -657,13 +683,21 @@ cudaError_t launch_mt(const T* hidden, const T* weight, const T* bias, const int
 }
 
 // The kernel for N's pass width: 8 rows, or MAX_N.
+template <bool HAS_BIAS, bool ENTROPY, bool EXACT>
+cudaError_t launch_n(const T* hidden, const T* weight, const T* bias, const int64_t* target, float* part, int N,
+                     int V, int D, int splits, float scale, int device, cudaStream_t stream) {
+  if (N <= 8)
+    return launch_mt<8, HAS_BIAS, ENTROPY, EXACT>(hidden, weight, bias, target, part, N, V, D, splits, scale, device,
+                                                  stream);
+  return launch_mt<MAX_N, HAS_BIAS, ENTROPY, EXACT>(hidden, weight, bias, target, part, N, V, D, splits, scale,
+                                                    device, stream);
+}
+
+// ... and for the precision: float32 with TF32 off (exact) in 3 products.
 template <bool HAS_BIAS, bool ENTROPY>
 cudaError_t launch(const T* hidden, const T* weight, const T* bias, const int64_t* target, float* part, int N, int V,
-                   int D, int splits, float scale, int device, cudaStream_t stream) {
-  if (N <= 8)
-    return launch_mt<8, HAS_BIAS, ENTROPY>(hidden, weight, bias, target, part, N, V, D, splits, scale, device, stream);
-  return launch_mt<MAX_N, HAS_BIAS, ENTROPY>(hidden, weight, bias, target, part, N, V, D, splits, scale, device,
-                                             stream);
+                   int D, int splits, float scale, bool exact, int device, cudaStream_t stream) {
+  return launch_n<HAS_BIAS, ENTROPY, false>(hidden, weight, bias, target, part, N, V, D, splits, scale, device, stream);
 }
 
 // The combine of the forward partials part[4][splits][N] (row max m, sum of exp2(z - m),
@@ -744,13 +778,14 @@ inline cudaError_t launch_combine(const float* part, const int64_t* target, floa
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c), with the tiled
 // kernels' argument list (`group` is unused here). The caller has checked dtypes, shapes,
-// devices and the target range, N <= MAX_N, D % 8 == 0 and 16-byte aligned hidden and
-// weight (16-byte loads); this re-checks what would fault or overflow the kernel's 32-bit
-// arithmetic (vocabulary rows, steps per warp).
+// devices and the target range, N <= MAX_N, rows of whole 16-byte units (D % LANE_COLS == 0)
+// and 16-byte aligned hidden and weight (16-byte loads); this re-checks what would fault or
+// overflow the kernel's 32-bit arithmetic (vocabulary rows, steps per warp).
 //   ints:   device, hidden, weight, bias (0 = none), target (int64), part, N, V, D, splits,
 //           group, with_entropy, stream,
 //           then the combine's logp, entropy, lse2, ez2 (float32 [N]; logp 0: partials only,
-//           the caller combines) and ignore_index
+//           the caller combines), ignore_index and exact (float32: 1 with TF32 off, products
+//           in 3 TF32 parts; 0: one TF32 product; ignored by the 16-bit kernels)
 //   floats: scale = log2(e) / temperature
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const int device = (int)ints[0];
@@ -765,8 +800,9 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const float scale = (float)floats[0];
   float *logp = (float*)ints[13], *ent = (float*)ints[14], *lse2 = (float*)ints[15], *ez2 = (float*)ints[16];
   const long long ignore_index = ints[17];
+  const bool exact = ints[18] != 0;
   const long long steps = (V + 15) / 16 * (D > 0 ? (D + STEP - 1) / STEP : 1);
-  if (N <= 0 || N > MAX_N || V < 0 || D < 0 || D % 8 || V > INT32_MAX - 32 || D > INT32_MAX - STEP ||
+  if (N <= 0 || N > MAX_N || V < 0 || D < 0 || D % LANE_COLS || V > INT32_MAX - 32 || D > INT32_MAX - STEP ||
       steps > INT32_MAX - UNROLL || splits <= 0 || splits > INT32_MAX || device < 0 || device > 63 ||
       (uintptr_t)hidden % 16 || (uintptr_t)weight % 16)
     return (int)cudaErrorInvalidValue;
@@ -778,11 +814,11 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   const int n = (int)N, v = (int)V, d = (int)D, s = (int)splits;
   cudaError_t rc;
   if (bias != nullptr)
-    rc = (entropy ? launch<true, true>(hidden, weight, bias, target, part, n, v, d, s, scale, device, stream)
-                  : launch<true, false>(hidden, weight, bias, target, part, n, v, d, s, scale, device, stream));
+    rc = (entropy ? launch<true, true>(hidden, weight, bias, target, part, n, v, d, s, scale, exact, device, stream)
+                  : launch<true, false>(hidden, weight, bias, target, part, n, v, d, s, scale, exact, device, stream));
   else
-    rc = (entropy ? launch<false, true>(hidden, weight, bias, target, part, n, v, d, s, scale, device, stream)
-                  : launch<false, false>(hidden, weight, bias, target, part, n, v, d, s, scale, device, stream));
+    rc = (entropy ? launch<false, true>(hidden, weight, bias, target, part, n, v, d, s, scale, exact, device, stream)
+                  : launch<false, false>(hidden, weight, bias, target, part, n, v, d, s, scale, exact, device, stream));
   if (rc != cudaSuccess) return (int)rc;
   return (int)launch_combine(part, target, logp, ent, lse2, ez2, n, v, s, ignore_index, entropy, stream);
 }

@@ -33,8 +33,10 @@ class CudaForward:
     """A CUDA variant (sm_90a WGMMA, sm_80 mma.sync, or the small-N streaming kernel, `gemv`):
     its kernels write the forward partials and combine them; the Triton module `triton`
     supplies the backward and the whole forward for inputs the CUDA kernel cannot take
-    (`takes`): D not a multiple of 8 or a pointer not 16-byte aligned (TMA, cp.async and the
-    gemv kernel's loads move 16-byte pieces), and for the gemv kernel more than block_m rows.
+    (`takes`): rows that are not whole 16-byte units or a pointer not 16-byte aligned (TMA,
+    cp.async and the gemv kernel's loads move 16-byte pieces; the tiled kernels also want D %
+    8 == 0), for the gemv kernel more than block_m rows, and float32 for all but the gemv
+    kernel (TF32 mma.sync: one product with TF32 allowed, three without, `exact`).
 
     The number of splits is chosen per call by wave_splits, with the spec's split_v as the
     minimum, over row groups (the `cluster` row blocks one cluster takes) and the clusters
@@ -59,7 +61,9 @@ class CudaForward:
         self._dz_ptr = ctypes.cast(dz, ctypes.c_void_p).value if dz is not None else None
 
     def takes(self, hidden, weight, bias) -> bool:
-        if hidden.dtype not in (torch.bfloat16, torch.float16) or hidden.shape[1] % 8:
+        if hidden.dtype not in (torch.bfloat16, torch.float16) and not (self.gemv and hidden.dtype == torch.float32):
+            return False
+        if hidden.shape[1] % (8 if not self.gemv else 16 // hidden.element_size()):
             return False
         if self.max_rows is not None and hidden.shape[0] > self.max_rows:  # the gemv kernel's
             return False
@@ -157,23 +161,28 @@ class CudaForward:
             part = torch.empty((4, splits, N), dtype=torch.float32, device=dev)
         target = target if target.dtype == torch.int64 else target.long()
         outs = tuple(t.data_ptr() for t in outputs) if outputs is not None else (0, 0, 0, 0)
-        self.bind_forward(N, V, D, splits, with_entropy, dev)(
+        self.bind_forward(N, V, D, splits, with_entropy, dev, hidden.dtype)(
             hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0, target.data_ptr(),
             part.data_ptr(), *outs, ignore_index, LOG2E / temperature)
         return part
 
-    def bind_forward(self, N: int, V: int, D: int, splits: int, with_entropy: bool, device: torch.device):
+    def bind_forward(self, N: int, V: int, D: int, splits: int, with_entropy: bool, device: torch.device,
+                     dtype: torch.dtype = torch.bfloat16):
         """The forward's launcher call (partials, then the combine where `logp` is not 0)
         with the shape, splits and grid order bound: go(hidden, weight, bias, target, part,
         logp, entropy, lse2, ez2, ignore_index, scale), the tensors as addresses (0: none;
         target int64, the buffers float32 as `partials` describes), scale = log2(e) /
-        temperature; on the current stream of `device`."""
+        temperature; on the current stream of `device`. float32 (the gemv kernel): the
+        products' precision read per call, exact (3 TF32 products) where TF32 is not allowed
+        (plans._precision "tf32x3")."""
         k, index, group = self.kernel, device.index, self.group(N, D)
         raw, ptr, with_entropy = k.raw, k.ptr, bool(with_entropy)
+        matmul = torch.backends.cuda.matmul if dtype == torch.float32 else None
 
         def go(hidden, weight, bias, target, part, logp, entropy, lse2, ez2, ignore_index: int, scale: float):
+            exact = matmul is not None and not matmul.allow_tf32
             rc = raw(ptr, index, hidden, weight, bias, target, part, N, V, D, splits, group, with_entropy,
-                     current_raw_stream(index), logp, entropy, lse2, ez2, ignore_index, scale)
+                     current_raw_stream(index), logp, entropy, lse2, ez2, ignore_index, int(exact), scale)
             if rc:
                 k.fail(rc)
         return go

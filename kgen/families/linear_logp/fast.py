@@ -45,11 +45,12 @@ class ForwardLaunch:
         V = weight.shape[0]
         self.mod, self.N, self.with_entropy = mod, N, with_entropy
         self.go = None
-        self.few = kept.FewRows(mod, hidden, weight, with_entropy) if N > 0 and launch.logits_path(
-            hidden, weight) else None
-        if self.few is None and isinstance(mod, CudaForward) and N > 0 and mod.takes(hidden, weight, bias):
+        cuda = isinstance(mod, CudaForward) and N > 0 and mod.takes(hidden, weight, bias)
+        self.few = kept.FewRows(mod, hidden, weight, with_entropy) if (
+            N > 0 and not cuda and launch.logits_path(hidden, weight)) else None
+        if cuda:  # (float32's gemv kernel before the few-rows path, as launch.forward)
             splits = mod.splits(N, V, hidden.device)
-            self.go = mod.bind_forward(N, V, D, splits, with_entropy, hidden.device)
+            self.go = mod.bind_forward(N, V, D, splits, with_entropy, hidden.device, hidden.dtype)
             rows = _cdiv(N, 4) * 4  # floats of lse2 (or ez2) rounded to 16 bytes
             self.ez_at = rows if with_entropy else 0
             self.part_at = 2 * rows if with_entropy else rows

@@ -85,7 +85,7 @@ def forward(mod, hidden, weight, target, bias, temperature: float, ignore_index:
     V = weight.shape[0]
     dev = hidden.device
     f32 = torch.float32
-    if logits_path(hidden, weight):
+    if logits_path(hidden, weight) and not (isinstance(mod, CudaForward) and mod.takes(hidden, weight, bias)):
         from kgen.families.linear_logp import kept  # (kept imports this module)
 
         return kept.forward_kept(mod, hidden, weight, target, bias, temperature, ignore_index, with_entropy,

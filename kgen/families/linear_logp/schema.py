@@ -34,8 +34,8 @@ def _check_triton(dtype: str, k: Mapping[str, Any]):
 def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
     size = DTYPES[dtype][0]
     if k.get("kernel") == "gemv":  # per warp: its rows' final states (16 B) and sums of a shared group (64 B),
-        warps = k["block_n"] // 16  # and its ring of `ring` trips of 2 x stages x block_k / 32 16-byte pieces a lane
-        return warps * (80 * k["block_m"] + k["ring"] * k["stages"] * (k["block_k"] // 32) * 2 * 32 * 16)
+        warps = k["block_n"] // 16  # and its ring of `ring` trips of 2 x stages x _gemv_pieces 16-byte pieces a lane
+        return warps * (80 * k["block_m"] + k["ring"] * k["stages"] * _gemv_pieces(dtype, k) * 2 * 32 * 16)
     if arch == "sm_90a":  # a hidden ring, a weight ring of block_n / consumers rows per consumer, two bias tiles
         ring = (k["hidden_stages"] * k["block_m"] + k["stages"] * k["block_n"]) * k["block_k"] * size
         return ring + _CUDA_SMEM_EXTRA + 4 * k["block_n"]
@@ -43,8 +43,14 @@ def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
 
 
 # gemv: the most 32-bit registers the weight a warp keeps in flight may take per thread (two
-# trips of stages x block_k / 32 16-byte pieces of 2 rows)
+# trips of stages x _gemv_pieces 16-byte pieces of 2 rows)
 _GEMV_WEIGHT_REGS = 64
+
+
+def _gemv_pieces(dtype: str, k: Mapping[str, Any]) -> int:
+    """16-byte loads a lane makes of a weight row per step of block_k columns (a piece: 4 lanes'
+    loads, 64 bytes of the row)."""
+    return k["block_k"] * DTYPES[dtype][0] // 64
 
 
 def _check_gemv(arch: str, dtype: str, k: Mapping[str, Any]):
@@ -57,7 +63,10 @@ def _check_gemv(arch: str, dtype: str, k: Mapping[str, Any]):
                                     "two 8-row MMA column groups; 32 needed a stack)"))
     if k["block_n"] % 16:
         problems.append(("block_n", f"block_n={k['block_n']} must be a multiple of 16: 16 vocabulary rows a warp"))
-    regs = (1 if k["ring"] else 2) * k["stages"] * (k["block_k"] // 32) * 8
+    if k["block_k"] * DTYPES[dtype][0] % 64:
+        problems.append(("block_k", f"block_k={k['block_k']} {dtype} columns are not whole 64-byte pieces (4 lanes' "
+                                    "16-byte loads)"))
+    regs = (1 if k["ring"] else 2) * k["stages"] * max(_gemv_pieces(dtype, k), 1) * 8
     if regs > _GEMV_WEIGHT_REGS:
         problems.append(("stages", f"{k['stages']} steps of {k['block_k']} columns in flight take {regs} registers "
                                    f"a thread with the trip computing, above {_GEMV_WEIGHT_REGS}"))
@@ -74,11 +83,11 @@ def _check_gemv(arch: str, dtype: str, k: Mapping[str, Any]):
 def _check_cuda(arch: str, dtype: str, k: Mapping[str, Any]):
     """The instruction-shape and shared-memory rules of the CUDA templates."""
     problems = []
-    if dtype not in ("bfloat16", "float16"):
-        problems.append(("dtypes", f"the CUDA kernels take 16-bit operands (bfloat16, float16), not {dtype}; "
-                                   "float32 inputs use the Triton variants"))
-    if k["kernel"] == "gemv":
+    if k["kernel"] == "gemv":  # (any dtype: float32 on TF32 mma.sync, 1 or 3 products)
         return problems + _check_gemv(arch, dtype, k)
+    if dtype not in ("bfloat16", "float16"):
+        problems.append(("dtypes", f"the tiled CUDA kernels take 16-bit operands (bfloat16, float16), not {dtype}; "
+                                   "float32 inputs use the Triton variants or the gemv kernel"))
     bm, bn, bk, c = k["block_m"], k["block_n"], k["block_k"], k["consumers"]
     if k["ring"]:
         problems.append(("ring", "ring is a gemv knob: the tiled kernels have their own rings (stages)"))
