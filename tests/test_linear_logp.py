@@ -1104,6 +1104,13 @@ def test_gemv_forward_takes_and_grid(monkeypatch):
     assert cuda.takes(torch.empty(16, 1024, dtype=torch.bfloat16), w, None)
     assert not cuda.takes(torch.empty(17, 1024, dtype=torch.bfloat16), w, None)
     assert not cuda.takes(torch.empty(4, 1020, dtype=torch.bfloat16), torch.empty(1000, 1020, dtype=torch.bfloat16), None)
+    assert not cuda.takes(torch.empty(4, 1024), torch.empty(1000, 1024), None)  # float32: not this variant's dtype
+    variant_.dtype = "float32"  # a float32 gemv variant: rows of whole 16-byte units, 4 columns
+    f32 = llp.CudaForward(kernel, None)
+    assert f32.takes(torch.empty(4, 1020), torch.empty(1000, 1020), None)
+    assert not f32.takes(torch.empty(4, 1022), torch.empty(1000, 1022), None)
+    assert not f32.takes(torch.empty(4, 1024, dtype=torch.bfloat16), w, None)
+    variant_.dtype = "bfloat16"
     assert not cuda.takes_dz(torch.empty(4, 1024, dtype=torch.bfloat16), w, None)
     dev = torch.device("cuda", 0)
     assert cuda.splits(8, 151936, dev) == 132
@@ -1125,7 +1132,14 @@ def test_gemv_knob_rules():
     assert _check_variant("cuda", "sm_90", "bfloat16", {**ok, "block_n": 128, "stages": 4, "ring": 3}) == []
     assert [p for p, _ in _check_variant("cuda", "sm_80", "bfloat16", {**ok, "ring": 3})] == ["ring"]  # 164 KB
     assert [p for p, _ in _check_variant("cuda", "sm_90a", "bfloat16", ok)] == ["arch"]
-    assert [p for p, _ in _check_variant("cuda", "sm_90", "float32", ok)] == ["dtypes"]
+    # float32: gemv only, 64-byte pieces of block_k columns, their registers counted in bytes
+    f32 = {**ok, "block_k": 32, "stages": 1}
+    assert _check_variant("cuda", "sm_90", "float32", f32) == []
+    assert [p for p, _ in _check_variant("cuda", "sm_90", "float32", ok)] == ["stages"]  # 4 pieces x 2 steps x 2
+    assert [p for p, _ in _check_variant("cuda", "sm_90", "float32", {**f32, "block_k": 24})] == ["block_k"]
+    tile32 = dict(kernel="tile", block_m=128, block_n=128, block_k=32, stages=4, consumers=2, split_v=16, cluster=1,
+                  hidden_stages=0, ring=0)
+    assert [p for p, _ in _check_variant("cuda", "sm_80", "float32", tile32)] == ["dtypes"]
     # the tiled kernels keep their ring of at least two stages
     tile = dict(kernel="tile", block_m=128, block_n=128, block_k=32, stages=1, consumers=2, split_v=16, cluster=1,
                 hidden_stages=0, ring=0)

@@ -247,7 +247,8 @@ class StandInCuda:
         self.triton, self.calls = triton_mod, []
 
     def raw(self, ptr, index, h, w, b, t, part, N, V, D, splits, group, with_entropy, stream, logp, ent, lse2, ez2,
-            ignore_index, scale):
+            ignore_index, exact, scale):
+        assert exact == 0  # (float32's gemv only: 16-bit kernels ignore it)
         self.calls.append((N, V, D, splits, group, with_entropy, ignore_index, scale))
         dt = self.dtype
         hidden, weight = _at(h, N * D, dt).view(N, D), _at(w, V * D, dt).view(V, D)
@@ -267,7 +268,8 @@ def stand_in_cuda(monkeypatch, dtype):
     fake = StandInCuda(small_variant(dtype))
     fake.dtype = getattr(torch, dtype)
     kernel = SimpleNamespace(params={"block_m": 64, "block_n": 32, "split_v": 3, "cluster": 1}, name="stand-in",
-                             lib=None, variant=SimpleNamespace(arch="sm_90a"), raw=fake.raw, ptr=1, fail=None)
+                             lib=None, variant=SimpleNamespace(arch="sm_90a", dtype=dtype), raw=fake.raw, ptr=1,
+                             fail=None)
     impl = llp.CudaForward(kernel, fake.triton)
     impl._resident[None] = 4  # CPU tensors: device index None, "4 SMs"
     monkeypatch.setattr(cuda_variant, "current_raw_stream", lambda index: 0)
@@ -376,14 +378,14 @@ def test_gpu_fast_path_bitwise_no_wait_and_graph(bias):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,entropy,bias", [(1, True, True), (7, False, False), (100, True, False)])
+@pytest.mark.parametrize("N,entropy,bias", [(20, True, True), (29, False, False), (100, True, False)])
 def test_gpu_fast_path_float32_few_rows(monkeypatch, tf32, N, entropy, bias):
-    """float32 with TF32 off at a few rows (launch.logits_path: the cuBLAS logits, then two
-    Triton launches forward and one backward, which the fast path replays, kept.FewRows): each call's outputs and
-    gradients equal the general path's bit for bit, every buffer poisoned first, across
-    temperatures and ignore_index values (1 is one Triton specialises on: a replay per
-    value) and under CUDA graph capture; the replay served the later calls. (N = 100: past
-    F32_LOGITS_MAX_ROWS, within F32_LOGITS_MAX_ELEMS at this V.)"""
+    """float32 with TF32 off at a few rows the gemv variants do not take (N > 16; launch.logits_path:
+    the cuBLAS logits, then two Triton launches forward and one backward, which the fast path
+    replays, kept.FewRows): each call's outputs and gradients equal the general path's bit for
+    bit, every buffer poisoned first, across temperatures and ignore_index values (1 is one
+    Triton specialises on: a replay per value) and under CUDA graph capture; the replay served
+    the later calls. (N = 100: past F32_LOGITS_MAX_ROWS, within F32_LOGITS_MAX_ELEMS at this V.)"""
     from kgen.runtime import triton_launch
 
     tf32(False)
@@ -446,3 +448,69 @@ def test_gpu_fast_path_float32_few_rows(monkeypatch, tf32, N, entropy, bias):
         eager = ops.linear_logp(leaves[0], leaves[1], t, leaves[2], temperature=0.8, return_entropy=entropy)
     for a, e in zip(out if entropy else (out,), eager if entropy else (eager,)):
         assert torch.equal(a, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 7, 16])
+def test_gpu_fast_path_float32_gemv(monkeypatch, tf32, N):
+    """float32 at N <= 16 where dispatch takes the float32 gemv variant (spec order at an
+    untuned bucket): the fast path binds its launcher once (ForwardLaunch.go, not the few-rows
+    path) and reads the precision per call: with TF32 off and on, forward outputs and
+    gradients equal the general path's bit for bit (every buffer poisoned first), and the
+    two settings give different logp (TF32 rounding visible, ~1e-3); under CUDA graph
+    capture the replay equals an eager call."""
+    tf32(False)
+    dev = torch.device("cuda", torch.cuda.current_device())  # (_module keys on the index)
+    g = torch.Generator(device=dev).manual_seed(N)
+    D, V = 264, 3001
+    h = torch.randn(N, D, device=dev, generator=g)
+    w = torch.randn(V, D, device=dev, generator=g) * D ** -0.5
+    b = torch.randn(V, device=dev, generator=g) * 0.5
+    t = torch.randint(0, V, (N,), device=dev, generator=g)
+    g_logp, g_ent = torch.randn(N, device=dev, generator=g), torch.randn(N, device=dev, generator=g)
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(
+        shape, float("nan") if dtype.is_floating_point else -7, dtype=dtype, device=device))
+    mod = op._module(dev, torch.float32, (N, D, V))
+    if not (isinstance(mod, cuda_variant.CudaForward) and mod.gemv):
+        pytest.skip(f"dispatch takes {getattr(mod, 'name', mod)} here, not a float32 gemv variant")
+
+    def run(temperature):
+        for x in leaves:
+            x.grad = None
+        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=temperature, return_entropy=True)
+        ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+        return [logp.detach(), ent.detach()] + [x.grad for x in leaves]
+
+    got = {}
+    for on in (False, True, False):
+        tf32(on)
+        monkeypatch.setattr(op, "FAST", False)
+        want = [run(c) for c in (0.9, 1.3)]
+        monkeypatch.setattr(op, "FAST", True)
+        run(0.9)  # (the general path; the entry after it)
+        entry = next(e for e in op._FAST.values() if e.dims == (N, D, V) and e.mod is op._module(dev, torch.float32,
+                                                                                                (N, D, V)))
+        assert entry.launch.go is not None and entry.launch.few is None
+        before = op.STATS["fast"]
+        for c, e in zip((0.9, 1.3), want):
+            for a, b_ in zip(run(c), e):
+                assert torch.equal(a, b_), (on, c)
+        assert op.STATS["fast"] == before + 2
+        got.setdefault(on, want[0][0])
+    assert (got[True] - got[False]).abs().max().item() > 1e-5
+    # captured in a CUDA graph (warmed up on a side stream), replayed against an eager call
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            ops.linear_logp(h, w, t, b, temperature=0.8)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        out = ops.linear_logp(h, w, t, b, temperature=0.8)
+    h.copy_(torch.randn(N, D, device=dev, generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert torch.equal(out, ops.linear_logp(h, w, t, b, temperature=0.8))

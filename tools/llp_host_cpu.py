@@ -76,7 +76,8 @@ def stub_cuda(triton_mod):
     entry = ctypes.c_void_p(1)
     kernel = SimpleNamespace(
         params={"block_m": 128, "block_n": 256, "split_v": 33, "cluster": 2, "consumers": 2},
-        name="stub_sm90a", lib=SimpleNamespace(kgen_launch_dz=entry), variant=SimpleNamespace(arch="sm_90a"),
+        name="stub_sm90a", lib=SimpleNamespace(kgen_launch_dz=entry),
+        variant=SimpleNamespace(arch="sm_90a", dtype="bfloat16"),
         raw=raw, ptr=1, fail=None)
     impl = CudaForward(kernel, triton_mod)
     impl._resident[None] = 132  # CPU tensors: device index None

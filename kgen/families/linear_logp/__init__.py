@@ -19,11 +19,13 @@ The Triton kernels live in kgen/templates/linear_logp/triton.py.j2; `mod` in `la
 NUM_WARPS, NUM_STAGES, SPLIT_V plus the kernels), or a `CudaForward`: a CUDA variant's
 forward-partials kernel (cuda_sm90a.cu.j2: TMA + mbarrier + warp-specialised WGMMA;
 cuda_sm80.cu.j2: cp.async + ldmatrix + mma.sync, also built for sm_90; cuda_gemv.cu.j2, the
-`kernel: gemv` variants: N <= 16 rows, the weight streamed once into mma.sync registers) with
+`kernel: gemv` variants: N <= 16 rows, the weight streamed once into mma.sync registers;
+float32 ones on TF32 mma.sync, 3 products a step with TF32 off) with
 its own combine, paired with a Triton module that supplies the backward. Dispatch takes the
 forward the tuning table names for the device, dtype and (N, D, V) bucket, else the CUDA
-variants whose arch runs on the device first; inputs they cannot take (D % 8 != 0, pointers
-off 16-byte alignment, more rows than a gemv variant's block_m) run the Triton forward of the
+variants whose arch runs on the device first; inputs they cannot take (rows not whole 16-byte
+units, D % 8 != 0 for the tiled kernels, pointers off 16-byte alignment, more rows than a gemv
+variant's block_m) run the Triton forward of the
 same pair. The backward's kernels are spec order's, but where the forward's bucket ran the
 PyTorch reference, the backward does too.
 
@@ -35,8 +37,9 @@ no pointer alignment is required: 16-bit operands with D % 8 == 0 and 16-byte al
 bases load their logit tiles by TMA on sm_90+ (the forward and dz kernels), anything else by
 pointer loads (Triton specialises on 16-byte alignment by itself).
 Float32 inputs use TF32 tensor cores only when torch.backends.cuda.matmul.allow_tf32 is
-set, as torch.matmul does (with it off, "tf32x3" tiles keep float32's accuracy, and a few
-rows take the logits from cuBLAS: launch.logits_path); their buckets name the setting.
+set, as torch.matmul does (with it off, "tf32x3" tiles and the gemv kernel's 3 products keep
+float32's accuracy, and a few rows the gemv kernel does not serve take the logits from cuBLAS:
+launch.logits_path); their buckets name the setting.
 Float16 inputs keep dz in float16 (as eager PyTorch does), so probabilities below ~6e-8
 flush to zero there.
 """

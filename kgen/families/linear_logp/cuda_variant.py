@@ -33,10 +33,10 @@ class CudaForward:
     """A CUDA variant (sm_90a WGMMA, sm_80 mma.sync, or the small-N streaming kernel, `gemv`):
     its kernels write the forward partials and combine them; the Triton module `triton`
     supplies the backward and the whole forward for inputs the CUDA kernel cannot take
-    (`takes`): rows that are not whole 16-byte units or a pointer not 16-byte aligned (TMA,
-    cp.async and the gemv kernel's loads move 16-byte pieces; the tiled kernels also want D %
-    8 == 0), for the gemv kernel more than block_m rows, and float32 for all but the gemv
-    kernel (TF32 mma.sync: one product with TF32 allowed, three without, `exact`).
+    (`takes`): another dtype than the variant's, rows that are not whole 16-byte units or a
+    pointer not 16-byte aligned (TMA, cp.async and the gemv kernel's loads move 16-byte
+    pieces), and for the gemv kernel more than block_m rows. (float32: gemv variants only, on
+    TF32 mma.sync, one product with TF32 allowed, three without.)
 
     The number of splits is chosen per call by wave_splits, with the spec's split_v as the
     minimum, over row groups (the `cluster` row blocks one cluster takes) and the clusters
@@ -51,6 +51,7 @@ class CudaForward:
         self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
         self.max_rows = max_rows(p)  # the most rows its forward takes (None: any)
         self.name = kernel.name
+        self.dtype = getattr(torch, kernel.variant.dtype)  # the inputs' dtype its kernels take
         self._resident: dict[int, int] = {}
         self._splits: dict[tuple, int] = {}  # (N, V, device) -> the forward's splits
         self._dz_grids: dict[tuple, tuple[int, int]] = {}  # (N, D, width, device) -> (splits, group)
@@ -61,9 +62,7 @@ class CudaForward:
         self._dz_ptr = ctypes.cast(dz, ctypes.c_void_p).value if dz is not None else None
 
     def takes(self, hidden, weight, bias) -> bool:
-        if hidden.dtype not in (torch.bfloat16, torch.float16) and not (self.gemv and hidden.dtype == torch.float32):
-            return False
-        if hidden.shape[1] % (8 if not self.gemv else 16 // hidden.element_size()):
+        if hidden.dtype != self.dtype or hidden.shape[1] * hidden.element_size() % 16:
             return False
         if self.max_rows is not None and hidden.shape[0] > self.max_rows:  # the gemv kernel's
             return False

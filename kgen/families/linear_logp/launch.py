@@ -53,7 +53,9 @@ LN2 = 0.6931471805599453
 # N * V <= 2^19 it took 0.32-0.84x forward, 0.47-0.92x forward + backward (N = 48-128 at
 # V = 4096-8192), and lost from 2^20 on at D <= 1024 (1.07-1.25x); TF32 on (one product)
 # only N = 1 gained (0.83-0.91x), N >= 4 lost up to 1.6x at D = 1024. Both paths keep the
-# same contract (lse2, ez2), so a forward and its backward may take either.
+# same contract (lse2, ez2), so a forward and its backward may take either. A float32 gemv
+# variant (CudaForward) that takes the call runs its own forward first (one launch; the tuning
+# table's choice at N <= 16); its backward still takes this path.
 F32_LOGITS_MAX_ROWS = {"tf32x3": 32, "tf32": 1}
 F32_LOGITS_MAX_ELEMS = {"tf32x3": 1 << 19, "tf32": 0}
 F32_LOGITS_MAX_BYTES = 16 << 20
