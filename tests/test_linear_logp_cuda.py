@@ -368,7 +368,7 @@ def test_float32_gemv_in_both_precisions(monkeypatch, tf32, name, N):
                 assert err <= 5e-5 and off > 20 * err, (nm, err, off)
         else:
             _check((logp, ent), h, w, t, b, 0.9, "float32")
-    go = impl.bind_forward(N, 3001, 1004, 1, False, h.device, torch.float32)
+    go = impl.bind_forward(N, 3001, 1004, 1, False, h.device)
     for on in (False, True):
         tf32(on)
         outs = [torch.full((N,), float("nan"), device="cuda") for _ in range(3)]

@@ -160,13 +160,12 @@ class CudaForward:
             part = torch.empty((4, splits, N), dtype=torch.float32, device=dev)
         target = target if target.dtype == torch.int64 else target.long()
         outs = tuple(t.data_ptr() for t in outputs) if outputs is not None else (0, 0, 0, 0)
-        self.bind_forward(N, V, D, splits, with_entropy, dev, hidden.dtype)(
+        self.bind_forward(N, V, D, splits, with_entropy, dev)(
             hidden.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else 0, target.data_ptr(),
             part.data_ptr(), *outs, ignore_index, LOG2E / temperature)
         return part
 
-    def bind_forward(self, N: int, V: int, D: int, splits: int, with_entropy: bool, device: torch.device,
-                     dtype: torch.dtype = torch.bfloat16):
+    def bind_forward(self, N: int, V: int, D: int, splits: int, with_entropy: bool, device: torch.device):
         """The forward's launcher call (partials, then the combine where `logp` is not 0)
         with the shape, splits and grid order bound: go(hidden, weight, bias, target, part,
         logp, entropy, lse2, ez2, ignore_index, scale), the tensors as addresses (0: none;
@@ -176,7 +175,7 @@ class CudaForward:
         (plans._precision "tf32x3")."""
         k, index, group = self.kernel, device.index, self.group(N, D)
         raw, ptr, with_entropy = k.raw, k.ptr, bool(with_entropy)
-        matmul = torch.backends.cuda.matmul if dtype == torch.float32 else None
+        matmul = torch.backends.cuda.matmul if self.dtype == torch.float32 else None
 
         def go(hidden, weight, bias, target, part, logp, entropy, lse2, ez2, ignore_index: int, scale: float):
             exact = matmul is not None and not matmul.allow_tf32

@@ -50,7 +50,7 @@ class ForwardLaunch:
             N > 0 and not cuda and launch.logits_path(hidden, weight)) else None
         if cuda:  # (float32's gemv kernel before the few-rows path, as launch.forward)
             splits = mod.splits(N, V, hidden.device)
-            self.go = mod.bind_forward(N, V, D, splits, with_entropy, hidden.device, hidden.dtype)
+            self.go = mod.bind_forward(N, V, D, splits, with_entropy, hidden.device)
             rows = _cdiv(N, 4) * 4  # floats of lse2 (or ez2) rounded to 16 bytes
             self.ez_at = rows if with_entropy else 0
             self.part_at = 2 * rows if with_entropy else rows
