@@ -99,7 +99,8 @@ def llp_builds():
 def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
     """sm_90a: WGMMA from TMA-loaded shared memory; the mma.sync template: ldmatrix + HMMA;
     the gemv kernel: HMMA fed by 16-byte weight loads that skip L1 (and on sm_90 the wait of
-    a programmatic dependent launch). No local memory, and none of the ptxas warnings that
+    a programmatic dependent launch); its float32 form TF32 HMMA on operands rounded in
+    registers (F2FP on sm_90). No local memory, and none of the ptxas warnings that
     mean a WGMMA was serialised (C7510, C7511, C7515) or register reallocation ignored (C7508)."""
     r = llp_builds[name]
     assert r.status in ("built", "cached"), r.error
@@ -108,8 +109,10 @@ def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
     assert f"arch = {r.variant.arch}" in sass
     gemv = r.variant.params["kernel"] == "gemv"
     if gemv:  # hidden through L1 (LDG.E.128.CONSTANT), and the weight not: cp.async or no-allocate loads
-        wanted = ("HMMA.16816.F32", "LDG.E.128.CONSTANT")
+        f32 = r.variant.dtype == "float32"
+        wanted = ("HMMA.1688.F32.TF32" if f32 else "HMMA.16816.F32", "LDG.E.128.CONSTANT")
         wanted += ("ACQBULK",) if r.variant.arch == "sm_90" else ()
+        wanted += ("F2FP.TF32.F32",) if f32 and r.variant.arch == "sm_90" else ()
         ring = r.variant.params["ring"] > 0
         wanted += ("LDGSTS.E.BYPASS", "LDS.128") if ring else ()
         assert ring or re.search(r"LDG\.E\.NA\.LTC\d+B\.128\.CONSTANT", sass)  # straight into registers
@@ -125,9 +128,9 @@ def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
     assert "LDL" not in sass and "STL" not in sass
     res = toolchain.resource_usage(lib)
     # the partials kernel: (bias, no bias) x (entropy, no entropy), and on sm_90a also its dz
-    # form (no bias) x (entropy, no entropy), the gemv kernel at 8 and at block_m rows a pass;
-    # its combine: (entropy, no entropy)
-    kernels = 8 if gemv else 6 if r.variant.arch == "sm_90a" else 4
+    # form (no bias) x (entropy, no entropy), the gemv kernel at 8 and at block_m rows a pass
+    # (float32: each with one TF32 product and with three); its combine: (entropy, no entropy)
+    kernels = (16 if r.variant.dtype == "float32" else 8) if gemv else 6 if r.variant.arch == "sm_90a" else 4
     fwd = "fwd_gemv" if gemv else "fwd_sm"
     assert sum(fwd in k for k in res) == kernels and sum("combine" in k for k in res) == 2, list(res)
     assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
