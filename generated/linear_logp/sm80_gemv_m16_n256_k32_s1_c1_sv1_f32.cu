@@ -123,6 +123,18 @@ __device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const uint32
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// d += a * b for one m16n8k8 tile of TF32 operands (float32 bit patterns: the tensor core
+// reads 10 mantissa bits and ignores the low 13, i.e. truncates unrounded values), float32
+// accumulation. One 32-bit element a register: a[0] = A[g][t], a[1] = A[g + 8][t],
+// a[2] = A[g][t + 4], a[3] = A[g + 8][t + 4]; b[0] = B[t][g], b[1] = B[t + 4][g]; d as
+// m16n8k16's.
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // ---------------------------------------------------------------- swizzle
 
 // Where 16-byte chunk `chunk` of row `row` lives in a shared-memory tile whose rows are CPR
@@ -441,13 +453,6 @@ __device__ __forceinline__ uint32_t tf32_nearest(uint32_t v) {
 #endif
 }
 
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 { %0, %1, %2, %3 }, { %4, %5, %6, %7 }, { %8, %9 }, "
-      "{ %0, %1, %2, %3 };"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
 template <bool EXACT>
 __device__ __forceinline__ void mma_piece(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   uint32_t ah[4], bh[2];
@@ -461,10 +466,10 @@ __device__ __forceinline__ void mma_piece(float (&d)[4], const uint32_t (&a)[4],
     for (int i = 0; i < 4; ++i) al[i] = tf32_nearest(__float_as_uint(__uint_as_float(a[i]) - __uint_as_float(ah[i])));
 #pragma unroll
     for (int i = 0; i < 2; ++i) bl[i] = tf32_nearest(__float_as_uint(__uint_as_float(b[i]) - __uint_as_float(bh[i])));
-    mma_tf32(d, al, bh);
-    mma_tf32(d, ah, bl);
+    kgen::mma_m16n8k8_tf32(d, al, bh);
+    kgen::mma_m16n8k8_tf32(d, ah, bl);
   }
-  mma_tf32(d, ah, bh);
+  kgen::mma_m16n8k8_tf32(d, ah, bh);
 }
 
 // MT: hidden rows per pass (8 or MAX_N; >= N), in TG = MT / 8 MMA column groups. EXACT:

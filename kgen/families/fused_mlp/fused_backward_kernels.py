@@ -30,8 +30,9 @@ kgen (tests/conftest.py does). The activations repeat the forward's formulas
 float32 in and out; `code` is a runtime value (one compile serves every activation). So does
 `_tf32_round`, the templates' tf32_round (kgen/templates/common/triton_tf32.py.j2): with TF32 on,
 `_dot` rounds both float32 operands to the nearest TF32 value, as cuBLAS rounds them, where the
-tensor cores would truncate them (the forward reads rounded weight copies; here every tile is
-rounded in the kernel).
+tensor cores would truncate them; a weight tile the dz chain reads from the rounded copy
+fused_mlp_bwd_tf32_kernel wrote is not rounded again (`_dot`'s ROUND_B), as the forward reads
+its own rounded copies.
 """
 
 from __future__ import annotations
