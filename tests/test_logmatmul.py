@@ -137,6 +137,54 @@ def test_everything_minus_inf(poison):
     assert (x.grad == 0).all() and (w.grad == 0).all()
 
 
+def nan_case(B: int, K: int = 40, N: int = 5, device=CPU):
+    """x and w with a NaN in row 0 of x and in node 1's row of w, an all -inf row 2 of x, a
+    -inf entry in row 1 and a zero weight row 3: PyTorch's expression gives NaN outputs in
+    row 0 and in column 1 (row 2's included), -inf elsewhere in rows 2 and column 3."""
+    g = torch.Generator().manual_seed(B)
+    x = torch.randn(B, K, generator=g)
+    x[0, 5], x[1, 7] = float("nan"), float("-inf")
+    x[2] = float("-inf")
+    w = torch.rand(N, K, generator=g)
+    w[1, 3], w[3] = float("nan"), 0.0
+    return x.to(device), w.to(device)
+
+
+def assert_nan_as_pytorch(out, dx, dw, x, w):
+    """out, dx, dw (the op's, for an all-ones upstream gradient) NaN exactly where the float64
+    reference's autograd is, -inf outputs where its are; dx 0 at -inf entries of x (the
+    documented rule) instead of its NaN or 0."""
+    xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+    ref = lmm.reference(xr, wr, torch.float64)
+    ref.backward(torch.ones_like(ref))
+    out, dx, dw = out.cpu(), dx.cpu(), dw.cpu()
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isneginf(out), torch.isneginf(ref))
+    assert torch.isnan(out).any() and torch.isneginf(out).any()
+    live = ~torch.isneginf(x.cpu())
+    assert torch.equal(torch.isnan(dx[live]), torch.isnan(xr.grad[live])) and (dx[~live] == 0).all()
+    assert torch.equal(torch.isnan(dw), torch.isnan(wr.grad))
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(out[fin].double(), ref[fin].detach(), rtol=1e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("name", TRITON + TRITON_16)
+@pytest.mark.parametrize("B", [3, 12])  # the one-pass backward (B <= bwd_b) and the GEMM form
+def test_nan_propagates_as_in_pytorch(poison, name, B):
+    """A NaN input gives NaN outputs and gradients where PyTorch's expression does, never a
+    plausible -inf (which `s > 0 ? log s : -inf` made of it), in one launch and through the
+    K-split combine alike."""
+    mod = _mod(name)
+    x, w = nan_case(B)
+    x = x.to(getattr(torch, SPEC.variant(name).dtype))
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    with lmm.using(mod):
+        out = lmm.logmatmul(xl, wl)
+        out.backward(torch.ones_like(out))
+    assert_nan_as_pytorch(out, xl.grad, wl.grad, x, w)
+    split = launch.forward(mod, x, w, splits=3)
+    assert torch.equal(torch.isnan(split), torch.isnan(out)) and torch.equal(torch.isneginf(split), torch.isneginf(out))
+
+
 @pytest.mark.parametrize("scale", [1e30, 1e-30])
 @pytest.mark.parametrize("B", [3, 12])  # the one-pass kernel (B <= bwd_b) and the GEMM form
 def test_backward_extreme_weight_scales(poison, scale, B):
@@ -200,6 +248,29 @@ def test_block_sparse_matches_dense(poison, impl):
     torch.testing.assert_close(xs.grad.double(), xd.grad, rtol=0, atol=2e-5 * scale)
     scale = max(1.0, float(dw_blocks.abs().max()))
     torch.testing.assert_close(bl.grad.double(), dw_blocks, rtol=0, atol=2e-5 * scale)
+
+
+@pytest.mark.parametrize("impl", [TRITON[0], TRITON[1]])
+def test_block_sparse_nan_propagates(poison, impl):
+    """A NaN in x or in a block gives NaN outputs exactly where a present block's terms meet
+    it (absent blocks are no terms: 0 x NaN is not summed); the empty block row stays -inf;
+    the rest as the dense expression without the NaNs."""
+    bs, R, C, B = 32, 3, 4, 3
+    blocks, row_ptr, col_idx = _pattern(R, C, 0.5, bs, seed=1)
+    blocks[0, 2, 5] = float("nan")  # block row 0, node 2
+    x, _ = numerics.make_inputs(B, 1, C * bs, torch.float32, CPU)
+    x[1, 9] = float("nan")
+    with lmm.using(_mod(impl)):
+        out = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
+    present = lmm.dense_from_blocks(torch.ones_like(blocks), row_ptr, col_idx, bs, C * bs) > 0
+    w = lmm.dense_from_blocks(blocks.double(), row_ptr, col_idx, bs, C * bs)
+    hit = (present[None] & (torch.isnan(x)[:, None, :] | torch.isnan(w)[None])).any(-1)
+    assert hit.any() and not hit.all()
+    assert torch.equal(torch.isnan(out), hit)
+    xd = x.double()
+    ref = lmm.reference(torch.where(torch.isnan(xd), float("-inf"), xd), torch.nan_to_num(w, nan=0.0), torch.float64)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(ref) & ~hit) and torch.isneginf(out[:, bs:2 * bs]).all()
+    torch.testing.assert_close(out[~hit].double(), ref[~hit], rtol=1e-5, atol=3e-5)
 
 
 # --------------------------------------------------------------------------- the op

@@ -9,7 +9,8 @@ import torch
 from kgen.families import logmatmul as lmm
 from kgen.families.logmatmul import launch, numerics
 from kgen.runtime import dispatch
-from test_logmatmul import CUDA, MMA, MMA_FORMS, SPEC, TRITON, _assert_ok, _mod, _pattern, _variant
+from test_logmatmul import (CUDA, MMA, MMA_FORMS, SPEC, TRITON, _assert_ok, _mod, _pattern, _variant,
+                             assert_nan_as_pytorch, nan_case)
 from test_logmatmul import poison  # noqa: F401 - the fixture, by name
 
 gpu = pytest.mark.gpu
@@ -259,6 +260,29 @@ def test_gpu_cuda_mma_sizes_splits_and_determinism(poison, name):
             assert torch.equal(torch.isneginf(out), torch.isneginf(want)), (B, N, K, splits)
             torch.testing.assert_close(out[f].double(), want[f], rtol=tol.rtol, atol=tol.atol)
         assert torch.equal(launch.forward(mod, x, w), launch.forward(mod, x, w))  # no atomics
+
+
+@gpu
+@pytest.mark.parametrize("name", CUDA + list(MMA_FORMS))
+def test_gpu_cuda_nan_propagates_as_in_pytorch(poison, name):
+    """Each CUDA form (FMA, tensor-core; one launch, the K-split combine) gives NaN outputs
+    where PyTorch's expression does, never -inf, and the op's gradients (the library's CUDA
+    backward where it takes the call) NaN where autograd's are."""
+    mod = _gpu_mod(name)
+    dtype = getattr(torch, _variant(name).dtype)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for B in (3, min(12, mod.max_b)):
+        x, w = nan_case(B, K=64, device=dev)
+        x = x.to(dtype)
+        assert mod.takes(x, w), B
+        outs = [launch.forward(mod, x, w, splits=s) for s in (1, 3)]
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with lmm.using(mod):
+            out = lmm.logmatmul(xl, wl)
+            out.backward(torch.ones_like(out))
+        for o in outs:
+            assert torch.equal(torch.isnan(o), torch.isnan(out)) and torch.equal(torch.isneginf(o), torch.isneginf(out))
+        assert_nan_as_pytorch(out, xl.grad, wl.grad, x, w)
 
 
 # --------------------------------------------------------------------------- block-sparse on CUDA

@@ -339,7 +339,7 @@ __device__ __forceinline__ void lmm_body(const TX* __restrict__ x, const TW* __r
     for (int i = 0; i < WARPS; ++i) s += red_s[i][b][n] * rescale(red_m[i][b], big);
     const int64_t o = (int64_t)(b0 + b) * N + n0 + n;
     if (direct) {
-      out[o] = s > 0.f ? logf(s) + big : -INFINITY;  // s > 0: big is finite
+      out[o] = s == 0.f ? -INFINITY : logf(s) + big;  // s > 0: big is finite; NaN stays NaN
     } else {
       part_s[(int64_t)split * B * N + o] = s;
       if (SPARSE) part_m[(int64_t)split * B * N + o] = big;  // each block row its own
@@ -371,7 +371,7 @@ lmm_combine(const float* __restrict__ part_m, const float* __restrict__ part_s, 
   float total = 0.f;
   for (int j = 0; j < splits; ++j)
     total += part_s[(int64_t)j * B * N + i] * rescale(part_m[PER_NODE ? (int64_t)j * B * N + i : (int64_t)j * B + b], big);
-  out[i] = total > 0.f ? logf(total) + big : -INFINITY;
+  out[i] = total == 0.f ? -INFINITY : logf(total) + big;
 }
 
 // ----------------------------------------------------------------------------- block-sparse
@@ -675,7 +675,7 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
       if (b < B) {
         float p[4];  // this chunk's part of dx (0 where e' = 0)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) p[v] = e[b][v] > 0.f ? e[b][v] * acc[b][v] : 0.f;
+        for (int v = 0; v < 4; ++v) p[v] = e[b][v] == 0.f ? 0.f : e[b][v] * acc[b][v];  // NaN stays NaN
         if (direct) {
 #pragma unroll
           for (int v = 0; v < 4; ++v) dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(p[v]);

@@ -134,7 +134,8 @@ def logmatmul_fwd_kernel(x_ptr, w_ptr, part_m_ptr, part_s_ptr, out_ptr, B, N, K,
     s = _finish(acc, acc3, DOT)
     ok = b_ok[:, None] & n_ok[None, :]
     if DIRECT:
-        out = tl.where(s > 0, tl.log(tl.where(s > 0, s, 1.0)) + shift[:, None], float("-inf"))
+        # s = 0 (nothing but -inf or zero weights): -inf; a NaN (a NaN in x or w, +inf in x) stays NaN
+        out = tl.where(s == 0, float("-inf"), tl.log(tl.where(s == 0, 1.0, s)) + shift[:, None])
         tl.store(out_ptr + offs_b[:, None].to(tl.int64) * N + offs_n[None, :], out, mask=ok)
     else:
         base = split.to(tl.int64) * B
@@ -159,7 +160,7 @@ def logmatmul_combine_kernel(part_m_ptr, part_s_ptr, out_ptr, B, N, splits, BLOC
         mj = tl.load(part_m_ptr + j * B + b, mask=ok, other=float("-inf"))
         sj = tl.load(part_s_ptr + j * B * N + offs, mask=ok, other=0.0)
         total += sj * tl.exp(mj - shift)
-    out = tl.where(total > 0, tl.log(tl.where(total > 0, total, 1.0)) + shift, float("-inf"))
+    out = tl.where(total == 0, float("-inf"), tl.log(tl.where(total == 0, 1.0, total)) + shift)
     tl.store(out_ptr + offs, out, mask=ok)
 
 
@@ -243,13 +244,13 @@ def logmatmul_bwd_kernel(x_ptr, w_ptr, out_ptr, g_ptr, stats_ptr, dw_ptr, dxp_pt
         bn = b_ok[:, None] & n_ok[None, :]
         o = tl.load(out_ptr + offs_b[:, None] * N + offs_n[None, :], mask=bn, other=float("-inf"))
         g = tl.load(g_ptr + offs_b[:, None] * N + offs_n[None, :], mask=bn, other=0.0)
-        live = o > float("-inf")  # an output of -inf contributes nothing
+        live = o != float("-inf")  # an output of -inf contributes nothing
         c = tl.where(live, g * tl.exp2((m[:, None] - tl.where(live, o, 0.0)) * LOG2E - S[:, None]), 0.0)
         dw = tl.sum(c[:, :, None] * e[:, None, :], axis=0)
         tl.store(dw_ptr + w_off, dw.to(dw_ptr.dtype.element_ty), mask=ok)
         dx += tl.sum(c[:, :, None] * wt[None, :, :], axis=1)
     if DIRECT:
-        dx = tl.where(e > 0, e * dx, 0.0)
+        dx = tl.where(e == 0, 0.0, e * dx)  # (x = -inf: 0, whatever dx; a NaN stays NaN)
     tl.store(dxp_ptr + chunk.to(tl.int64) * B * K + offs_b[:, None] * K + offs_k[None, :],
              dx.to(dxp_ptr.dtype.element_ty), mask=bk)
 
@@ -268,7 +269,7 @@ def logmatmul_dx_kernel(dxp_ptr, x_ptr, stats_ptr, dx_ptr, B, K, parts, BLOCK: t
     S = tl.load(stats_ptr + 2 * b + 1, mask=ok, other=0.0)
     xs = tl.load(x_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32)
     e = tl.exp2((xs - m) * LOG2E + S)
-    tl.store(dx_ptr + offs, tl.where(e > 0, e * acc, 0.0).to(dx_ptr.dtype.element_ty), mask=ok)
+    tl.store(dx_ptr + offs, tl.where(e == 0, 0.0, e * acc).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -284,7 +285,7 @@ def logmatmul_bwd_factors_kernel(x_ptr, out_ptr, g_ptr, stats_ptr, e_ptr, c_ptr,
     ok = offs < N
     o = tl.load(out_ptr + b * N + offs, mask=ok, other=float("-inf"))
     g = tl.load(g_ptr + b * N + offs, mask=ok, other=0.0)
-    live = o > float("-inf")
+    live = o != float("-inf")
     c = tl.where(live, g * tl.exp2((m - tl.where(live, o, 0.0)) * LOG2E - S), 0.0)
     tl.store(c_ptr + b * N + offs, c, mask=ok)
 
@@ -304,11 +305,11 @@ def _bwd_tile(x_ptr, out_ptr, g_ptr, wt, dxp_ptr, offs_n, n_ok, offs_k, k_ok, k_
         bn = b_ok[:, None] & n_ok[None, :]
         o = tl.load(out_ptr + rows * N + offs_n[None, :], mask=bn, other=float("-inf"))
         g = tl.load(g_ptr + rows * N + offs_n[None, :], mask=bn, other=0.0).to(tl.float32)
-        live = o > float("-inf")  # an output of -inf contributes nothing
+        live = o != float("-inf")  # an output of -inf contributes nothing
         o = tl.where(live, o, 0.0)
         g = tl.where(live, g, 0.0)
         # clamped: a zero weight or gradient times an exp that overflowed is 0, not NaN
-        e = tl.minimum(tl.exp(xs[:, None, :] - o[:, :, None]), FLT_MAX)
+        e = tl.minimum(tl.exp(xs[:, None, :] - o[:, :, None]), FLT_MAX, propagate_nan=tl.PropagateNan.ALL)
         ge = g[:, :, None] * e
         dw += tl.sum(ge, axis=0)
         dx = tl.sum(ge * wt[None, :, :], axis=1)
@@ -353,7 +354,7 @@ def bsl_fwd_kernel(x_ptr, blocks_ptr, row_ptr, col_idx, out_ptr, B, N, K, n_tile
         acc, acc3 = _shifted_sum(x_ptr, blocks_ptr + j * BS * BS, local, shift, offs_b, b_ok, offs_n, n_ok,
                                  c, c + BS, 0, BS, K, acc, acc3, DOT, BLOCK_B, BLOCK_N, BLOCK_K)
     s = _finish(acc, acc3, DOT)
-    out = tl.where(s > 0, tl.log(tl.where(s > 0, s, 1.0)) + shift[:, None], float("-inf"))
+    out = tl.where(s == 0, float("-inf"), tl.log(tl.where(s == 0, 1.0, s)) + shift[:, None])
     tl.store(out_ptr + offs_b[:, None].to(tl.int64) * N + offs_n[None, :], out,
              mask=b_ok[:, None] & n_ok[None, :])
 

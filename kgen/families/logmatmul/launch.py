@@ -400,7 +400,7 @@ def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tens
                              (x, out, grad, stats, e, c, N, K),
                              dict(BLOCK=REDUCE_BLOCK))
         # two GEMMs on the scaled factors (float32 unless the caller allowed TF32 matmuls)
-        dx = torch.where(e > 0, e * (c @ w.to(f32)), 0.0).to(x.dtype)
+        dx = torch.where(e == 0, 0.0, e * (c @ w.to(f32))).to(x.dtype)  # (x = -inf: 0; a NaN stays NaN)
         return dx, (c.T @ e).to(w.dtype)
     chunks, n_chunk = bwd_chunks(mod, N, K, sm_count(dev))
     dw = _empty((N, K), dtype=w.dtype, device=dev)

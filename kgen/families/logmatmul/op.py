@@ -312,8 +312,12 @@ def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     merged exactly), so nothing overflows; an all -inf row or a zero weight row gives -inf,
     never NaN. A node whose weighted inputs all lie more than ~87 below its row's maximum
     underflows to -inf (the price of one shift per row instead of one per output).
+    A NaN in a row of x or a row of w makes that row's (that node's) outputs NaN, as PyTorch's
+    expression does (never a plausible -inf); +inf in x is outside the domain and gives NaN
+    too (the expression gives +inf).
     Differentiable in x and w: dx[b,k] = sum_n g w[n,k] exp(x[b,k] - out[b,n]),
-    dw[n,k] = sum_b g exp(x[b,k] - out[b,n]); outputs of -inf contribute nothing. On CUDA the
+    dw[n,k] = sum_b g exp(x[b,k] - out[b,n]); outputs of -inf contribute nothing, and an
+    entry of x that is -inf gets dx = 0; NaN outputs give NaN gradients. On CUDA the
     variant the tuning table names for (B, N, K) runs on the current stream; CPU tensors
     use the float32 reference. Also torch.ops.kgen.logmatmul."""
     # Eager fast path (host cost of small calls): plain tensors, no gradient, no `using`
