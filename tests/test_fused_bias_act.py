@@ -328,6 +328,45 @@ def test_triton_flat_index_widths_and_masks_agree():
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+def _nan_passes_every_activation(name, device):
+    """NaN in x (and in y) comes out NaN under every activation, as PyTorch's expression gives
+    it (relu included: fmaxf / tl.maximum would make it 0); -inf and +inf as the reference."""
+    v = SPEC.variant(name)
+    t = getattr(torch, v.dtype)
+    x = torch.randn(3, 136, dtype=t, device=device)
+    x[0, 5], x[1, 0], x[2, 7], x[2, 9] = float("nan"), float("nan"), float("-inf"), float("inf")
+    y = torch.randn_like(x)
+    y[1, 100] = float("nan")
+    bias = torch.randn(136, dtype=t, device=device)
+    kernel = dispatch.load(v)
+    for act in fba.ACTIVATIONS:
+        for yy in (None, y):
+            out = torch.full_like(x, 7.0)
+            fba.launch(kernel, x, bias, yy, 0.5, act, out)
+            ref = fba.reference(x, bias, yy, 0.5, act, compute=torch.float64)
+            assert torch.equal(torch.isnan(out), torch.isnan(ref)), (act, yy is None)
+            assert torch.isnan(out[0, 5]) and torch.isnan(out[1, 0]), act
+            assert torch.equal(torch.isinf(out), torch.isinf(ref)) and torch.equal(out[torch.isinf(ref)].double(),
+                                                                                   ref[torch.isinf(ref)]), act
+
+
+@pytest.mark.parametrize("name", [v.name for v in _variants("triton")])
+def test_triton_nan_passes_every_activation_under_interpreter(name):
+    if torch.cuda.is_available():
+        pytest.skip("covered by the GPU test")
+    _nan_passes_every_activation(name, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [v.name for v in _variants()])
+def test_gpu_nan_passes_every_activation(name):
+    v = SPEC.variant(name)
+    cap = torch.cuda.get_device_capability()
+    if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, cap):
+        pytest.skip(f"{v.arch} does not run on sm_{cap[0]}{cap[1]}")
+    _nan_passes_every_activation(name, torch.device("cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [v.name for v in _variants()])
 def test_every_variant_on_gpu_matches_float64(name):

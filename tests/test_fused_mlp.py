@@ -65,6 +65,34 @@ def test_gradients_vs_float64(name, widths, acts, bias):
     assert all(r <= max(1.0, k * e) for _, r, e in res), res
 
 
+def _nan_like_eager(name, device):
+    """A NaN in a row of x gives that row NaN outputs through ReLU hidden layers (fmaxf /
+    tl.maximum would make it 0 and the row finite), and NaN gradients where eager autograd's
+    are; the other rows as eager's."""
+    v = SPEC.variant(name)
+    widths = v.params["widths"] or (13, 40, 7)
+    x, ws, bs = fm.make_inputs(device, getattr(torch, v.dtype), 5, widths)
+    x[0, 3] = float("nan")
+    leaves = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
+    L = len(ws)
+    with fm.using(_module(name)):
+        out = ops.fused_mlp(leaves[0], leaves[1:1 + L], leaves[1 + L:], activation="relu", last_activation="relu")
+        out.sum().backward()
+    eager = [t.clone().requires_grad_() for t in (x, *ws, *bs)]
+    ref = fm.eager(eager[0], eager[1:1 + L], eager[1 + L:], "relu", "relu")[0]
+    ref.sum().backward()
+    assert torch.isnan(out[0]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
+    tol = TOL[v.dtype]
+    torch.testing.assert_close(out[1:].float(), ref[1:].float(), rtol=tol.rtol, atol=tol.atol)
+    for a, b in zip(leaves, eager):
+        assert torch.equal(torch.isnan(a.grad), torch.isnan(b.grad))
+
+
+@pytest.mark.parametrize("name", CPU_VARIANTS[1:4])
+def test_nan_like_eager(name):
+    _nan_like_eager(name, "cpu")
+
+
 # User-spec exact widths whose plans take every path (schema.plan): a layer too wide for
 # registers feeding another (scratch, twice in a row: the two buffers alternate), a wide
 # layer absorbed by the next, a chunked layer on a register input, one whole dot, a
@@ -676,6 +704,14 @@ def test_cuda_variants_sass():
 def _compiled(kernel) -> int:
     """How many binaries Triton's JIT holds for a kernel (on every device)."""
     return sum(len(c[0]) for c in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", SPEC.variants, ids=lambda v: v.name)
+def test_gpu_nan_like_eager(v):
+    if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+        pytest.skip(f"{v.arch} code does not run here")
+    _nan_like_eager(v.name, "cuda")
 
 
 @pytest.mark.gpu

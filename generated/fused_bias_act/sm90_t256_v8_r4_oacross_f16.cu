@@ -98,7 +98,7 @@ __device__ __forceinline__ float sigmoid(float z) { return __fdividef(1.0f, 1.0f
 template <int ACT>
 __device__ __forceinline__ float activate(float z) {
   if constexpr (ACT == ACT_RELU) {
-    return fmaxf(z, 0.0f);
+    return z <= 0.0f ? 0.0f : z;  // torch.relu's threshold form: a NaN stays NaN (fmaxf would make it 0)
   } else if constexpr (ACT == ACT_SIGMOID) {
     return sigmoid(z);
   } else if constexpr (ACT == ACT_GELU) {

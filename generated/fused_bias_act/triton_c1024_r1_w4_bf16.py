@@ -31,7 +31,7 @@ def _sigmoid(z):
 @triton.jit
 def activate(z, ACT: tl.constexpr):
     if ACT == ACT_RELU:
-        z = tl.maximum(z, 0.0)
+        z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.relu (max.NaN)
     elif ACT == ACT_SIGMOID:
         z = _sigmoid(z)
     elif ACT == ACT_GELU:

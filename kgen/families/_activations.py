@@ -24,8 +24,8 @@ def act(z: torch.Tensor, name: str) -> torch.Tensor:
 
 def dact(z: torch.Tensor, name: str) -> torch.Tensor:
     """d act(z) / dz, in z's dtype (the backward passes float32)."""
-    if name == "relu":
-        return (z > 0).to(z.dtype)
+    if name == "relu":  # torch's threshold_backward: 0 where z <= 0, else 1 (a NaN z passes the gradient)
+        return (~(z <= 0)).to(z.dtype)
     if name == "sigmoid":
         s = torch.sigmoid(z)
         return s * (1 - s)

@@ -77,7 +77,7 @@ def _sigmoid(z):
 @triton.jit
 def _act(z, code):
     if code == _RELU:
-        z = tl.maximum(z, 0.0)
+        z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # a NaN stays NaN, as torch.relu
     elif code == _SIGMOID:
         z = _sigmoid(z)
     elif code == _GELU:
@@ -89,9 +89,9 @@ def _act(z, code):
 
 @triton.jit
 def _times_dact(g, z, code):
-    """g * act'(z) (reference.dact's formulas; relu: g where z > 0, as threshold_backward)."""
+    """g * act'(z) (reference.dact's formulas; relu: 0 where z <= 0, else g, as threshold_backward)."""
     if code == _RELU:
-        g = tl.where(z > 0.0, g, 0.0)
+        g = tl.where(z <= 0.0, 0.0, g)
     elif code == _SIGMOID:
         s = _sigmoid(z)
         g = g * (s * (1.0 - s))

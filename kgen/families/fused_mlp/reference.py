@@ -76,7 +76,7 @@ _sigmoid_backward = _aten.sigmoid_backward.default
 def dz_lean(g: torch.Tensor, z: torch.Tensor, name: str) -> torch.Tensor:
     """grad * act'(z) in g's dtype in one or few torch calls: PyTorch's own activation
     backward kernels take 16-bit g and z, compute in float32 and round once, as `backward`
-    does op by op (relu: g where z > 0, else 0, exactly; sigmoid: from sigmoid(z) in float32,
+    does op by op (relu: 0 where z <= 0, else g, exactly; sigmoid: from sigmoid(z) in float32,
     not from the rounded output eager autograd uses)."""
     if name == "relu":
         return _threshold_backward(g, z, 0)
