@@ -126,6 +126,10 @@ __device__ __forceinline__ float rescale(float m, float big) {
   return m == -INFINITY ? 0.f : fast_exp2((m - big) * LOG2E);
 }
 
+// An output from its shifted sum s and shift m: log(s) + m; -inf for an empty sum (s == 0: only
+// -inf entries or zero weights); a NaN sum (a NaN in x or w, +inf in x) stays NaN, never -inf.
+__device__ __forceinline__ float log_sum(float s, float m) { return s == 0.f ? -INFINITY : logf(s) + m; }
+
 // Weights: 16 bytes, read once, so not kept in L1 (x is, beside them). (On an H100 the
 // same with an L2::256B prefetch, a coherent load or a streaming .cs load measured the
 // same to +-3 %: logmatmul_note, session 11.)
@@ -339,7 +343,7 @@ __device__ __forceinline__ void lmm_body(const TX* __restrict__ x, const TW* __r
     for (int i = 0; i < WARPS; ++i) s += red_s[i][b][n] * rescale(red_m[i][b], big);
     const int64_t o = (int64_t)(b0 + b) * N + n0 + n;
     if (direct) {
-      out[o] = s == 0.f ? -INFINITY : logf(s) + big;  // s > 0: big is finite; NaN stays NaN
+      out[o] = log_sum(s, big);  // s > 0: big is finite
     } else {
       part_s[(int64_t)split * B * N + o] = s;
       if (SPARSE) part_m[(int64_t)split * B * N + o] = big;  // each block row its own
@@ -371,7 +375,7 @@ lmm_combine(const float* __restrict__ part_m, const float* __restrict__ part_s, 
   float total = 0.f;
   for (int j = 0; j < splits; ++j)
     total += part_s[(int64_t)j * B * N + i] * rescale(part_m[PER_NODE ? (int64_t)j * B * N + i : (int64_t)j * B + b], big);
-  out[i] = total == 0.f ? -INFINITY : logf(total) + big;
+  out[i] = log_sum(total, big);
 }
 
 // ----------------------------------------------------------------------------- block-sparse

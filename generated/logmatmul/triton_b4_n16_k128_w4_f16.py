@@ -91,6 +91,13 @@ def _shifted_sum(x_ptr, w_ptr, w_row, shift, offs_b, b_ok, offs_n, n_ok, x_lo, x
 
 
 @triton.jit
+def _log_sum(s, shift):
+    """An output from its shifted sum: log(s) + shift; -inf for an empty sum (s = 0: only -inf
+    entries or zero weights); a NaN sum (a NaN in x or w, +inf in x) stays NaN, never -inf."""
+    return tl.where(s == 0, float("-inf"), tl.log(tl.where(s == 0, 1.0, s)) + shift)
+
+
+@triton.jit
 def _finish(acc, acc3, DOT: tl.constexpr):
     if DOT == "none":
         return tl.sum(acc3, axis=2)
@@ -134,8 +141,7 @@ def logmatmul_fwd_kernel(x_ptr, w_ptr, part_m_ptr, part_s_ptr, out_ptr, B, N, K,
     s = _finish(acc, acc3, DOT)
     ok = b_ok[:, None] & n_ok[None, :]
     if DIRECT:
-        # s = 0 (nothing but -inf or zero weights): -inf; a NaN (a NaN in x or w, +inf in x) stays NaN
-        out = tl.where(s == 0, float("-inf"), tl.log(tl.where(s == 0, 1.0, s)) + shift[:, None])
+        out = _log_sum(s, shift[:, None])
         tl.store(out_ptr + offs_b[:, None].to(tl.int64) * N + offs_n[None, :], out, mask=ok)
     else:
         base = split.to(tl.int64) * B
@@ -160,7 +166,7 @@ def logmatmul_combine_kernel(part_m_ptr, part_s_ptr, out_ptr, B, N, splits, BLOC
         mj = tl.load(part_m_ptr + j * B + b, mask=ok, other=float("-inf"))
         sj = tl.load(part_s_ptr + j * B * N + offs, mask=ok, other=0.0)
         total += sj * tl.exp(mj - shift)
-    out = tl.where(total == 0, float("-inf"), tl.log(tl.where(total == 0, 1.0, total)) + shift)
+    out = _log_sum(total, shift)
     tl.store(out_ptr + offs, out, mask=ok)
 
 
@@ -354,7 +360,7 @@ def bsl_fwd_kernel(x_ptr, blocks_ptr, row_ptr, col_idx, out_ptr, B, N, K, n_tile
         acc, acc3 = _shifted_sum(x_ptr, blocks_ptr + j * BS * BS, local, shift, offs_b, b_ok, offs_n, n_ok,
                                  c, c + BS, 0, BS, K, acc, acc3, DOT, BLOCK_B, BLOCK_N, BLOCK_K)
     s = _finish(acc, acc3, DOT)
-    out = tl.where(s == 0, float("-inf"), tl.log(tl.where(s == 0, 1.0, s)) + shift[:, None])
+    out = _log_sum(s, shift[:, None])
     tl.store(out_ptr + offs_b[:, None].to(tl.int64) * N + offs_n[None, :], out,
              mask=b_ok[:, None] & n_ok[None, :])
 
