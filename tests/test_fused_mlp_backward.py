@@ -220,16 +220,15 @@ def test_second_call_replays_the_first_calls_launches(monkeypatch):
         assert list(b[5][:len(args)]) == [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in args]
 
 
-@pytest.mark.parametrize("option", ["fused", "fused_c128_pad"])
+@pytest.mark.parametrize("option", ["fused", "fused_m32_pad"])
 def test_dlrm_top_compiles_within_its_resources(option):
     """DLRM top's plan at B = 65536 in bfloat16 (the three launches, the split on; with the
-    option the H200's table chooses there, x's and W0's padded copies first) compiles ahead
+    option, the tuner's other chain tile and x's and W0's padded copies first) compiles ahead
     of time for sm_90 within sm_90's 227 KB of shared memory, with no local memory and at
     most a small stack (tools/fused_mlp_bwd_aot.py, in a process that does not interpret
-    Triton). The tiles are the ones measured fastest on an H100 (BENCHMARKS.md fifteenth
-    session); under Triton 3.9 the chain's 128 x 64 tile with 4 warps keeps 400 B of stack
-    and still ran 22 % faster than the stack-free 8-warp one. STACK_LIMIT catches a tile
-    change that spills in earnest (128 x 128 took 255 registers and more)."""
+    Triton). STACK_LIMIT catches a tile change that spills in earnest (the dW kernel's 128 x
+    128 tile with 4 warps keeps 8 B under Triton 3.9; a 128 x 128 chain tile took 255
+    registers and more).""" 
     import json
     import os
     import subprocess
@@ -297,10 +296,10 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
     # a bucket whose tuned choice is another chain tile: a plan with that tile, the same gradients
     monkeypatch.setattr(fb, "ENABLED", True)
     entry.plans.clear()
-    monkeypatch.setattr(train, "backward_choice", lambda *a: "fused_c128")
+    monkeypatch.setattr(train, "backward_choice", lambda *a: "fused_m32")
     tiled = _step(x, ws, bs, acts, g, need_x)
     (p,) = entry.plans.values()
-    assert (p.chain_kw["BLOCK_M"], p.chain_kw["BLOCK_N"], p.chain_kw["num_warps"]) == fb.CHAIN_OPTIONS["c128"]
+    assert (p.chain_kw["BLOCK_M"], p.chain_kw["BLOCK_N"], p.chain_kw["num_warps"]) == fb.CHAIN_OPTIONS["m32"]
     for a, b in zip(tiled, lean):
         assert (a is None) == (b is None)
         if a is not None:
@@ -350,13 +349,24 @@ def test_padded_copies_give_the_same_gradients(monkeypatch, dtype):
 def test_fused_options_parse():
     assert tuning.fused_option("fused") == (None, False)
     assert tuning.fused_option("fused_pad") == (None, True)
-    assert tuning.fused_option("fused_c128") == (fb.CHAIN_OPTIONS["c128"], False)
-    assert tuning.fused_option("fused_c128_pad") == (fb.CHAIN_OPTIONS["c128"], True)
+    assert tuning.fused_option("fused_m32") == (fb.CHAIN_OPTIONS["m32"], False)
+    assert tuning.fused_option("fused_m32_pad") == (fb.CHAIN_OPTIONS["m32"], True)
     assert tuning.BACKWARDS == (*tuning.FUSED_OPTIONS, "lean")
     for name in ("lean", "fused_c999"):
         with pytest.raises(KeyError):
             tuning.fused_option(name)
-    assert tuning.BACKWARDS == ("fused", "fused_c128", "fused_pad", "fused_c128_pad", "lean")
+    assert tuning.BACKWARDS == ("fused", "fused_m32", "fused_pad", "fused_m32_pad", "lean")
+
+
+def test_no_chain_tile_of_more_than_64_rows():
+    """Triton 3.6 miscompiles the dz chain at 128 rows for some widths on sm_90 (silently wrong
+    grad_x, or an illegal shared-memory read; fused_backward.CHAIN): no table row or tuner
+    option has one, and a caller's is refused before anything is built or launched."""
+    tiles = [row[1:] for rows in fb.CHAIN.values() for row in rows] + list(fb.CHAIN_OPTIONS.values())
+    assert tiles and all(t[0] <= fb.MAX_CHAIN_ROWS == 64 for t in tiles), tiles
+    with pytest.raises(ValueError, match="128 rows"):
+        fb.plan((7, 28, 3), torch.float16, torch.device("cpu"), 100, (True,) * 2, ("relu", "none"), (True,) * 5,
+                chain=(128, 64, 4))
 
 
 def test_backward_choice_default_rule():
@@ -416,10 +426,40 @@ DLRM = [((367, 512, 256, 1), ("relu", "sigmoid")), ((13, 512, 256, 64, 16), ("re
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("widths", [(7, 28, 3, 6, 33), (30, 43, 153), (10, 13, 35, 32, 21, 5),
+                                    (3, 58, 31, 297, 177, 112)], ids=lambda w: "-".join(map(str, w)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_gpu_every_chain_tile_at_widths_that_broke_128_rows(widths, dtype):
+    """Every dz-chain tile the tables or the tuner can pick (fused_backward.CHAIN's rows and
+    CHAIN_OPTIONS), each forced at B = 4099, at widths where Triton 3.6 had miscompiled the
+    128-row tiles (wrong grad_x or an illegal address; forty-ninth session): grad_x and every
+    weight gradient against backward_lean's (the same math and roundings, another summation
+    order: each rounded dz can land one ulp away and the layers below carry it on; 8 ulps of
+    the dtype, of the gradient's largest element, where the miscompiled tiles were off by ~1x
+    of it), and no NaN left in the poisoned buffers."""
+    B, acts = 4099, ("gelu", "gelu")
+    x, ws, bs, zs, g = _case(widths, B, acts, dtype, bias=False, device="cuda")
+    L = len(ws)
+    needs, hb = (True,) * (1 + 2 * L), (False,) * L
+    lx, lws, _ = ref.backward_lean(g, x, ws, hb, zs, *acts, needs)
+    tiles = {row[1:] for row in fb.CHAIN[2]}
+    tiles |= set(fb.CHAIN_OPTIONS.values())
+    for chain in sorted(tiles):
+        p = fb.plan(widths, dtype, x.device, B, hb, acts, needs, chain=chain)
+        gx, gws, _ = p(g, x, ws, zs)
+        torch.cuda.synchronize()
+        for got, want in zip([gx, *gws], [lx, *lws]):
+            scale = float(want.float().abs().max()) or 1.0
+            assert not torch.isnan(got).any(), chain
+            ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
+            assert float((got.float() - want.float()).abs().max()) <= 8 * ulp * scale, (chain, widths)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("widths,acts", DLRM, ids=["top", "bottom"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("B", [1000, 20000])
-@pytest.mark.parametrize("backward", ["fused", "fused_c128", "fused_pad"])
+@pytest.mark.parametrize("backward", ["fused", "fused_m32", "fused_pad"])
 def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B, backward):
     """A training step through kgen.nn.FusedMLP on CUDA at DLRM's widths takes the fused
     backward (after the general path's first step), its gradients match float64 (the
@@ -587,9 +627,9 @@ def test_gpu_training_step_in_a_cuda_graph(monkeypatch, dtype, backward):
 @pytest.mark.parametrize("widths,acts,option", [
     ((367, 512, 256, 1), ("relu", "sigmoid"), "fused_pad"),
     ((368, 512, 256, 1), ("relu", "sigmoid"), "fused"),
-    ((64, 256, 128, 8), ("gelu", "none"), "fused_c128"),
-    ((13, 512, 256, 64, 16), ("relu", "relu"), "fused_c128_pad"),
-], ids=["top-pad", "368", "64", "bottom-c128-pad"])
+    ((64, 256, 128, 8), ("gelu", "none"), "fused_m32"),
+    ((13, 512, 256, 64, 16), ("relu", "relu"), "fused_m32_pad"),
+], ids=["top-pad", "368", "64", "bottom-m32-pad"])
 def test_gpu_fused_backward_reproducible_at_large_b(widths, acts, option):
     """At B = 20000 (dW's 128-wide tiles, a 3-stage pipeline, the split over B) with x's rows
     whole 16-byte vectors (a padded copy, or a width that needs none), eight calls of the

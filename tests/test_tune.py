@@ -341,11 +341,11 @@ def test_fused_mlp_backward_choice_reads_the_table(tables, capsys, monkeypatch):
     assert tuning.backward_choice(cuda, torch.bfloat16, top, 100) == "lean"  # B is free: the nearest tuned
     assert tuning.backward_choice(cuda, torch.bfloat16, (367, 512, 1), 16384) == "fused"  # other widths: default
     assert tuning.backward_choice(cuda, torch.float16, top, 16384) == "fused"
-    e["choices"] = {"backward": "fused_c128"}  # a chain option: 16-bit only
+    e["choices"] = {"backward": "fused_m32"}  # a chain option: 16-bit only
     f32_bucket = fm.tune_bucket(16384, top, **fm.bucket_extras("float32"))
     tune.record({tune.key("fused_mlp", FAKE_DEVICE, "bfloat16", bucket): e,
                  tune.key("fused_mlp", FAKE_DEVICE, "float32", f32_bucket): e})
-    assert tuning.backward_choice(cuda, torch.bfloat16, top, 16384) == "fused_c128"
+    assert tuning.backward_choice(cuda, torch.bfloat16, top, 16384) == "fused_m32"
     assert tuning.backward_choice(cuda, torch.float32, top, 16384) == "fused"  # not the default's "lean"
     # `kgen tune --show` names a bucket's choices in its notes
     from kgen import cli
@@ -354,7 +354,7 @@ def test_fused_mlp_backward_choice_reads_the_table(tables, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "400")  # one line a row
     assert cli.main(["tune", "--show", "kgen/specs/fused_mlp.yaml", "--dtype", "bfloat16"]) == 0
     row = next(line for line in capsys.readouterr().out.splitlines() if bucket in line)
-    assert "backward: fused_c128" in row
+    assert "backward: fused_m32" in row
 
 
 def test_a_winner_carries_to_near_buckets_only_with_its_margin_at_every_probe():

@@ -5,7 +5,7 @@ MLPs, B in {128, 2048, 16384, 65536} (each picks its own tiles), bfloat16 and fl
 TF32 off ("tf32x3") and on. The numbers behind fused_backward's tile tables.
 
     python tools/fused_mlp_bwd_aot.py [--mlp top] [--dtype bfloat16] [--B 65536] [--tf32]
-                                      [--option fused_c128_pad] [--json]
+                                      [--option fused_m32_pad] [--json]
 
 --option: one of the fused options the tuner chooses among (fused_mlp.tuning.BACKWARDS but
 "lean"; default "fused": the shipped chain tiles, no padded copies).

@@ -56,24 +56,33 @@ DEVICES = ("cuda",)  # where the training fast path takes it (tests add "cpu": t
 # Tiles, by element size (float32's dots, "tf32x3" with TF32 off, split each operand in two:
 # smaller tiles), then by B: (B up to, ...). The 16-bit rows were measured per kernel on an
 # H100 (Triton 3.6; BENCHMARKS.md fifteenth session, DLRM top and bottom at B = 128 to 65536);
-# the float32 rows are first guesses. Under Triton 3.9 the fastest large-B tiles keep a small
-# stack (dW 128 x 128 with 4 warps: 8 B; the chain's 128 x 64 with 4 warps: 400 B) and were
-# still the fastest measured (top, B = 65536: chain 406 -> 320 us, dW 452 -> 273 us).
+# the float32 rows are first guesses. Under Triton 3.9 the fastest large-B dW tile keeps a
+# small stack (128 x 128 with 4 warps: 8 B) and was still the fastest measured (top, B = 65536:
+# dW 452 -> 273 us).
 # dz chain: rows per program (small B: more programs for the serial walk; large B: fewer
 # re-reads of the weights, which every program streams from L2), output chunk, warps; and
-# the input chunk (the dots' K).
+# the input chunk (the dots' K). At most 64 rows (MAX_CHAIN_ROWS): Triton 3.6 miscompiles the
+# chain at 128 rows for some widths on sm_90 -- silently wrong grad_x (e.g. 7-28-3-6-33,
+# 10-13-35-32-21-5) or an illegal shared-memory read by the dot (compute-sanitizer: "Invalid
+# __shared__ read of size 2048 bytes", 7-28-3-33, 30-43-153), at 128 x 64 with 4 or 8 warps and
+# 128 x 128 with 8, in 16 of 36 random widths; the same kernel is right under the interpreter
+# and at 16, 32 and 64 rows at every widths tried (H200, BENCHMARKS.md forty-ninth session).
+# The 128-row tiles had been the fastest for the DLRM top MLP at B = 65536 (its backward 543
+# us against 687 at 64 x 128; the bottom's 289 against 279).
 # float32 keeps 32 rows above B = 512: with TF32 on, Triton 3.6's pipeliner fails to compile
 # the DLRM top MLP's chain at 64 rows (8 or 4 warps; "PassManager::run failed"), and 32 rows
 # with 4 warps measured fastest with TF32 off at B = 16384 and 65536 (H100: top 897 / 3385 us
 # against 1174 / 4453 at 64 x 64 x 8; nineteenth session, build/s19/bwd32.py).
-CHAIN = {2: ((512, 16, 128, 4), (4096, 32, 128, 4), (32768, 64, 128, 8), (None, 128, 64, 4)),
+MAX_CHAIN_ROWS = 64
+CHAIN = {2: ((512, 16, 128, 4), (4096, 32, 128, 4), (None, 64, 128, 8)),
          4: ((512, 16, 64, 4), (None, 32, 64, 4))}
 CHAIN_BLOCK_K = {2: 64, 4: 32}
 # Chain tiles the tuner may choose per bucket instead of CHAIN's row (tuning.tune_choices,
-# 16-bit only): 128 rows x 128 columns with 8 warps took the top MLP's chain 105.9 -> 81.7 us
-# at B = 16384 and 208.9 -> 161.9 at 32768, and cost the bottom MLP's 29.9 -> 35.1 and
-# 60.4 -> 69.9 (H200, bf16; BENCHMARKS.md, thirtieth session): it depends on the widths.
-CHAIN_OPTIONS = {"c128": (128, 128, 8)}
+# 16-bit only): "m32", 32 x 128 with 4 warps (B <= 4096's row) at any B: twice the programs of
+# the large-B row. It replaces "c128", 128 x 128 with 8 warps, which took the top MLP's chain
+# 105.9 -> 81.7 us at B = 16384 and cost the bottom's 29.9 -> 35.1 (H200, thirtieth session)
+# and is miscompiled at other widths (above).
+CHAIN_OPTIONS = {"m32": (32, 128, 4)}
 # dW: the tile of dW_i (TILE_N = TILE_K; small B: more programs), warps; rows per step (the
 # dots' K) and pipeline stages.
 DW_TILES = {2: ((4096, 64, 4), (None, 128, 4)), 4: ((4096, 64, 4), (None, 128, 8))}
@@ -169,6 +178,8 @@ class Plan:
         self.E = max(at, ALIGN)
         # dz chain
         block_m, block_n, warps = chain or _by_b(CHAIN[item], B)
+        if block_m > MAX_CHAIN_ROWS:  # (a caller's tile: see CHAIN)
+            raise ValueError(f"fused_mlp backward: a dz-chain tile of {block_m} rows; at most {MAX_CHAIN_ROWS}")
         ds, ps = tuple(widths), tuple(padded(w) for w in widths)
         self.chain_grid = (-(-B // block_m),)
         self.chain_kw = dict(DS=ds, PS=ps, WS=self.ws, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x),

@@ -134,7 +134,8 @@ def implementation(kernel, widths: tuple, device=None):
 # float32 up to F32_FUSED_MAX_B rows (host-bound steps, where its fewer launches pay). For
 # 16-bit dtypes the tuner also times the fused backward with other dz-chain tiles
 # (fused_backward.CHAIN_OPTIONS, "fused_<tile>"): which chain tile wins depends on the widths
-# (the DLRM top MLP's wider first layer takes 128 x 128 at B >= 16384, the bottom's not). Where
+# (the DLRM top MLP's wider first layer took 128 x 128 at B >= 16384, the bottom's not, before
+# 128-row chain tiles were dropped as miscompiled; fused_backward.CHAIN). Where
 # x's rows or a large weight's are not whole 16-byte vectors (the top MLP's 367), each fused
 # option also with `pad` ("..._pad": zero-padded copies, fused_backward.Plan).
 F32_FUSED_MAX_B = 2048
