@@ -59,9 +59,28 @@ def report(op, desc, res, ok_thr=1.0):
         print(f"FAIL {op} {desc}: " + ", ".join(f"{n}={r:.3g}" for n, r in res if not r <= ok_thr), flush=True)
 
 
+# A CUDA fault (an illegal address, ...) is a failure, not a refusal, and leaves the process's
+# CUDA context unusable: the sweep reports it as failed, prints its summary so far and stops
+# (exit status 1); rerun the case on its own (under compute-sanitizer) to find the kernel.
+CUDA_FAULTS = ("illegal memory access", "illegal instruction", "misaligned address", "unspecified launch failure",
+               "device-side assert")
+
+
+def summary():
+    print("summary (cases, failed, rejected, worst ratio):")
+    for k, v in stats.items():
+        print(f"  {k:16s} {v[0]:4d} {v[1]:3d} {v[2]:3d} {v[3]:.3g}", flush=True)
+
+
 def rejected(op, desc, e):
+    msg = str(e).splitlines()[0][:160] if str(e) else ""
+    if any(f in str(e) for f in CUDA_FAULTS):
+        stats.setdefault(op, [0, 0, 0, 0.0])[1] += 1
+        print(f"FAILED {op} {desc}: a CUDA fault: {type(e).__name__}: {msg}", flush=True)
+        summary()
+        raise SystemExit(1)
     stats.setdefault(op, [0, 0, 0, 0.0])[2] += 1
-    print(f"rejected {op} {desc}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+    print(f"rejected {op} {desc}: {type(e).__name__}: {msg}", flush=True)
 
 
 def twice(op, desc, f):
@@ -323,12 +342,13 @@ for name, fn in CASES.items():
     for i in range(N_CASES):
         try:
             fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()  # (a fault of an asynchronous launch surfaces here)
         except Exception as e:
             print(f"ERROR {name} case {i}: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc(limit=3)
-            stats.setdefault(name + "!", [0, 1, 0, 0.0])
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-print("summary (cases, failed, rejected, worst ratio):")
-for k, v in stats.items():
-    print(f"  {k:16s} {v[0]:4d} {v[1]:3d} {v[2]:3d} {v[3]:.3g}")
+            stats.setdefault(name + "!", [0, 0, 0, 0.0])[1] += 1
+            if any(f in str(e) for f in CUDA_FAULTS):
+                summary()
+                raise SystemExit(1)
+summary()
