@@ -228,7 +228,7 @@ def test_dlrm_top_compiles_within_its_resources(option):
     most a small stack (tools/fused_mlp_bwd_aot.py, in a process that does not interpret
     Triton). STACK_LIMIT catches a tile change that spills in earnest (the dW kernel's 128 x
     128 tile with 4 warps keeps 8 B under Triton 3.9; a 128 x 128 chain tile took 255
-    registers and more).""" 
+    registers and more)."""
     import json
     import os
     import subprocess
