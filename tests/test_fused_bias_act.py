@@ -1,7 +1,6 @@
 """fused_bias_act: the op, its checks, autograd, torch.library integration, and every
 variant against a float64 reference (Triton under the interpreter here; all on a GPU)."""
 
-import math
 from pathlib import Path
 
 import pytest
@@ -357,23 +356,26 @@ def test_triton_nan_passes_every_activation_under_interpreter(name):
     _nan_passes_every_activation(name, torch.device("cpu"))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", [v.name for v in _variants()])
-def test_gpu_nan_passes_every_activation(name):
+def _runs_here(name):
+    """The variant, or a skip where its CUDA arch does not run on this GPU."""
     v = SPEC.variant(name)
     cap = torch.cuda.get_device_capability()
     if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, cap):
         pytest.skip(f"{v.arch} does not run on sm_{cap[0]}{cap[1]}")
+    return v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [v.name for v in _variants()])
+def test_gpu_nan_passes_every_activation(name):
+    _runs_here(name)
     _nan_passes_every_activation(name, torch.device("cuda"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [v.name for v in _variants()])
 def test_every_variant_on_gpu_matches_float64(name):
-    v = SPEC.variant(name)
-    cap = torch.cuda.get_device_capability()
-    if v.backend == "cuda" and not dispatch.arch_runs_on(v.arch, cap):
-        pytest.skip(f"{v.arch} does not run on sm_{cap[0]}{cap[1]}")
+    v = _runs_here(name)
     results = fba.golden(dispatch.load(v), torch.device("cuda"), v.dtype, SPEC.numerics[v.dtype])
     bad = [(c, e) for c, e in results if not e <= 1.0]
     assert not bad, bad

@@ -66,6 +66,10 @@ CUDA_FAULTS = ("illegal memory access", "illegal instruction", "misaligned addre
                "device-side assert")
 
 
+def is_fault(e) -> bool:
+    return any(f in str(e) for f in CUDA_FAULTS)
+
+
 def summary():
     print("summary (cases, failed, rejected, worst ratio):")
     for k, v in stats.items():
@@ -74,7 +78,7 @@ def summary():
 
 def rejected(op, desc, e):
     msg = str(e).splitlines()[0][:160] if str(e) else ""
-    if any(f in str(e) for f in CUDA_FAULTS):
+    if is_fault(e):
         stats.setdefault(op, [0, 0, 0, 0.0])[1] += 1
         print(f"FAILED {op} {desc}: a CUDA fault: {type(e).__name__}: {msg}", flush=True)
         summary()
@@ -348,7 +352,7 @@ for name, fn in CASES.items():
             print(f"ERROR {name} case {i}: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc(limit=3)
             stats.setdefault(name + "!", [0, 0, 0, 0.0])[1] += 1
-            if any(f in str(e) for f in CUDA_FAULTS):
+            if is_fault(e):
                 summary()
                 raise SystemExit(1)
 summary()
