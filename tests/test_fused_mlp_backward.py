@@ -351,11 +351,12 @@ def test_fused_options_parse():
     assert tuning.fused_option("fused_pad") == (None, True)
     assert tuning.fused_option("fused_m32") == (fb.CHAIN_OPTIONS["m32"], False)
     assert tuning.fused_option("fused_m32_pad") == (fb.CHAIN_OPTIONS["m32"], True)
+    assert tuning.fused_option("fused_w8_pad") == (fb.CHAIN_OPTIONS["w8"], True)
     assert tuning.BACKWARDS == (*tuning.FUSED_OPTIONS, "lean")
     for name in ("lean", "fused_c999"):
         with pytest.raises(KeyError):
             tuning.fused_option(name)
-    assert tuning.BACKWARDS == ("fused", "fused_m32", "fused_pad", "fused_m32_pad", "lean")
+    assert tuning.BACKWARDS == ("fused", "fused_m32", "fused_w8", "fused_pad", "fused_m32_pad", "fused_w8_pad", "lean")
 
 
 def test_no_chain_tile_of_more_than_64_rows():
@@ -367,6 +368,64 @@ def test_no_chain_tile_of_more_than_64_rows():
     with pytest.raises(ValueError, match="128 rows"):
         fb.plan((7, 28, 3), torch.float16, torch.device("cpu"), 100, (True,) * 2, ("relu", "none"), (True,) * 5,
                 chain=(128, 64, 4))
+
+
+@pytest.mark.parametrize("chain", [(64, 128, 4), (64, 128, 8), (32, 128, 4)], ids=lambda t: "x".join(map(str, t)))
+def test_wgmma_chain_tiles_take_chunks_of_at_least_64(chain):
+    """The dz chain's WGMMA tiles (>= 64 rows) bound every chunk below by WGMMA_MIN_CHUNK
+    (Triton 3.6 miscompiled them with 16- and 32-wide dots at some widths; fused_backward.CHAIN);
+    mma.sync tiles keep the padded widths. Under the interpreter, at widths where the wide chunks
+    run past every layer but one (zero-masked), every gradient matches backward_lean's within
+    the GPU test's 8 ulps of its largest element (the same math, another summation order)."""
+    widths, B, acts, dtype = (7, 28, 3, 6, 33), 131, ("gelu", "gelu"), torch.float16
+    x, ws, bs, zs, g = _case(widths, B, acts, dtype, bias=True)
+    L = len(ws)
+    hb, needs = (True,) * L, (True,) * (1 + 2 * L)
+    p = fb.plan(widths, dtype, x.device, B, hb, acts, needs, chain=chain)
+    want_ps = tuple(max(64 if chain[0] >= 64 else 16, fm.schema.padded(w)) for w in widths)
+    assert p.chain_kw["PS"] == want_ps and p.chain_kw["BLOCK_M"] == chain[0]
+    got = p(g, x, ws, zs)
+    want = ref.backward_lean(g, x, ws, hb, zs, *acts, needs)
+    for a, b in zip([got[0], *got[1], *got[2]], [want[0], *want[1], *want[2]]):
+        scale = float(b.float().abs().max()) or 1.0
+        assert float((a.float() - b.float()).abs().max()) <= 8 * 2.0 ** -10 * scale
+
+
+def test_tuner_leaves_out_a_fused_option_that_disagrees_with_lean(monkeypatch, caplog):
+    """tune_choices times a fused option only where its first call's gradients match
+    backward_lean's (tuning.agrees): a kernel Triton miscompiled for these widths (as the
+    128-row and 64 x 128 x 4 chain tiles were, fused_backward.CHAIN) is never chosen. Here the
+    "w8" tile's grad_x is doubled after it runs; the other options stay, and a warning names it."""
+    monkeypatch.setattr(fb, "DEVICES", ("cuda", "cpu"))
+    x, ws, bs, _, _ = _case((7, 28, 3, 6, 33), 70, ("gelu", "gelu"), torch.float16)
+    inputs = dict(x=x, weights=ws, biases=bs, activation="gelu", last_activation="gelu")
+    honest = set(tuning.tune_choices(inputs)["backward"])
+    assert {"fused", "fused_m32", "fused_w8", "lean"} <= honest
+    real = fb.Plan.__call__
+
+    def broken(self, g, x, ws, zs):
+        got = real(self, g, x, ws, zs)
+        if self.chain_kw["BLOCK_M"] == fb.CHAIN_OPTIONS["w8"][0] and self.chain_kw["num_warps"] == 8:
+            got[0].mul_(2)
+        return got
+
+    monkeypatch.setattr(fb.Plan, "__call__", broken)
+    with caplog.at_level("WARNING", logger="kgen"):
+        options = set(tuning.tune_choices(inputs)["backward"])
+    assert options == {o for o in honest if "w8" not in o}
+    assert "fused_w8 disagrees with the lean backward (gradient 0" in caplog.text
+
+
+def test_agrees_bounds_and_nans():
+    """tuning.agrees: within AGREE of each gradient's largest element; a NaN only where the
+    reference has one; None gradients skipped."""
+    want = (torch.tensor([1.0, -2.0, float("nan")]), [torch.ones(2, 2)], [None])
+    ok = (want[0] + torch.tensor([0.03, 0.0, 0.0]), [torch.ones(2, 2)], [None])  # bf16: 0.125, fp16: 0.0156
+    assert tuning.agrees(ok, want, torch.bfloat16) and not tuning.agrees(ok, want, torch.float16)
+    nan = (torch.tensor([float("nan"), -2.0, float("nan")]), want[1], want[2])
+    assert not tuning.agrees(nan, want, torch.bfloat16)
+    far = (want[0], [torch.full((2, 2), 1.5)], [None])
+    assert not tuning.agrees(far, want, torch.float32)
 
 
 def test_backward_choice_default_rule():
@@ -459,7 +518,7 @@ def test_gpu_every_chain_tile_at_widths_that_broke_128_rows(widths, dtype):
 @pytest.mark.parametrize("widths,acts", DLRM, ids=["top", "bottom"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("B", [1000, 20000])
-@pytest.mark.parametrize("backward", ["fused", "fused_m32", "fused_pad"])
+@pytest.mark.parametrize("backward", ["fused", "fused_m32", "fused_w8", "fused_pad"])
 def test_gpu_dlrm_training_step(monkeypatch, widths, acts, dtype, B, backward):
     """A training step through kgen.nn.FusedMLP on CUDA at DLRM's widths takes the fused
     backward (after the general path's first step), its gradients match float64 (the

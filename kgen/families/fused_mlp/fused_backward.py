@@ -61,28 +61,40 @@ DEVICES = ("cuda",)  # where the training fast path takes it (tests add "cpu": t
 # dW 452 -> 273 us).
 # dz chain: rows per program (small B: more programs for the serial walk; large B: fewer
 # re-reads of the weights, which every program streams from L2), output chunk, warps; and
-# the input chunk (the dots' K). At most 64 rows (MAX_CHAIN_ROWS): Triton 3.6 miscompiles the
-# chain at 128 rows for some widths on sm_90 -- silently wrong grad_x (e.g. 7-28-3-6-33,
-# 10-13-35-32-21-5) or an illegal shared-memory read by the dot (compute-sanitizer: "Invalid
-# __shared__ read of size 2048 bytes", 7-28-3-33, 30-43-153), at 128 x 64 with 4 or 8 warps and
-# 128 x 128 with 8, in 16 of 36 random widths; the same kernel is right under the interpreter
-# and at 16, 32 and 64 rows at every widths tried (H200, BENCHMARKS.md forty-ninth session).
-# The 128-row tiles had been the fastest for the DLRM top MLP at B = 65536 (its backward 543
-# us against 687 at 64 x 128; the bottom's 289 against 279).
+# the input chunk (the dots' K). Triton 3.6 miscompiles the chain on sm_90 at some widths --
+# silently wrong grad_x (e.g. 7-28-3-6-33, 10-13-35-32-21-5) or an illegal shared-memory read
+# by the dot (compute-sanitizer: "Invalid __shared__ read of size 2048 bytes", 7-28-3-33,
+# 30-43-153) -- at 128 x 64 with 4 or 8 warps, 128 x 128 with 8 (16 of 36 random widths) and
+# 64 x 128 with 4 (30-43-153, 3-58-31-297-177-112); the same kernel is right under the
+# interpreter (H200, BENCHMARKS.md forty-ninth and fiftieth sessions). Every failure is a WGMMA
+# tile (>= 64 rows; 16 and 32 rows run mma.sync) with a dot of 16 or 32 columns or K (a layer
+# of <= 32 padded width). With every chunk at least WGMMA_MIN_CHUNK wide (zero-masked past the
+# layer) each of those 5 tiles passed at those 5 widths and the DLRM ones, so WGMMA tiles take
+# that floor (its cost: the DLRM bottom's backward at B = 65536 287 -> 299 us at 64 x 128 x 8,
+# the top's none). 128 rows stay out all the same (MAX_CHAIN_ROWS: fewer widths checked, and
+# they were no faster than 64 x 128 x 4 for the DLRM MLPs).
+# Above B = 4096, 64 x 128 with 4 warps (one warpgroup over the whole chunk): H200, bf16, every
+# gradient, GPU us at B = 16384 / 40000 / 65536, top 180.6 / 395.0 / 589.0 (with pad 139.7 /
+# 295.7 / 419.6; 128 x 128 x 8 with pad: 435 at 65536) against 8 warps' 205.7 / 455.6 / 701.3
+# (151.3 / 313.4 / 482.9), bottom 97.6 / 200.4 / 288.7 against 92.4 / 198.3 / 285.7 (8 warps:
+# tuner option "w8"; these without the floor); 64 x 64 and 64 x 256, 4 or 8 warps, and 32 rows
+# were slower for both (BENCHMARKS.md, fiftieth session).
 # float32 keeps 32 rows above B = 512: with TF32 on, Triton 3.6's pipeliner fails to compile
 # the DLRM top MLP's chain at 64 rows (8 or 4 warps; "PassManager::run failed"), and 32 rows
 # with 4 warps measured fastest with TF32 off at B = 16384 and 65536 (H100: top 897 / 3385 us
 # against 1174 / 4453 at 64 x 64 x 8; nineteenth session, build/s19/bwd32.py).
 MAX_CHAIN_ROWS = 64
-CHAIN = {2: ((512, 16, 128, 4), (4096, 32, 128, 4), (None, 64, 128, 8)),
+CHAIN = {2: ((512, 16, 128, 4), (4096, 32, 128, 4), (None, 64, 128, 4)),
          4: ((512, 16, 64, 4), (None, 32, 64, 4))}
 CHAIN_BLOCK_K = {2: 64, 4: 32}
+WGMMA_ROWS, WGMMA_MIN_CHUNK = 64, 64  # chain tiles of >= WGMMA_ROWS rows: chunks >= WGMMA_MIN_CHUNK (above)
 # Chain tiles the tuner may choose per bucket instead of CHAIN's row (tuning.tune_choices,
 # 16-bit only): "m32", 32 x 128 with 4 warps (B <= 4096's row) at any B: twice the programs of
-# the large-B row. It replaces "c128", 128 x 128 with 8 warps, which took the top MLP's chain
-# 105.9 -> 81.7 us at B = 16384 and cost the bottom's 29.9 -> 35.1 (H200, thirtieth session)
-# and is miscompiled at other widths (above).
-CHAIN_OPTIONS = {"m32": (32, 128, 4)}
+# the large-B row; "w8", the large-B row with 8 warps (two warpgroups, 64 columns each: a few %
+# faster for the DLRM bottom MLP above). "m32" replaces "c128", 128 x 128 with 8 warps, which
+# took the top MLP's chain 105.9 -> 81.7 us at B = 16384 and cost the bottom's 29.9 -> 35.1
+# (H200, thirtieth session) and is miscompiled at other widths (above).
+CHAIN_OPTIONS = {"m32": (32, 128, 4), "w8": (64, 128, 8)}
 # dW: the tile of dW_i (TILE_N = TILE_K; small B: more programs), warps; rows per step (the
 # dots' K) and pipeline stages.
 DW_TILES = {2: ((4096, 64, 4), (None, 128, 4)), 4: ((4096, 64, 4), (None, 128, 8))}
@@ -181,8 +193,9 @@ class Plan:
         if block_m > MAX_CHAIN_ROWS:  # (a caller's tile: see CHAIN)
             raise ValueError(f"fused_mlp backward: a dz-chain tile of {block_m} rows; at most {MAX_CHAIN_ROWS}")
         ds, ps = tuple(widths), tuple(padded(w) for w in widths)
+        chain_ps = tuple(max(WGMMA_MIN_CHUNK, p) for p in ps) if block_m >= WGMMA_ROWS else ps
         self.chain_grid = (-(-B // block_m),)
-        self.chain_kw = dict(DS=ds, PS=ps, WS=self.ws, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x),
+        self.chain_kw = dict(DS=ds, PS=chain_ps, WS=self.ws, NUM_LAYERS=L, LOWEST=lowest, NEED_X=bool(need_x),
                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=CHAIN_BLOCK_K[item], PRECISION=precision,
                              num_warps=warps)
         self.chain_ints = [B, act, last]

@@ -175,7 +175,8 @@ def fused_mlp_bwd_dz_kernel(grad_ptr, gx_ptr,
                             DS: tl.constexpr, PS: tl.constexpr, WS: tl.constexpr, NUM_LAYERS: tl.constexpr,
                             LOWEST: tl.constexpr, NEED_X: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # DS: the widths (w0, ..., wL), PS: each padded to a power of two >= 16, WS: each weight's
+    # DS: the widths (w0, ..., wL), PS: each padded to a power of two >= 16 (>= 64 for WGMMA
+    # tiles: fused_backward.WGMMA_MIN_CHUNK), the chunks' bound; WS: each weight's
     # row stride (its input width, or more for a zero-padded copy); w<i>, z<i>, d<i>: layer
     # i's weight, saved z and dz scratch (slots past NUM_LAYERS unused). With last_act none
     # the host passes grad itself as the last layer's dz (nothing to write).

@@ -176,21 +176,52 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
     return "fused" if dtype != torch.float32 or B <= F32_FUSED_MAX_B else "lean"
 
 
+# How far a fused option's gradients may be from backward_lean's (the same math and roundings,
+# another summation order), as a fraction of each gradient's largest element, for the tuner to
+# keep it: 8 ulps of a 16-bit dtype (as tests/test_fused_mlp_backward.py's GPU tests), 1e-3 for
+# float32 (TF32 dots). Chain kernels Triton miscompiled were off by 0.8-3.7x of the largest
+# element (fused_backward.CHAIN).
+AGREE = {torch.float16: 8 * 2.0 ** -10, torch.bfloat16: 8 * 2.0 ** -7, torch.float32: 1e-3}
+
+
+def agrees(got, want, dtype, name: str = "") -> bool:
+    """Whether fused backward gradients `got` ((grad_x, [grad_w], [grad_b])) match `want`
+    (backward_lean's) within AGREE of each gradient's largest element, NaN where it is NaN;
+    warns (naming `name`) where they do not: the tuner then never picks that option."""
+    flat = lambda r: [r[0], *r[1], *r[2]]  # noqa: E731
+    for i, (a, b) in enumerate(zip(flat(got), flat(want))):
+        if a is None or b is None:
+            continue
+        a, b = a.float(), b.float()
+        scale = float(b.nan_to_num(0.0, 0.0, 0.0).abs().max()) or 1.0
+        err = (a - b).abs().nan_to_num(0.0, float("inf"), float("inf"))
+        if not torch.equal(a.isnan(), b.isnan()) or float(err.max()) > AGREE[dtype] * scale:
+            from kgen.runtime import dispatch
+
+            dispatch.log.warning("kgen: fused_mlp backward option %s disagrees with the lean backward (gradient %d: "
+                                 "%.3g of its largest element); not a candidate", name, i, float(err.max()) / scale)
+            return False
+    return True
+
+
 def tune_choices(inputs: dict) -> dict:
     """{"backward": {option: one backward of every gradient}} on CUDA inputs: the fused Triton
     kernels (first: the default), for 16-bit dtypes also with CHAIN_OPTIONS' chain tiles, each
     also with `pad` where it changes anything, and backward_lean, on the pre-activations of one
     eager forward and a random upstream gradient. A fused option is left out where its kernels
-    do not build or take the call (its plan returns None), or KGEN_FUSED_MLP_FUSED_BWD=0."""
+    do not build or take the call (its plan returns None), where its first call's gradients
+    disagree with backward_lean's (`agrees`: a miscompiled kernel is never chosen), or
+    KGEN_FUSED_MLP_FUSED_BWD=0."""
     x, ws, bs = inputs["x"], inputs["weights"], inputs["biases"]
     a, last = inputs["activation"], inputs["last_activation"]
     B, L = x.shape[0], len(ws)
-    if not x.is_cuda or B == 0:
+    if x.device.type not in fused_backward.DEVICES or B == 0:  # (CUDA; tests add the interpreter's CPU)
         return {}
     with torch.no_grad():
         _, zs = eager(x, ws, bs, a, last, save=True)
     g = torch.randn(B, ws[-1].shape[0], device=x.device, dtype=x.dtype)
     has_bias, needs = tuple(b is not None for b in bs), (True,) * (1 + 2 * L)
+    lean = backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     options = {}
     if fused_backward.ENABLED:
         widths = (x.shape[1], *(w.shape[0] for w in ws))
@@ -201,7 +232,8 @@ def tune_choices(inputs: dict) -> dict:
                 p = fused_backward.plan(widths, x.dtype, x.device, B, has_bias, (a, last), needs, chain, pad)
                 if p is None or (pad and not p.pads):  # (pad: nothing to copy at these widths)
                     continue
-                if p(g, x, ws, zs) is not None:  # the first call builds: None where it did not
+                got = p(g, x, ws, zs)  # the first call builds: None where it did not
+                if got is not None and agrees(got, lean, x.dtype, option_name(tile, pad)):
                     options[option_name(tile, pad)] = functools.partial(p, g, x, ws, zs)
     options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     return {"backward": options}
