@@ -491,7 +491,8 @@ DLRM = [((367, 512, 256, 1), ("relu", "sigmoid")), ((13, 512, 256, 64, 16), ("re
 def test_gpu_every_chain_tile_at_widths_that_broke_128_rows(widths, dtype):
     """Every dz-chain tile the tables or the tuner can pick (fused_backward.CHAIN's rows and
     CHAIN_OPTIONS), each forced at B = 4099, at widths where Triton 3.6 had miscompiled the
-    128-row tiles (wrong grad_x or an illegal address; forty-ninth session): grad_x and every
+    128-row tiles (wrong grad_x or an illegal address; forty-ninth session) and, before the
+    chunk floor of WGMMA tiles (fused_backward.WGMMA_MIN_CHUNK), 64 x 128 x 4: grad_x and every
     weight gradient against backward_lean's (the same math and roundings, another summation
     order: each rounded dz can land one ulp away and the layers below carry it on; 8 ulps of
     the dtype, of the gradient's largest element, where the miscompiled tiles were off by ~1x

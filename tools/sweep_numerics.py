@@ -10,13 +10,15 @@ entries, float32 or 16-bit w; out and both gradients), int8_mm (exact) / int8_li
 w8a16_linear (per channel and grouped), fused_mlp (1-6 layers of widths 1-1100, every
 activation, biases on and off, TF32 on and off; its error taken over twice eager's own where
 that exceeds the tolerance: 16-bit ReLU masks flip as eager's do; and its training step, every
-gradient, the fast path's second step bitwise equal to its first). Prints each failure and
+gradient, the fast path's second step bitwise equal to its first; in 16-bit dtypes, the fused
+backward with each dz-chain tile forced, against backward_lean). Prints each failure and
 rejection, then a summary: cases, failed, rejected, worst error / tolerance per op."""
 
 import argparse
 import math
 import os
 import random
+import sys
 import traceback
 
 import torch
@@ -35,6 +37,10 @@ ap.add_argument("--only", default=None, help="comma-separated: fba, llp, lm, i8,
 ap.add_argument("--seed", type=int, default=2211)
 args = ap.parse_args()
 dev = torch.device(os.environ.get("DEV", "cuda"))
+if dev.type == "cpu":  # the interpreter (TRITON_INTERPRET=1), with its bf16 dots fixed
+    from kgen.runtime import interpret
+
+    interpret.enable()
 SCALE = float(os.environ.get("SCALE", "1"))  # shrinks every size (DEV=cpu runs)
 N_CASES, ONLY, rng = args.cases, args.only.split(",") if args.only else None, random.Random(args.seed)
 NUM = {
@@ -306,7 +312,30 @@ def case_fm():
     report("fused_mlp", desc, res)
     if B * sum(widths) <= 2e8 * SCALE:
         fm_grads(x, ws, bs, a, last, dt, desc)
+        if dt == torch.float16 or (dt == torch.bfloat16 and dev.type == "cuda"):  # (the interpreter
+            fm_tiles(x, ws, bs, a, last, dt, desc)  # truncates to bf16 where PyTorch rounds: not comparable)
     torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def fm_tiles(x, ws, bs, a, last, dt, desc):
+    """fused_mlp's fused backward with each dz-chain tile a table or the tuner can pick
+    (fused_backward.CHAIN's rows and CHAIN_OPTIONS) forced, pad off and on, every gradient against
+    backward_lean's, as a ratio of the tuner's bound (tuning.AGREE of the gradient's largest
+    element): how Triton's miscompiles of some tiles at some widths were found."""
+    fb, ref_mod = fm.fused_backward, sys.modules["kgen.families.fused_mlp.reference"]
+    L, widths = len(ws), (x.shape[1], *(w.shape[0] for w in ws))
+    _, zs = ref_mod.eager(x, ws, bs, a, last, save=True)
+    zs = [z if i < L - 1 or last != "none" else None for i, z in enumerate(zs)]
+    g = torch.randn(x.shape[0], widths[-1], device=dev).to(dt)
+    hb, needs = tuple(b is not None for b in bs), (True,) * (1 + 2 * L)
+    want = ref_mod.backward_lean(g, x, ws, hb, zs, a, last, needs)
+    tiles = sorted({row[1:] for row in fb.CHAIN[dt.itemsize]} | set(fb.CHAIN_OPTIONS.values()))
+    res = []
+    for tile in tiles:
+        for pad in (False, True):
+            got = fb.plan(widths, dt, x.device, x.shape[0], hb, (a, last), needs, chain=tile, pad=pad)(g, x, ws, zs)
+            res.append(("x".join(map(str, tile)) + ("p" if pad else ""), fm.tuning.disagreement(got, want, dt)[0]))
+    report("fused_mlp tiles", desc, res)
 
 
 def fm_grads(x, ws, bs, a, last, dt, desc):

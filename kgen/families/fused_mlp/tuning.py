@@ -184,24 +184,36 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
 AGREE = {torch.float16: 8 * 2.0 ** -10, torch.bfloat16: 8 * 2.0 ** -7, torch.float32: 1e-3}
 
 
-def agrees(got, want, dtype, name: str = "") -> bool:
-    """Whether fused backward gradients `got` ((grad_x, [grad_w], [grad_b])) match `want`
-    (backward_lean's) within AGREE of each gradient's largest element, NaN where it is NaN;
-    warns (naming `name`) where they do not: the tuner then never picks that option."""
+def disagreement(got, want, dtype) -> tuple[float, int]:
+    """How far fused backward gradients `got` ((grad_x, [grad_w], [grad_b])) are from `want`
+    (backward_lean's): the largest over the gradients of (largest difference / that gradient's
+    largest element) / AGREE[dtype] (inf where a NaN is not where want has one), and the index of
+    that gradient in (x, weights, biases) order; gradients None in either are skipped."""
     flat = lambda r: [r[0], *r[1], *r[2]]  # noqa: E731
+    worst, at = 0.0, -1
     for i, (a, b) in enumerate(zip(flat(got), flat(want))):
         if a is None or b is None:
             continue
         a, b = a.float(), b.float()
         scale = float(b.nan_to_num(0.0, 0.0, 0.0).abs().max()) or 1.0
-        err = (a - b).abs().nan_to_num(0.0, float("inf"), float("inf"))
-        if not torch.equal(a.isnan(), b.isnan()) or float(err.max()) > AGREE[dtype] * scale:
-            from kgen.runtime import dispatch
+        err = float((a - b).abs().nan_to_num(0.0, float("inf"), float("inf")).max())
+        r = err / (AGREE[dtype] * scale) if torch.equal(a.isnan(), b.isnan()) else float("inf")
+        if r > worst or at < 0:
+            worst, at = r, i
+    return worst, at
 
-            dispatch.log.warning("kgen: fused_mlp backward option %s disagrees with the lean backward (gradient %d: "
-                                 "%.3g of its largest element); not a candidate", name, i, float(err.max()) / scale)
-            return False
-    return True
+
+def agrees(got, want, dtype, name: str = "") -> bool:
+    """Whether `got` is within AGREE of `want` (`disagreement` <= 1); warns (naming option
+    `name`) where it is not: the tuner then never picks that option."""
+    worst, at = disagreement(got, want, dtype)
+    if worst <= 1.0:
+        return True
+    from kgen.runtime import dispatch
+
+    dispatch.log.warning("kgen: fused_mlp backward option %s disagrees with the lean backward (gradient %d: "
+                         "%.3g of its largest element); not a candidate", name, at, worst * AGREE[dtype])
+    return False
 
 
 def tune_choices(inputs: dict) -> dict:
