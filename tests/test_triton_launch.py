@@ -15,6 +15,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime.jit import JITFunction, create_function_from_signature
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kgen.runtime import interpret
 from kgen.runtime import triton_launch as tlaunch
 
 
@@ -477,3 +478,15 @@ def test_tf32_descriptor_backport_for_triton_36(monkeypatch):
     monkeypatch.setattr(td, "_state", {})
     driver.make_tensordesc_arg = lambda arg, metadata, extra: None
     assert td.rounding_descriptor(x, [8, 8]) is None
+
+
+@pytest.mark.skipif(not interpret.active(), reason="the interpreter's leak: only where kernels are interpreted")
+def test_a_device_function_called_outside_a_launch_leaves_triton_compilable():
+    """Under the interpreter, a jit library function called from Python (tl.cdiv) undoes its
+    patches of triton.language on return (kgen.runtime.interpret): Triton 3.9's interpreter
+    left them in place, and every ahead-of-time compile after it in the process failed."""
+    mul = tl.core.mul
+    assert tl.cdiv(7, 2) == 4
+    assert tl.core.mul is mul
+    compiled = _aot(_SIG, {"FLAG": True, "BLOCK": 128, "one": 1})
+    assert compiled.metadata.name

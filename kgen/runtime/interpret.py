@@ -1,4 +1,4 @@
-"""Running Triton variants on the CPU: the Triton interpreter, and one fix it needs.
+"""Running Triton variants on the CPU: the Triton interpreter, and two fixes it needs.
 
 Triton's interpreter (3.9 seen) multiplies bfloat16 `tl.dot` operands as their uint16 bit
 patterns, since numpy has no bfloat16: any bf16 matmul kernel gives garbage there. `enable`
@@ -22,9 +22,41 @@ def active() -> bool:
 
 def enable() -> None:
     """Interpret Triton kernels created from now on (set before a generated module is
-    imported), with bf16 dot operands widened."""
+    imported), with bf16 dot operands widened and device-function calls scoped."""
     os.environ["TRITON_INTERPRET"] = "1"
     _widen_bf16_dot()
+    _scope_device_calls()
+
+
+def _scope_device_calls() -> None:
+    """Triton's interpreter (3.9 seen) patches triton.language for the interpreter when an
+    interpreted jit function is called outside a launch (a library function such as tl.cdiv
+    called from Python, or a jit helper called by a kernel) and never undoes it (a launch
+    does): afterwards `triton.compile` in the same process fails ("'value' object has no
+    attribute 'dtype'"). Each such call undoes its own patches on return."""
+    try:
+        from triton.runtime import interpreter as interp
+
+        cls, patch, error = interp.InterpretedFunction, interp._patch_lang, interp.InterpreterError
+        interp._LangPatchScope  # the layout whose __call__ this replaces
+    except (ImportError, AttributeError):  # another Triton layout: leave it as it is
+        return
+    if getattr(cls.__call__, "_kgen_scoped", False):
+        return
+
+    def call(self, *args, **kwargs):
+        scope = patch(self.fn)
+        try:
+            fn = self.rewrite()
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise error(repr(e)) from e
+        finally:
+            scope.restore()
+
+    call._kgen_scoped = True
+    cls.__call__ = call
 
 
 def _widen_bf16_dot() -> None:
