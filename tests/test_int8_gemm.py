@@ -495,6 +495,18 @@ def test_gemv_plans():
         vs = sorted((v for v in SPEC.variants if v.dtype == "bfloat16" and not ig.plans.is_gemv(v)),
                     key=lambda v: ig.plans.preference(v, M, N, 132))
         assert (vs[0].params.get("split_k", 1) > 1) == split, (M, N, vs[0].name)
+    # ... and with K known too, the grid of least predicted time (plans.tile_grid_us; H200,
+    # the faster of the two measured, BENCHMARKS.md fifty-first session: fp16 208 x 4671 x
+    # 3776 unsplit 60.2 us against split 72.1, 682 x 1782 x 9776 157.0 against 180.9; split
+    # where the unsplit grid is small: 160 x 1499 x 6144 42.9 against 94.4, 250 x 3803 x 6144
+    # 78.5 against 93.4, 133 x 2811 x 7984 48 against 113)
+    for M, N, K, split in ((208, 4671, 3776, False), (682, 1782, 9776, False), (160, 1499, 6144, True),
+                           (250, 3803, 6144, True), (133, 2811, 7984, True), (250, 4571, 2048, False)):
+        for dtype in ("bfloat16", "float16"):
+            vs = sorted((v for v in SPEC.variants if v.dtype == dtype and not ig.plans.is_gemv(v)),
+                        key=lambda v: ig.plans.preference(v, M, N, 132, K))
+            assert (vs[0].params.get("split_k", 1) > 1) == split, (M, N, K, vs[0].name)
+            assert vs[0].params["block_m"] >= 64, vs[0].name  # (the 16-row split tile: predicted slower here)
     assert ig.plans.gemv_splits(64, 1, 4096, 4096, 132) * 64 * 4 >= 12 * 132  # 64 CTAs of 4 warps x splits
     assert ig.plans.gemv_splits(16, 1, 4096, 4096, 132, 1, 8) == 1  # 256 CTAs of 8 K-warps fill the SMs
     assert ig.plans.gemv_fill_splits(16, 1, 1024, 4096, 132, 1, 8) == 2  # ranges of >= 4 steps a warp
@@ -582,7 +594,8 @@ def test_w8a16_under_autocast_takes_an_fp32_bias():
 
 # The Hopper kernel: M from 1 to past two 128-row tiles, N and K off every tile (K a multiple
 # of 16, TMA's unit; 272 and 1040 end in a partial 128-byte panel), long K (3008: 24 panels).
-WGMMA_SHAPES = ig.GPU_SHAPES + ((130, 4104, 1040), (300, 333, 128), (1029, 2000, 3008), (17, 1000, 272))
+WGMMA_SHAPES = ig.GPU_SHAPES + ((130, 4104, 1040), (300, 333, 128), (1029, 2000, 3008), (17, 1000, 272),
+                                 (517, 1291, 2080))  # N odd: the staged epilogue
 
 
 @pytest.mark.gpu

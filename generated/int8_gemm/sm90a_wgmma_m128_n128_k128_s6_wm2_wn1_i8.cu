@@ -480,6 +480,59 @@ __device__ __forceinline__ typename Pair2<OutT>::T pack2(float a, float b) {
   else return make_float2(a, b);
 }
 
+// N odd: a warp's 16 x BN slab of the tile, 32 columns at a time: each thread puts its pairs
+// (finished, for int8_linear) in the warp's 16 x 32 buffer, then each lane stores one column of
+// the 16 rows, so that a store instruction writes 32 adjacent elements of a row (the pairs of
+// the other paths, misaligned with N odd, write 8 rows of 8 columns in ~12 partial sectors).
+// Rows STAGE_OUT_STRIDE words apart: the threads' 8-byte writes (rows g, columns 2 t) meet
+// distinct bank pairs in each half-warp, the lanes' reads of a row distinct banks.
+constexpr int STAGE_OUT_STRIDE = 40;
+
+template <int MODE, typename OutT>
+__device__ __forceinline__ void store_staged(const int (&acc)[ACC], uint32_t* buf, bool raw, int* sums, OutT* out,
+                                             int M, int N, int row_base, int col_base, int lane, const float (&sa)[2],
+                                             const float* sbb) {
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int q = 0; q < (BN + 31) / 32; ++q) {
+    __syncwarp();  // the lanes' reads of the last chunk are done
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = 4 * q + jj, local = 8 * jj + 2 * t;
+      if (8 * j >= BN) break;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int v0 = acc[4 * j + 2 * h], v1 = acc[4 * j + 2 * h + 1];
+        uint2 w = make_uint2((uint32_t)v0, (uint32_t)v1);
+        if constexpr (MODE == 1) {
+          if (!raw) {
+            const float4 sb = *reinterpret_cast<const float4*>(sbb + 2 * (32 * q + local));
+            w = make_uint2(__float_as_uint(fmaf((float)v0 * sa[h], sb.x, sb.z)),
+                           __float_as_uint(fmaf((float)v1 * sa[h], sb.y, sb.w)));
+          }
+        }
+        *reinterpret_cast<uint2*>(buf + (g + 8 * h) * STAGE_OUT_STRIDE + local) = w;
+      }
+    }
+    __syncwarp();
+    const int col = col_base + 32 * q + lane;
+    if (32 * q + lane < BN && col < N) {
+#pragma unroll 4
+      for (int r = 0; r < 16 && row_base + r < M; ++r) {
+        const uint32_t w = buf[r * STAGE_OUT_STRIDE + lane];
+        const int64_t at = (int64_t)(row_base + r) * N + col;
+        if constexpr (MODE == 1) {
+          if (!raw) {
+            out[at] = kgen::from_float<OutT>(__uint_as_float(w));
+            continue;
+          }
+        }
+        sums[at] = (int)w;
+      }
+    }
+  }
+}
+
 template <int MODE, typename OutT, typename BiasT>
 __global__ void __launch_bounds__(THREADS, CTAS_PER_SM)
 int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
@@ -493,6 +546,7 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
   // their rows' scale_a, which they load as a tile starts.
   __shared__ __align__(16) float tile_sbb[2][MODE == 0 ? 4 : 2 * BN];
   __shared__ __align__(8) uint64_t scales_full[2], scales_empty[2];
+  __shared__ __align__(16) uint32_t stage_out[4 * CONSUMERS][16 * STAGE_OUT_STRIDE];  // N odd: store_staged
   uint8_t* ring = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int m_tiles = (int)kgen::cdiv(p.M, BM);
   const int tiles = m_tiles * (int)kgen::cdiv(p.N, BN);
@@ -592,10 +646,15 @@ int8_gemm_sm90a(const __grid_constant__ CUtensorMap map_a, const __grid_constant
     if (MODE == 1) kgen::mbar_wait(&scales_full[buf], (i >> 1) & 1);  // tile_sbb[buf] staged
     // acc[r]: row 16 warp + g + 8 ((r >> 1) & 1) of the consumer's slab, column 8 (r >> 2) + 2 t + (r & 1):
     // a thread's pairs of adjacent columns, stored as pairs. A tile inside the output (and N
-    // even: pairs aligned) stores without a bound check; an edge tile checks each pair.
+    // even: pairs aligned) stores without a bound check; an edge tile checks each pair; with N
+    // odd every pair is misaligned, so the warp's 16 rows go out through shared memory a row of
+    // 32 columns a store (store_staged).
     const bool raw = MODE == 0 || p.splits > 1;  // int32 sums: int8_mm's output or a split's partials
     int* const sums = p.splits > 1 ? p.part + (int64_t)split * p.M * p.N : reinterpret_cast<int*>(p.out);
-    if ((tm + 1) * BM <= p.M && (tn + 1) * BN <= p.N && p.N % 2 == 0) {
+    if (p.N % 2 != 0) {
+      store_staged<MODE, OutT>(acc, stage_out[c * 4 + warp], raw, sums, p.out, p.M, p.N, tm * BM + c * 64 + warp * 16,
+                               tn * BN, lane, sa, MODE == 1 ? tile_sbb[buf] : nullptr);
+    } else if ((tm + 1) * BM <= p.M && (tn + 1) * BN <= p.N) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t at = (int64_t)(row0 + 8 * h) * p.N + tn * BN + 2 * t;

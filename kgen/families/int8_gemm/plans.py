@@ -4,6 +4,8 @@ here allocates or launches."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from kgen.families.int8_gemm.schema import wgmma_ctas_per_sm
@@ -224,6 +226,29 @@ def _gemv_rank(p, M: int, N: int | None, K: int | None, sms: int | None) -> int:
     return 0 if N >= GEMV_ROW_WARPS_N and fill == 1 else 2
 
 
+# Above M = 128 with N, K and the SMs known, the split-K and unsplit tiles (Triton, Ampere's
+# mma.sync) by predicted time: FIXED_US plus the grid's programs an SM (splits as `splits`
+# plans them) x its K range x TILE_NS_PER_K_BASE + TILE_NS_PER_K_EDGE x (block_m + block_n)
+# ns (a program's loads a unit of K grow with its tile's edges; fitted on H200 W8A16 grids in
+# one wave: 16 x 64 tiles ~4 ns, 64 x 128 ~11, 128 x 128 ~15). Measured (H200, bf16 and fp16,
+# M 160-700, K 2048 and 6144, the unsplit 128 x 128 grid at 0.18-1.0 of the SMs, 64 cases +
+# two from a sweep, BENCHMARKS.md fifty-first session): this picks the faster of the 128 x 128
+# and the split 64 x 128 tile within 3 % in all 66 (the earlier rule, split wherever the
+# 128 x 128 grid has fewer tiles than SMs: 1.11x the faster, geomean, worst 1.77: e.g. fp16
+# 208 x 4671 x 3776, 74 tiles: 72.1 us split against 60.2).
+TILE_NS_PER_K_BASE = -1.0
+TILE_NS_PER_K_EDGE = 0.0625
+
+
+def tile_grid_us(params, M: int, N: int, K: int, sms: int) -> float:
+    """Predicted GPU time of a Triton or mma.sync tile variant's grid at M x N x K (us)."""
+    bm, bn, bk = params["block_m"], params["block_n"], params["block_k"]
+    mod = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=params.get("split_k", 1))
+    n_splits, k_split = splits(mod, M, N, K, bk, sms)
+    programs = cdiv(M, bm) * cdiv(N, bn) * n_splits
+    return FIXED_US + cdiv(programs, sms) * min(k_split, K) * (TILE_NS_PER_K_BASE + TILE_NS_PER_K_EDGE * (bm + bn)) / 1000
+
+
 def preference(variant, M: int, N: int | None = None, sms: int | None = None, K: int | None = None) -> tuple:
     """Sort key of a variant for a call with M rows (N columns, K depth, on `sms` SMs, where
     known) when the tuning table has nothing for its bucket (smaller first): at M <= 16 the
@@ -235,7 +260,8 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None, K:
     session), its tile by predicted time (wgmma_tile_cost; by M, WGMMA_TILES, where N is not
     known); then at M <= 32 the split-K streaming variants (b read once, spread over all
     SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes half
-    zeros); above M = 128 the largest unsplit tiles whose grid fills the SMs, else the
+    zeros); above M = 128 the grid of least predicted time (tile_grid_us) where N and K are
+    known, else the largest unsplit tiles whose grid fills the SMs, else the
     split-K ones (W8A16 at 133 x 2811 x 7984, H200: the unsplit
     128 x 128 tile's 44 CTAs took 113 us of GPU, the 64 x 128 tile with 4 splits 48,
     BENCHMARKS.md thirty-sixth session; the shipped tables' M <= 256 winners agree in 9 of
@@ -255,6 +281,8 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None, K:
         return (1, split == 1, p["block_m"])
     if M <= 128:
         return (1, abs(p["block_m"] - 64), split != 1)
+    if N is not None and K is not None and sms:
+        return (1, tile_grid_us(p, M, N, K, sms), -p["block_m"], variant.backend == "cuda")
     starved = split == 1 and N is not None and bool(sms) and cdiv(M, p["block_m"]) * cdiv(N, p["block_n"]) < sms
     return (1, starved, split != 1, -p["block_m"], variant.backend == "cuda")
 

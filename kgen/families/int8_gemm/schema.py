@@ -87,8 +87,9 @@ def wgmma_smem(k: Mapping[str, Any]) -> int:
 def wgmma_static_smem(k: Mapping[str, Any]) -> int:
     """Static shared memory of a wgmma variant's int8_linear kernels (the larger): a full and
     an empty mbarrier a stage, two buffers of the tile's scale_b and bias (float32) and a full
-    and an empty mbarrier for each."""
-    return 16 * k["stages"] + 2 * 2 * 4 * k["block_n"] + 2 * 16
+    and an empty mbarrier for each, and each consumer warp's 16 x 40-word buffer of the
+    staged epilogue (N odd)."""
+    return 16 * k["stages"] + 2 * 2 * 4 * k["block_n"] + 2 * 16 + (k["block_m"] // 16) * 16 * 40 * 4
 
 
 # Shared memory of an sm_90 SM (228 KB), and what the system reserves for each CTA (1 KB).
