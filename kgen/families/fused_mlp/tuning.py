@@ -233,9 +233,9 @@ def tune_choices(inputs: dict) -> dict:
         _, zs = eager(x, ws, bs, a, last, save=True)
     g = torch.randn(B, ws[-1].shape[0], device=x.device, dtype=x.dtype)
     has_bias, needs = tuple(b is not None for b in bs), (True,) * (1 + 2 * L)
-    lean = backward_lean(g, x, ws, has_bias, zs, a, last, needs)
     options = {}
     if fused_backward.ENABLED:
+        lean = backward_lean(g, x, ws, has_bias, zs, a, last, needs)  # (what each fused option must agree with)
         widths = (x.shape[1], *(w.shape[0] for w in ws))
         tiles = [None, *(fused_backward.CHAIN_OPTIONS if x.dtype != torch.float32 else ())]
         for pad in (False, True):
