@@ -494,9 +494,9 @@ def test_gpu_every_chain_tile_at_widths_that_broke_128_rows(widths, dtype):
     128-row tiles (wrong grad_x or an illegal address; forty-ninth session) and, before the
     chunk floor of WGMMA tiles (fused_backward.WGMMA_MIN_CHUNK), 64 x 128 x 4: grad_x and every
     weight gradient against backward_lean's (the same math and roundings, another summation
-    order: each rounded dz can land one ulp away and the layers below carry it on; 8 ulps of
-    the dtype, of the gradient's largest element, where the miscompiled tiles were off by ~1x
-    of it), and no NaN left in the poisoned buffers."""
+    order: each rounded dz can land one ulp away and the layers below carry it on;
+    tuning.disagreement's bound, 8 ulps of the dtype of the gradient's largest element, where
+    the miscompiled tiles were off by ~1x of it), and no NaN left in the poisoned buffers."""
     B, acts = 4099, ("gelu", "gelu")
     x, ws, bs, zs, g = _case(widths, B, acts, dtype, bias=False, device="cuda")
     L = len(ws)
@@ -507,12 +507,8 @@ def test_gpu_every_chain_tile_at_widths_that_broke_128_rows(widths, dtype):
     for chain in sorted(tiles):
         p = fb.plan(widths, dtype, x.device, B, hb, acts, needs, chain=chain)
         gx, gws, _ = p(g, x, ws, zs)
-        torch.cuda.synchronize()
-        for got, want in zip([gx, *gws], [lx, *lws]):
-            scale = float(want.float().abs().max()) or 1.0
-            assert not torch.isnan(got).any(), chain
-            ulp = 2.0 ** (-10 if dtype == torch.float16 else -7)
-            assert float((got.float() - want.float()).abs().max()) <= 8 * ulp * scale, (chain, widths)
+        worst, at = tuning.disagreement((gx, gws, []), (lx, lws, []), dtype)  # (the tuner's own check)
+        assert worst <= 1.0, (chain, widths, worst, at)
 
 
 @pytest.mark.gpu
