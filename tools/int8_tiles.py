@@ -1,0 +1,91 @@
+"""int8_gemm's untuned tile choice against measurement (GPU): at each case every tile variant
+(Triton, mma.sync, WGMMA; no gemv) as the op's plan runs it, the op itself, and each variant's
+predicted time (plans.tile_grid_us for the Triton and mma.sync tiles; plans.wgmma_tile_cost,
+relative, for the WGMMA ones). One line a case: the op, the fastest, op / fastest; then every
+candidate's GPU µs (prediction). Ends with the geomean and worst op / fastest. It checked the
+fifty-first session's split-or-not model (BENCHMARKS.md) on shapes it was not fitted on.
+
+    python3 tools/int8_tiles.py --shape float16:208x4671x3776 --shape int8:3001x2999x3008
+    python3 tools/int8_tiles.py --random 30 --seed 5121 --dtype bfloat16 float16 --m 129-1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+
+import torch
+
+from kgen import ops
+from kgen.families import module_of
+from kgen.families.int8_gemm import plans
+from kgen.runtime import dispatch, timing, tune
+
+
+def cases(args) -> list[tuple[str, int, int, int]]:
+    out = []
+    for text in args.shape:
+        dt, _, dims = text.partition(":")
+        M, N, K = map(int, dims.split("x"))
+        out.append((dt, M, N, K))
+    rng = random.Random(args.seed)
+    lo, hi = map(int, args.m.split("-"))
+
+    def dim(a, b):
+        return int(round(math.exp(rng.uniform(math.log(a), math.log(b)))))
+
+    for n in range(args.random):
+        out.append((args.dtype[n % len(args.dtype)], dim(lo, hi), dim(256, 16384), 16 * dim(16, 1024)))
+    return out
+
+
+def predicted(v, M: int, N: int, K: int, sms: int) -> float:
+    if plans.is_wgmma(v):
+        return plans.wgmma_tile_cost(v.params, M, N, sms) * K * plans.WGMMA_US_PER_COST_K + plans.FIXED_US
+    return plans.tile_grid_us(v.params, M, N, K, sms)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", default=[], metavar="DTYPE:MxNxK")
+    ap.add_argument("--random", type=int, default=0, help="this many random shapes too")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float16", "int8"])
+    ap.add_argument("--m", default="17-1024", help="the random shapes' rows, LO-HI")
+    ap.add_argument("--min-us", type=float, default=200.0)
+    args = ap.parse_args()
+    dev, fam = torch.device("cuda"), module_of("int8_gemm")
+    sms = plans.sm_count(dev)
+    ratios = []
+    for dt, M, N, K in cases(args):
+        inputs = fam.tune_inputs(dev, dt, M=M, N=N, K=K)
+        vs = [v for v in dispatch.runnable("int8_gemm", dt, dev) if not plans.is_gemv(v)]
+        fns, _ = tune.candidate_runners(fam, vs, inputs)
+        fns.pop(tune.REFERENCE, None)
+        if dt == "int8":
+            fns["OP"] = lambda i=inputs: ops.int8_mm(i["a"], i["b"])
+        else:
+            fns["OP"] = lambda i=inputs: ops.w8a16_linear(i["x"], i["b"], i["scale_b"], None)
+        gpu = {}
+        with torch.no_grad():
+            for _ in range(2):
+                for k, f in fns.items():
+                    gpu[k] = min(gpu.get(k, math.inf), timing.cuda_timer(f, args.min_us).gpu)
+        best = min((k for k in gpu if k != "OP"), key=gpu.get)
+        ratios.append(gpu["OP"] / gpu[best])
+        pred = {v.name: predicted(v, M, N, K, sms) for v in vs}
+        print(f"{dt:8s} {M}x{N}x{K}: op {gpu['OP']:.1f} fastest {best.removeprefix('int8_gemm_')} {gpu[best]:.1f} "
+              f"op/fastest {ratios[-1]:.2f}", flush=True)
+        for k in sorted(pred, key=lambda k: gpu.get(k, math.inf)):
+            if k in gpu:
+                print(f"    {k.removeprefix('int8_gemm_'):44s} {gpu[k]:8.1f} (predicted {pred[k]:8.1f})", flush=True)
+        del inputs, fns
+        torch.cuda.empty_cache()
+    if ratios:
+        print(f"op / fastest over {len(ratios)} cases: geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
+              f"worst {max(ratios):.2f}")
+
+
+if __name__ == "__main__":
+    main()
