@@ -21,14 +21,15 @@ from kgen import ops
 from kgen.families import module_of
 from kgen.families.int8_gemm import plans
 from kgen.runtime import dispatch, timing, tune
+from kgen.tune_cli import parse_shape
 
 
 def cases(args) -> list[tuple[str, int, int, int]]:
     out = []
     for text in args.shape:
         dt, _, dims = text.partition(":")
-        M, N, K = map(int, dims.split("x"))
-        out.append((dt, M, N, K))
+        shape = parse_shape(dims, ("M", "N", "K"))
+        out.append((dt, shape["M"], shape["N"], shape["K"]))
     rng = random.Random(args.seed)
     lo, hi = map(int, args.m.split("-"))
 

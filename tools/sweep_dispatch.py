@@ -8,7 +8,8 @@ alone is usually host cost). Shapes are log-uniform and awkward: mostly untuned 
 where dispatch falls to "tuned nearby" or spec order.
 
     python3 tools/sweep_dispatch.py FAMILY [--cases 8] [--seed 7] [--min-us 500]
-    python3 tools/sweep_dispatch.py FAMILY --shape DTYPE:DIM=V,DIM=V ...   (given cases only)
+    python3 tools/sweep_dispatch.py FAMILY --shape DTYPE:SHAPE ...   (given cases only; SHAPE as
+        `kgen tune --shapes` takes it: 208x4671x3776 or B=2048,widths=13-512-256)
 
 It found the untuned-shape defects of the twenty-second session (BENCHMARKS.md): int8 above
 M = 16 on Triton tiles, logmatmul at tiny K through the op's general path, a winner carried
@@ -28,6 +29,7 @@ from kgen import ops
 from kgen.errors import KgenError
 from kgen.families import module_of
 from kgen.runtime import dispatch, timing, tune
+from kgen.tune_cli import parse_shape
 
 
 def random_case(family: str, rng: random.Random) -> tuple[str, dict]:
@@ -71,17 +73,6 @@ def random_case(family: str, rng: random.Random) -> tuple[str, dict]:
     raise SystemExit(f"no random shapes for {family}")
 
 
-def parse_case(text: str) -> tuple[str, dict]:
-    """'float16:M=208,N=4671,K=3776' -> ('float16', {'M': 208, ...}); values that are not
-    integers stay strings (widths=13-512-256, activation=relu)."""
-    dt, _, dims = text.partition(":")
-    shape = {}
-    for item in filter(None, dims.split(",")):
-        k, _, v = item.partition("=")
-        shape[k] = int(v) if v.lstrip("-").isdigit() else {"True": True, "False": False}.get(v, v)
-    return dt, shape
-
-
 def op_call(family: str, i: dict):
     """() -> the public op on the tune_inputs `i` (as the family's tune_runner would run the
     same work)."""
@@ -106,11 +97,11 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=8)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--min-us", type=float, default=500.0)
-    ap.add_argument("--shape", action="append", default=[], metavar="DTYPE:DIM=V,...",
+    ap.add_argument("--shape", action="append", default=[], metavar="DTYPE:SHAPE",
                     help="time this case instead of random ones (repeatable)")
     args = ap.parse_args()
     fam, rng, dev = module_of(args.family), random.Random(args.seed), torch.device("cuda")
-    given = [parse_case(c) for c in args.shape]
+    given = [(c.partition(":")[0], parse_shape(c.partition(":")[2], fam.TUNE_DIMS)) for c in args.shape]
     for n in range(len(given) or args.cases):
         dt, shape = given[n] if given else random_case(args.family, rng)
         shape = tune.with_extras(fam, dt, shape)

@@ -493,7 +493,8 @@ __device__ __forceinline__ typename Pair2<OutT>::T pack2(float a, float b) {
 // the 16 rows, so that a store instruction writes 32 adjacent elements of a row (the pairs of
 // the other paths, misaligned with N odd, write 8 rows of 8 columns in ~12 partial sectors).
 // Rows STAGE_OUT_STRIDE words apart: the threads' 8-byte writes (rows g, columns 2 t) meet
-// distinct bank pairs in each half-warp, the lanes' reads of a row distinct banks.
+// distinct bank pairs in each half-warp, the lanes' reads of a row distinct banks (the
+// stride is schema.STAGE_OUT_STRIDE, which the shared-memory plan counts).
 constexpr int STAGE_OUT_STRIDE = 40;
 
 template <int MODE, typename OutT>

@@ -84,12 +84,17 @@ def wgmma_smem(k: Mapping[str, Any]) -> int:
     return k["stages"] * (k["block_m"] + k["block_n"]) * k["block_k"] + 1024
 
 
+# Words between the rows of a consumer warp's 16-row buffer in the staged (N odd) epilogue of
+# cuda_sm90a.cu.j2 (40: the threads' 8-byte writes meet distinct bank pairs a half-warp).
+STAGE_OUT_STRIDE = 40
+
+
 def wgmma_static_smem(k: Mapping[str, Any]) -> int:
     """Static shared memory of a wgmma variant's int8_linear kernels (the larger): a full and
     an empty mbarrier a stage, two buffers of the tile's scale_b and bias (float32) and a full
-    and an empty mbarrier for each, and each consumer warp's 16 x 40-word buffer of the
-    staged epilogue (N odd)."""
-    return 16 * k["stages"] + 2 * 2 * 4 * k["block_n"] + 2 * 16 + (k["block_m"] // 16) * 16 * 40 * 4
+    and an empty mbarrier for each, and each consumer warp's 16-row buffer of the staged
+    epilogue (N odd)."""
+    return 16 * k["stages"] + 2 * 2 * 4 * k["block_n"] + 2 * 16 + (k["block_m"] // 16) * 16 * STAGE_OUT_STRIDE * 4
 
 
 # Shared memory of an sm_90 SM (228 KB), and what the system reserves for each CTA (1 KB).
@@ -226,7 +231,8 @@ def template_context(variant) -> dict:
                 "OUT_CODE": 0 if int8 else _DTYPE_CODE[variant.dtype]}
     if variant.backend == "cuda" and p["kernel"] == "wgmma":
         return {"KERNEL": "wgmma", "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
-                "CONSUMERS": p["block_m"] // 64, "CTAS_PER_SM": wgmma_ctas_per_sm(p)}
+                "CONSUMERS": p["block_m"] // 64, "CTAS_PER_SM": wgmma_ctas_per_sm(p),
+                "STAGE_OUT_STRIDE": STAGE_OUT_STRIDE}
     if variant.backend == "cuda":
         return {"KERNEL": "mma", "BM": p["block_m"], "BN": p["block_n"], "BK": p["block_k"], "STAGES": p["stages"],
                 "WARPS_M": p["warps_m"], "WARPS_N": p["warps_n"],
