@@ -12,6 +12,7 @@ fifty-first session's split-or-not model (BENCHMARKS.md) on shapes it was not fi
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 
@@ -44,7 +45,7 @@ def cases(args) -> list[tuple[str, int, int, int]]:
 def predicted(v, M: int, N: int, K: int, sms: int) -> float:
     if plans.is_wgmma(v):
         return plans.wgmma_tile_cost(v.params, M, N, sms) * K * plans.WGMMA_US_PER_COST_K + plans.FIXED_US
-    return plans.tile_grid_us(v.params, M, N, K, sms)
+    return plans.tile_grid_us(v.params, M, N, K, sms, v.dtype)
 
 
 def main() -> None:
@@ -55,10 +56,11 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float16", "int8"])
     ap.add_argument("--m", default="17-1024", help="the random shapes' rows, LO-HI")
     ap.add_argument("--min-us", type=float, default=200.0)
+    ap.add_argument("--json", metavar="PATH", help="also write every case's times, predictions and tile parameters")
     args = ap.parse_args()
     dev, fam = torch.device("cuda"), module_of("int8_gemm")
     sms = plans.sm_count(dev)
-    ratios = []
+    ratios, rows = [], []
     for dt, M, N, K in cases(args):
         inputs = fam.tune_inputs(dev, dt, M=M, N=N, K=K)
         vs = [v for v in dispatch.runnable("int8_gemm", dt, dev) if not plans.is_gemv(v)]
@@ -81,8 +83,14 @@ def main() -> None:
         for k in sorted(pred, key=lambda k: gpu.get(k, math.inf)):
             if k in gpu:
                 print(f"    {k.removeprefix('int8_gemm_'):44s} {gpu[k]:8.1f} (predicted {pred[k]:8.1f})", flush=True)
+        rows.append({"dtype": dt, "M": M, "N": N, "K": K, "sms": sms, "op_us": gpu["OP"],
+                     "variants": {v.name: {"us": gpu.get(v.name), "predicted_us": pred[v.name], "params": v.params}
+                                  for v in vs if v.name in gpu}})
         del inputs, fns
         torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
     if ratios:
         print(f"op / fastest over {len(ratios)} cases: geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
               f"worst {max(ratios):.2f}")

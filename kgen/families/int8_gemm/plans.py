@@ -226,27 +226,42 @@ def _gemv_rank(p, M: int, N: int | None, K: int | None, sms: int | None) -> int:
     return 0 if N >= GEMV_ROW_WARPS_N and fill == 1 else 2
 
 
-# Above M = 128 with N, K and the SMs known, the split-K and unsplit tiles (Triton, Ampere's
-# mma.sync) by predicted time: FIXED_US plus the grid's programs an SM (splits as `splits`
-# plans them) x its K range x TILE_NS_PER_K_BASE + TILE_NS_PER_K_EDGE x (block_m + block_n)
-# ns (a program's loads a unit of K grow with its tile's edges; fitted on H200 W8A16 grids in
-# one wave: 16 x 64 tiles ~4 ns, 64 x 128 ~11, 128 x 128 ~15). Measured (H200, bf16 and fp16,
-# M 160-700, K 2048 and 6144, the unsplit 128 x 128 grid at 0.18-1.0 of the SMs, 64 cases +
-# two from a sweep, BENCHMARKS.md fifty-first session): this picks the faster of the 128 x 128
-# and the split 64 x 128 tile within 3 % in all 66 (the earlier rule, split wherever the
-# 128 x 128 grid has fewer tiles than SMs: 1.11x the faster, geomean, worst 1.77: e.g. fp16
-# 208 x 4671 x 3776, 74 tiles: 72.1 us split against 60.2).
+# Above M = 16 with N, K and the SMs known, the Triton and mma.sync tiles (split-K or not)
+# by predicted GPU time: TILE_FIXED_US, plus TILE_SPLIT_US where the plan splits K (the
+# combine launch, the partial planes), plus the grid's waves (programs as `splits` plans them
+# over the SMs, rounded up) x its K range x the tile's ns a unit of K (TILE_NS_PER_K, per tile
+# and 16-bit dtype; elsewhere TILE_NS_PER_K_BASE + TILE_NS_PER_K_EDGE x (block_m + block_n)).
+# Fitted on H200 W8A16 GPU times, every Triton tile at 78 random shapes (M 17-1024, N 256-16k,
+# K 256-16k; tools/int8_tiles.py --json, BENCHMARKS.md fifty-second session): fitted on the 48
+# of M <= 128 it picks within 1.007x of the fastest on the 30 above (geomean; worst 1.09),
+# fitted on those 30 within 1.016x on the 48 (worst 1.12); the earlier rules took 1.18x at
+# M 17-128 (worst 2.12: fp16 42 x 291 x 992, the 64 x 128 tile 15.4 us against the 16-row
+# split tile's 7.3). The 16-row tile converts b in registers for only 16 rows, so the dtype's
+# conversion shows: fp16 1.5x bf16's time a unit of K.
+TILE_FIXED_US = 5.0
+TILE_SPLIT_US = 3.5
+TILE_NS_PER_K = {
+    (16, 64): {"bfloat16": 2.0, "float16": 3.0},
+    (64, 128): {"bfloat16": 9.5, "float16": 11.25},
+    (128, 128): {"bfloat16": 13.05, "float16": 15.05},
+}
+# (int8 tiles on Ampere, not fitted: the fifty-first session's H200 W8A16 fit above M = 128,
+# with FIXED_US)
 TILE_NS_PER_K_BASE = -1.0
 TILE_NS_PER_K_EDGE = 0.0625
 
 
-def tile_grid_us(params, M: int, N: int, K: int, sms: int) -> float:
-    """Predicted GPU time of a Triton or mma.sync tile variant's grid at M x N x K (us)."""
+def tile_grid_us(params, M: int, N: int, K: int, sms: int, dtype: str | None = None) -> float:
+    """Predicted GPU time of a Triton or mma.sync tile variant's grid at M x N x K (us), for
+    `dtype`'s rates where fitted."""
     bm, bn, bk = params["block_m"], params["block_n"], params["block_k"]
     mod = SimpleNamespace(BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=params.get("split_k", 1))
     n_splits, k_split = splits(mod, M, N, K, bk, sms)
-    programs = cdiv(M, bm) * cdiv(N, bn) * n_splits
-    return FIXED_US + cdiv(programs, sms) * min(k_split, K) * (TILE_NS_PER_K_BASE + TILE_NS_PER_K_EDGE * (bm + bn)) / 1000
+    waves = cdiv(cdiv(M, bm) * cdiv(N, bn) * n_splits, sms)
+    rate = TILE_NS_PER_K.get((bm, bn), {}).get(dtype)
+    if rate is None:
+        return FIXED_US + waves * min(k_split, K) * (TILE_NS_PER_K_BASE + TILE_NS_PER_K_EDGE * (bm + bn)) / 1000
+    return TILE_FIXED_US + TILE_SPLIT_US * (n_splits > 1) + waves * min(k_split, K) * rate / 1000
 
 
 def preference(variant, M: int, N: int | None = None, sms: int | None = None, K: int | None = None) -> tuple:
@@ -258,10 +273,11 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None, K:
     bucket above M = 16 in the shipped H100 and H200 tables went to it; at untuned shapes on
     an H200 the op ran 3-6.6x faster than with the Triton tile, BENCHMARKS.md twenty-second
     session), its tile by predicted time (wgmma_tile_cost; by M, WGMMA_TILES, where N is not
-    known); then at M <= 32 the split-K streaming variants (b read once, spread over all
-    SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes half
-    zeros); above M = 128 the grid of least predicted time (tile_grid_us) where N and K are
-    known, else the largest unsplit tiles whose grid fills the SMs, else the
+    known); then the grid of least predicted time (tile_grid_us) where N and K are known,
+    above M = 128 or where the tile's rates are fitted for the variant's dtype (W8A16's
+    Triton tiles); else at M <= 32 the split-K streaming variants (b read once, spread over
+    all SMs), then the row tile that wastes least of M (a 128-row tile at M = 64 computes
+    half zeros); above M = 128 the largest unsplit tiles whose grid fills the SMs, else the
     split-K ones (W8A16 at 133 x 2811 x 7984, H200: the unsplit
     128 x 128 tile's 44 CTAs took 113 us of GPU, the 64 x 128 tile with 4 splits 48,
     BENCHMARKS.md thirty-sixth session; the shipped tables' M <= 256 winners agree in 9 of
@@ -277,12 +293,14 @@ def preference(variant, M: int, N: int | None = None, sms: int | None = None, K:
             return (0, M <= 64 < p["block_m"], wgmma_tile_cost(p, M, N, sms), -p["block_m"] * p["block_n"])
         tile = next(t for m, t in WGMMA_TILES if M <= m)
         return (0, (p["block_m"], p["block_n"]) != tile, abs(p["block_m"] - tile[0]), abs(p["block_n"] - tile[1]))
+    dtype = getattr(variant, "dtype", None)
+    fitted = dtype in TILE_NS_PER_K.get((p["block_m"], p["block_n"]), {})
+    if N is not None and K is not None and sms and (M > 128 or fitted):
+        return (1, tile_grid_us(p, M, N, K, sms, dtype), -p["block_m"], variant.backend == "cuda")
     if M <= 32:
         return (1, split == 1, p["block_m"])
     if M <= 128:
         return (1, abs(p["block_m"] - 64), split != 1)
-    if N is not None and K is not None and sms:
-        return (1, tile_grid_us(p, M, N, K, sms), -p["block_m"], variant.backend == "cuda")
     starved = split == 1 and N is not None and bool(sms) and cdiv(M, p["block_m"]) * cdiv(N, p["block_n"]) < sms
     return (1, starved, split != 1, -p["block_m"], variant.backend == "cuda")
 
