@@ -488,6 +488,12 @@ __global__ void __launch_bounds__(THREADS) gemv_kernel(const Params p) {
 template <int MODE, bool GROUPED>
 __global__ void __launch_bounds__(256) combine_kernel(const Params p) {
   pdl_wait();
+  // The next kernel (a programmatic dependent launch: it waits for this grid) may start
+  // launching now, overlapping this short grid (H200, split calls in steady state: int8
+  // 1 x 128 x 65536 7.75 -> 7.27 us, 4 x 512 x 32768 10.17 -> 9.65, bf16 1 x 256 x 53248 9.95
+  // -> 9.44; the same trigger in the WGMMA kernel's combine cost 2.4-10 us: not there.
+  // BENCHMARKS.md fifty-second session)
+  pdl_launch_dependents();
   const int64_t plane = (int64_t)p.M * p.N;
   for (int64_t i = blockIdx.x * 256ll + threadIdx.x; i < plane; i += (int64_t)gridDim.x * 256) {
     Acc v = 0;

@@ -367,6 +367,12 @@ __global__ void __launch_bounds__(256)
 lmm_combine(const float* __restrict__ part_m, const float* __restrict__ part_s, float* __restrict__ out,
             int B, int N, int splits) {
   pdl_wait();
+  // The next kernel (a programmatic dependent launch: it waits for this grid) may start
+  // launching now: its launch overlaps this short grid (H200, N = K = 4096 float32, steady
+  // state: B = 8 22.9 -> 22.35 us, B = 16 23.9 -> 23.2, B = 1..4 unchanged; the same trigger
+  // in lmm_mma or lmm_partials cost up to 2.3 us at B = 2 or 16, BENCHMARKS.md fifty-second
+  // session)
+  pdl_launch_dependents();
   const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x;
   if (i >= (int64_t)B * N) return;
   const int b = (int)(i / N);
