@@ -254,7 +254,7 @@ def backward(mod, hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entro
                 grad_b.copy_((bpart if chunk == V else bpart[:, :V]).sum(0))
         a = dz if chunk == V else dz[:, :V]
         torch.mm(a.T, hidden, out=grad_w)
-        torch.mm(a, weight, out=grad_h)
+        torch.mm(_cpu_rows(a), weight, out=grad_h)
         if on_grad_hidden is not None:
             on_grad_hidden(grad_h)
         return grad_h, grad_w, grad_b
@@ -435,6 +435,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
     """acc = (acc if not first) + a @ b, with float32 sums for 16-bit a and b (cuBLAS's
     out_dtype path on CUDA; on the CPU, where tests run the backward, in float32 math)."""
     if acc.dtype == a.dtype:  # grad_hidden itself: float32, or one chunk ("direct")
+        a = _cpu_rows(a)
         if first:
             torch.mm(a, b, out=acc)
         else:
@@ -445,3 +446,11 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool
         torch.mm(a.float(), b.float(), out=acc)
     else:
         acc.addmm_(a.float(), b.float())
+
+
+def _cpu_rows(a: torch.Tensor) -> torch.Tensor:
+    """a itself on a GPU; on the CPU, where the tests run the backward, a row-strided view
+    copied to contiguous rows: torch 2.13's CPU bfloat16 GEMM (oneDNN on AMX) reads a
+    row-strided first operand past its last column, into the padding of dz's rows (poisoned
+    with NaN by the tests, uninitialised otherwise: NaN or inf in grad_hidden)."""
+    return a if a.is_cuda or a.stride(0) == a.shape[1] else a.contiguous()
