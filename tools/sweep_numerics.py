@@ -12,13 +12,17 @@ activation, biases on and off, TF32 on and off; its error taken over twice eager
 that exceeds the tolerance: 16-bit ReLU masks flip as eager's do; and its training step, every
 gradient, the fast path's second step bitwise equal to its first; in 16-bit dtypes, the fused
 backward with each dz-chain tile forced, against backward_lean). Prints each failure and
-rejection, then a summary: cases, failed, rejected, worst error / tolerance per op."""
+rejection, a line as each family's cases end, then a summary: cases, failed, rejected, worst
+error / tolerance per op. Stopped by SIGTERM (`timeout`), it prints the summary so far and
+exits 124."""
 
 import argparse
 import math
 import os
 import random
+import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -368,6 +372,14 @@ def fm_grads(x, ws, bs, a, last, dt, desc):
     report("fused_mlp grad", desc, res)
 
 
+def stopped(signum, frame):
+    print(f"stopped by signal {signum} after {time.perf_counter() - t0:.0f} s", flush=True)
+    summary()
+    os._exit(124)
+
+
+signal.signal(signal.SIGTERM, stopped)
+t0 = time.perf_counter()
 CASES = {"fba": case_fba, "llp": case_llp, "lm": case_lm, "i8": case_i8, "fm": case_fm}
 for name, fn in CASES.items():
     if ONLY and name not in ONLY:
@@ -384,4 +396,5 @@ for name, fn in CASES.items():
             if is_fault(e):
                 summary()
                 raise SystemExit(1)
+    print(f"{name}: {N_CASES} cases done at {time.perf_counter() - t0:.0f} s", flush=True)
 summary()
