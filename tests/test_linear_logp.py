@@ -1088,7 +1088,8 @@ def test_gemv_forward_takes_and_grid(monkeypatch):
     """The small-N CUDA kernel (kernel: gemv) on a fake 132-SM sm_90 device: it takes at
     most block_m rows (more go to the Triton companion) and the tiled kernels' 16-byte rules;
     one CTA of 16 warps an SM at 128 registers, so one wave of CTAs, fewer where the
-    vocabulary has fewer 256-row passes; no dz kernel."""
+    vocabulary has fewer 16-row groups (not 256-row tiles: a CTA's warps share its groups'
+    steps); no dz kernel."""
     from types import SimpleNamespace
 
     params = {"kernel": "gemv", "block_m": 16, "block_n": 256, "block_k": 64, "stages": 2, "consumers": 1,
@@ -1114,7 +1115,9 @@ def test_gemv_forward_takes_and_grid(monkeypatch):
     assert not cuda.takes_dz(torch.empty(4, 1024, dtype=torch.bfloat16), w, None)
     dev = torch.device("cuda", 0)
     assert cuda.splits(8, 151936, dev) == 132
-    assert cuda.splits(8, 1000, dev) == 4
+    assert cuda.splits(8, 3364, dev) == 132  # 211 groups (14 tiles of 256 rows)
+    assert cuda.splits(8, 1000, dev) == 63  # a group a CTA
+    assert cuda.splits(1, 16, dev) == 1
 
 
 def test_gemv_knob_rules():

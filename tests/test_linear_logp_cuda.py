@@ -318,12 +318,13 @@ GEMV = [n for n in CUDA if SPEC.variant(n).params["kernel"] == "gemv"]
 
 
 @pytest.mark.parametrize("name", GEMV)
-@pytest.mark.parametrize("splits", [1, 3, None])
+@pytest.mark.parametrize("splits", [1, 3, None, 188])
 def test_gemv_shares_that_split_groups(monkeypatch, name, splits):
     """The small-N kernel's warps take equal shares of the vocabulary's (16-row group, step)
     sequence, so a share may start or end inside a group (D = 1032: 17 or 33 steps a group,
     never a whole number of groups a warp): every row count up to block_m (both pass widths),
-    against float64 with poisoned buffers, and the same bits on a second call."""
+    against float64 with poisoned buffers, and the same bits on a second call. 188 splits: a
+    group a CTA (V = 3001), its 16 warps sharing 65 steps; None: the plan's (132 on an H200)."""
     impl = _impl(name)
     dtype = getattr(torch, impl.kernel.variant.dtype)
     for N in sorted({1, 2, 8, 9, impl.block_m}):

@@ -17,6 +17,8 @@ from kgen.families.linear_logp.plans import GROUP_BYTES, LOG2E, _cdiv, wave_spli
 from kgen.families.linear_logp.schema import _cuda_smem, max_rows
 from kgen.runtime.streams import current_raw_stream
 
+GEMV_GROUP = 16  # vocabulary rows of one gemv group (cuda_gemv.cu.j2: a warp's mma.sync A operand)
+
 # Which dz kernel the backward's chunks run on sm_90a variants without a bias
 # (CudaForward.takes_dz): the CUDA one (the forward's WGMMA mainloop with a dz epilogue,
 # launched by one C call) or the Triton one. Measured on an H100 (BENCHMARKS.md, thirteenth
@@ -49,6 +51,11 @@ class CudaForward:
         # the small-N streaming kernel (cuda_gemv.cu.j2): one CTA covers all N <= block_m rows
         self.gemv = p.get("kernel") == "gemv"
         self.rows = self.block_m * p.get("cluster", 1)  # rows of hidden per cluster
+        # The vocabulary rows a forward split takes at least: a tile; the gemv kernel's CTAs
+        # share out 16-row groups (its warps a CTA's steps), so up to one split a group: capped
+        # at one a block_n tile, a 3364-row vocabulary ran on 14 of 132 SMs (H200, float32
+        # 2 x 3896 x 3364: 101.7 us, 3.0x the n64 Triton tile; BENCHMARKS.md fifty-fourth session).
+        self.split_unit = GEMV_GROUP if self.gemv else self.block_n
         self.max_rows = max_rows(p)  # the most rows its forward takes (None: any)
         self.name = kernel.name
         self.dtype = getattr(torch, kernel.variant.dtype)  # the inputs' dtype its kernels take
@@ -83,7 +90,7 @@ class CudaForward:
         if splits is None:  # (per call: a few us of a host-bound forward)
             if len(self._splits) >= 4096:
                 self._splits.clear()
-            splits = self._splits[key] = wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.block_n),
+            splits = self._splits[key] = wave_splits(_cdiv(N, self.rows), self.split_v, _cdiv(V, self.split_unit),
                                                      self._clusters(device))
         return splits
 
