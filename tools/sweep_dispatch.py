@@ -10,6 +10,8 @@ where dispatch falls to "tuned nearby" or spec order.
     python3 tools/sweep_dispatch.py FAMILY [--cases 8] [--seed 7] [--min-us 500]
     python3 tools/sweep_dispatch.py FAMILY --shape DTYPE:SHAPE ...   (given cases only; SHAPE as
         `kgen tune --shapes` takes it: 208x4671x3776 or B=2048,widths=13-512-256)
+    --all: also dispatch's choice and why (dispatch.choose), and every candidate's time
+        and GPU part, fastest first
 
 It found the untuned-shape defects of the twenty-second session (BENCHMARKS.md): int8 above
 M = 16 on Triton tiles, logmatmul at tiny K through the op's general path, a winner carried
@@ -97,6 +99,7 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=8)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--min-us", type=float, default=500.0)
+    ap.add_argument("--all", action="store_true", help="print dispatch's choice and every candidate's times")
     ap.add_argument("--shape", action="append", default=[], metavar="DTYPE:SHAPE",
                     help="time this case instead of random ones (repeatable)")
     args = ap.parse_args()
@@ -131,6 +134,11 @@ def main() -> None:
             f"{' <<<' if ratio > 1.15 else ''}{' GPU<<<' if gpu_ratio > 1.15 else ''}",
             flush=True,
         )
+        if args.all:
+            kernel, why = dispatch.choose(args.family, dev, dt, fam.tune_bucket(**shape), shape)
+            print(f"    dispatch: {kernel.name if kernel is not None else tune.REFERENCE} ({why})")
+            for k in sorted(cands, key=cands.get):
+                print(f"    {k:48s} {best[k]:8.1f} (gpu {gpu[k]:7.1f})")
         del inputs, fns
         torch.cuda.empty_cache()
 

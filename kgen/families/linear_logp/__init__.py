@@ -22,7 +22,8 @@ cuda_sm80.cu.j2: cp.async + ldmatrix + mma.sync, also built for sm_90; cuda_gemv
 `kernel: gemv` variants: N <= 16 rows, the weight streamed once into mma.sync registers;
 float32 ones on TF32 mma.sync, 3 products a step with TF32 off) with
 its own combine, paired with a Triton module that supplies the backward. Dispatch takes the
-forward the tuning table names for the device, dtype and (N, D, V) bucket, else the CUDA
+forward the tuning table names for the device, dtype and (N, D, V) bucket, else (up to 64
+rows, `tuning.untuned_order`) the gemv variants and 64-row tiles first, else the CUDA
 variants whose arch runs on the device first; inputs they cannot take (rows not whole 16-byte
 units, D % 8 != 0 for the tiled kernels, pointers off 16-byte alignment, more rows than a gemv
 variant's block_m) run the Triton forward of the
@@ -60,6 +61,6 @@ from kgen.families.linear_logp.plans import (
 from kgen.families.linear_logp.reference import reference, reference_backward, reference_dz
 from kgen.families.linear_logp.schema import SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits
 from kgen.families.linear_logp.tuning import (
-    TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, bucket_extras, tune_bucket, tune_inputs, tune_runner)
+    TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, bucket_extras, tune_bucket, tune_inputs, tune_runner, untuned_order)
 # Registers torch.ops.kgen.linear_logp_dist(_backward) (group=...; imports op).
 from kgen.families.linear_logp import dist  # noqa: E402,F401  isort: skip

@@ -1,5 +1,6 @@
 """linear_logp's tuning interface (kgen.runtime.tune): its buckets, the shapes `kgen tune`
-measures by default, fresh inputs and one timed forward per candidate."""
+measures by default, fresh inputs, one timed forward per candidate, and the order dispatch
+tries for a shape nothing was tuned for (`untuned_order`)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,44 @@ def tune_runner(kernel, inputs: dict):
         # it would run its Triton companion: not this variant's time
         raise ValueError(f"{kernel.name} does not take {tuple(h.shape)} hidden rows")
     return lambda: forward(mod, h, w, t, None, 1.0, -100, False)
+
+
+# Where nothing is tuned near a call of few rows, spec order's first variant is a 128-row tile
+# (sm_90a's m128 WGMMA kernel, float32's n128 Triton tile), which computes mostly padding
+# there. In the shipped tables (tuned buckets, every candidate timed) the first gemv variant
+# ran within 1.052x (H200; H100 1.033x) of the fastest at N <= 16 where the 128-row tile took
+# 1.274x (1.110x), worst 1.47; at N 17-64 the 64 x 128 WGMMA tile 1.031x (1.029x) against
+# 1.145x (1.066x), float32's n64 Triton tile 1.00-1.06x against 1.20-1.28x; above 64 rows the
+# 128-row tiles win. Below GEMV_MIN_WEIGHTS weights (V x D) the 16-bit gemv kernel loses
+# to the 64 x 128 WGMMA tile even with a CTA a 16-row group (cuda_variant.GEMV_GROUP): H200,
+# GPU time over the tile's: 1 x 448 x 1707 1.17x, 16 x 632 x 2098 1.16x, 9 x 264 x 1513 1.27x;
+# from 2M weights on it wins or ties (2.2M-16M: 0.77-1.01x, one miss: 16 x 1136 x 5561
+# 1.11x). The float32 gemv won every tuned bucket of the H200 table at N <= 16, down to
+# D = 512 x V = 1024, and beat the n64 Triton tile 1.3-2.2x at 8-41M weights
+# (BENCHMARKS.md, fifty-fourth session).
+SMALL_ROWS = 64
+GEMV_MIN_WEIGHTS = 1 << 21
+
+
+def _rows(variant) -> int:
+    """Rows of hidden one program (CTA) of the variant covers."""
+    return variant.params["block_m" if variant.backend == "cuda" else "block_n"]
+
+
+def untuned_order(variants, shape: dict) -> list:
+    """dispatch's hook where nothing is tuned for the shape: for N <= SMALL_ROWS, the gemv
+    variants first (they take N <= their block_m: schema.variant_fits; 16-bit ones from
+    GEMV_MIN_WEIGHTS weights), then within each backend the tiles of at most SMALL_ROWS rows,
+    narrower vocabulary tiles first, then 16-bit gemv variants below GEMV_MIN_WEIGHTS, then
+    the taller tiles; spec order otherwise (and among equals: the sort is stable)."""
+    N, D, V = shape["N"], shape["D"], shape["V"]
+    if N > SMALL_ROWS:
+        return variants
+
+    def rank(v):
+        p = v.params
+        if p.get("kernel") == "gemv":
+            return (0,) if v.dtype == "float32" or V * D >= GEMV_MIN_WEIGHTS else (1, False, True, 0)
+        return (1, v.backend != "cuda", _rows(v) > SMALL_ROWS, p["block_n" if v.backend == "cuda" else "block_v"])
+
+    return sorted(variants, key=rank)
