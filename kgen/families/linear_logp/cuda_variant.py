@@ -54,7 +54,7 @@ class CudaForward:
         # The vocabulary rows a forward split takes at least: a tile; the gemv kernel's CTAs
         # share out 16-row groups (its warps a CTA's steps), so up to one split a group: capped
         # at one a block_n tile, a 3364-row vocabulary ran on 14 of 132 SMs (H200, float32
-        # 2 x 3896 x 3364: 101.7 us, 3.0x the n64 Triton tile; BENCHMARKS.md fifty-fourth session).
+        # 2 x 3896 x 3364: 101.4 us, 24.6 a split a group; BENCHMARKS.md fifty-fourth session).
         self.split_unit = GEMV_GROUP if self.gemv else self.block_n
         self.max_rows = max_rows(p)  # the most rows its forward takes (None: any)
         self.name = kernel.name
