@@ -14,10 +14,8 @@ import torch
 
 from kgen.families.linear_logp import plans
 from kgen.families.linear_logp.plans import GROUP_BYTES, LOG2E, _cdiv, wave_splits
-from kgen.families.linear_logp.schema import _cuda_smem, max_rows
+from kgen.families.linear_logp.schema import GEMV_GROUP, _cuda_smem, max_rows
 from kgen.runtime.streams import current_raw_stream
-
-GEMV_GROUP = 16  # vocabulary rows of one gemv group (cuda_gemv.cu.j2: a warp's mma.sync A operand)
 
 # Which dz kernel the backward's chunks run on sm_90a variants without a bias
 # (CudaForward.takes_dz): the CUDA one (the forward's WGMMA mainloop with a dz epilogue,

@@ -16,6 +16,9 @@ _SMEM_LIMIT = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90": 23244
 # ring for the 128-byte swizzle, and up to 1024 B of static data (mbarriers, merge
 # scratch); the sm_90a kernel adds two bias tiles (4 * block_n bytes).
 _CUDA_SMEM_EXTRA = 2048
+# Vocabulary rows of one gemv group (cuda_gemv.cu.j2): a warp's mma.sync A operand, and the
+# least a CTA of the gemv forward takes (cuda_variant.CudaForward.split_unit).
+GEMV_GROUP = 16
 
 
 def _check_triton(dtype: str, k: Mapping[str, Any]):
@@ -34,7 +37,7 @@ def _check_triton(dtype: str, k: Mapping[str, Any]):
 def _cuda_smem(arch: str, dtype: str, k: Mapping[str, Any]) -> int:
     size = DTYPES[dtype][0]
     if k.get("kernel") == "gemv":  # per warp: its rows' final states (16 B) and sums of a shared group (64 B),
-        warps = k["block_n"] // 16  # and its ring of `ring` trips of 2 x stages x _gemv_pieces 16-byte pieces a lane
+        warps = k["block_n"] // GEMV_GROUP  # and its ring of `ring` trips of 2 x stages x _gemv_pieces 16-byte pieces a lane
         return warps * (80 * k["block_m"] + k["ring"] * k["stages"] * _gemv_pieces(dtype, k) * 2 * 32 * 16)
     if arch == "sm_90a":  # a hidden ring, a weight ring of block_n / consumers rows per consumer, two bias tiles
         ring = (k["hidden_stages"] * k["block_m"] + k["stages"] * k["block_n"]) * k["block_k"] * size
@@ -61,8 +64,9 @@ def _check_gemv(arch: str, dtype: str, k: Mapping[str, Any]):
     if k["block_m"] not in (8, 16):
         problems.append(("block_m", f"block_m={k['block_m']}: the gemv kernel takes N up to 8 or 16 rows (one or "
                                     "two 8-row MMA column groups; 32 needed a stack)"))
-    if k["block_n"] % 16:
-        problems.append(("block_n", f"block_n={k['block_n']} must be a multiple of 16: 16 vocabulary rows a warp"))
+    if k["block_n"] % GEMV_GROUP:
+        problems.append(("block_n", f"block_n={k['block_n']} must be a multiple of {GEMV_GROUP}: {GEMV_GROUP} "
+                                    "vocabulary rows a warp"))
     if k["block_k"] * DTYPES[dtype][0] % 64:
         problems.append(("block_k", f"block_k={k['block_k']} {dtype} columns are not whole 64-byte pieces (4 lanes' "
                                     "16-byte loads)"))
@@ -214,7 +218,7 @@ def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
 def template_context(variant) -> dict:
     p = variant.params
     if variant.backend == "cuda" and p["kernel"] == "gemv":
-        return {"dtype": variant.dtype, "KERNEL": "gemv", "MAX_N": p["block_m"], "WARPS": p["block_n"] // 16,
+        return {"dtype": variant.dtype, "KERNEL": "gemv", "MAX_N": p["block_m"], "WARPS": p["block_n"] // GEMV_GROUP,
                 "STEP": p["block_k"], "UNROLL": p["stages"], "RING": p["ring"]}
     if variant.backend == "cuda":
         return {"dtype": variant.dtype, "KERNEL": "sm90a" if variant.arch == "sm_90a" else "sm80",

@@ -75,7 +75,7 @@ def tune_runner(kernel, inputs: dict):
 # 1.274x (1.110x), worst 1.47; at N 17-64 the 64 x 128 WGMMA tile 1.031x (1.029x) against
 # 1.145x (1.066x), float32's n64 Triton tile 1.00-1.06x against 1.20-1.28x; above 64 rows the
 # 128-row tiles win. Below GEMV_MIN_WEIGHTS weights (V x D) the 16-bit gemv kernel loses
-# to the 64 x 128 WGMMA tile even with a CTA a 16-row group (cuda_variant.GEMV_GROUP): H200,
+# to the 64 x 128 WGMMA tile even with a CTA a 16-row group (schema.GEMV_GROUP): H200,
 # GPU time over the tile's: 1 x 448 x 1707 1.17x, 16 x 632 x 2098 1.16x, 9 x 264 x 1513 1.27x;
 # from 2M weights on it wins or ties (2.2M-16M: 0.77-1.01x, one miss: 16 x 1136 x 5561
 # 1.11x). The float32 gemv won every tuned bucket of the H200 table at N <= 16, down to
@@ -100,10 +100,13 @@ def untuned_order(variants, shape: dict) -> list:
     if N > SMALL_ROWS:
         return variants
 
-    def rank(v):
+    def rank(v):  # (gemv first?, not CUDA, taller than SMALL_ROWS, vocabulary tile)
         p = v.params
-        if p.get("kernel") == "gemv":
-            return (0,) if v.dtype == "float32" or V * D >= GEMV_MIN_WEIGHTS else (1, False, True, 0)
-        return (1, v.backend != "cuda", _rows(v) > SMALL_ROWS, p["block_n" if v.backend == "cuda" else "block_v"])
+        gemv = p.get("kernel") == "gemv"
+        if gemv and (v.dtype == "float32" or V * D >= GEMV_MIN_WEIGHTS):
+            return (0, False, False, 0)
+        # a 16-bit gemv short of weights: after its backend's 64-row tiles, before the taller ones
+        cols = 0 if gemv else p["block_n" if v.backend == "cuda" else "block_v"]
+        return (1, v.backend != "cuda", gemv or _rows(v) > SMALL_ROWS, cols)
 
     return sorted(variants, key=rank)
