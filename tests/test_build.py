@@ -185,6 +185,17 @@ def test_compile_error_carries_command_log_and_source(monkeypatch):
     assert v.qualname in str(e)
 
 
+@needs_nvcc
+def test_prebuild_leaves_each_cuda_variant_cached_for_its_load(monkeypatch, tmp_path):
+    from kgen.runtime import dispatch
+
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path))
+    vs = [v for v in FBA.variants if v.backend == "cuda"][:2]
+    assert dispatch.prebuild([*vs, None]) == {}
+    assert [r.status for r in build.build_cuda(vs[:1])] == ["cached"]
+    assert [r.status for r in build.build_cuda(vs[1:])] == ["cached"]
+
+
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
     from kgen.errors import ToolchainError
 

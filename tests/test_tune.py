@@ -193,6 +193,38 @@ def test_the_reference_can_win(tables, labelled_runners):
     assert res.winner == tune.REFERENCE
 
 
+def test_cuda_candidates_build_together_before_any_loads(tables, labelled_runners, monkeypatch):
+    """The tuner's candidates: every CUDA variant built in one build_cuda call (one ninja run,
+    nvcc in parallel) before the first load; one that failed there is reported with its
+    compiler's first line and not built again by a load."""
+    from kgen.errors import CompileError
+    from kgen.runtime import build
+
+    cuda = [v for v in dispatch.shipped_spec("fused_bias_act").variants
+            if v.backend == "cuda" and v.dtype == "float32"][:3]
+    assert len(cuda) == 3
+    events = []
+
+    def build_cuda(variants, on_progress=None):
+        events.append(("build", [v.name for v in variants]))
+        return [build.BuildResult(v, "failed", error=CompileError(v.qualname, "nvcc", "boom", "src.cu"))
+                if v is cuda[1] else build.BuildResult(v, "built") for v in variants]
+
+    def load(v):
+        events.append(("load", v.name))
+        return types.SimpleNamespace(name=v.name)
+
+    monkeypatch.setattr(build, "build_cuda", build_cuda)
+    monkeypatch.setattr(dispatch, "load", load)
+    inputs = fba.tune_inputs(torch.device("cpu"), "float32", 3, 40)
+    runners, errors = tune.candidate_runners(fba, [*cuda, *_triton_f32()[:1]], inputs)
+    assert events[0] == ("build", [v.name for v in cuda])  # (the Triton one is not nvcc's)
+    assert [e for e in events[1:] if e[0] == "build"] == []
+    assert ("load", cuda[1].name) not in events
+    assert errors == {cuda[1].name: f"compiling {cuda[1].qualname} failed"}
+    assert set(runners) == {cuda[0].name, cuda[2].name, _triton_f32()[0].name, tune.REFERENCE}
+
+
 def test_buckets():
     b = fba.tune_bucket
     assert b(1000, 4104, True) == "rows<=1024.cols<=8192.vec16.y"

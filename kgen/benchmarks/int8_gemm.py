@@ -129,8 +129,9 @@ def _variants(M, N, K, a, b, x, sb, quick, i8_floor, w_floor) -> list[dict]:
     for dtype, floor in (("int8", i8_floor), ("bfloat16", w_floor)):
         inputs = {"a": a, "b": b, "out": torch.empty(M, N, dtype=torch.int32, device=dev)} if dtype == "int8" else \
             {"x": x, "b": b, "scale_b": sb, "group_size": None, "out": torch.empty(M, N, dtype=x.dtype, device=dev)}
-        times = {}
-        for v in dispatch.runnable("int8_gemm", dtype, dev):
+        times, variants = {}, dispatch.runnable("int8_gemm", dtype, dev)
+        dispatch.prebuild(variants)  # (nvcc in parallel on the first shape; cache hits after)
+        for v in variants:
             times[v.name] = _ms(ig.tune_runner(dispatch.load(v), inputs), quick)
         best = min(times, key=times.get)
         rows.append({"case": f"{dtype} M={M} N={N} K={K}", "best": best, "best us": times[best] * 1e3,

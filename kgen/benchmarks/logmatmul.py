@@ -58,12 +58,9 @@ def _variants(spec):
     cap = torch.cuda.get_device_capability()
     archs = {v.arch for v in spec.variants if v.backend == "cuda" and dispatch.arch_runs_on(v.arch, cap)}
     best = max(archs, key=lambda a: int(a[3:5]), default=None)
-    out = []
-    for v in spec.variants:
-        if v.dtype != "float32" or (v.backend == "cuda" and v.arch != best):
-            continue
-        out.append((v.name, lmm.implementation(dispatch.load(v))))
-    return out
+    variants = [v for v in spec.variants if v.dtype == "float32" and (v.backend != "cuda" or v.arch == best)]
+    dispatch.prebuild(variants)  # (nvcc in parallel)
+    return [(v.name, lmm.implementation(dispatch.load(v))) for v in variants]
 
 
 def forward_table(spec, quick) -> list[dict]:

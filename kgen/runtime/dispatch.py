@@ -172,6 +172,25 @@ def load(variant: spec_mod.Variant) -> loader.Kernel:
     return loader.load_triton(variant, build.triton_source_entry(variant))
 
 
+def prebuild(variants) -> dict[str, Exception]:
+    """Build the CUDA variants among `variants` (None entries skipped) in one ninja run,
+    nvcc KGEN_JOBS at a time, before callers `load` them one by one (each load would build
+    its variant alone, one nvcc after another: a tuner's or verifier's first pass over a
+    family's candidates on a fresh cache). Returns {name: its CompileError} for those that
+    failed to build (loading one would build it again); {} where nvcc or ninja is missing
+    (each load then says so)."""
+    from kgen.errors import KgenError
+
+    cuda = [v for v in variants if v is not None and v.backend == "cuda"]
+    if len(cuda) < 2:
+        return {}
+    try:
+        results = build.build_cuda(cuda)
+    except KgenError:
+        return {}
+    return {r.variant.name: r.error for r in results if r.error is not None}
+
+
 def _fits(family: str, shape: dict | None):
     """The family's optional `variant_fits(variant, shape) -> bool` bound to `shape` (a
     variant built for some shapes only, e.g. fused_mlp's exact widths), or None."""

@@ -380,14 +380,19 @@ def time_choices(fam, inputs: dict, timer, min_us: float, rounds: int, errors: d
 
 def candidate_runners(fam, variants, inputs: dict) -> tuple[dict, dict]:
     """({name: one call on `inputs`}, {name: why it cannot run}) for `variants` in order,
-    then the reference (REFERENCE): each variant built and loaded, a candidate that cannot
-    take the shape (or fails to build) left out with its reason."""
+    then the reference (REFERENCE): each variant built (the CUDA ones first, together:
+    dispatch.prebuild) and loaded, a candidate that cannot take the shape (or fails to
+    build) left out with its reason."""
     from kgen.errors import KgenError
     from kgen.runtime import dispatch
 
     runners, errors = {}, {}
+    failed = dispatch.prebuild(variants)  # (the CUDA candidates' nvcc runs in parallel)
     for v in [*variants, None]:
         name = v.name if v is not None else REFERENCE
+        if name in failed:
+            errors[name] = str(failed[name]).splitlines()[0]
+            continue
         try:
             runners[name] = fam.tune_runner(dispatch.load(v) if v is not None else None, inputs)
         except (KgenError, RuntimeError, ValueError) as e:
