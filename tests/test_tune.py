@@ -225,6 +225,35 @@ def test_cuda_candidates_build_together_before_any_loads(tables, labelled_runner
     assert set(runners) == {cuda[0].name, cuda[2].name, _triton_f32()[0].name, tune.REFERENCE}
 
 
+def test_a_candidate_that_cannot_take_the_shape_is_neither_built_nor_timed(tables, monkeypatch):
+    """linear_logp's gemv variants take N <= 16 rows (variant_fits): tuning N = 40 reports them
+    as not taking the shape without loading (building) them."""
+    variants = [v for v in dispatch.shipped_spec("linear_logp").variants if v.dtype == "bfloat16"]
+    gemv = [v for v in variants if v.params.get("kernel") == "gemv"]
+    others = [v for v in variants if v.params.get("kernel") != "gemv"][:2]
+    assert gemv and len(others) == 2
+    loaded = []
+
+    def load(v):
+        loaded.append(v.name)
+        return types.SimpleNamespace(name=v.name)
+
+    def runner(kernel, inputs):
+        fn = lambda: None  # noqa: E731
+        fn.candidate = kernel.name if kernel is not None else tune.REFERENCE
+        return fn
+
+    monkeypatch.setattr(dispatch, "load", load)
+    monkeypatch.setattr(dispatch, "prebuild", lambda variants: {})
+    monkeypatch.setattr(llp, "tune_runner", runner)
+    times = {v.name: 5.0 + i for i, v in enumerate(others)} | {tune.REFERENCE: 9.0}
+    res = tune.tune("linear_logp", torch.device("cpu"), "bfloat16", {"N": 40, "D": 64, "V": 300},
+                    variants=[*gemv, *others], timer=_fake_timer(times))
+    assert loaded and not set(loaded) & {v.name for v in gemv}
+    assert all(res.errors[v.name] == "does not take the shape" for v in gemv)
+    assert res.winner == others[0].name and set(res.times) == set(times)
+
+
 def test_buckets():
     b = fba.tune_bucket
     assert b(1000, 4104, True) == "rows<=1024.cols<=8192.vec16.y"

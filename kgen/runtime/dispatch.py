@@ -191,7 +191,7 @@ def prebuild(variants) -> dict[str, Exception]:
     return {r.variant.name: r.error for r in results if r.error is not None}
 
 
-def _fits(family: str, shape: dict | None):
+def fits_shape(family: str, shape: dict | None):
     """The family's optional `variant_fits(variant, shape) -> bool` bound to `shape` (a
     variant built for some shapes only, e.g. fused_mlp's exact widths), or None."""
     if shape is None:
@@ -218,7 +218,7 @@ def _fitting(family: str, device, dtype: str, shape: dict | None, backend: str |
     import torch
 
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    fits = _fits(family, shape)
+    fits = fits_shape(family, shape)
     return [v for v in candidates(family, dtype, capability, backend) if fits is None or fits(v)]
 
 
@@ -292,7 +292,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
         if near is not None and tune.transfers(near[1]) and _nearby_ok(family, device, dtype, shape, near):
             entry = near[1]
             winner, why = entry["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
-    fits = _fits(family, shape)
+    fits = fits_shape(family, shape)
     if winner not in (None, tune.REFERENCE):
         known = {v.name: v for v in reversed(runnable(family, dtype, device))}  # a name's first listing
         if fits is not None and entry is not None:

@@ -322,7 +322,10 @@ def tune(family: str, device, dtype: str, shape: dict, variants=None, timer=None
     shape = with_extras(fam, dtype, shape)
     inputs = fam.tune_inputs(device, dtype, **shape)
     timer = timer or cuda_timer
-    runners, errors = candidate_runners(fam, variants, inputs)
+    fits = dispatch.fits_shape(family, shape)  # (one that cannot take the shape is not even built)
+    misfits = {v.name: "does not take the shape" for v in variants if fits is not None and not fits(v)}
+    runners, errors = candidate_runners(fam, [v for v in variants if v.name not in misfits], inputs)
+    errors.update(misfits)
     times, gpu = time_rounds(runners, timer, min_us, rounds, errors)
     if not times:
         raise KgenError(f"{family}: no candidate ran at {shape} ({errors})")
