@@ -35,6 +35,31 @@ def jobs(fam, dtypes, shapes, tf32: str | None = None) -> list[tuple[str, dict, 
     return [(d, s, m) for d in dtypes for s in shapes for m in (modes if d == "float32" else (None,))]
 
 
+def build_first(console, spec, device, todo) -> dict:
+    """Every CUDA candidate that some job's shape can take (the family's variant_fits), built
+    in one ninja run before the first timing, nvcc KGEN_JOBS at a time: each tune.tune call
+    would otherwise build its dtype's candidates when it reaches them. Says how long it took
+    where it compiled anything. Returns dispatch.prebuild's {name: build error}."""
+    import time
+
+    from kgen import config
+    from kgen.runtime import dispatch
+
+    wanted = {}
+    for dtype, shape, _ in todo:
+        fits = dispatch.fits_shape(spec.family, shape)
+        for v in dispatch.runnable(spec.family, dtype, device, spec=spec):
+            if v.backend == "cuda" and (fits is None or fits(v)):
+                wanted[v.qualname] = v
+    t0 = time.perf_counter()
+    failed = dispatch.prebuild(list(wanted.values()))
+    took = time.perf_counter() - t0
+    if took >= 1.0:
+        console.print(f"built {len(wanted)} CUDA candidates in {took:.0f} s ({config.build_jobs()} nvcc at a time)"
+                      + (f"; {len(failed)} failed: {', '.join(sorted(failed))}" if failed else ""))
+    return failed
+
+
 def _shape_text(shape: dict | None) -> str:
     return "?" if not shape else ",".join(f"{k}={v}" for k, v in shape.items())
 
@@ -172,6 +197,7 @@ def run(args, console) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     todo = jobs(fam, dtypes, shapes, args.tf32)
     tf32_was = torch.backends.cuda.matmul.allow_tf32
+    build_first(console, spec, device, todo)
     results, rows, done = [], [], set()
     out = Path(args.out) if args.out else None  # None: the user's table
     path = out or tune.user_path()

@@ -868,12 +868,18 @@ def test_tune_cli_keeps_every_shape_of_a_bucket_and_says_so(tables, labelled_run
         return real_tune(family, torch.device("cpu"), dtype, shape, variants=[a, b],
                          timer=lambda fn, us: times[fn.cols].get(fn.candidate, 50.0))
 
+    built = []
     monkeypatch.setattr(tune, "tune", fake_tune)
+    monkeypatch.setattr(dispatch, "prebuild", lambda vs: built.append(sorted(v.name for v in vs)) or {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     out = tmp_path / "t.json"
     argv = ["tune", "kgen/specs/fused_bias_act.yaml", "--dtype", "float32", "--out", str(out)]
     assert cli.main([*argv, "--shapes", "3x40", "3x48"]) == 0
+    # every CUDA candidate built once, up front (nvcc in parallel), before the first timing
+    # (then each tune.tune's own prebuild: cache hits on a GPU machine)
+    assert built[0] == sorted(v.name for v in dispatch.runnable("fused_bias_act", "float32", CUDA0)
+                              if v.backend == "cuda") and built[0]
     entries = json.loads(out.read_text())["entries"]
     assert len(entries) == 2  # has_y True / False (TUNE_VARIATIONS), one bucket each
     for e in entries.values():
@@ -884,6 +890,26 @@ def test_tune_cli_keeps_every_shape_of_a_bucket_and_says_so(tables, labelled_run
     assert cli.main([*argv, "--shapes", "3x40", "--replace"]) == 0
     entries = json.loads(out.read_text())["entries"]
     assert all(len(tune.probes(e)) == 1 and e["winner"] == a.name for e in entries.values())
+
+
+def test_tune_cli_builds_only_the_cuda_candidates_some_shape_can_take(tables, monkeypatch):
+    """linear_logp's gemv variants take N <= 16: built up front for an N = 8 job, not for
+    N = 4096 alone; every other CUDA candidate either way, each once."""
+    from rich.console import Console
+
+    from kgen import tune_cli
+
+    spec = dispatch.shipped_spec("linear_logp")
+    built = []
+    monkeypatch.setattr(dispatch, "prebuild", lambda vs: built.append([v.name for v in vs]) or {})
+    cuda = [v.name for v in dispatch.runnable("linear_logp", "bfloat16", CUDA0, spec=spec) if v.backend == "cuda"]
+    gemv = {v.name for v in spec.variants if v.params.get("kernel") == "gemv"}
+    assert gemv & set(cuda) and set(cuda) - gemv
+    big = {"N": 4096, "D": 64, "V": 300}
+    tune_cli.build_first(Console(), spec, CUDA0, [("bfloat16", big, None)])
+    tune_cli.build_first(Console(), spec, CUDA0, [("bfloat16", big, None), ("bfloat16", {**big, "N": 8}, None)])
+    assert sorted(built[0]) == sorted(set(cuda) - gemv)
+    assert sorted(built[1]) == sorted(cuda)
 
 
 def test_tune_show_marks_entries_timed_without_host_cost(tables, capsys):
