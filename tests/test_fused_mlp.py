@@ -172,6 +172,35 @@ def test_exact_plans_golden(widths, tf32):
     assert len(res) == 15 and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
 
 
+@pytest.mark.parametrize("kind", ["exact", "generic"])
+def test_float32_one_wide_layers_keep_float32_accuracy_with_tf32_on(kind):
+    """Float32 with TF32 on: a layer with an input or output width of 1 (schema.TF32_FULL_MAX)
+    is computed to float32's accuracy, as torch.matmul's cuBLAS kernels compute it at every
+    B; the others (37 -> 70, 40 -> 5) in TF32, as cuBLAS's usually are. The exact plan has
+    all three forms: an absorbed dot (70 -> 1), a whole register tile's dot (1 -> 40), its
+    row reductions (5 -> 1). Each saved z against a float64 layer on kgen's own input to it
+    (the ReLU of the z before): a float32 sum of <= 70 products is within 1e-5 of the largest
+    |z|; a TF32 one is ~1e-4 off (10-bit mantissa operands), as the one-wide layers were."""
+    widths = (37, 70, 1, 40, 5, 1)
+    mod = dispatch.load(_user_variant(widths)).module if kind == "exact" else _module("triton_mw4096_m32_k64_w4_f32")
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 131, widths, seed=7)
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        out, zs = fm.forward(mod, x, ws, bs, "relu", "relu", save=True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    errs = []
+    for i, (w, b, z) in enumerate(zip(ws, bs, zs)):
+        h = x if i == 0 else torch.relu(zs[i - 1])
+        ref = torch.nn.functional.linear(h.double(), w.double(), b.double())
+        errs.append(float((z.double() - ref).abs().max() / ref.abs().max()))
+    full = [min(widths[i], widths[i + 1]) <= fm.schema.TF32_FULL_MAX for i in range(len(ws))]
+    assert full == [False, True, True, False, True]
+    assert all((e <= 1e-5) == f for e, f in zip(errs, full)), errs
+    torch.testing.assert_close(out, torch.relu(zs[-1]), rtol=0, atol=0)
+
+
 def test_exact_plan_bf16_scratch_and_save():
     """bfloat16 through the scratch and absorb paths: the output and every saved z equal
     the eager composition's (the same roundings; the interpreter's dots are float32 sums,

@@ -71,13 +71,25 @@ def tf32_operand(a, PRECISION: tl.constexpr):
     return a
 
 
+# A layer with an input or output width <= FULL_MAX is computed to float32's accuracy with
+# TF32 on too, its weight copy not rounded, as torch.matmul's cuBLAS kernels compute it
+# (schema.TF32_FULL_MAX). Exact kernels: "tf32x3" dots, or a float32 row reduction an output
+# column for a register tile; the generic kernel: float32 FMA loops.
+FULL_MAX: tl.constexpr = tl.constexpr(1)
+
+
+
 @triton.jit
-def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr):
-    # rows n of src [N, K] to dst [N, KS], rounded, zero columns K..KS-1
+def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
+               ROUND: tl.constexpr):
+    # rows n of src [N, K] to dst [N, KS], rounded where ROUND (not a FULL_MAX layer's), zero
+    # columns K..KS-1
     for k0 in tl.range(0, KS, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(src + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        tl.store(dst + n[:, None] * KS + k[None, :], tf32_round(v), mask=(n[:, None] < N) & (k[None, :] < KS))
+        if ROUND:
+            v = tf32_round(v)
+        tl.store(dst + n[:, None] * KS + k[None, :], v, mask=(n[:, None] < N) & (k[None, :] < KS))
 
 
 @triton.jit
@@ -94,13 +106,13 @@ def tf32_weights_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     layer = tl.program_id(1)
     if layer == 0:
-        _tf32_copy(w0_ptr, d0_ptr, n, 512, 13, 13, BLOCK_K)
+        _tf32_copy(w0_ptr, d0_ptr, n, 512, 13, 13, BLOCK_K, True)
     if layer == 1:
-        _tf32_copy(w1_ptr, d1_ptr, n, 256, 512, 512, BLOCK_K)
+        _tf32_copy(w1_ptr, d1_ptr, n, 256, 512, 512, BLOCK_K, True)
     if layer == 2:
-        _tf32_copy(w2_ptr, d2_ptr, n, 64, 256, 256, BLOCK_K)
+        _tf32_copy(w2_ptr, d2_ptr, n, 64, 256, 256, BLOCK_K, True)
     if layer == 3:
-        _tf32_copy(w3_ptr, d3_ptr, n, 16, 64, 64, BLOCK_K)
+        _tf32_copy(w3_ptr, d3_ptr, n, 16, 64, 64, BLOCK_K, True)
 
 
 @triton.jit

@@ -70,13 +70,25 @@ def tf32_operand(a, PRECISION: tl.constexpr):
     return a
 
 
+# A layer with an input or output width <= FULL_MAX is computed to float32's accuracy with
+# TF32 on too, its weight copy not rounded, as torch.matmul's cuBLAS kernels compute it
+# (schema.TF32_FULL_MAX). Exact kernels: "tf32x3" dots, or a float32 row reduction an output
+# column for a register tile; the generic kernel: float32 FMA loops.
+FULL_MAX: tl.constexpr = tl.constexpr(1)
+
+
+
 @triton.jit
-def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr):
-    # rows n of src [N, K] to dst [N, KS], rounded, zero columns K..KS-1
+def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
+               ROUND: tl.constexpr):
+    # rows n of src [N, K] to dst [N, KS], rounded where ROUND (not a FULL_MAX layer's), zero
+    # columns K..KS-1
     for k0 in tl.range(0, KS, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(src + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        tl.store(dst + n[:, None] * KS + k[None, :], tf32_round(v), mask=(n[:, None] < N) & (k[None, :] < KS))
+        if ROUND:
+            v = tf32_round(v)
+        tl.store(dst + n[:, None] * KS + k[None, :], v, mask=(n[:, None] < N) & (k[None, :] < KS))
 
 
 @triton.jit
@@ -92,11 +104,11 @@ def tf32_weights_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     layer = tl.program_id(1)
     if layer == 0:
-        _tf32_copy(w0_ptr, d0_ptr, n, 512, 367, 368, BLOCK_K)
+        _tf32_copy(w0_ptr, d0_ptr, n, 512, 367, 368, BLOCK_K, True)
     if layer == 1:
-        _tf32_copy(w1_ptr, d1_ptr, n, 256, 512, 512, BLOCK_K)
+        _tf32_copy(w1_ptr, d1_ptr, n, 256, 512, 512, BLOCK_K, True)
     if layer == 2:
-        _tf32_copy(w2_ptr, d2_ptr, n, 1, 256, 256, BLOCK_K)
+        _tf32_copy(w2_ptr, d2_ptr, n, 1, 256, 256, BLOCK_K, False)
 
 
 @triton.jit
@@ -185,11 +197,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
         tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], z1, mask=om1)
     h2 = activate_runtime(z1.to(tl.float32), act).to(DTYPE)
 
-    # layer 2: 256 -> 1, one dot on the register tile h2
+    # layer 2: 256 -> 1 on the register tile h2, each output column a float32 row
+    # reduction: float32's accuracy (FULL_MAX) in fewer registers than a "tf32x3" dot's split tiles
     kc2 = tl.arange(0, 256)
     nc2 = tl.arange(0, 16)
-    w2 = tl.load(w2_ptr + nc2[None, :] * 256 + kc2[:, None], mask=(nc2[None, :] < 1), other=0.0)
-    acc2 = tl.dot(tf32_operand(h2, PRECISION), w2, input_precision=PRECISION)
+    acc2 = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    for n in tl.static_range(1):
+        w2 = tl.load(w2_ptr + n * 256 + kc2)
+        acc2 = tl.where(nc2[None, :] == n, tl.sum(h2 * w2[None, :], axis=1)[:, None], acc2)
     if (bias_mask >> 2) & 1:
         acc2 += tl.load(b2_ptr + nc2, mask=nc2 < 1, other=0.0).to(tl.float32)[None, :]
     z2 = acc2.to(DTYPE)
@@ -250,7 +265,7 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
         hc1 = activate_runtime(z1.to(tl.float32), act).to(DTYPE)
 
         w2 = tl.load(w2_ptr + nc2[None, :] * 256 + nc1[:, None], mask=(nc2[None, :] < 1), other=0.0)
-        acc2 = tl.dot(tf32_operand(hc1, PRECISION), w2, acc2, input_precision=PRECISION)
+        acc2 = tl.dot(hc1, w2, acc2, input_precision="tf32x3")
     # layer 2's epilogue, on its whole accumulator
     if (bias_mask >> 2) & 1:
         acc2 += tl.load(b2_ptr + nc2, mask=nc2 < 1, other=0.0).to(tl.float32)[None, :]

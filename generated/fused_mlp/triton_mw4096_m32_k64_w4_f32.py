@@ -68,13 +68,25 @@ def tf32_operand(a, PRECISION: tl.constexpr):
     return a
 
 
+# A layer with an input or output width <= FULL_MAX is computed to float32's accuracy with
+# TF32 on too, its weight copy not rounded, as torch.matmul's cuBLAS kernels compute it
+# (schema.TF32_FULL_MAX). Exact kernels: "tf32x3" dots, or a float32 row reduction an output
+# column for a register tile; the generic kernel: float32 FMA loops.
+FULL_MAX: tl.constexpr = tl.constexpr(1)
+
+
+
 @triton.jit
-def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr):
-    # rows n of src [N, K] to dst [N, KS], rounded, zero columns K..KS-1
+def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
+               ROUND: tl.constexpr):
+    # rows n of src [N, K] to dst [N, KS], rounded where ROUND (not a FULL_MAX layer's), zero
+    # columns K..KS-1
     for k0 in tl.range(0, KS, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         v = tl.load(src + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
-        tl.store(dst + n[:, None] * KS + k[None, :], tf32_round(v), mask=(n[:, None] < N) & (k[None, :] < KS))
+        if ROUND:
+            v = tf32_round(v)
+        tl.store(dst + n[:, None] * KS + k[None, :], v, mask=(n[:, None] < N) & (k[None, :] < KS))
 
 
 @triton.jit
@@ -107,28 +119,28 @@ def tf32_weights_kernel(
     layer = tl.program_id(1)
     if NUM_LAYERS > 0:
         if layer == 0:
-            _tf32_copy(w0_ptr, d0_ptr, n, D1, D0, D0, BLOCK_K)
+            _tf32_copy(w0_ptr, d0_ptr, n, D1, D0, D0, BLOCK_K, (D0 > FULL_MAX) & (D1 > FULL_MAX))
     if NUM_LAYERS > 1:
         if layer == 1:
-            _tf32_copy(w1_ptr, d1_ptr, n, D2, D1, D1, BLOCK_K)
+            _tf32_copy(w1_ptr, d1_ptr, n, D2, D1, D1, BLOCK_K, (D1 > FULL_MAX) & (D2 > FULL_MAX))
     if NUM_LAYERS > 2:
         if layer == 2:
-            _tf32_copy(w2_ptr, d2_ptr, n, D3, D2, D2, BLOCK_K)
+            _tf32_copy(w2_ptr, d2_ptr, n, D3, D2, D2, BLOCK_K, (D2 > FULL_MAX) & (D3 > FULL_MAX))
     if NUM_LAYERS > 3:
         if layer == 3:
-            _tf32_copy(w3_ptr, d3_ptr, n, D4, D3, D3, BLOCK_K)
+            _tf32_copy(w3_ptr, d3_ptr, n, D4, D3, D3, BLOCK_K, (D3 > FULL_MAX) & (D4 > FULL_MAX))
     if NUM_LAYERS > 4:
         if layer == 4:
-            _tf32_copy(w4_ptr, d4_ptr, n, D5, D4, D4, BLOCK_K)
+            _tf32_copy(w4_ptr, d4_ptr, n, D5, D4, D4, BLOCK_K, (D4 > FULL_MAX) & (D5 > FULL_MAX))
     if NUM_LAYERS > 5:
         if layer == 5:
-            _tf32_copy(w5_ptr, d5_ptr, n, D6, D5, D5, BLOCK_K)
+            _tf32_copy(w5_ptr, d5_ptr, n, D6, D5, D5, BLOCK_K, (D5 > FULL_MAX) & (D6 > FULL_MAX))
     if NUM_LAYERS > 6:
         if layer == 6:
-            _tf32_copy(w6_ptr, d6_ptr, n, D7, D6, D6, BLOCK_K)
+            _tf32_copy(w6_ptr, d6_ptr, n, D7, D6, D6, BLOCK_K, (D6 > FULL_MAX) & (D7 > FULL_MAX))
     if NUM_LAYERS > 7:
         if layer == 7:
-            _tf32_copy(w7_ptr, d7_ptr, n, D8, D7, D7, BLOCK_K)
+            _tf32_copy(w7_ptr, d7_ptr, n, D8, D7, D7, BLOCK_K, (D7 > FULL_MAX) & (D8 > FULL_MAX))
 
 
 @triton.jit
@@ -189,12 +201,25 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
         nc = n0 + tl.arange(0, BLOCK_K)
         nmask = nc < D1
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in tl.range(0, D0, BLOCK_K, num_stages=NUM_STAGES):
-            kc = k0 + tl.arange(0, BLOCK_K)
-            kmask = kc < D0
-            h = tl.load(x_ptr + rows[:, None] * D0 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w0_ptr + nc[None, :] * D0 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-            acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+        if D0 <= FULL_MAX:
+            # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+            for k in tl.static_range(D0):
+                hk = tl.load(x_ptr + rows * D0 + k, mask=rmask, other=0.0)
+                wk = tl.load(w0_ptr + nc * D0 + k, mask=nmask, other=0.0)
+                acc += hk[:, None] * wk[None, :]
+        else:
+            for k0 in tl.range(0, D0, BLOCK_K, num_stages=NUM_STAGES):
+                kc = k0 + tl.arange(0, BLOCK_K)
+                kmask = kc < D0
+                h = tl.load(x_ptr + rows[:, None] * D0 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                if D1 <= FULL_MAX:
+                    # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                    for n in tl.static_range(D1):
+                        wn = tl.load(w0_ptr + n * D0 + kc, mask=kmask, other=0.0)
+                        acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                else:
+                    w = tl.load(w0_ptr + nc[None, :] * D0 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                    acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc += tl.load(b0_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
         z = acc.to(DTYPE)
@@ -214,13 +239,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D2
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D1, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D1
-                h = tl.load(z0_ptr + rows[:, None] * D1 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w1_ptr + nc[None, :] * D1 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D1 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D1):
+                    hk = tl.load(z0_ptr + rows * D1 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w1_ptr + nc * D1 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D1, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D1
+                    h = tl.load(z0_ptr + rows[:, None] * D1 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D2 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D2):
+                            wn = tl.load(w1_ptr + n * D1 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w1_ptr + nc[None, :] * D1 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 1) & 1:
                 acc += tl.load(b1_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -240,13 +279,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D3
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D2, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D2
-                h = tl.load(z1_ptr + rows[:, None] * D2 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w2_ptr + nc[None, :] * D2 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D2 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D2):
+                    hk = tl.load(z1_ptr + rows * D2 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w2_ptr + nc * D2 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D2, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D2
+                    h = tl.load(z1_ptr + rows[:, None] * D2 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D3 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D3):
+                            wn = tl.load(w2_ptr + n * D2 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w2_ptr + nc[None, :] * D2 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 2) & 1:
                 acc += tl.load(b2_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -266,13 +319,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D4
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D3, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D3
-                h = tl.load(z2_ptr + rows[:, None] * D3 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w3_ptr + nc[None, :] * D3 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D3 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D3):
+                    hk = tl.load(z2_ptr + rows * D3 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w3_ptr + nc * D3 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D3, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D3
+                    h = tl.load(z2_ptr + rows[:, None] * D3 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D4 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D4):
+                            wn = tl.load(w3_ptr + n * D3 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w3_ptr + nc[None, :] * D3 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 3) & 1:
                 acc += tl.load(b3_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -292,13 +359,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D5
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D4, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D4
-                h = tl.load(z3_ptr + rows[:, None] * D4 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w4_ptr + nc[None, :] * D4 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D4 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D4):
+                    hk = tl.load(z3_ptr + rows * D4 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w4_ptr + nc * D4 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D4, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D4
+                    h = tl.load(z3_ptr + rows[:, None] * D4 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D5 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D5):
+                            wn = tl.load(w4_ptr + n * D4 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w4_ptr + nc[None, :] * D4 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 4) & 1:
                 acc += tl.load(b4_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -318,13 +399,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D6
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D5, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D5
-                h = tl.load(z4_ptr + rows[:, None] * D5 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w5_ptr + nc[None, :] * D5 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D5 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D5):
+                    hk = tl.load(z4_ptr + rows * D5 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w5_ptr + nc * D5 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D5, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D5
+                    h = tl.load(z4_ptr + rows[:, None] * D5 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D6 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D6):
+                            wn = tl.load(w5_ptr + n * D5 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w5_ptr + nc[None, :] * D5 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 5) & 1:
                 acc += tl.load(b5_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -344,13 +439,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D7
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D6, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D6
-                h = tl.load(z5_ptr + rows[:, None] * D6 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w6_ptr + nc[None, :] * D6 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D6 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D6):
+                    hk = tl.load(z5_ptr + rows * D6 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w6_ptr + nc * D6 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D6, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D6
+                    h = tl.load(z5_ptr + rows[:, None] * D6 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D7 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D7):
+                            wn = tl.load(w6_ptr + n * D6 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w6_ptr + nc[None, :] * D6 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 6) & 1:
                 acc += tl.load(b6_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)
@@ -370,13 +479,27 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             nc = n0 + tl.arange(0, BLOCK_K)
             nmask = nc < D8
             acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-            for k0 in tl.range(0, D7, BLOCK_K, num_stages=NUM_STAGES):
-                kc = k0 + tl.arange(0, BLOCK_K)
-                kmask = kc < D7
-                h = tl.load(z6_ptr + rows[:, None] * D7 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
-                w = tl.load(w7_ptr + nc[None, :] * D7 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
-                acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
+            if D7 <= FULL_MAX:
+                # K <= FULL_MAX: a float32 outer product a column (no dot padded to BLOCK_K)
+                for k in tl.static_range(D7):
+                    hk = tl.load(z6_ptr + rows * D7 + k, mask=rmask, other=0.0)
+                    hk = activate_runtime(hk.to(tl.float32), act).to(DTYPE)
+                    wk = tl.load(w7_ptr + nc * D7 + k, mask=nmask, other=0.0)
+                    acc += hk[:, None] * wk[None, :]
+            else:
+                for k0 in tl.range(0, D7, BLOCK_K, num_stages=NUM_STAGES):
+                    kc = k0 + tl.arange(0, BLOCK_K)
+                    kmask = kc < D7
+                    h = tl.load(z6_ptr + rows[:, None] * D7 + kc[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    h = tl.where(kmask[None, :], activate_runtime(h.to(tl.float32), act), 0.0).to(DTYPE)
+                    if D8 <= FULL_MAX:
+                        # N <= FULL_MAX: a float32 row reduction an output column (n0 is 0)
+                        for n in tl.static_range(D8):
+                            wn = tl.load(w7_ptr + n * D7 + kc, mask=kmask, other=0.0)
+                            acc = tl.where(nc[None, :] == n, acc + tl.sum(h * wn[None, :], axis=1)[:, None], acc)
+                    else:
+                        w = tl.load(w7_ptr + nc[None, :] * D7 + kc[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+                        acc = tl.dot(tf32_operand(h, PRECISION), w, acc, input_precision=PRECISION)
             if (bias_mask >> 7) & 1:
                 acc += tl.load(b7_ptr + nc, mask=nmask, other=0.0).to(tl.float32)[None, :]
             z = acc.to(DTYPE)

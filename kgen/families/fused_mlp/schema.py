@@ -83,6 +83,18 @@ def pad_launch(n: int, k: int, stride: int) -> tuple[tuple[int], dict, dict]:
                                   "BLOCK_N": PAD_ROWS}, {"num_warps": PAD_WARPS}
 
 
+# Float32 with TF32 on: a layer with an input or output width <= TF32_FULL_MAX (a one-wide
+# layer: DLRM top's last) is computed to float32's accuracy (its weight copy not rounded), the
+# others in TF32 with cuBLAS's operand rounding -- what torch.matmul does: cuBLAS runs such a
+# layer through a full-float32 kernel at every B, and widths 2-32 in TF32 except at a few
+# (B, width) cells its heuristics pick otherwise (H200, torch 2.11, F.linear against TF32 off,
+# B 90-32768, the other width 64 or 512: K = 1 or N = 1 float32 in all 28 cells; widths 2-6
+# float32 in 15 of 140, 16-32 in 3 of 84, all B >= 2048; BENCHMARKS.md, fifty-sixth session).
+# Following those cells would take cuBLAS's heuristics, and computing every narrow layer in
+# float32 gives kgen other roundings than eager's at the B where cuBLAS uses TF32: its ReLU
+# masks then flip elsewhere than eager's, gradients 30x eager's error in 2 of 24 seeds.
+TF32_FULL_MAX = 1
+
 # tf32_weights_kernel (templates/fused_mlp/triton.py.j2): rows and columns a program's step, warps
 TF32_ROWS, TF32_COLS, TF32_WARPS = 8, 128, 4
 
@@ -253,7 +265,7 @@ def template_context(variant) -> dict:
             "kernels": ks, "scratch_width": max([k["scratch"] for k in ks], default=0),
             "max_width": p["max_width"], "max_layers": MAX_LAYERS,
             "block_m": p["block_m"], "block_k": p["block_k"], "num_warps": p["num_warps"],
-            "num_stages": p["num_stages"]}
+            "num_stages": p["num_stages"], "full_max": TF32_FULL_MAX}
 
 
 def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
