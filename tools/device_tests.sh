@@ -20,7 +20,10 @@ for f in "$@"; do
   eval timeout "${PER_FILE_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu "$f" "${PYTEST_ARGS:-}" > "$log" 2>&1
   rc=$?
   if [ $rc -eq 124 ]; then
-    echo "$f: stopped at the ${PER_FILE_S:-240} s limit ($(grep -o '\[ *[0-9]*%\]' "$log" | tail -1) reached, $(grep -c FAILED "$log") FAILED lines)"
+    # pytest -q's progress characters so far (a line of them has no percentage until it is full)
+    prog=$(grep -E '^[.sFExX]+( +\[ *[0-9]+%\])?$' "$log" | sed 's/ *\[.*//' | tr -d '\n')
+    echo "$f: stopped at the ${PER_FILE_S:-240} s limit after $(tr -cd . <<< "$prog" | wc -c) passed," \
+      "$(tr -cd s <<< "$prog" | wc -c) skipped, $(tr -cd FE <<< "$prog" | wc -c) failed or errors"
   else
     echo "$f: $(tail -1 "$log") (${SECONDS} s)"
   fi
