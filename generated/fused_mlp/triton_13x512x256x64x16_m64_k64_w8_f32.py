@@ -78,7 +78,6 @@ def tf32_operand(a, PRECISION: tl.constexpr):
 FULL_MAX: tl.constexpr = tl.constexpr(1)
 
 
-
 @triton.jit
 def _tf32_copy(src, dst, n, N: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, BLOCK_K: tl.constexpr,
                ROUND: tl.constexpr):
