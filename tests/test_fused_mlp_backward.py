@@ -799,3 +799,27 @@ def test_tf32_backward_chain_reads_rounded_weights(tf32):
     scale = float(want.abs().max())
     assert float((gx.double() - want).abs().max()) < 1e-5 * scale
     assert float((plain - want).abs().max()) > 1e-4 * scale
+
+
+@pytest.mark.parametrize("widths, B, acts", [((1, 443, 1, 1, 90), 2, ("silu", "silu")),
+                                             ((37, 1, 20, 1), 67, ("relu", "gelu"))],
+                         ids=["1-443-1-1-90", "37-1-20-1"])
+def test_tf32_backward_one_wide_layers_in_float32(tf32, widths, B, acts):
+    """Float32 with TF32 on, a one-wide layer's products (input or output width <=
+    schema.TF32_FULL_MAX; every layer here) in the fused backward are computed to float32's
+    accuracy from the weights themselves (no rounded copy), as cuBLAS computes them: every
+    gradient within 1e-5 of its largest element of float64 autograd's (the saved z: float32
+    eager on the CPU, exact to float32), where TF32 products were 1e-4-7e-3 off (the 1 x 1 dW,
+    a batch sum that cancels: up to 190x the float32 tolerance on an H200). A control MLP
+    without one-wide layers stays TF32 (its copies made, its gradients ~1e-4 off)."""
+    tf32(True)
+    for w, b, expect_full in ((widths, B, True), ((13, 40, 9), 33, False)):
+        L = len(w) - 1
+        x, ws, bs, zs, g = _case(w, b, acts, torch.float32, seed=3)
+        needs = (True,) * (1 + 2 * L)
+        p = fb.plan(w, torch.float32, x.device, b, (True,) * L, acts, needs)
+        assert (p.copies == []) == expect_full
+        gx, gws, gbs = fb.backward(g, x, ws, [True] * L, zs, *acts, needs)
+        want = _float64(x, ws, bs, acts, g)
+        errs = [float((a.double() - r).abs().max() / r.abs().max()) for a, r in zip([gx, *gws, *gbs], want)]
+        assert all(e < 1e-5 for e in errs) if expect_full else max(errs) > 2e-5, (w, errs)

@@ -46,7 +46,7 @@ from kgen.families.fused_mlp.fused_backward_kernels import (  # Plan.launches re
     fused_mlp_bwd_sum_kernel,
     fused_mlp_bwd_tf32_kernel,
 )
-from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, padded, weight_strides
+from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, TF32_FULL_MAX, padded, weight_strides
 from kgen.runtime import triton_launch
 from kgen.runtime.op import sm_count
 
@@ -169,11 +169,12 @@ class Plan:
             self.pads.append(("x", B, widths[0], self.xs, at))
             at = _up(at + B * self.xs)
         # float32 with TF32 on: every weight the chain reads from a TF32-rounded copy (zero-padded
-        # to its stride too), all written by one fused_mlp_bwd_tf32_kernel launch first
+        # to its stride too), all written by one fused_mlp_bwd_tf32_kernel launch first; but a
+        # one-wide layer's (its products in float32's accuracy: fused_backward_kernels._dot)
         self.copies = []  # (layer, rows, K, stride, scratch offset)
         tf32 = precision == "tf32" and dtype == torch.float32
         for i, (st, k) in enumerate(zip(self.ws, widths)):
-            if tf32 and chain_reads[i]:
+            if tf32 and chain_reads[i] and min(k, widths[i + 1]) > TF32_FULL_MAX:
                 self.copies.append((i, widths[i + 1], k, st, at))
                 at = _up(at + widths[i + 1] * st)
             elif st != k:

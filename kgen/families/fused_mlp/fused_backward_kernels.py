@@ -32,7 +32,12 @@ float32 in and out; `code` is a runtime value (one compile serves every activati
 `_dot` rounds both float32 operands to the nearest TF32 value, as cuBLAS rounds them, where the
 tensor cores would truncate them; a weight tile the dz chain reads from the rounded copy
 fused_mlp_bwd_tf32_kernel wrote is not rounded again (`_dot`'s ROUND_B), as the forward reads
-its own rounded copies.
+its own rounded copies. A product of a one-wide layer (input or output width <=
+schema.TF32_FULL_MAX) is computed to float32's accuracy instead ("tf32x3", from the weight
+itself, not a rounded copy), as cuBLAS computes such a product (its gemv) and the forward
+computes such a layer: a 1 x 1 dW, a sum over the batch that can cancel, was off by up to
+190x the float32 tolerance in TF32 (B = 2, widths 1-443-1-1-90; BENCHMARKS.md, fifty-sixth
+session).
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kgen.families.fused_mlp.schema import ACT_CODE
+from kgen.families.fused_mlp.schema import ACT_CODE, TF32_FULL_MAX
 
 _RELU = tl.constexpr(ACT_CODE["relu"])
 _SIGMOID = tl.constexpr(ACT_CODE["sigmoid"])
 _GELU = tl.constexpr(ACT_CODE["gelu"])
 _SILU = tl.constexpr(ACT_CODE["silu"])
+_FULL_MAX = tl.constexpr(TF32_FULL_MAX)
 
 
 @triton.jit
@@ -57,16 +63,24 @@ def _tf32_round(x):
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, ROUND_B: tl.constexpr):
+def _dot(a, b, acc, PRECISION: tl.constexpr, ROUND_B: tl.constexpr, FULL: tl.constexpr):
     """tl.dot(a, b, acc, input_precision=PRECISION), float32 operands rounded by _tf32_round
     first where PRECISION is "tf32" -- a always, b where ROUND_B (not a weight tile read
-    from the copy fused_mlp_bwd_tf32_kernel rounded); 16-bit operands and "tf32x3" as they are."""
-    if PRECISION == "tf32":
+    from the copy fused_mlp_bwd_tf32_kernel rounded); 16-bit operands and "tf32x3" as they are.
+    FULL (a one-wide layer's product), float32 operands: "tf32x3" whatever PRECISION."""
+    if FULL:
         if a.dtype == tl.float32:
-            a = _tf32_round(a)
-        if ROUND_B and b.dtype == tl.float32:
-            b = _tf32_round(b)
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision="tf32x3")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        if PRECISION == "tf32":
+            if a.dtype == tl.float32:
+                a = _tf32_round(a)
+            if ROUND_B and b.dtype == tl.float32:
+                b = _tf32_round(b)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -156,7 +170,8 @@ def _chain_gemm(src_ptr, w_ptr, z_ptr, dst_ptr, rows, rmask, code,
             nmask = nc < N
             a = tl.load(src_ptr + rows[:, None] * N + nc[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
             w = tl.load(w_ptr + nc[:, None] * WK + kc[None, :], mask=nmask[:, None] & (kc < WK)[None, :], other=0.0)
-            acc = _dot(a, w, acc, PRECISION, False)  # (w: a rounded copy under TF32)
+            # (w: a rounded copy under TF32, but a one-wide layer's: the weight itself)
+            acc = _dot(a, w, acc, PRECISION, False, (N <= _FULL_MAX) | (K <= _FULL_MAX))
         g = acc.to(DTYPE)
         m = rmask[:, None] & kmask[None, :]
         at = rows[:, None] * K + kc[None, :]
@@ -227,7 +242,7 @@ def _dw_tile(t, src_ptr, d_ptr, out_ptr, r0, r1, code,
         h = tl.load(src_ptr + rr[:, None] * SK + k[None, :], mask=rm[:, None] & lmask[None, :], other=0.0)
         if H_ACT:
             h = _act(h.to(tl.float32), code).to(d_ptr.dtype.element_ty)
-        acc = _dot(tl.trans(a), h, acc, PRECISION, True)
+        acc = _dot(tl.trans(a), h, acc, PRECISION, True, (N <= _FULL_MAX) | (K <= _FULL_MAX))
     tl.store(out_ptr + OFF_W + n[:, None] * K + k[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=nmask[:, None] & (k < K)[None, :])
 

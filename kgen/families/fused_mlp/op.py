@@ -257,7 +257,8 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     torch.backends.cuda.matmul.allow_tf32 is set, ~1e-3 per layer, else ~1e-6): the
     tolerances in kgen/specs/fused_mlp.yaml. With TF32 on, the forward rounds the operands
     to TF32 as cuBLAS does, and computes a one-wide layer (input or output width 1) in full
-    float32, as cuBLAS does at every batch size; the backward's products are all TF32.
+    float32, as cuBLAS does at every batch size, and so does the fused backward with such a
+    layer's products.
 
     Differentiable in x, every weight and every bias (the backward recomputes the forward,
     saving each layer's z, then per-layer GEMMs; deterministic; the training fast path below
