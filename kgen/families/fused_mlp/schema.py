@@ -84,15 +84,16 @@ def pad_launch(n: int, k: int, stride: int) -> tuple[tuple[int], dict, dict]:
 
 
 # Float32 with TF32 on: a layer with an input or output width <= TF32_FULL_MAX (a one-wide
-# layer: DLRM top's last) is computed to float32's accuracy (its weight copy not rounded), the
-# others in TF32 with cuBLAS's operand rounding -- what torch.matmul does: cuBLAS runs such a
-# layer through a full-float32 kernel at every B, and widths 2-32 in TF32 except at a few
-# (B, width) cells its heuristics pick otherwise (H200, torch 2.11, F.linear against TF32 off,
-# B 90-32768, the other width 64 or 512: K = 1 or N = 1 float32 in all 28 cells; widths 2-6
-# float32 in 15 of 140, 16-32 in 3 of 84, all B >= 2048; BENCHMARKS.md, fifty-sixth session).
-# Following those cells would take cuBLAS's heuristics, and computing every narrow layer in
-# float32 gives kgen other roundings than eager's at the B where cuBLAS uses TF32: its ReLU
-# masks then flip elsewhere than eager's, gradients 30x eager's error in 2 of 24 seeds.
+# layer: DLRM top's last) is computed to float32's accuracy, in the forward and in the fused
+# backward's products (its weight copies not rounded); the others in TF32 with cuBLAS's operand
+# rounding. That is what torch.matmul does: cuBLAS runs a one-wide layer through a full-float32
+# kernel at every B, and narrow ones in TF32 but at a few (B, width) cells its heuristics pick
+# otherwise (H200, torch 2.11, F.linear against TF32 off, B 90-32768, the other width 64 or
+# 512: K or N = 1 float32 in 28 of 28 cells; 2-6 in 17 of 140, all at B >= 8192; 8-12 in 0
+# of 56; 16-32 in 3 of 56, at B = 2048; BENCHMARKS.md, fifty-sixth session). Following those
+# cells would mean following cuBLAS's heuristics, and computing every narrow layer in float32
+# gives kgen other roundings than eager's where cuBLAS uses TF32: its ReLU masks then flip
+# elsewhere than eager's (B = 90, 24 seeds: a gradient 35x to 1e6x eager's error in 3).
 TF32_FULL_MAX = 1
 
 # tf32_weights_kernel (templates/fused_mlp/triton.py.j2): rows and columns a program's step, warps
