@@ -266,7 +266,11 @@ def template_context(variant) -> dict:
             "kernels": ks, "scratch_width": max([k["scratch"] for k in ks], default=0),
             "max_width": p["max_width"], "max_layers": MAX_LAYERS,
             "block_m": p["block_m"], "block_k": p["block_k"], "num_warps": p["num_warps"],
-            "num_stages": p["num_stages"], "full_max": TF32_FULL_MAX}
+            "num_stages": p["num_stages"], "full_max": TF32_FULL_MAX,
+            # an exact variant's layers computed in float32's accuracy with TF32 on (the generic
+            # kernel decides from its constexpr widths)
+            "full_layers": [variant.dtype == "float32" and min(k, n) <= TF32_FULL_MAX
+                            for k, n in zip(widths, widths[1:])]}
 
 
 def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
