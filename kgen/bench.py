@@ -62,7 +62,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
     import torch
 
     from kgen.families import module_of
-    from kgen.runtime import dispatch, timing, tune
+    from kgen.runtime import dispatch, timing, tune, tuning_table
 
     fam = module_of(family)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -84,7 +84,7 @@ def dispatch_effect(family: str, cases, peers=None, quick: bool = False) -> list
                 best[n] = min(best[n], t)
                 if n in gpu:
                     gpu[n] = min(gpu[n], t.gpu)
-        name = lambda k: k.name if k is not None else tune.REFERENCE  # noqa: E731
+        name = lambda k: k.name if k is not None else tuning_table.REFERENCE  # noqa: E731
         fastest = min(fns, key=best.get)
         a = name(after)
         # The fastest of ~16 noisy times is biased low (the winner's curse, tune.confirm):

@@ -94,16 +94,16 @@ def _tables(console, title: str, rows: list[tuple], table=None):
 def _summary_row(e: dict) -> tuple[str, str, float | None, str, str]:
     """One entry as (winner's us, runner-up, its slowdown, candidates, shapes): the winner's
     time at the bucket's first shape, and the candidate the bucket would take without it —
-    the next by worst slowdown over its shapes (`tune.ranking`) — with its worst slowdown ÷
+    the next by worst slowdown over its shapes (`tuning_rules.ranking`) — with its worst slowdown ÷
     the winner's (below 1: the two tied and the tuner's rules gave it to the winner). "-"
     (None) where the entry recorded no times (a hand-written one)."""
-    from kgen.runtime import tune
+    from kgen.runtime import tuning_rules
 
-    ps, winner = tune.probes(e), e["winner"]
+    ps, winner = tuning_rules.probes(e), e["winner"]
     times = e.get("times_us") or {}
     if not all(p.get("times_us") for p in ps) or winner not in times:
         return "-", "-", None, str(len(times) or "-"), str(len(ps))
-    worst = tune.worst_slowdowns(e)  # (tune.ranking's order)
+    worst = tuning_rules.worst_slowdowns(e)  # (tuning_rules.ranking's order)
     runner = min((n for n in worst if n != winner), key=worst.get, default=None)
     slower = worst[runner] / worst[winner] if runner and winner in worst else None
     return _fmt_us(times[winner]), runner or "-", slower, str(len(times)), str(len(ps))
@@ -132,23 +132,24 @@ def show(console, family: str | None, dtypes=None, every_time: bool = False) -> 
     candidate's time as columns, as `kgen tune` prints a run."""
     import torch
 
-    from kgen.runtime import tune
+    from kgen.runtime import tuning_rules, tuning_table
 
-    device = tune.device_key(torch.cuda.current_device()) if torch.cuda.is_available() else None
+    device = tuning_table.device_key(torch.cuda.current_device()) if torch.cuda.is_available() else None
     rows, stale = [], 0
-    for k, e in sorted(tune.TABLES.entries().items()):
+    for k, e in sorted(tuning_table.TABLES.entries().items()):
         fam, dev_name, sm, sms, dtype, bucket = k.split("|")
         if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device) \
                 or (dtypes and dtype not in dtypes):
             continue
-        n = len(tune.probes(e))
+        n = len(tuning_rules.probes(e))
         notes = [f"{n} shapes; times: the first"] if n > 1 and every_time else []
         notes += [f"{name}: {opt}" for name, opt in (e.get("choices") or {}).items()]  # the family's further choices
-        if not all("gpu_us" in p for p in tune.probes(e)):
+        if not all("gpu_us" in p for p in tuning_rules.probes(e)):
             notes.append("no host timing: re-tune")
             stale += 1
         rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"), bucket, notes, e))
-    print(f"tuning tables: {tune.user_path()} over {tune.SHIPPED_DIR}/*.json; device: {device or 'all'}")
+    user, shipped = tuning_table.user_path(), tuning_table.SHIPPED_DIR
+    print(f"tuning tables: {user} over {shipped}/*.json; device: {device or 'all'}")
     if every_time:
         _tables(console, "tuned winners (us)", [(t, b + (f" ({'; '.join(ns)})" if ns else ""), e.get("times_us", {}),
                                                  e["winner"]) for t, b, ns, e in rows])
@@ -168,7 +169,7 @@ def run(args, console) -> int:
 
     from kgen import spec as spec_mod
     from kgen.families import module_of
-    from kgen.runtime import dispatch, tune
+    from kgen.runtime import dispatch, tune, tuning_rules, tuning_table
 
     if args.show:
         family = spec_mod.load(args.spec).family if args.spec else None
@@ -200,7 +201,7 @@ def run(args, console) -> int:
     build_first(console, spec, device, todo)
     results, rows, done = [], [], set()
     out = Path(args.out) if args.out else None  # None: the user's table
-    path = out or tune.user_path()
+    path = out or tuning_table.user_path()
     with Progress(TextColumn("tuning"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console, transient=True,
                   disable=not console.is_terminal) as progress:
@@ -216,18 +217,18 @@ def run(args, console) -> int:
             results.append((dtype, shape, res))
             rows.append((dtype, res.key.split("|")[-1], res.times, res.winner))
             # recorded as each shape ends (an atomic merge): an interrupted run keeps what it
-            # measured; shapes that share a bucket are each one of its probes (tune.merged_entry)
-            path = tune.record({res.key: res.entry()}, out, replace=args.replace and res.key not in done)
+            # measured; shapes that share a bucket are each one of its probes (tuning_rules.merged_entry)
+            path = tuning_table.record({res.key: res.entry()}, out, replace=args.replace and res.key not in done)
             done.add(res.key)
             progress.advance(task)
-    _tables(console, f"kgen tune {spec.path} on {tune.device_key(device.index).split('|')[0]} (us)", rows)
-    table = tune.read_table(path)
+    _tables(console, f"kgen tune {spec.path} on {tuning_table.device_key(device.index).split('|')[0]} (us)", rows)
+    table = tuning_table.read_table(path)
     for k in sorted(done):
         e = table.get(k)
-        if e is not None and len(tune.probes(e)) > 1:
-            worst = tune.worst_slowdowns(e)
-            print(f"{k.split('|')[-1]} ({k.split('|')[-2]}): {len(tune.probes(e))} shapes "
-                  f"({', '.join(_shape_text(p.get('shape')) for p in tune.probes(e))}); winner {e['winner']}, "
+        if e is not None and len(tuning_rules.probes(e)) > 1:
+            worst = tuning_rules.worst_slowdowns(e)
+            print(f"{k.split('|')[-1]} ({k.split('|')[-2]}): {len(tuning_rules.probes(e))} shapes "
+                  f"({', '.join(_shape_text(p.get('shape')) for p in tuning_rules.probes(e))}); winner {e['winner']}, "
                   f"at worst {worst.get(e['winner'], float('nan')):.3f}x a shape's own winner")
         for name, opt in ((e or {}).get("choices") or {}).items():
             timed = ", ".join(f"{o} {t:.1f} us" for o, t in e["choices_us"].get(name, {}).items())

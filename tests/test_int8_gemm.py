@@ -13,7 +13,7 @@ from kgen import ops, spec
 from kgen.families import int8_gemm as ig
 from kgen.families.int8_gemm import launch as ig_launch
 from kgen.families.int8_gemm.golden import w8a16_error_ratio
-from kgen.runtime import build, dispatch, toolchain, tune
+from kgen.runtime import build, dispatch, toolchain, tune, tuning_table
 from kgen.runtime.op import error_ratio
 from tests.conftest import HAS_GPU, requires_nvcc
 
@@ -674,7 +674,7 @@ def test_int8_linear_never_runs_the_reference_where_a_kernel_is_tuned(monkeypatc
     cap = torch.cuda.get_device_capability()
     pick = next(v for v in dispatch.runnable("int8_gemm", "int8", DEV) if v.backend == "triton")
     entry = {"winner": tune.REFERENCE, "times_us": {tune.REFERENCE: 10.0, pick.name: 11.0}}
-    monkeypatch.setattr(tune, "lookup", lambda k: entry if "int8_gemm" in k and "|int8|" in k else None)
+    monkeypatch.setattr(tuning_table, "lookup", lambda k: entry if "int8_gemm" in k and "|int8|" in k else None)
     monkeypatch.setattr(ig.op, "_IMPLS", {})
     monkeypatch.setattr(ig.op, "_BY_SHAPE", {})
     assert ig.op._impl(DEV, torch.int8, M, N, K, False) is None
@@ -693,8 +693,8 @@ def test_untuned_shapes_run_the_shape_preference(monkeypatch):
     """With no table entry (nor one nearby), int8 above M = 16 runs the WGMMA kernel on
     Hopper (its tile by M; on an H200 at 151 x 445 x 1456 8.5 us against the Triton
     tile's 47.8 a call); exact. W8A16 above 1024 rows (N, K multiples of 8) runs the reference."""
-    monkeypatch.setattr(tune, "lookup", lambda k: None)
-    monkeypatch.setattr(tune, "nearest", lambda k: None)
+    monkeypatch.setattr(tuning_table, "lookup", lambda k: None)
+    monkeypatch.setattr(tuning_table, "nearest", lambda k: None)
     monkeypatch.setattr(ig.op, "_IMPLS", {})
     monkeypatch.setattr(ig.op, "_BY_SHAPE", {})
     sm90a = torch.cuda.get_device_capability() == (9, 0)
@@ -885,8 +885,8 @@ def test_gemv_graph_replay_and_dispatch(monkeypatch):
     assert torch.equal(c.cpu().long(), a.cpu().long() @ b.cpu().long().t())
     torch.testing.assert_close(y.double(), ig.reference.w8a16_linear(x, b, s, compute=torch.float64),
                                rtol=8e-3, atol=1e-4)
-    monkeypatch.setattr(tune, "lookup", lambda k: None)  # nothing tuned, nothing nearby
-    monkeypatch.setattr(tune, "nearest", lambda k: None)
+    monkeypatch.setattr(tuning_table, "lookup", lambda k: None)  # nothing tuned, nothing nearby
+    monkeypatch.setattr(tuning_table, "nearest", lambda k: None)
     monkeypatch.delenv("KGEN_AUTOTUNE", raising=False)
     impl, _ = ig.op._choose(DEV, torch.int8, 3, 777, 512, False)
     assert impl is not None and impl.gemv, impl and impl.name

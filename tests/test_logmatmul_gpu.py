@@ -392,10 +392,10 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
     (rows not whole 16-byte vectors) runs its Triton companion through the fast path. Each
     within tolerance of float64, forward and gradients, and bitwise equal to a second call."""
     from kgen.families.logmatmul import op as lop
-    from kgen.runtime import tune
+    from kgen.runtime import tuning_table
 
-    monkeypatch.setattr(tune, "lookup", lambda k: None)
-    monkeypatch.setattr(tune, "nearest", lambda k: None)
+    monkeypatch.setattr(tuning_table, "lookup", lambda k: None)
+    monkeypatch.setattr(tuning_table, "nearest", lambda k: None)
     monkeypatch.setattr(lop, "_MODULES", {})
     monkeypatch.setattr(lop, "_BY_SHAPE", {})
     monkeypatch.setattr(lop, "_FAST", {})

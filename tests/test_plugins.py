@@ -17,7 +17,7 @@ from kgen import families
 from kgen import spec as spec_mod
 from kgen.errors import KgenError, SpecError
 from kgen.render import render
-from kgen.runtime import dispatch, tune
+from kgen.runtime import dispatch, tune, tuning_table
 
 ROOT = Path(__file__).resolve().parent.parent
 MY_FBA = """\
@@ -41,17 +41,17 @@ def clean(monkeypatch, tmp_path):
     for k in ("KGEN_VARIANT", "KGEN_BACKEND", "KGEN_AUTOTUNE", "KGEN_LOG"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(tune, "SHIPPED_DIR", tmp_path / "no-tables")
-    monkeypatch.setattr(tune, "device_key", lambda index: "Fake GPU|sm_90|132")
+    monkeypatch.setattr(tuning_table, "SHIPPED_DIR", tmp_path / "no-tables")
+    monkeypatch.setattr(tuning_table, "device_key", lambda index: "Fake GPU|sm_90|132")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    tune._shipped.cache_clear()
+    tuning_table._shipped.cache_clear()
     tune.TABLES.invalidate()
     dispatch._added.clear()
     dispatch._user_specs.cache_clear()
     yield tmp_path
     dispatch._added.clear()
     dispatch._user_specs.cache_clear()
-    tune._shipped.cache_clear()
+    tuning_table._shipped.cache_clear()
     tune.TABLES.invalidate()
 
 

@@ -16,7 +16,7 @@ import torch
 from kgen import spec as spec_mod
 from kgen.families import fused_bias_act as fba
 from kgen.families import linear_logp as llp
-from kgen.runtime import dispatch, timing, tune
+from kgen.runtime import dispatch, timing, tune, tuning_table
 
 FAKE_DEVICE = "Fake GPU|sm_90|132"
 OTHER_DEVICE = "Other GPU|sm_80|108"
@@ -28,16 +28,16 @@ def tables(tmp_path, monkeypatch):
     monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path / "cache"))
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    monkeypatch.setattr(tune, "SHIPPED_DIR", shipped)
-    monkeypatch.setattr(tune, "device_key", lambda index: FAKE_DEVICE)
+    monkeypatch.setattr(tuning_table, "SHIPPED_DIR", shipped)
+    monkeypatch.setattr(tuning_table, "device_key", lambda index: FAKE_DEVICE)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.delenv("KGEN_VARIANT", raising=False)
     monkeypatch.delenv("KGEN_BACKEND", raising=False)
     monkeypatch.delenv("KGEN_AUTOTUNE", raising=False)
-    tune._shipped.cache_clear()
+    tuning_table._shipped.cache_clear()
     tune.TABLES.invalidate()
     yield shipped
-    tune._shipped.cache_clear()
+    tuning_table._shipped.cache_clear()
     tune.TABLES.invalidate()
 
 
@@ -442,7 +442,7 @@ def test_record_persists_merges_and_replaces_atomically(tables):
 def test_a_corrupt_or_foreign_table_is_ignored_with_one_warning(tables, caplog, content):
     tune.user_path().parent.mkdir(parents=True, exist_ok=True)
     tune.user_path().write_text(content)
-    tune._warned.clear()
+    tuning_table._warned.clear()
     with caplog.at_level(logging.WARNING, logger="kgen"):
         assert tune.lookup("anything") is None
         tune.TABLES.invalidate()
@@ -480,7 +480,7 @@ def test_dispatch_takes_the_tuned_winner_and_devices_do_not_mix(tables):
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", fba.tune_bucket(3, 40, False))
     assert why in ("spec order", "fallback")
     # a device whose table names something else: OTHER_DEVICE's entry is not used
-    tune.device_key = lambda index: "Third GPU|sm_90|66"
+    tuning_table.device_key = lambda index: "Third GPU|sm_90|66"
     kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)
     assert why != "tuned"
 
@@ -640,7 +640,7 @@ def test_the_user_table_overrides_the_shipped_one(tables):
     bucket = fba.tune_bucket(**SHAPE)
     k = tune.key("fused_bias_act", FAKE_DEVICE, "float32", bucket)
     (tables / "gpu.json").write_text(json.dumps({"format": tune.FORMAT, "entries": {k: _entry(a.name)}}))
-    tune._shipped.cache_clear()
+    tuning_table._shipped.cache_clear()
     tune.TABLES.invalidate()
     assert dispatch.choose("fused_bias_act", CUDA0, "float32", bucket)[0].name == a.name
     tune.record({k: _entry(b.name)})
@@ -726,7 +726,7 @@ def test_concurrent_writers_keep_every_entry(tables, tmp_path):
 def test_shipped_tables_are_valid():
     """Every table kgen ships parses, names known variants, and its winner is the one the
     tie rule picks from its recorded times (kept in measurement order)."""
-    from kgen.runtime.tune import FORMAT, SHIPPED_DIR
+    from kgen.runtime.tuning_table import FORMAT, SHIPPED_DIR
 
     files = sorted(SHIPPED_DIR.glob("*.json"))
     assert files, "kgen ships tuning tables"
@@ -793,8 +793,8 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
     # no shipped tables: a bucket they hold is never tuned online (333 x 4104's is, since the
     # thirteenth session's H100 table)
     # (_shipped reads the folder once per process: an earlier test's dispatch may have read it)
-    monkeypatch.setattr(tune, "SHIPPED_DIR", tmp_path / "no-shipped-tables")
-    tune._shipped.cache_clear()
+    monkeypatch.setattr(tuning_table, "SHIPPED_DIR", tmp_path / "no-shipped-tables")
+    tuning_table._shipped.cache_clear()
     tune.TABLES.invalidate()
     fba.op._KERNELS.clear()
     try:
@@ -809,7 +809,7 @@ def test_gpu_online_tuning_leaves_the_callers_tensors_untouched(tmp_path, monkey
         assert json.loads(tune.user_path().read_text())["entries"]
     finally:
         monkeypatch.undo()
-        tune._shipped.cache_clear()
+        tuning_table._shipped.cache_clear()
         tune.TABLES.invalidate()
         fba.op._KERNELS.clear()
 
@@ -953,3 +953,17 @@ def test_tune_show_one_row_a_bucket_and_every_time_on_request(tables, capsys):
     row = next(line for line in capsys.readouterr().out.splitlines() if "N<=1.D<=64.V<=128" in line)
     assert [x.strip() for x in row.strip("│ ").split("│")][1:4] == [c, "-", "-"]
     assert cli.main(["tune", "kgen/specs/fused_bias_act.yaml", "--times"]) == 2  # --times goes with --show
+
+
+def test_tune_names_the_tables_and_rules_as_their_own_modules_do():
+    """kgen.runtime.tune re-exports the public names of tuning_table and tuning_rules (the
+    namespace families and scaffold-made packages call), as the same objects: a call through
+    either module runs the same code."""
+    from kgen.runtime import tuning_rules
+
+    for owner, names in ((tuning_table, ("key", "device_key", "lookup", "nearest", "stand_in", "choice", "record",
+                                          "read_table", "user_path", "pow2_at_least", "TABLES", "REFERENCE")),
+                         (tuning_rules, ("pick", "beats", "probes", "transfers", "worst_slowdowns", "ranking",
+                                         "bucket_winner", "merged_entry", "bucket_choices"))):
+        for n in names:
+            assert getattr(tune, n) is getattr(owner, n), n

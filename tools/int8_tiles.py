@@ -21,7 +21,7 @@ import torch
 from kgen import ops
 from kgen.families import module_of
 from kgen.families.int8_gemm import plans
-from kgen.runtime import dispatch, timing, tune
+from kgen.runtime import dispatch, timing, tune, tuning_table
 from kgen.tune_cli import parse_shape
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         inputs = fam.tune_inputs(dev, dt, M=M, N=N, K=K)
         vs = [v for v in dispatch.runnable("int8_gemm", dt, dev) if not plans.is_gemv(v)]
         fns, _ = tune.candidate_runners(fam, vs, inputs)
-        fns.pop(tune.REFERENCE, None)
+        fns.pop(tuning_table.REFERENCE, None)
         if dt == "int8":
             fns["OP"] = lambda i=inputs: ops.int8_mm(i["a"], i["b"])
         else:

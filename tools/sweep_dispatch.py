@@ -30,7 +30,7 @@ import torch
 from kgen import ops
 from kgen.errors import KgenError
 from kgen.families import module_of
-from kgen.runtime import dispatch, timing, tune
+from kgen.runtime import dispatch, timing, tune, tuning_table
 from kgen.tune_cli import parse_shape
 
 
@@ -130,13 +130,13 @@ def main() -> None:
         print(
             f"{label} op {best['OP']:8.1f} (gpu {gpu['OP']:7.1f}, like {like[-26:]:26s}) | fastest "
             f"{fastest[-26:]:26s} {best[fastest]:8.1f} (gpu {gpu[fastest]:7.1f}) | op/fastest {ratio:.2f} "
-            f"gpu {gpu_ratio:.2f} | ref {best.get(tune.REFERENCE, math.nan):8.1f}"
+            f"gpu {gpu_ratio:.2f} | ref {best.get(tuning_table.REFERENCE, math.nan):8.1f}"
             f"{' <<<' if ratio > 1.15 else ''}{' GPU<<<' if gpu_ratio > 1.15 else ''}",
             flush=True,
         )
         if args.all:
             kernel, why = dispatch.choose(args.family, dev, dt, fam.tune_bucket(**shape), shape)
-            print(f"    dispatch: {kernel.name if kernel is not None else tune.REFERENCE} ({why})")
+            print(f"    dispatch: {kernel.name if kernel is not None else tuning_table.REFERENCE} ({why})")
             for k in sorted(cands, key=cands.get):
                 print(f"    {k:48s} {best[k]:8.1f} (gpu {gpu[k]:7.1f})")
         del inputs, fns

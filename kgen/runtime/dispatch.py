@@ -8,7 +8,7 @@ For one (family, device, dtype, shape bucket), most specific first:
 3. With `KGEN_AUTOTUNE=1`, an untuned bucket is tuned on its first call (not while a CUDA
    graph is captured or torch.compile traces); without it, the winner of the nearest tuned
    bucket of the same device and dtype, if it beat spec order's first choice there clearly
-   (`tune.transfers`) and the family's optional `nearby_transfers(shape, bucket, variant)`
+   (`tuning_rules.transfers`) and the family's optional `nearby_transfers(shape, bucket, variant)`
    does not veto it for the call's shape.
 4. Spec order (nothing tuned for this device and dtype): CUDA variants whose arch runs on
    the device (exact arch before an older minor of the same major), then Triton variants;
@@ -267,7 +267,7 @@ def triton_companion(family: str, kernel: loader.Kernel, purpose: str) -> loader
 def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = None):
     """The loaded variant an op runs for one shape bucket (None: the family's reference),
     and why: "forced", "tuned", "autotuned", "tuned as <bucket>" (the family's stand-in
-    class of the same sizes, tune.stand_in), "tuned nearby (<bucket>)" (the closest tuned
+    class of the same sizes, tuning_table.stand_in), "tuned nearby (<bucket>)" (the closest tuned
     bucket of the same device and dtype, where its winner clearly beat spec order), "spec
     order", "untuned rule" (the family's `untuned_order`, in spec order's stead) or
     "fallback"; ", runner-up (...)" appended where the winner cannot take `shape` (the
@@ -277,27 +277,27 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
         return None, "fallback"
     if os.environ.get("KGEN_VARIANT") or os.environ.get("KGEN_BACKEND"):
         return select(family, device, dtype, shape=shape), "forced"
-    from kgen.runtime import tune
+    from kgen.runtime import tune, tuning_rules, tuning_table
 
-    k = tune.key(family, tune.device_key(device.index), dtype, bucket)
-    entry = tune.lookup(k)
+    k = tuning_table.key(family, tuning_table.device_key(device.index), dtype, bucket)
+    entry = tuning_table.lookup(k)
     winner, why = (entry["winner"], "tuned") if entry else (None, None)
     if winner is None and shape is not None and tune.autotune_enabled():
         winner, why = tune.tune_online(family, device, dtype, shape), "autotuned"
-        entry = tune.lookup(k)
-    if winner is None and (sk := tune.stand_in(k)) and (entry := tune.lookup(sk)):
+        entry = tuning_table.lookup(k)
+    if winner is None and (sk := tuning_table.stand_in(k)) and (entry := tuning_table.lookup(sk)):
         winner, why = entry["winner"], f"tuned as {sk.rpartition('|')[2]}"
     if winner is None:
-        near = tune.nearest(k)
-        if near is not None and tune.transfers(near[1]) and _nearby_ok(family, device, dtype, shape, near):
+        near = tuning_table.nearest(k)
+        if near is not None and tuning_rules.transfers(near[1]) and _nearby_ok(family, device, dtype, shape, near):
             entry = near[1]
             winner, why = entry["winner"], f"tuned nearby ({near[0].rpartition('|')[2]})"
     fits = fits_shape(family, shape)
-    if winner not in (None, tune.REFERENCE):
+    if winner not in (None, tuning_table.REFERENCE):
         known = {v.name: v for v in reversed(runnable(family, dtype, device))}  # a name's first listing
         if fits is not None and entry is not None:
             winner, why = _runner_up(entry, winner, why, known, fits)
-    if winner == tune.REFERENCE:
+    if winner == tuning_table.REFERENCE:
         return None, why
     if winner is not None:
         v = known.get(winner)
@@ -339,16 +339,16 @@ def _nearby_ok(family: str, device, dtype: str, shape: dict | None, near: tuple[
 
 def _runner_up(entry: dict, winner: str, why: str, known: dict, fits):
     """(winner, why) where the bucket's winner takes the call's shape; else the candidate of
-    the same entry with the least worst slowdown there (`tune.worst_slowdowns`) that does, and
+    the same entry with the least worst slowdown there (`tuning_rules.worst_slowdowns`) that does, and
     a `why` that says so. A variant built for part of a bucket's range (linear_logp's gemv
     kernel: N <= 16) would otherwise be handed shapes it cannot take, e.g. N = 24 through the
     nearby N <= 16 bucket."""
-    from kgen.runtime import tune
+    from kgen.runtime import tuning_rules, tuning_table
 
-    if winner not in known or fits(known[winner]) or not all(p.get("times_us") for p in tune.probes(entry)):
+    if winner not in known or fits(known[winner]) or not all(p.get("times_us") for p in tuning_rules.probes(entry)):
         return winner, why  # (an entry without times names no runner-up: spec order serves)
-    for name, _ in sorted(tune.worst_slowdowns(entry).items(), key=lambda kv: kv[1]):
-        if name == tune.REFERENCE or (name in known and fits(known[name])):
+    for name, _ in sorted(tuning_rules.worst_slowdowns(entry).items(), key=lambda kv: kv[1]):
+        if name == tuning_table.REFERENCE or (name in known and fits(known[name])):
             return name, f"{why}, runner-up ({winner} does not take the shape)"
     return winner, why
 

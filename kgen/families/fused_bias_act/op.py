@@ -61,17 +61,17 @@ def _key(dev: int, dtype, rows: int, cols: int, has_y: bool) -> tuple:
 # does not change which variant wins.
 TUNE_DIMS = ("rows", "cols")
 # Rows beyond the tuned ones take the nearest tuned bucket's winner however many they are
-# (every variant tiles rows alike); columns only from within two powers of two (tune.nearest).
+# (every variant tiles rows alike); columns only from within two powers of two (tuning_table.nearest).
 TUNE_FREE_DIMS = ("rows",)
-TUNE_CLASS_FALLBACK = {"vec8": "tail"}  # tune.stand_in: the entry an untuned vec8 bucket takes
+TUNE_CLASS_FALLBACK = {"vec8": "tail"}  # tuning_table.stand_in: the entry an untuned vec8 bucket takes
 TUNE_VARIATIONS = ({"has_y": True}, {"has_y": False})  # what `kgen tune --shapes` adds to each shape
 # Default shapes for `kgen tune`: rows from 1 to 32768, 16-byte-vector and tail widths from
 # ~1000 to ~800000, at most 2^27 elements; buckets between them take the nearest one's winner
-# where it won by a margin (tune.transfers), else spec order. 5000 fills the cols <= 8192
+# where it won by a margin (tuning_rules.transfers), else spec order. 5000 fills the cols <= 8192
 # vec16 buckets, which spec order served at 6000 x 5000 (bf16 no y: 0.947 of the fastest,
 # H100, BENCHMARKS.md twelfth session); the shipped tables have them from the next re-tune.
 # Three quarters of a power of two (768, 1536, 3072, 24576, 49152) is a second shape in its
-# bucket (tune.bucket_winner), where a tile sized for the bucket's top idles a quarter of
+# bucket (tuning_rules.bucket_winner), where a tile sized for the bucket's top idles a quarter of
 # its lanes: tuned at 1024 alone, 30000 x 768 fp16 ran at 0.90 of the fastest (H200,
 # BENCHMARKS.md twenty-third session). 1004 and 12340 are the `vec8` widths.
 TUNE_SHAPES = tuple({"rows": r, "cols": c, "has_y": y}
@@ -86,7 +86,7 @@ _ROW_CLASSES = ("tail", "vec8", "vec16")
 
 
 def nearby_transfers(shape: dict, bucket: str, variant) -> bool:
-    """dispatch's veto on a nearby bucket's winner (tune.nearest: columns from up to two powers
+    """dispatch's veto on a nearby bucket's winner (tuning_table.nearest: columns from up to two powers
     of two away): not a Triton row tile (order "down") whose block of columns is more than
     twice the widest of the call's bucket (the choice is cached per bucket), which idles most
     of its lanes: fp16 10778 x 164 ran the cols <= 1024 bucket's `triton_c1024_r4_w4` at 12.1

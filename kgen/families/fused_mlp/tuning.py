@@ -24,7 +24,7 @@ FAMILY = "fused_mlp"
 # power of two. The activations are not in the bucket: they are pointwise work in registers.
 TUNE_DIMS = ("B", "widths")
 # Rows beyond the tuned ones (B > 65536) take the nearest tuned bucket's winner however many
-# they are (tune.nearest): the largest tuned B's, not spec order's first (an exact CUDA
+# they are (tuning_table.nearest): the largest tuned B's, not spec order's first (an exact CUDA
 # variant, 2-7x slower than the Triton tiles from B = 16384).
 TUNE_FREE_DIMS = ("B",)
 DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
@@ -163,12 +163,13 @@ def backward_choice(device: torch.device, dtype: torch.dtype, widths: tuple, B: 
     "_pad", or "lean"): the training backward for B rows of `widths` in `dtype` (float32
     under the process's TF32 setting) on `device`: the tuning table's choice for the bucket
     or the nearest tuned one, else the default above."""
-    from kgen.runtime import tune
+    from kgen.runtime import tuning_table
 
     d = str(dtype).removeprefix("torch.")
     if device.type == "cuda":
-        k = tune.key(FAMILY, tune.device_key(device.index), d, tune_bucket(B, widths, **bucket_extras(d)))
-        got = tune.choice(k, "backward")
+        dev = tuning_table.device_key(device.index)
+        k = tuning_table.key(FAMILY, dev, d, tune_bucket(B, widths, **bucket_extras(d)))
+        got = tuning_table.choice(k, "backward")
         if got in FUSED_OPTIONS and dtype == torch.float32 and FUSED_OPTIONS[got][0] is not None:
             return option_name(None, FUSED_OPTIONS[got][1])  # (chain tiles: timed for 16-bit only)
         if got in BACKWARDS:

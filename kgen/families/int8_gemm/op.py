@@ -108,7 +108,7 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
     (plans.w8a16_prefers_reference). `fused`: never the reference; a tuned bucket's
     fastest other candidate."""
     from kgen.errors import KgenError
-    from kgen.runtime import dispatch, tune
+    from kgen.runtime import dispatch, tuning_rules, tuning_table
 
     name = str(dtype).removeprefix("torch.")
     shape = {"M": M, "N": N, "K": K, "group_size": 128 if grouped else 0}
@@ -119,9 +119,9 @@ def _choose(device, dtype, M, N, K, grouped, fused=False):
     prefer = lambda v: plans.preference(v, M, N, sms, K)  # noqa: E731
     triton = sorted(dispatch.candidates(FAMILY, name, cap, backend="triton"), key=prefer)
     if fused and kernel is None:
-        entry = tune.lookup(tune.key(FAMILY, tune.device_key(device.index), name, bucket)) or {}
+        entry = tuning_table.lookup(tuning_table.key(FAMILY, tuning_table.device_key(device.index), name, bucket)) or {}
         runnable = {v.name: v for v in dispatch.runnable(FAMILY, name, device)}
-        for winner in (n for n in (tune.ranking(entry) if entry.get("times_us") else ()) if n in runnable):
+        for winner in (n for n in (tuning_rules.ranking(entry) if entry.get("times_us") else ()) if n in runnable):
             kernel = _try_load(runnable[winner])
             if kernel is not None:
                 why = "tuned, fastest but the reference (fused epilogue)"
@@ -162,7 +162,7 @@ def _try_load(v):
 # shapes, and the best tile and split differ between them), grouped W8A16 scales apart.
 TUNE_DIMS = ("M", "N", "K")
 # Rows beyond the tuned ones (M > 4096) take the nearest tuned bucket's winner however many
-# they are (tune.nearest).
+# they are (tuning_table.nearest).
 TUNE_FREE_DIMS = ("M",)
 TUNE_SHAPES = tuple({"M": m, "N": n, "K": k}
                     for n, k in ((4096, 11008), (12288, 4096), (22016, 4096), (4096, 4096), (65536, 4096))

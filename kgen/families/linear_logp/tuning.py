@@ -17,7 +17,7 @@ from kgen.families.linear_logp.reference import reference
 # not in the bucket: they add O(N + V) work that every variant does alike.
 TUNE_DIMS = ("N", "D", "V")
 # Rows beyond the tuned ones (N > 4096) take the nearest tuned bucket's winner however many
-# they are: every variant tiles N alike (tune.nearest).
+# they are: every variant tiles N alike (tuning_table.nearest).
 TUNE_FREE_DIMS = ("N",)
 TUNE_SHAPES = tuple({"N": n, "D": d, "V": v}
                     for d, v in ((2048, 151936), (4096, 128256), (1024, 32000), (3000, 50257))

@@ -145,7 +145,7 @@ NARROW_TILE_WORK, NARROW_K = 1 << 26, 16
 FEW_PROGRAMS, FEW_PROGRAMS_K = (128, 32), 128
 
 
-# A nearby bucket's tuned winner (tune.nearest) serves B > 16 only along rows beyond the
+# A nearby bucket's tuned winner (tuning_table.nearest) serves B > 16 only along rows beyond the
 # tuned ones (B > TUNED_ROWS, the same N and K classes); elsewhere `_by_batch` does. H200,
 # float32 and bf16, B = 100 to 200, N = 300 to 2500, K = 545 and 1024 (BENCHMARKS.md
 # thirty-ninth session): the nearby N <= 1024, K <= 1024, B <= 256 winner (a 64- or 128-row
@@ -202,7 +202,7 @@ def _by_batch(variants, B: int, N: int, K: int):
 # small-batch forms up to 16, tl.dot tiles beyond).
 TUNE_DIMS = ("B", "N", "K")
 # Rows beyond the tuned ones (B > 256) take the nearest tuned bucket's winner however many
-# they are (tune.nearest).
+# they are (tuning_table.nearest).
 TUNE_FREE_DIMS = ("B",)
 TUNE_SHAPES = tuple({"B": b, "N": n, "K": k} for n, k in ((4096, 4096), (1024, 1024), (512, 512))
                     for b in (1, 2, 4, 8, 16, 64, 256))

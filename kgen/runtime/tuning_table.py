@@ -1,0 +1,229 @@
+"""Tuning tables: the keys, the tables on disk and what dispatch reads from them.
+
+A key is `family|device|dtype|bucket`: the device by name, compute capability and SM count
+(`NVIDIA H100 80GB HBM3|sm_90|132`), the bucket by the family's `tune_bucket`. Tables, most
+trusted first: the user's (`<cache dir>/tuning.json`, written by `kgen tune` and by online
+tuning), then the ones kgen ships (`kgen/tuning/*.json`, made by `kgen tune` on the named
+GPUs and reviewed like `generated/`). A file that is not a table of this format is ignored
+with one warning. Writes take the cache's per-file lock, re-read the file, merge
+(tuning_rules.merged_entry) and replace it atomically, so concurrent tuners never corrupt
+it. Entries are read once per process (`TABLES`) and again after this process records one.
+What an entry holds, and how it is measured: kgen.runtime.tune."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import threading
+from pathlib import Path
+
+from kgen import config
+from kgen.runtime.tuning_rules import merged_entry
+
+log = logging.getLogger("kgen")
+FORMAT = "kgen-tuning-1"
+REFERENCE = "reference"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "tuning"
+USER_FILE = "tuning.json"
+# A nearby bucket's winner carries over (see tuning_rules.transfers) only from within this
+# many powers of two, summed over the bucket's classes but those the family names in
+# TUNE_FREE_DIMS (rows that every variant tiles alike, beyond the tuned ones): a tile chosen for 1000 columns wastes most of its work on 59
+# (fused_bias_act 17527 x 59 fp16 on an H200 took 25 us of GPU time with the winner of
+# cols <= 1024 against 3.1 for spec order's choice; BENCHMARKS.md, twenty-second session)
+NEAR_MAX_DISTANCE = 2
+
+
+# --------------------------------------------------------------------------- keys
+
+
+@functools.cache
+def device_key(index: int) -> str:
+    import torch
+
+    p = torch.cuda.get_device_properties(index)
+    return f"{p.name}|sm_{p.major}{p.minor}|{p.multi_processor_count}"
+
+
+def key(family: str, device: str, dtype: str, bucket: str) -> str:
+    return f"{family}|{device}|{dtype}|{bucket}"
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): a shape class."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def read_table(path: Path) -> dict:
+    """The entries of one table file; {} (with one warning) when absent, corrupt or foreign."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        _warn_once(path, f"cannot read it ({e})")
+        return {}
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("entries"), dict):
+        _warn_once(path, f"not a kgen tuning table of format {FORMAT}")
+        return {}
+    return {k: v for k, v in raw["entries"].items()
+            if isinstance(v, dict) and isinstance(v.get("winner"), str)}
+
+
+_warned: set = set()
+
+
+def _warn_once(path: Path, why: str) -> None:
+    if str(path) not in _warned:
+        _warned.add(str(path))
+        log.warning("kgen: ignoring tuning table %s: %s", path, why)
+
+
+def user_path() -> Path:
+    return config.cache_dir() / USER_FILE
+
+
+@functools.cache
+def _shipped() -> dict:
+    entries: dict = {}
+    for f in sorted(SHIPPED_DIR.glob("*.json")):
+        entries.update(read_table(f))
+    return entries
+
+
+class _Tables:
+    """Entries of the user's table over the shipped ones, read once per process (and again
+    after this process records a result)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._merged: dict | None = None
+
+    def entries(self) -> dict:
+        if self._merged is None:
+            with self._lock:
+                if self._merged is None:
+                    self._merged = {**_shipped(), **read_table(user_path())}
+        return self._merged
+
+    def invalidate(self) -> None:
+        self._merged = None
+
+
+TABLES = _Tables()
+
+
+def lookup(k: str) -> dict | None:
+    return TABLES.entries().get(k)
+
+
+def choice(k: str, name: str) -> str | None:
+    """The option a table holds for choice `name` (see `tune_choices`) in key `k`'s bucket, or
+    in the nearest tuned one (`nearest`); None where neither was tuned with that choice."""
+    e = lookup(k)
+    if e is None:
+        near = nearest(k)
+        e = near[1] if near else None
+    return (e or {}).get("choices", {}).get(name)
+
+
+def _parts(bucket: str) -> tuple[dict, tuple]:
+    """A bucket string's numeric classes (`rows<=1024` -> {"rows": 10.0}, log2) and its
+    other parts (flags such as `vec16`), which must match exactly."""
+    nums, flags = {}, []
+    for part in bucket.split("."):
+        name, sep, value = part.partition("<=")
+        if sep and value.isdigit():
+            nums[name] = math.log2(max(1, int(value)))
+        else:
+            flags.append(part)
+    return nums, tuple(flags)
+
+
+def _family_attr(family: str, name: str, default):
+    """A family module's optional attribute (`default` for none, or a family that does not load)."""
+    from kgen.errors import KgenError
+    from kgen.families import module_of
+
+    try:
+        return getattr(module_of(family), name, default)
+    except KgenError:
+        return default
+
+
+def _free_dims(family: str) -> tuple:
+    """The family's TUNE_FREE_DIMS (bucket classes a nearby winner carries across at any
+    distance), () for none."""
+    return tuple(_family_attr(family, "TUNE_FREE_DIMS", ()))
+
+
+def stand_in(k: str) -> str | None:
+    """Key `k` with each bucket flag the family maps in `TUNE_CLASS_FALLBACK` ({flag:
+    stand-in}) replaced, None where it maps none: the entry dispatch takes for a bucket
+    nobody tuned (fused_bias_act's `vec8` rows take the `tail` entry of the same sizes,
+    whose winner runs them at least as fast)."""
+    prefix, _, bucket = k.rpartition("|")
+    other = ".".join(_stand_in_parts(prefix.partition("|")[0], bucket.split(".")))
+    return f"{prefix}|{other}" if other != bucket else None
+
+
+def _stand_in_parts(family: str, parts) -> tuple:
+    mapping = _family_attr(family, "TUNE_CLASS_FALLBACK", {})
+    return tuple(mapping.get(p, p) for p in parts)
+
+
+def nearest(k: str) -> tuple[str, dict] | None:
+    """The tuned entry closest to key `k` on the same family, device and dtype: same flags,
+    smallest summed distance of the numeric classes in powers of two, at most
+    NEAR_MAX_DISTANCE over the classes the family does not name free (`TUNE_FREE_DIMS`).
+    How a shape between the tuned ones is served; None when nothing comparable is tuned
+    that near. Where nothing of its flags is, those of its `stand_in` are searched."""
+    prefix, _, bucket = k.rpartition("|")
+    nums, flags = _parts(bucket)
+    family = prefix.partition("|")[0]
+    free = _free_dims(family)
+    for want in dict.fromkeys((flags, _stand_in_parts(family, flags))):  # its own flags, then the stand-in's
+        best = None
+        for other, entry in TABLES.entries().items():
+            o_prefix, _, o_bucket = other.rpartition("|")
+            if o_prefix != prefix:
+                continue
+            o_nums, o_flags = _parts(o_bucket)
+            if o_flags != want or o_nums.keys() != nums.keys():
+                continue
+            d = sum(abs(nums[n] - o_nums[n]) for n in nums)
+            bounded = sum(abs(nums[n] - o_nums[n]) for n in nums if n not in free)
+            if bounded <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
+                best = ((d, other), entry)
+        if best:
+            return best[0][1], best[1]
+    return None
+
+
+def record(entries: dict, path: Path | None = None, replace: bool = False) -> Path:
+    """Merge `entries` into the table at `path` (default: the user's) atomically. An entry
+    measured at a shape (its "shape") joins the table's entry for the same bucket as one more
+    probe where that one was measured at other shapes over the same candidates (`merged`);
+    otherwise, or with `replace`, it replaces it."""
+    import hashlib
+
+    from kgen.runtime import cache
+
+    path = (path or user_path()).absolute()
+    # the lock lives in the cache dir (created 0700), never beside a shipped table
+    lock = cache.root() / ".locks" / f"tuning-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with cache.lock(lock):
+        merged = read_table(path)
+        for k, e in entries.items():
+            merged[k] = e if replace or k not in merged else merged_entry(merged[k], e)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": FORMAT, "entries": dict(sorted(merged.items()))}, indent=1) + "\n")
+        os.replace(tmp, path)
+    TABLES.invalidate()
+    return path
