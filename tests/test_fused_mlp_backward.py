@@ -37,12 +37,23 @@ def poisoned(monkeypatch):
     monkeypatch.setattr(fb, "_empty", empty)
 
 
+def _pre_activations(x, ws, bs, acts):
+    """Each layer's z as a kernel's forward saves it (the eager composition's roundings;
+    eager(save=True) keeps a ReLU layer's output instead)."""
+    h, zs = x, []
+    for i, (w, b) in enumerate(zip(ws, bs)):
+        a = ref.layer_act(i, len(ws), *acts)
+        zs.append(torch.nn.functional.linear(h, w, b))
+        h = ref.act(zs[-1], a) if a != "none" else zs[-1]
+    return zs
+
+
 def _case(widths, B, acts, dtype, bias=True, seed=0, device="cpu"):
-    """Inputs, the forward's saved zs (the eager composition's: the same roundings as the
-    kernels'), and an upstream gradient."""
+    """Inputs, the forward's saved zs (a kernel's: z, negative entries and all, with the
+    eager composition's roundings), and an upstream gradient."""
     x, ws, bs = fm.make_inputs(device, dtype, B, widths, seed=seed, bias=bias)
     L = len(ws)
-    _, zs = ref.eager(x, ws, bs, *acts, save=True)
+    zs = _pre_activations(x, ws, bs, acts)
     zs = [z if i < L - 1 or acts[1] != "none" else None for i, z in enumerate(zs)]
     g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     return x, ws, bs, zs, g
@@ -823,3 +834,37 @@ def test_tf32_backward_one_wide_layers_in_float32(tf32, widths, B, acts):
         want = _float64(x, ws, bs, acts, g)
         errs = [float((a.double() - r).abs().max() / r.abs().max()) for a, r in zip([gx, *gws, *gbs], want)]
         assert all(e < 1e-5 for e in errs) if expect_full else max(errs) > 2e-5, (w, errs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("acts", [("relu", "sigmoid"), ("relu", "relu"), ("gelu", "relu")], ids="/".join)
+def test_relu_outputs_saved_by_eager_serve_every_backward_as_z_does(monkeypatch, dtype, acts):
+    """eager(save=True) keeps a ReLU layer's output relu(z) where a kernel keeps z (x with
+    negative entries: many z < 0). From either, backward_lean, reference.backward and the
+    fused backward give bitwise the same gradients; with `outputs`, backward_lean takes a
+    ReLU layer's entry as the next layer's input instead of recomputing relu(z)."""
+    widths, B = (13, 37, 20, 5), 33
+    x, ws, bs = fm.make_inputs("cpu", dtype, B, widths, seed=3)
+    g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(4)).to(dtype)
+    zs = _pre_activations(x, ws, bs, acts)
+    out, kept = ref.eager(x, ws, bs, *acts, save=True)
+    for i, (z, k) in enumerate(zip(zs, kept)):
+        a = ref.layer_act(i, len(ws), *acts)
+        assert torch.equal(k, torch.relu(z) if a == "relu" else z)
+        assert a != "relu" or bool((z < 0).any())  # (the two differ)
+    hb, needs = [True] * 3, (True,) * 7
+    flat = lambda r: [r[0], *r[1], *r[2]]  # noqa: E731
+    want = flat(ref.backward_lean(g, x, ws, hb, zs, *acts, needs))
+    calls = []
+    real_act = ref.act
+    monkeypatch.setattr(ref, "act", lambda z, name: calls.append(name) or real_act(z, name))
+    got = flat(ref.backward_lean(g, x, ws, hb, kept, *acts, needs, outputs=True))
+    assert "relu" not in calls and (acts[0] != "gelu" or calls)  # gelu's input is still recomputed
+    monkeypatch.setattr(ref, "act", real_act)
+    for k, (w, gt) in enumerate(zip(want, got)):
+        assert torch.equal(w, gt), k
+    for f in (lambda s: ref.backward_lean(g, x, ws, hb, s, *acts, needs),
+              lambda s: ref.backward(g, x, ws, bs, s, *acts),
+              lambda s: fb.backward(g, x, ws, hb, s, *acts, needs)):
+        from_z, from_kept = flat(f(zs)), flat(f(kept))
+        assert all(torch.equal(a, b) for a, b in zip(from_z, from_kept))

@@ -253,7 +253,7 @@ def backward(mod, grad, x, weights, biases, activation: str, last_activation: st
     if lean:
         L = len(weights)
         return backward_lean(grad, x, weights, [b is not None for b in biases], zs, activation, last_activation,
-                             (need_x,) + (True,) * (2 * L))
+                             (need_x,) + (True,) * (2 * L), outputs=mod is None)
     return torch_backward(grad, x, weights, biases, zs, activation, last_activation, need_x)
 
 

@@ -19,14 +19,17 @@ def layer_act(i: int, n_layers: int, activation: str, last_activation: str) -> s
 def eager(x, weights, biases, activation: str, last_activation: str, save: bool = False):
     """The eager composition in x's dtype: F.linear (float32 accumulation, one rounding)
     then the activation (float32 inside, one rounding), layer by layer. Returns (out, zs)
-    with zs the pre-activations the backward needs when `save` (else [])."""
+    with zs what the backward needs when `save` (else []): each layer's pre-activation z,
+    but a ReLU layer's output relu(z) (as eager autograd keeps it), which every backward
+    here takes in z's place (relu(relu(z)) = relu(z), and relu(z) <= 0 exactly where z <= 0)
+    and backward_lean (`outputs`) uses as the next layer's input without recomputing it."""
     h, zs, L = x, [], len(weights)
     for i, (w, b) in enumerate(zip(weights, biases)):
         z = F.linear(h, w, b)
         a = layer_act(i, L, activation, last_activation)
-        if save:
-            zs.append(z)
         h = act(z, a) if a != "none" else z
+        if save:
+            zs.append(h if a == "relu" else z)
     return h, zs
 
 
@@ -90,13 +93,16 @@ def dz_lean(g: torch.Tensor, z: torch.Tensor, name: str) -> torch.Tensor:
     return g
 
 
-def backward_lean(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs):
+def backward_lean(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs,
+                  outputs: bool = False):
     """`backward`'s gradients with fewer torch calls (per layer: the activation's backward,
     its input h = act(z) of the layer before, dz.T @ h, dz's column sum, dz @ W; 4 to 5
     calls for ReLU) and only those asked for: `needs` = (x, weight per layer, bias per
     layer) booleans. Returns (grad_x or None, [grad_w or None], [grad_b or None]); 2-D x and
     grad. The bias gradient is dz.sum(0): PyTorch sums 16-bit tensors in float32 and rounds
-    once, as `backward`'s explicit float32 sum."""
+    once, as `backward`'s explicit float32 sum. `outputs`: zs came from `eager(save=True)`,
+    whose ReLU layers' entries are their outputs, so h is that entry itself (a kernel's
+    save holds z: relu(z) is recomputed, one pass over B x width a layer)."""
     L = len(weights)
     need_x, need_w, need_b = needs[0], needs[1:1 + L], needs[1 + L:]
     lowest = 0 if need_x else min((i for i in range(L) if need_w[i] or (has_bias[i] and need_b[i])), default=L)
@@ -106,10 +112,12 @@ def backward_lean(grad, x, weights, has_bias, zs, activation: str, last_activati
         a = last_activation if i == L - 1 else activation
         dz = dz_lean(g, zs[i], a) if a != "none" else g
         if need_w[i]:
-            if i > 0:
-                h = act(zs[i - 1], activation) if activation != "none" else zs[i - 1]
-            else:
+            if i == 0:
                 h = x
+            elif activation == "none" or (outputs and activation == "relu"):
+                h = zs[i - 1]
+            else:
+                h = act(zs[i - 1], activation)
             gws[i] = torch.mm(dz.t(), h)
         if has_bias[i] and need_b[i]:
             gbs[i] = dz.sum(0)
