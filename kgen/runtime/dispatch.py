@@ -3,7 +3,7 @@
 For one (family, device, dtype, shape bucket), most specific first:
 1. `KGEN_VARIANT=<name>` forces one variant (benchmarks, bisecting); `KGEN_BACKEND=
    cuda|triton|reference` one backend.
-2. The tuning table (`kgen.runtime.tune`): the measured winner for the bucket on this
+2. The tuning table (`kgen.runtime.tuning_table`): the measured winner for the bucket on this
    device — a variant, or `reference` when the family's PyTorch path was fastest.
 3. With `KGEN_AUTOTUNE=1`, an untuned bucket is tuned on its first call (not while a CUDA
    graph is captured or torch.compile traces); without it, the winner of the nearest tuned

@@ -1,6 +1,6 @@
 """The tuner's timer: one call of a function as a stream of back-to-back calls runs it, the
 larger of its GPU time and its host (launch) time (`cuda_timer`), carrying the GPU part
-(`Timing`) that breaks ties between host-bound candidates (kgen.runtime.tune.pick)."""
+(`Timing`) that breaks ties between host-bound candidates (kgen.runtime.tuning_rules.pick)."""
 
 from __future__ import annotations
 
