@@ -847,7 +847,7 @@ def test_relu_outputs_saved_by_eager_serve_every_backward_as_z_does(monkeypatch,
     x, ws, bs = fm.make_inputs("cpu", dtype, B, widths, seed=3)
     g = torch.randn(B, widths[-1], generator=torch.Generator().manual_seed(4)).to(dtype)
     zs = _pre_activations(x, ws, bs, acts)
-    out, kept = ref.eager(x, ws, bs, *acts, save=True)
+    _, kept = ref.eager(x, ws, bs, *acts, save=True)
     for i, (z, k) in enumerate(zip(zs, kept)):
         a = ref.layer_act(i, len(ws), *acts)
         assert torch.equal(k, torch.relu(z) if a == "relu" else z)

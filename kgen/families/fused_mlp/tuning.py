@@ -220,8 +220,10 @@ def agrees(got, want, dtype, name: str = "") -> bool:
 def tune_choices(inputs: dict) -> dict:
     """{"backward": {option: one backward of every gradient}} on CUDA inputs: the fused Triton
     kernels (first: the default), for 16-bit dtypes also with CHAIN_OPTIONS' chain tiles, each
-    also with `pad` where it changes anything, and backward_lean, on the pre-activations of one
-    eager forward and a random upstream gradient. A fused option is left out where its kernels
+    also with `pad` where it changes anything, and backward_lean, on what one eager forward
+    keeps (reference.eager: z, a ReLU layer's output) and a random upstream gradient;
+    backward_lean timed recomputing each hidden input, as it runs after a kernel's forward
+    (after the eager composition's it skips the ReLU recompute: `outputs`). A fused option is left out where its kernels
     do not build or take the call (its plan returns None), where its first call's gradients
     disagree with backward_lean's (`agrees`: a miscompiled kernel is never chosen), or
     KGEN_FUSED_MLP_FUSED_BWD=0."""
