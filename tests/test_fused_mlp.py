@@ -178,9 +178,10 @@ def test_float32_one_wide_layers_keep_float32_accuracy_with_tf32_on(kind):
     is computed to float32's accuracy, as torch.matmul's cuBLAS kernels compute it at every
     B; the others (37 -> 70, 40 -> 5) in TF32, as cuBLAS's usually are. The exact plan has
     all three forms: an absorbed dot (70 -> 1), a whole register tile's dot (1 -> 40), its
-    row reductions (5 -> 1). Each saved z against a float64 layer on kgen's own input to it
-    (the ReLU of the z before): a float32 sum of <= 70 products is within 1e-5 of the largest
-    |z|; a TF32 one is ~1e-4 off (10-bit mantissa operands), as the one-wide layers were."""
+    row reductions (5 -> 1). Each saved entry (a ReLU layer's output relu(z)) against a
+    float64 layer on kgen's own input to it (the entry before), ReLU'd alike: a
+    float32 sum of <= 70 products is within 1e-5 of the largest |z|; a TF32 one is ~1e-4 off
+    (10-bit mantissa operands), as the one-wide layers were (ReLU is 1-Lipschitz)."""
     widths = (37, 70, 1, 40, 5, 1)
     mod = dispatch.load(_user_variant(widths)).module if kind == "exact" else _module("triton_mw4096_m32_k64_w4_f32")
     x, ws, bs = fm.make_inputs("cpu", torch.float32, 131, widths, seed=7)
@@ -192,13 +193,14 @@ def test_float32_one_wide_layers_keep_float32_accuracy_with_tf32_on(kind):
         torch.backends.cuda.matmul.allow_tf32 = saved
     errs = []
     for i, (w, b, z) in enumerate(zip(ws, bs, zs)):
-        h = x if i == 0 else torch.relu(zs[i - 1])
+        h = x if i == 0 else zs[i - 1]
         ref = torch.nn.functional.linear(h.double(), w.double(), b.double())
-        errs.append(float((z.double() - ref).abs().max() / ref.abs().max()))
+        kept = torch.relu(ref)
+        errs.append(float((z.double() - kept).abs().max() / ref.abs().max()))
     full = [min(widths[i], widths[i + 1]) <= fm.schema.TF32_FULL_MAX for i in range(len(ws))]
     assert full == [False, True, True, False, True]
     assert all((e <= 1e-5) == f for e, f in zip(errs, full)), errs
-    torch.testing.assert_close(out, torch.relu(zs[-1]), rtol=0, atol=0)
+    torch.testing.assert_close(out, zs[-1], rtol=0, atol=0)
 
 
 def test_exact_plan_bf16_scratch_and_save():
@@ -285,7 +287,8 @@ from kgen.families.fused_mlp import schema
 from kgen.runtime import build, dispatch, toolchain
 
 config.pin_triton_defaults()
-variants = [v for v in dispatch.shipped_spec("fused_mlp").variants if v.params["widths"] and v.backend == "triton"]
+variants = [v for v in dispatch.shipped_spec("fused_mlp").variants
+            if v.backend == "triton" and bool(v.params["widths"]) != (sys.argv[2:] == ["generic"])]
 for w in json.loads(sys.argv[1]):
     variants += spec.parse("family: fused_mlp\\nvariants:\\n  - backend: triton\\n    widths: %s\\n    block_m: 16\\n"
                            "    block_k: 64\\n    num_warps: 4\\n    dtypes: [float32]\\n" % w).variants
@@ -299,6 +302,29 @@ for v in variants:
         print(json.dumps({"name": v.name, "kernel": fn.__name__, "precision": const.get("PRECISION"), **usage,
                           "shared": int(c.metadata.shared)}))
 """
+
+
+def test_generic_variants_compile_without_spills():
+    """Every shipped generic variant compiles ahead of time for sm_90 at the DLRM bottom
+    MLP's widths (schema.triton_aot), each dtype, with no spills: the interpreter runs
+    kernels Triton's compiler refuses. (Not every version's refusals: Triton 3.6 made
+    `tl.maximum(bf16 z, 0.0)` float32, and refused an `if` that redefined z with it, where
+    3.9 keeps bf16; the GPU tests under 3.6 caught that one.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    generic = {v.name for v in SPEC.variants if not v.params["widths"] and v.backend == "triton"}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, "[]", "generic"], capture_output=True, text=True, env=env,
+                       cwd=root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    kernels = [row for row in rows if row["kernel"] == "fused_mlp_fwd_kernel"]
+    assert {row["name"] for row in kernels} == generic and len(kernels) == len(generic)
+    assert all(row["local"] == 0 and row["shared"] <= 227 * 1024 for row in rows), rows
 
 
 def test_exact_variants_compile_without_stack_or_spills():
@@ -338,6 +364,47 @@ def test_exact_variants_compile_without_stack_or_spills():
     for row in rows:  # a user's plans at 16-row tiles may keep a few bytes of stack (8 B seen)
         assert row["local"] == 0 and row["shared"] <= 227 * 1024, row
         assert row["stack"] == 0 or row["name"] not in exact, row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["exact", "generic"])
+def test_forward_save_keeps_a_relu_layers_output(kind, dtype):
+    """With `save`, a kernel keeps a ReLU layer's output relu(z) in z's place, as the eager
+    composition does (reference.eager; the backward's next-layer input and dz mask), and z
+    for other activations (x with negative entries: many z < 0).
+    Each entry against eager's (float32: 1e-5, other summation orders; bf16: one ulp where
+    an interpreted float32 sum rounds the other way); a ReLU entry is never negative, a NaN
+    stays NaN (max.NaN, as torch.relu). backward_lean takes the kernel's entries as outputs
+    (`outputs`) with bitwise the gradients it gives recomputing relu from them."""
+    import sys
+
+    fmref = sys.modules["kgen.families.fused_mlp.reference"]  # (the package exports a function of that name)
+    widths = (19, 37, 20, 5)
+    name = {torch.float32: "triton_mw4096_m32_k64_w4_f32", torch.bfloat16: "triton_mw4096_m32_k64_w4_bf16"}[dtype]
+    mod = dispatch.load(_user_variant(widths, str(dtype).split(".")[1])).module if kind == "exact" else _module(name)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2 ** -7}[dtype]
+    for acts in (("relu", "sigmoid"), ("relu", "relu"), ("silu", "none")):
+        x, ws, bs = fm.make_inputs("cpu", dtype, 45, widths, seed=11)
+        x[3, 0] = float("nan")  # row 3's every z NaN
+        out, zs = fm.forward(mod, x, ws, bs, *acts, save=True)
+        ref_out, ref_zs = fm.eager(x, ws, bs, *acts, save=True)
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol, equal_nan=True)
+        for i, (z, r) in enumerate(zip(zs, ref_zs)):
+            if z is None:  # (only where the backward needs none: the last layer, no activation)
+                assert i == len(ws) - 1 and acts[1] == "none"
+                continue
+            torch.testing.assert_close(z, r, rtol=tol, atol=tol, equal_nan=True)
+            assert bool(z[3].isnan().all())
+            relu = fmref.layer_act(i, len(ws), *acts) == "relu"
+            assert bool((z.nan_to_num() < 0).any()) != relu, (acts, i)
+        # the gradients of the rows after the NaN one
+        g = torch.randn(41, widths[-1], generator=torch.Generator().manual_seed(2)).to(dtype)
+        rest = [None if z is None else z[4:] for z in zs]
+        needs = (True,) * 7
+        flat = lambda r: [r[0], *r[1], *r[2]]  # noqa: E731
+        kept = flat(fmref.backward_lean(g, x[4:], ws, [True] * 3, rest, *acts, needs, outputs=True))
+        recomputed = flat(fmref.backward_lean(g, x[4:], ws, [True] * 3, rest, *acts, needs))
+        assert all(torch.equal(a, b) for a, b in zip(kept, recomputed))
 
 
 def test_generic_partial_biases_and_save():

@@ -38,8 +38,10 @@ def poisoned(monkeypatch):
 
 
 def _pre_activations(x, ws, bs, acts):
-    """Each layer's z as a kernel's forward saves it (the eager composition's roundings;
-    eager(save=True) keeps a ReLU layer's output instead)."""
+    """Each layer's z, negative entries and all (the eager composition's roundings): every
+    backward takes it in place of what the forwards keep, a ReLU layer's output relu(z)
+    (test_relu_outputs_saved_by_eager_serve_every_backward_as_z_does), and here it is the
+    harder input (the ReLU masks come from z's signs)."""
     h, zs = x, []
     for i, (w, b) in enumerate(zip(ws, bs)):
         a = ref.layer_act(i, len(ws), *acts)
@@ -49,8 +51,8 @@ def _pre_activations(x, ws, bs, acts):
 
 
 def _case(widths, B, acts, dtype, bias=True, seed=0, device="cpu"):
-    """Inputs, the forward's saved zs (a kernel's: z, negative entries and all, with the
-    eager composition's roundings), and an upstream gradient."""
+    """Inputs, the saved zs (_pre_activations: z, negative entries and all, with the eager
+    composition's roundings), and an upstream gradient."""
     x, ws, bs = fm.make_inputs(device, dtype, B, widths, seed=seed, bias=bias)
     L = len(ws)
     zs = _pre_activations(x, ws, bs, acts)
@@ -839,8 +841,9 @@ def test_tf32_backward_one_wide_layers_in_float32(tf32, widths, B, acts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("acts", [("relu", "sigmoid"), ("relu", "relu"), ("gelu", "relu")], ids="/".join)
 def test_relu_outputs_saved_by_eager_serve_every_backward_as_z_does(monkeypatch, dtype, acts):
-    """eager(save=True) keeps a ReLU layer's output relu(z) where a kernel keeps z (x with
-    negative entries: many z < 0). From either, backward_lean, reference.backward and the
+    """eager(save=True) keeps a ReLU layer's output relu(z), as a kernel's forward does
+    (test_forward_save_keeps_a_relu_layers_output), in z's place (x with negative entries:
+    many z < 0). From either, backward_lean, reference.backward and the
     fused backward give bitwise the same gradients; with `outputs`, backward_lean takes a
     ReLU layer's entry as the next layer's input instead of recomputing relu(z)."""
     widths, B = (13, 37, 20, 5), 33

@@ -490,3 +490,31 @@ def test_a_device_function_called_outside_a_launch_leaves_triton_compilable():
     assert tl.core.mul is mul
     compiled = _aot(_SIG, {"FLAG": True, "BLOCK": 128, "one": 1})
     assert compiled.metadata.name
+
+
+@triton.jit
+def _bf16_elementwise(x_ptr, y_ptr, relu_ptr, gt_ptr, fma_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x, y = tl.load(x_ptr + i), tl.load(y_ptr + i)
+    tl.store(relu_ptr + i, tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL))
+    tl.store(gt_ptr + i, (x > y).to(tl.int8))
+    tl.store(fma_ptr + i, x * y + x)
+
+
+@pytest.mark.skipif(not interpret.active(), reason="the interpreter's bf16: only where kernels are interpreted")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_interpreted_bf16_elementwise_ops_compute_on_values(dtype):
+    """Under the interpreter, bf16 max, comparisons and arithmetic work on the values
+    (kgen.runtime.interpret), not on the uint16 bit patterns Triton 3.9's interpreter holds
+    them as (where -1.5 > 2 and relu(-7) = -7): each bitwise equal to PyTorch's own, which
+    rounds every bf16 op's result to nearest even as the GPU does; NaN, -inf, +-0 among the
+    inputs. float16 (numpy's own float16) alike."""
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(64, generator=g).to(dtype), torch.randn(64, generator=g).to(dtype)
+    x[:5] = torch.tensor([float("nan"), -0.0, float("-inf"), float("inf"), -7.0])
+    relu, fma = torch.empty_like(x), torch.empty_like(x)
+    gt = torch.empty(64, dtype=torch.int8)
+    _bf16_elementwise[(1,)](x, y, relu, gt, fma, N=64)
+    assert torch.equal(relu.nan_to_num(), torch.relu(x).nan_to_num()) and bool(relu[0].isnan())
+    assert torch.equal(gt.bool(), x > y)
+    assert torch.equal(fma.nan_to_num(), (x * y + x).nan_to_num())

@@ -10,8 +10,9 @@
 #
 # Each program owns BLOCK_M rows and runs every layer on them: y = h @ W.T (tl.dot, float32
 # accumulator) + bias in float32, z = y rounded to the input dtype (written out when `save`
-# asks, for the backward), h = act(z) in float32 rounded to the input dtype -- eager PyTorch's rounding
-# (F.linear's output, then the activation's). Widths not a multiple of a chunk are padded
+# asks, for the backward: a ReLU layer's output relu(z) in z's place), h = act(z) in float32
+# rounded to the input dtype -- eager PyTorch's rounding (F.linear's output, then the
+# activation's). Widths not a multiple of a chunk are padded
 # to a power of two >= 16 with masked loads; padded columns of h are zero.
 # Exact variant for widths 367-512-256-1: the widths, tile shapes and masks are fixed
 # here, the loops over output columns are Triton loops (tl.range), not unrolled (unrolling
@@ -162,7 +163,8 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
                          B, bias_mask, act, last_act, save,
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr):
     # bias_mask: bit i set when layer i has a bias; act, last_act: activation codes; save:
-    # bit 0 writes every hidden layer's z, bit 1 the last layer's (the backward's inputs).
+    # bit 0 writes every hidden layer's z (a ReLU layer's relu(z)), bit 1 the last layer's (the
+    # backward's inputs).
     # Runtime values, not constexprs: one compile serves every activation and bias choice.
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < B
@@ -182,7 +184,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
         z0 = acc0.to(DTYPE)
         om0 = rmask[:, None]
         if save & 1:
-            tl.store(z0_ptr + rows[:, None] * 512 + nc0[None, :], z0, mask=om0)
+            if act == ACT_RELU:  # a ReLU layer's output relu(z): the backward's dz mask and next input
+                tl.store(z0_ptr + rows[:, None] * 512 + nc0[None, :], tl.maximum(z0, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=om0)
+            else:
+                tl.store(z0_ptr + rows[:, None] * 512 + nc0[None, :], z0, mask=om0)
         hc0 = activate_runtime(z0.to(tl.float32), act).to(DTYPE)
 
         w1 = tl.load(w1_ptr + nc1[None, :] * 512 + nc0[:, None])
@@ -193,7 +198,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
     z1 = acc1.to(DTYPE)
     om1 = rmask[:, None]
     if save & 1:
-        tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], z1, mask=om1)
+        if act == ACT_RELU:  # a ReLU layer's output relu(z): the backward's dz mask and next input
+            tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], tl.maximum(z1, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=om1)
+        else:
+            tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], z1, mask=om1)
     h2 = activate_runtime(z1.to(tl.float32), act).to(DTYPE)
 
     # layer 2: 256 -> 1 on the register tile h2, each output column a float32 row
@@ -209,7 +217,10 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
     z2 = acc2.to(DTYPE)
     om2 = rmask[:, None] & (nc2[None, :] < 1)
     if save & 2:
-        tl.store(z2_ptr + rows[:, None] * 1 + nc2[None, :], z2, mask=om2)
+        if last_act == ACT_RELU:  # a ReLU layer's output relu(z): the backward's dz mask and next input
+            tl.store(z2_ptr + rows[:, None] * 1 + nc2[None, :], tl.maximum(z2, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=om2)
+        else:
+            tl.store(z2_ptr + rows[:, None] * 1 + nc2[None, :], z2, mask=om2)
     tl.store(out_ptr + rows[:, None] * 1 + nc2[None, :], activate_runtime(z2.to(tl.float32), last_act).to(DTYPE), mask=om2)
 
 
@@ -238,7 +249,10 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
         z0 = acc0.to(DTYPE)
         om0 = rmask[:, None]
         if save & 1:
-            tl.store(z0_ptr + rows[:, None] * 512 + nc0[None, :], z0, mask=om0)
+            if act == ACT_RELU:  # a ReLU layer's output relu(z): the backward's dz mask and next input
+                tl.store(z0_ptr + rows[:, None] * 512 + nc0[None, :], tl.maximum(z0, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=om0)
+            else:
+                tl.store(z0_ptr + rows[:, None] * 512 + nc0[None, :], z0, mask=om0)
         hc0 = activate_runtime(z0.to(tl.float32), act).to(DTYPE)
 
         tl.store(s0_ptr + rows[:, None] * 512 + nc0[None, :], hc0, mask=om0)
@@ -260,7 +274,10 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
         z1 = acc1.to(DTYPE)
         om1 = rmask[:, None]
         if save & 1:
-            tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], z1, mask=om1)
+            if act == ACT_RELU:  # a ReLU layer's output relu(z): the backward's dz mask and next input
+                tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], tl.maximum(z1, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=om1)
+            else:
+                tl.store(z1_ptr + rows[:, None] * 256 + nc1[None, :], z1, mask=om1)
         hc1 = activate_runtime(z1.to(tl.float32), act).to(DTYPE)
 
         w2 = tl.load(w2_ptr + nc2[None, :] * 256 + nc1[:, None], mask=(nc2[None, :] < 1), other=0.0)
@@ -271,6 +288,9 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
     z2 = acc2.to(DTYPE)
     om2 = rmask[:, None] & (nc2[None, :] < 1)
     if save & 2:
-        tl.store(z2_ptr + rows[:, None] * 1 + nc2[None, :], z2, mask=om2)
+        if last_act == ACT_RELU:  # a ReLU layer's output relu(z): the backward's dz mask and next input
+            tl.store(z2_ptr + rows[:, None] * 1 + nc2[None, :], tl.maximum(z2, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=om2)
+        else:
+            tl.store(z2_ptr + rows[:, None] * 1 + nc2[None, :], z2, mask=om2)
     tl.store(out_ptr + rows[:, None] * 1 + nc2[None, :], activate_runtime(z2.to(tl.float32), last_act).to(DTYPE), mask=om2)
 

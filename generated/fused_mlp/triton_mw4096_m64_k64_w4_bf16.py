@@ -10,8 +10,9 @@
 #
 # Each program owns BLOCK_M rows and runs every layer on them: y = h @ W.T (tl.dot, float32
 # accumulator) + bias in float32, z = y rounded to the input dtype (written out when `save`
-# asks, for the backward), h = act(z) in float32 rounded to the input dtype -- eager PyTorch's rounding
-# (F.linear's output, then the activation's). Widths not a multiple of a chunk are padded
+# asks, for the backward: a ReLU layer's output relu(z) in z's place), h = act(z) in float32
+# rounded to the input dtype -- eager PyTorch's rounding (F.linear's output, then the
+# activation's). Widths not a multiple of a chunk are padded
 # to a power of two >= 16 with masked loads; padded columns of h are zero.
 # Generic variant: any widths up to 4096 and up to 8 layers, fixed when
 # Triton specialises on the constexpr widths D0..D8; each layer's z row tile goes to a
@@ -117,9 +118,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
         omask = rmask[:, None] & nmask[None, :]
         if NUM_LAYERS == 1:
             if save & 2:
-                tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
+                if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                    tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                else:
+                    tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
             tl.store(out_ptr + rows[:, None] * D1 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
         else:
+            if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
             tl.store(z0_ptr + rows[:, None] * D1 + nc[None, :], z, mask=omask)
     # this program's z0 rows, written by all its threads, are read back by the next layer
     tl.debug_barrier()
@@ -143,9 +149,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 2:
                 if save & 2:
-                    tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D2 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z1_ptr + rows[:, None] * D2 + nc[None, :], z, mask=omask)
         # this program's z1 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
@@ -169,9 +180,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 3:
                 if save & 2:
-                    tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D3 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z2_ptr + rows[:, None] * D3 + nc[None, :], z, mask=omask)
         # this program's z2 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
@@ -195,9 +211,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 4:
                 if save & 2:
-                    tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D4 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z3_ptr + rows[:, None] * D4 + nc[None, :], z, mask=omask)
         # this program's z3 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
@@ -221,9 +242,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 5:
                 if save & 2:
-                    tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D5 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z4_ptr + rows[:, None] * D5 + nc[None, :], z, mask=omask)
         # this program's z4 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
@@ -247,9 +273,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 6:
                 if save & 2:
-                    tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D6 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z5_ptr + rows[:, None] * D6 + nc[None, :], z, mask=omask)
         # this program's z5 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
@@ -273,9 +304,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 7:
                 if save & 2:
-                    tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D7 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z6_ptr + rows[:, None] * D7 + nc[None, :], z, mask=omask)
         # this program's z6 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()
@@ -299,9 +335,14 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr,
             omask = rmask[:, None] & nmask[None, :]
             if NUM_LAYERS == 8:
                 if save & 2:
-                    tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
+                    if last_act == ACT_RELU:  # kept as relu(z), as a hidden layer's below
+                        tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE), mask=omask)
+                    else:
+                        tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
                 tl.store(out_ptr + rows[:, None] * D8 + nc[None, :], activate_runtime(z.to(tl.float32), last_act).to(DTYPE), mask=omask)
             else:
+                if act == ACT_RELU:  # kept as relu(z), the backward's too; the next layer's ReLU on load leaves it
+                    z = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL).to(DTYPE)  # (Triton 3.6: float32 after max with 0.0)
                 tl.store(z7_ptr + rows[:, None] * D8 + nc[None, :], z, mask=omask)
         # this program's z7 rows, written by all its threads, are read back by the next layer
         tl.debug_barrier()

@@ -1,9 +1,13 @@
 """Running Triton variants on the CPU: the Triton interpreter, and two fixes it needs.
 
-Triton's interpreter (3.9 seen) multiplies bfloat16 `tl.dot` operands as their uint16 bit
-patterns, since numpy has no bfloat16: any bf16 matmul kernel gives garbage there. `enable`
-widens bf16 dot operands to float32 first, which is what a GPU's bf16 MMA with float32
-accumulation computes. The kernels themselves are not changed.
+Triton's interpreter (3.9 seen) holds bfloat16 values as their uint16 bit patterns, since
+numpy has no bfloat16, and computes on those: a bf16 `tl.dot` multiplies the patterns, and
+`tl.maximum(z, 0.0)` or `z > 0` on a bf16 `z` compares them as unsigned integers (every
+negative value is "larger" than every positive one). `enable` widens bf16 dot operands to
+float32 first, which is what a GPU's bf16 MMA with float32 accumulation computes, and runs
+bf16 elementwise float arithmetic, min / max and comparisons in float32, rounding
+arithmetic results back to bf16 to nearest even as the GPU's bf16 instructions do (min,
+max and comparisons are exact). The kernels themselves are not changed.
 
 One process either interprets or compiles: Triton decorates its own library functions
 (tl.cdiv, ...) at import, as interpreted ones under TRITON_INTERPRET=1, and those cannot be
@@ -25,6 +29,7 @@ def enable() -> None:
     imported), with bf16 dot operands widened and device-function calls scoped."""
     os.environ["TRITON_INTERPRET"] = "1"
     _widen_bf16_dot()
+    _widen_bf16_float_ops()
     _scope_device_calls()
 
 
@@ -83,3 +88,55 @@ def _widen_bf16_dot() -> None:
 
     create_dot._kgen_widened = True
     interp.InterpreterBuilder.create_dot = create_dot
+
+
+# InterpreterBuilder's float binary operations that numpy would run on bf16's uint16 patterns
+_BF16_OPS = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_frem", "create_precise_divf",
+             "create_approx_divf", "create_minimumf", "create_maximumf", "create_minnumf", "create_maxnumf") + tuple(
+    f"create_fcmp{order}{rel}" for order in "OU" for rel in ("LT", "GT", "LE", "GE", "EQ", "NE"))
+
+
+def _bf16_to_f32(bits):
+    import numpy as np
+
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _f32_to_bf16(values):
+    """float32 -> bf16 bit patterns, rounded to nearest even (NaN kept a quiet NaN)."""
+    import numpy as np
+
+    bits = np.asarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    quiet = (bits >> np.uint32(16)) | np.uint32(0x0040)
+    return np.where(np.isnan(values), quiet, rounded).astype(np.uint16)
+
+
+def _widen_bf16_float_ops() -> None:
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+
+        builder = interp.InterpreterBuilder
+        originals = {name: getattr(builder, name) for name in _BF16_OPS}
+    except (ImportError, AttributeError):  # another Triton layout: leave it as it is
+        return
+    if getattr(originals["create_fadd"], "_kgen_widened", False):
+        return
+
+    def widened(original):
+        def op(self, lhs, rhs):
+            if lhs.dtype.scalar != tl.bfloat16 or lhs.data.dtype != np.uint16:
+                return original(self, lhs, rhs)
+            a = interp.TensorHandle(_bf16_to_f32(lhs.data), tl.float32)
+            b = interp.TensorHandle(_bf16_to_f32(rhs.data), tl.float32)
+            out = original(self, a, b)
+            data = out.data if out.data.dtype == np.bool_ else _f32_to_bf16(out.data)  # min, max: exact
+            return interp.TensorHandle(data, tl.bfloat16)
+
+        op._kgen_widened = True
+        return op
+
+    for name, original in originals.items():
+        setattr(builder, name, widened(original))

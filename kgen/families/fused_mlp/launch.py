@@ -54,8 +54,9 @@ def grid(B: int, mod) -> tuple[int]:
 
 def forward(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False, out=None):
     """Run one variant's forward (`mod`: its rendered module) on checked, contiguous 2-D x
-    [B, w0] and contiguous weights; returns (out [B, wL], zs), zs the saved pre-activations
-    when `save` (None where the backward does not need one), else []. `out`: a
+    [B, w0] and contiguous weights; returns (out [B, wL], zs), zs what the backward needs
+    when `save` (None where it needs none), else []: each layer's pre-activation z, but a
+    ReLU layer's output relu(z), as reference.eager keeps them. `out`: a
     given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
     kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
     if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
@@ -253,7 +254,7 @@ def backward(mod, grad, x, weights, biases, activation: str, last_activation: st
     if lean:
         L = len(weights)
         return backward_lean(grad, x, weights, [b is not None for b in biases], zs, activation, last_activation,
-                             (need_x,) + (True,) * (2 * L), outputs=mod is None)
+                             (need_x,) + (True,) * (2 * L), outputs=True)
     return torch_backward(grad, x, weights, biases, zs, activation, last_activation, need_x)
 
 

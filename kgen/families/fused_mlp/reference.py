@@ -100,9 +100,9 @@ def backward_lean(grad, x, weights, has_bias, zs, activation: str, last_activati
     calls for ReLU) and only those asked for: `needs` = (x, weight per layer, bias per
     layer) booleans. Returns (grad_x or None, [grad_w or None], [grad_b or None]); 2-D x and
     grad. The bias gradient is dz.sum(0): PyTorch sums 16-bit tensors in float32 and rounds
-    once, as `backward`'s explicit float32 sum. `outputs`: zs came from `eager(save=True)`,
-    whose ReLU layers' entries are their outputs, so h is that entry itself (a kernel's
-    save holds z: relu(z) is recomputed, one pass over B x width a layer)."""
+    once, as `backward`'s explicit float32 sum. `outputs`: a hidden ReLU layer's entry is its
+    output relu(z), as `eager(save=True)` and a kernel's forward with `save` keep it, so h
+    is that entry itself (without: relu(z) is recomputed, one pass over B x width a layer)."""
     L = len(weights)
     need_x, need_w, need_b = needs[0], needs[1:1 + L], needs[1 + L:]
     lowest = 0 if need_x else min((i for i in range(L) if need_w[i] or (has_bias[i] and need_b[i])), default=L)

@@ -128,7 +128,7 @@ class Step(torch.autograd.Function):
             p = entry.fused(x, ws, B, needs)
             res = p(_contig(g), _contig(x2), [_contig(w) for w in ws], zs) if p is not None else None
             if res is None:
-                res = backward_lean(g, x2, ws, entry.has_bias, zs, *entry.acts, needs, outputs=entry.mod is None)
+                res = backward_lean(g, x2, ws, entry.has_bias, zs, *entry.acts, needs, outputs=True)
             gx, gws, gbs = res
             if gx is not None:
                 gx = gx.reshape(x.shape)

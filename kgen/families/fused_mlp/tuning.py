@@ -221,9 +221,9 @@ def tune_choices(inputs: dict) -> dict:
     """{"backward": {option: one backward of every gradient}} on CUDA inputs: the fused Triton
     kernels (first: the default), for 16-bit dtypes also with CHAIN_OPTIONS' chain tiles, each
     also with `pad` where it changes anything, and backward_lean, on what one eager forward
-    keeps (reference.eager: z, a ReLU layer's output) and a random upstream gradient;
-    backward_lean timed recomputing each hidden input, as it runs after a kernel's forward
-    (after the eager composition's it skips the ReLU recompute: `outputs`). A fused option is left out where its kernels
+    keeps (reference.eager: z, a ReLU layer's output, as a kernel's forward keeps them) and a
+    random upstream gradient; backward_lean taking a ReLU layer's kept output as the next
+    layer's input (`outputs`), as it runs in a step. A fused option is left out where its kernels
     do not build or take the call (its plan returns None), where its first call's gradients
     disagree with backward_lean's (`agrees`: a miscompiled kernel is never chosen), or
     KGEN_FUSED_MLP_FUSED_BWD=0."""
@@ -250,7 +250,7 @@ def tune_choices(inputs: dict) -> dict:
                 got = p(g, x, ws, zs)  # the first call builds: None where it did not
                 if got is not None and agrees(got, lean, x.dtype, option_name(tile, pad)):
                     options[option_name(tile, pad)] = functools.partial(p, g, x, ws, zs)
-    options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs)
+    options["lean"] = lambda: backward_lean(g, x, ws, has_bias, zs, a, last, needs, outputs=True)
     return {"backward": options}
 
 
