@@ -138,6 +138,7 @@ def test_linear_logp_cuda_variant_uses_its_instructions(llp_builds, name):
     assert not re.search(r"C75(08|10|11|15)", log), log
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("name", [v.qualname for v in TRITON])
 def test_triton_variant_compiles_ahead_of_time(triton_builds, name):
     r = triton_builds[name]

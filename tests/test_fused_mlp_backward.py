@@ -233,6 +233,7 @@ def test_second_call_replays_the_first_calls_launches(monkeypatch):
         assert list(b[5][:len(args)]) == [t.data_ptr() if isinstance(t, torch.Tensor) else t for t in args]
 
 
+@pytest.mark.aot
 @pytest.mark.parametrize("option", ["fused", "fused_m32_pad"])
 def test_dlrm_top_compiles_within_its_resources(option):
     """DLRM top's plan at B = 65536 in bfloat16 (the three launches, the split on; with the

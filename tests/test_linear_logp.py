@@ -761,6 +761,7 @@ for name in sys.argv[1:]:
 """
 
 
+@pytest.mark.aot
 def test_keep_logits_kernels_compile_without_stack_or_spills():
     """keep_logits' two kernels, every option on, and float32's dH kernel, as `kgen build`
     compiles them (schema.triton_aot) for sm_90, in each dtype, in a process that does not
