@@ -1,4 +1,4 @@
-"""Running Triton variants on the CPU: the Triton interpreter, and two fixes it needs.
+"""Running Triton variants on the CPU: the Triton interpreter, and the fixes it needs.
 
 Triton's interpreter (3.9 seen) holds bfloat16 values as their uint16 bit patterns, since
 numpy has no bfloat16, and computes on those: a bf16 `tl.dot` multiplies the patterns, and
@@ -26,7 +26,8 @@ def active() -> bool:
 
 def enable() -> None:
     """Interpret Triton kernels created from now on (set before a generated module is
-    imported), with bf16 dot operands widened and device-function calls scoped."""
+    imported), with bf16 dot operands widened, bf16 elementwise float operations computed on
+    the values, and device-function calls scoped."""
     os.environ["TRITON_INTERPRET"] = "1"
     _widen_bf16_dot()
     _widen_bf16_float_ops()
