@@ -4,9 +4,10 @@ and float32 (TF32 on), GPU time per call in us of: the floor, eager nn.Sequentia
 a CUDA graph, torch.compile, kgen (dispatch's choice, called eagerly and in a CUDA graph),
 and each kgen variant that takes the widths (as the op runs it when called again: its bound
 fast path, op.runner); the same for a training step (forward + backward for the input,
-weights and biases). The floor is max(FLOPs / the measured GEMM
-rate, bytes / the measured copy bandwidth) (bytes: x, out and the weights once; training:
-3x the forward's FLOPs).
+weights and biases), also as its kernels' own GPU time ("... kernels": where the host issues
+a step slower than the GPU runs it, the wall time hides what the kernels do). The floor is
+max(FLOPs / the measured GEMM rate, bytes / the measured copy bandwidth) (bytes: x, out and
+the weights once; training: 3x the forward's FLOPs).
 
 `python -m kgen.benchmarks.fused_mlp [--quick] [--no-compile]`, or `kgen bench
 kgen/specs/fused_mlp.yaml`."""
@@ -34,6 +35,21 @@ def _bench(fn, quick) -> float:
     """Median us per call (triton.testing.do_bench: L2 flushed between calls)."""
     return 1e3 * triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=30 if quick else 100,
                                          return_mode="median")
+
+
+def _kernel_us(fn, calls: int = 10) -> float:
+    """GPU time per call in us: the durations of the GPU work its calls launch (torch.profiler),
+    summed, without the idle time between them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return sum(e.device_time_total for e in prof.events() if e.device_type == cuda) / calls
 
 
 def _graphed(fn):
@@ -123,9 +139,11 @@ def run(spec=None, quick: bool = False, compile_: bool = True) -> dict:
                 timpls["kgen"] = _train_step(fused, xg, g)
                 for name, fn in timpls.items():
                     trow[name] = _bench(fn, quick)
+                for name in ("eager", "kgen"):
+                    trow[f"{name} kernels"] = _kernel_us(timpls[name])
                 train.append(trow)
                 print(f"{case}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "case"), flush=True)
-                print(f"  train: " + ", ".join(f"{k} {v:.1f}" for k, v in trow.items() if k != "case"), flush=True)
+                print("  train: " + ", ".join(f"{k} {v:.1f}" for k, v in trow.items() if k != "case"), flush=True)
     return {"forward, us (GPU time per call; kgen err: max |kgen - float64|)": fwd,
             "training step (forward + backward), us": train}
 
