@@ -65,39 +65,8 @@ def _scope_device_calls() -> None:
     cls.__call__ = call
 
 
-def _widen_bf16_dot() -> None:
-    try:
-        import numpy as np
-        import triton.language as tl
-        from triton.runtime import interpreter as interp
-
-        original = interp.InterpreterBuilder.create_dot
-        convert = interp._convert_float
-    except (ImportError, AttributeError):  # another Triton layout: leave it as it is
-        return
-    if getattr(original, "_kgen_widened", False):
-        return
-
-    def widen(x):
-        if x.dtype == tl.bfloat16:
-            data = convert(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
-            return interp.TensorHandle(data.reshape(x.data.shape), tl.float32)
-        return x
-
-    def create_dot(self, a, b, d, *args, **kwargs):
-        return original(self, widen(a), widen(b), d, *args, **kwargs)
-
-    create_dot._kgen_widened = True
-    interp.InterpreterBuilder.create_dot = create_dot
-
-
-# InterpreterBuilder's float binary operations that numpy would run on bf16's uint16 patterns
-_BF16_OPS = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_frem", "create_precise_divf",
-             "create_approx_divf", "create_minimumf", "create_maximumf", "create_minnumf", "create_maxnumf") + tuple(
-    f"create_fcmp{order}{rel}" for order in "OU" for rel in ("LT", "GT", "LE", "GE", "EQ", "NE"))
-
-
 def _bf16_to_f32(bits):
+    """bf16 bit patterns -> float32, exactly (a bf16 is a float32's upper 16 bits)."""
     import numpy as np
 
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
@@ -111,6 +80,35 @@ def _f32_to_bf16(values):
     rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
     quiet = (bits >> np.uint32(16)) | np.uint32(0x0040)
     return np.where(np.isnan(values), quiet, rounded).astype(np.uint16)
+
+
+def _widen_bf16_dot() -> None:
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+
+        original = interp.InterpreterBuilder.create_dot
+    except (ImportError, AttributeError):  # another Triton layout: leave it as it is
+        return
+    if getattr(original, "_kgen_widened", False):
+        return
+
+    def widen(x):
+        if x.dtype == tl.bfloat16:
+            return interp.TensorHandle(_bf16_to_f32(x.data), tl.float32)
+        return x
+
+    def create_dot(self, a, b, d, *args, **kwargs):
+        return original(self, widen(a), widen(b), d, *args, **kwargs)
+
+    create_dot._kgen_widened = True
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+# InterpreterBuilder's float binary operations that numpy would run on bf16's uint16 patterns
+_BF16_OPS = ("create_fadd", "create_fsub", "create_fmul", "create_fdiv", "create_frem", "create_precise_divf",
+             "create_approx_divf", "create_minimumf", "create_maximumf", "create_minnumf", "create_maxnumf") + tuple(
+    f"create_fcmp{order}{rel}" for order in "OU" for rel in ("LT", "GT", "LE", "GE", "EQ", "NE"))
 
 
 def _widen_bf16_float_ops() -> None:
