@@ -526,6 +526,15 @@ def test_gemv_plans():
     s = ig.plans.gemv_splits(64, 16, 4096, 11008, 132)
     assert 1 < s and 2 * s * 16 * 4096 * 4 <= 4096 * 11008 / 8 + 1
     assert ig.plans.gemv_splits(64, 1, 100, 16, 132) == 1  # K = 16: one step
+    # among the gemv variants: one K-warp a CTA from N = 2048 where its plan does not split
+    # (H200 GPU us, BENCHMARKS.md fifty-ninth session: fp16 2 x 12805 x 560 6.2 against the
+    # 8-K-warp CTAs' 12.3, whose warps each stream a step or two; its grid does not fill the
+    # SMs, which the earlier rule asked for), else the K-warp CTAs (fp16 5 x 3560 x 7792: the
+    # one-K-warp plan splits, 19.4 against 10.0; 12 x 1819 x 1792: N under 2048)
+    for M, N, K, one_k_warp in ((2, 12805, 560, True), (5, 3560, 7792, False), (12, 1819, 1792, False)):
+        gemv = sorted((v for v in SPEC.variants if v.dtype == "float16" and ig.plans.is_gemv(v)),
+                      key=lambda v: ig.plans.preference(v, M, N, 132, K))
+        assert (gemv[0].params["warps_m"] == 1) == one_k_warp, (M, N, K, gemv[0].name)
 
 
 # --------------------------------------------------------------------------- GPU

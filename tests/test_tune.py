@@ -555,6 +555,39 @@ def test_a_family_vetoes_a_nearby_winner_where_its_own_rule_knows_better(tables)
     assert fba.nearby_transfers({"rows": 9, "cols": 168, "has_y": True}, tuned, flat)
 
 
+def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables):
+    """`tuned_transfers`: logmatmul's bucket tuned at an even K keeps its wide tl.dot winner
+    at every even K of the bucket, but an odd K (where that tile loads one element at a time)
+    goes to the batch rule, memoised per shape (not for the bucket); an odd-K probe keeps it."""
+    from kgen.families import logmatmul as lmm
+
+    f32 = dispatch.runnable("logmatmul", "float32", CUDA0)
+    wide = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == 128)
+    bucket = lmm.tune_bucket(256, 1024, 1024)
+    entry = {**_entry(wide.name, first=f32[0].name), "shape": {"B": 256, "N": 1024, "K": 1024}}
+    tune.record({tune.key("logmatmul", FAKE_DEVICE, "float32", bucket): entry})
+
+    def choose(B, N, K):
+        shape = {"B": B, "N": N, "K": K}
+        assert lmm.tune_bucket(**shape) == bucket
+        return dispatch.choose("logmatmul", CUDA0, "float32", bucket, shape)
+
+    assert choose(138, 535, 780) == (dispatch.load(wide), "tuned")
+    kernel, why = choose(138, 535, 779)
+    rule = lmm.op._by_batch(f32, 138, 535, 779)
+    assert kernel.name == rule.name != wide.name
+    assert why == f"untuned rule (the tuned winner {wide.name} vetoed for the shape)"
+    assert not dispatch.holds_for_bucket(why)
+    # measured at an odd K too: the table knows, the winner stays
+    odd = {**entry, "shape": {"B": 200, "N": 600, "K": 777}}
+    tune.record({tune.key("logmatmul", FAKE_DEVICE, "float32", bucket): {**entry, "probes": [odd]}}, replace=True)
+    assert choose(138, 535, 779) == (dispatch.load(wide), "tuned")
+    # the small-batch forms and the 16-row tile load along K whatever its parity: never vetoed
+    narrow = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == lmm.op.ODD_K_ROWS)
+    assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], narrow)
+    assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], None)
+
+
 def test_untuned_shapes_go_by_the_familys_rule(tables):
     """Step 5 with a family's `untuned_order` (fused_mlp): its order, not spec order's, and
     the reference where it leaves nothing; a tuned bucket still takes its winner."""

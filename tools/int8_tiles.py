@@ -7,6 +7,13 @@ fifty-first session's split-or-not model (BENCHMARKS.md) on shapes it was not fi
 
     python3 tools/int8_tiles.py --shape float16:208x4671x3776 --shape int8:3001x2999x3008
     python3 tools/int8_tiles.py --random 30 --seed 5121 --dtype bfloat16 float16 --m 129-1024
+
+With --gemv, the CUDA gemv variants instead (M <= 16): each with the plan's K splits, one
+split and the fill plan's (plans.gemv_fill_splits), timed as the tuner times them (the larger
+of host and GPU time, and the GPU part alone): data for the gemv choice (plans._gemv_rank)
+and split rule (plans.gemv_splits).
+
+    python3 tools/int8_tiles.py --gemv --random 60 --seed 5902 --m 1-16 --json gemv.json
 """
 
 from __future__ import annotations
@@ -57,7 +64,10 @@ def main() -> None:
     ap.add_argument("--m", default="17-1024", help="the random shapes' rows, LO-HI")
     ap.add_argument("--min-us", type=float, default=200.0)
     ap.add_argument("--json", metavar="PATH", help="also write every case's times, predictions and tile parameters")
+    ap.add_argument("--gemv", action="store_true", help="the gemv variants at each split count (M <= 16)")
     args = ap.parse_args()
+    if args.gemv:
+        return gemv_main(args)
     dev, fam = torch.device("cuda"), module_of("int8_gemm")
     sms = plans.sm_count(dev)
     ratios, rows = [], []
@@ -94,6 +104,59 @@ def main() -> None:
     if ratios:
         print(f"op / fastest over {len(ratios)} cases: geomean {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}, "
               f"worst {max(ratios):.2f}")
+
+
+def gemv_main(args) -> None:
+    from kgen.families.int8_gemm import launch
+
+    dev, fam = torch.device("cuda"), module_of("int8_gemm")
+    sms = plans.sm_count(dev)
+    rows = []
+    dispatch.prebuild([v for dt in args.dtype for v in dispatch.runnable("int8_gemm", dt, dev) if plans.is_gemv(v)])
+    for dt, M, N, K in cases(args):
+        inputs = fam.tune_inputs(dev, dt, M=M, N=N, K=K)
+        vs = [v for v in dispatch.runnable("int8_gemm", dt, dev) if plans.is_gemv(v)]
+        fns = {}
+        for v in vs:
+            impl = fam.implementation(dispatch.load(v))
+            p = v.params
+            counts = {"plan": plans.gemv_splits_of(p, M, N, K, sms), "one": 1,
+                      "fill": plans.gemv_fill_splits(p["block_n"], M, N, K, sms, p["warps_n"], p["warps_m"])}
+            for tag, n in counts.items():
+                n = impl.splits(M, N, K, dev, n)
+                if (v.name, n) in fns:
+                    continue
+                if dt == "int8":
+                    f = lambda impl=impl, n=n, i=inputs: launch.gemm(impl, fam.MODE_MM, i["a"], i["b"], i["out"], n_splits=n)
+                else:
+                    f = lambda impl=impl, n=n, i=inputs: launch.gemm(impl, fam.MODE_W8A16, i["x"], i["b"], i["out"],
+                                                                     scale_b=i["scale_b"], n_splits=n)
+                fns[(v.name, n)] = (f, tag)
+        if dt == "int8":
+            op = lambda i=inputs: ops.int8_mm(i["a"], i["b"])
+        else:
+            op = lambda i=inputs: ops.w8a16_linear(i["x"], i["b"], i["scale_b"], None)
+        t = {}
+        with torch.no_grad():
+            for _ in range(2):
+                for k, (f, _tag) in [*fns.items(), ("OP", (op, ""))]:
+                    r = timing.cuda_timer(f, args.min_us)
+                    old = t.get(k)
+                    t[k] = (min(old[0], float(r)), min(old[1], r.gpu)) if old else (float(r), r.gpu)
+        best = min((k for k in t if k != "OP"), key=lambda k: t[k][0])
+        print(f"{dt:8s} {M}x{N}x{K}: op {t['OP'][0]:.1f} (gpu {t['OP'][1]:.1f}) fastest {best[0].removeprefix('int8_gemm_')} "
+              f"x{best[1]} {t[best][0]:.1f} op/fastest {t['OP'][0] / t[best][0]:.2f}", flush=True)
+        for k in sorted((k for k in t if k != "OP"), key=lambda k: t[k][0]):
+            print(f"    {k[0].removeprefix('int8_gemm_'):40s} x{k[1]:<3d} {fns[k][1]:5s} {t[k][0]:8.1f} gpu {t[k][1]:8.1f}",
+                  flush=True)
+        rows.append({"dtype": dt, "M": M, "N": N, "K": K, "sms": sms, "op": t["OP"],
+                     "runs": [{"variant": k[0], "splits": k[1], "tag": fns[k][1], "us": t[k][0], "gpu_us": t[k][1],
+                               "params": next(v.params for v in vs if v.name == k[0])} for k in fns]})
+        if args.json:  # after every case: a run cut short keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1, default=str)
+        del inputs, fns
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

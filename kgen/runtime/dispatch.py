@@ -270,7 +270,9 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     class of the same sizes, tuning_table.stand_in), "tuned nearby (<bucket>)" (the closest tuned
     bucket of the same device and dtype, where its winner clearly beat spec order), "spec
     order", "untuned rule" (the family's `untuned_order`, in spec order's stead) or
-    "fallback"; ", runner-up (...)" appended where the winner cannot take `shape` (the
+    "fallback" (those three followed by " (the tuned winner ... vetoed for the shape)" where
+    the family's `tuned_transfers` refused the bucket's winner for `shape`: `_tuned_ok`);
+    ", runner-up (...)" appended where the winner cannot take `shape` (the
     call's dimensions, which also let KGEN_AUTOTUNE tune an untuned bucket on the spot) and
     the same entry's next-best can (`_runner_up`)."""
     if device.type != "cuda":
@@ -287,7 +289,10 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
         entry = tuning_table.lookup(k)
     if winner is None and (sk := tuning_table.stand_in(k)) and (entry := tuning_table.lookup(sk)):
         winner, why = entry["winner"], f"tuned as {sk.rpartition('|')[2]}"
-    if winner is None:
+    vetoed = None
+    if winner is not None and not _tuned_ok(family, device, dtype, shape, entry):
+        vetoed, winner, entry = winner, None, None  # (not the nearest bucket's either: that is this one)
+    if winner is None and vetoed is None:
         near = tuning_table.nearest(k)
         if near is not None and tuning_rules.transfers(near[1]) and _nearby_ok(family, device, dtype, shape, near):
             entry = near[1]
@@ -315,10 +320,31 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
                 log.warning("kgen: tuned winner %s unavailable, using spec order: %s", winner,
                             str(e).splitlines()[0])
     by_rule = _untuned(family, device, dtype, shape)
-    if by_rule is not None:
-        return by_rule
-    kernel = select(family, device, dtype, shape=shape)
-    return kernel, "spec order" if kernel is not None else "fallback"
+    if by_rule is None:
+        kernel = select(family, device, dtype, shape=shape)
+        by_rule = kernel, "spec order" if kernel is not None else "fallback"
+    if vetoed is not None:
+        return by_rule[0], f"{by_rule[1]} (the tuned winner {vetoed} vetoed for the shape)"
+    return by_rule
+
+
+def _tuned_ok(family: str, device, dtype: str, shape: dict | None, entry: dict) -> bool:
+    """Whether the winner of the call's own tuned bucket (`entry`) may serve `shape`: the
+    family's optional `tuned_transfers(shape, probes, variant) -> bool` (probes: the shapes
+    the entry was measured at; variant: the winner's, None for the reference or a name no spec
+    dispatch knows) vetoes it where the family knows the winner fails at this shape though it
+    won at the probes, e.g. logmatmul's wide tl.dot tiles at an odd K tuned at an even one
+    (3x the 16-row tile's time). A veto leaves the call to `untuned_order` and spec order."""
+    from kgen.families import module_of
+    from kgen.runtime import tuning_rules
+
+    hook = getattr(module_of(family), "tuned_transfers", None)
+    if hook is None or shape is None:
+        return True
+    name = entry["winner"]
+    variant = next((v for v in runnable(family, dtype, device) if v.name == name), None)
+    shapes = [p["shape"] for p in tuning_rules.probes(entry) if p.get("shape")]
+    return bool(hook(shape, shapes, variant))
 
 
 def _nearby_ok(family: str, device, dtype: str, shape: dict | None, near: tuple[str, dict]) -> bool:

@@ -209,11 +209,17 @@ def wgmma_tile_cost(params, M: int, N: int, sms: int) -> float:
 # fill the SMs at small N without a K split, but every CTA pays a reduction of its K-warps'
 # sums through shared memory, and at small K each K-warp streams a step or two: where N
 # gives enough row warps, one K-warp a CTA (4 row warps) streams the weight faster. Such a
-# variant runs at N >= GEMV_ROW_WARPS_N where its grid fills the SMs without a K split
-# (gemv_fill_splits; measured when every such split ran, costing ~6 us of host time a call:
-# more than the one-K-warp grid saved on the GPU at every split shape). H200, 153 random
-# untuned shapes M <= 16, the op as a user calls it (BENCHMARKS.md forty-second session):
-# 11 ran >= 10 % faster (fp16 7 x 29445 x 352 0.38x the time), none > 2 % slower.
+# variant runs at N >= GEMV_ROW_WARPS_N where its plan does not split K (gemv_splits: a split
+# costs ~6 us of host time a call, more than the one-K-warp grid saved on the GPU at every
+# split shape measured). H200, 153 random untuned shapes M <= 16, the op as a user calls it
+# (BENCHMARKS.md forty-second session): 11 ran >= 10 % faster (fp16 7 x 29445 x 352 0.38x
+# the time), none > 2 % slower. That rule asked for a grid that fills the SMs unsplit
+# (gemv_fill_splits == 1, as every split then ran); since the plan splits only slow grids,
+# it left unsplit one-K-warp grids that did not fill the SMs to the K-warp CTAs, whose
+# K-warps each stream a step or two at small K: fp16 2 x 12805 x 560 12.3 us against 6.2.
+# Every gemv variant at 45 random shapes (H200, `tools/int8_tiles.py --gemv`, BENCHMARKS.md
+# fifty-ninth session), the rule's choice over the fastest (time as the tuner takes it):
+# geomean 1.063 -> 1.037, worst 1.99 -> 1.23; its GPU time 1.113 -> 1.068.
 GEMV_ROW_WARPS_N = 2048
 
 
@@ -222,8 +228,7 @@ def _gemv_rank(p, M: int, N: int | None, K: int | None, sms: int | None) -> int:
     variant elsewhere (and where N, K or the SMs are not known: spec order, rank 1)."""
     if N is None or K is None or not sms or p["warps_m"] > 1:
         return 1
-    fill = gemv_fill_splits(p["block_n"], M, N, K, sms, p["warps_n"], p["warps_m"])  # (as measured)
-    return 0 if N >= GEMV_ROW_WARPS_N and fill == 1 else 2
+    return 0 if N >= GEMV_ROW_WARPS_N and gemv_splits_of(p, M, N, K, sms) == 1 else 2
 
 
 # Above M = 16 with N, K and the SMs known, the Triton and mma.sync tiles (split-K or not)

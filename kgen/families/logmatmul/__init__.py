@@ -13,7 +13,7 @@ from kgen.families.logmatmul.numerics import GRAD_TOL, golden, make_inputs
 from kgen.families.logmatmul.launch import CudaForward, backward, bsl_backward, bsl_forward, forward
 from kgen.families.logmatmul.op import (
     OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, block_sparse_logmatmul, dense_from_blocks, implementation, logmatmul,
-    nearby_transfers, runner, tune_bucket, tune_inputs, tune_runner, untuned_order, using)
+    nearby_transfers, runner, tune_bucket, tune_inputs, tune_runner, tuned_transfers, untuned_order, using)
 from kgen.families.logmatmul.reference import reference, reference_backward
 from kgen.families.logmatmul.schema import SCHEMA, TEMPLATES, template_context, triton_aot
 

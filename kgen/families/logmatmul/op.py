@@ -167,6 +167,18 @@ def nearby_transfers(shape: dict, bucket: str, variant) -> bool:
     return B > TUNED_ROWS and tune_bucket(B, N, K).split(".")[1:] == bucket.split(".")[1:]
 
 
+def tuned_transfers(shape: dict, probes: list, variant) -> bool:
+    """dispatch's veto on the call's own tuned bucket's winner: False where it is a tl.dot
+    tile of more than ODD_K_ROWS rows, K is odd and no probe of the bucket was (its loads
+    would go one element at a time where they were measured as vectors: H200 float32
+    138 x 535 x 779, the B <= 256, N, K <= 1024 bucket's 128-row winner, tuned at 256 x 1024 x
+    1024, ran 77.9 us of GPU time against the 16-row tile's 26.0; BENCHMARKS.md fifty-ninth
+    session). `_by_batch` then serves the call, as at an odd K nothing was tuned for."""
+    if variant is None or variant.params.get("dot", "none") == "none" or variant.params["block_b"] <= ODD_K_ROWS:
+        return True
+    return not shape["K"] % 2 or any(p["K"] % 2 for p in probes)
+
+
 def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
     the batch (16 up to B = 32, 64 below WIDE_TILE_ROWS, else 128 -- 16 where those programs
