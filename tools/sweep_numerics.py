@@ -27,6 +27,11 @@ import traceback
 
 import torch
 
+if os.environ.get("DEV", "cuda") == "cpu":  # the interpreter, before any kernel is decorated at import
+    from kgen.runtime import interpret  # (fused_mlp's backward kernels are: fused_backward_kernels.py)
+
+    interpret.enable()  # (TRITON_INTERPRET=1, with its bf16 dots and elementwise ops fixed)
+
 import kgen.families.fused_bias_act as fba
 import kgen.families.fused_mlp as fm
 import kgen.families.linear_logp as llp
@@ -44,10 +49,6 @@ ap.add_argument("--one-wide", type=float, default=0.0,
                      "batch sums that cancel); 0 keeps earlier seeds' cases")
 args = ap.parse_args()
 dev = torch.device(os.environ.get("DEV", "cuda"))
-if dev.type == "cpu":  # the interpreter (TRITON_INTERPRET=1), with its bf16 dots fixed
-    from kgen.runtime import interpret
-
-    interpret.enable()
 SCALE = float(os.environ.get("SCALE", "1"))  # shrinks every size (DEV=cpu runs)
 N_CASES, ONLY, rng = args.cases, args.only.split(",") if args.only else None, random.Random(args.seed)
 NUM = {
