@@ -341,10 +341,13 @@ def _tuned_ok(family: str, device, dtype: str, shape: dict | None, entry: dict) 
     hook = getattr(module_of(family), "tuned_transfers", None)
     if hook is None or shape is None:
         return True
-    name = entry["winner"]
-    variant = next((v for v in runnable(family, dtype, device) if v.name == name), None)
     shapes = [p["shape"] for p in tuning_rules.probes(entry) if p.get("shape")]
-    return bool(hook(shape, shapes, variant))
+    return bool(hook(shape, shapes, _runnable_named(family, dtype, device, entry["winner"])))
+
+
+def _runnable_named(family: str, dtype: str, device, name: str):
+    """The runnable variant called `name` (None: the reference, or a name no spec has)."""
+    return next((v for v in runnable(family, dtype, device) if v.name == name), None)
 
 
 def _nearby_ok(family: str, device, dtype: str, shape: dict | None, near: tuple[str, dict]) -> bool:
@@ -358,8 +361,7 @@ def _nearby_ok(family: str, device, dtype: str, shape: dict | None, near: tuple[
     hook = getattr(module_of(family), "nearby_transfers", None)
     if hook is None or shape is None:
         return True
-    name = near[1]["winner"]
-    variant = next((v for v in runnable(family, dtype, device) if v.name == name), None)
+    variant = _runnable_named(family, dtype, device, near[1]["winner"])
     return bool(hook(shape, near[0].rpartition("|")[2], variant))
 
 
