@@ -11,9 +11,10 @@ fifty-first session's split-or-not model (BENCHMARKS.md) on shapes it was not fi
 With --gemv, the CUDA gemv variants instead (M <= 16): each with the plan's K splits, one
 split and the fill plan's (plans.gemv_fill_splits), timed as the tuner times them (the larger
 of host and GPU time, and the GPU part alone): data for the gemv choice (plans._gemv_rank)
-and split rule (plans.gemv_splits).
+and split rule (plans.gemv_splits), and at the end the rule's choice over the fastest.
 
     python3 tools/int8_tiles.py --gemv --random 60 --seed 5902 --m 1-16 --json gemv.json
+    python3 tools/int8_tiles.py --gemv-summary gemv.json   (the rule as the tree has it, no GPU)
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def main() -> None:
     ap.add_argument("--min-us", type=float, default=200.0)
     ap.add_argument("--json", metavar="PATH", help="also write every case's times, predictions and tile parameters")
     ap.add_argument("--gemv", action="store_true", help="the gemv variants at each split count (M <= 16)")
+    ap.add_argument("--gemv-summary", metavar="JSON", help="the gemv rule against a --gemv run's JSON (no GPU)")
     args = ap.parse_args()
+    if args.gemv_summary:
+        with open(args.gemv_summary) as f:
+            return gemv_summary(json.load(f))
     if args.gemv:
         return gemv_main(args)
     dev, fam = torch.device("cuda"), module_of("int8_gemm")
@@ -157,6 +162,29 @@ def gemv_main(args) -> None:
                 json.dump(rows, f, indent=1, default=str)
         del inputs, fns
         torch.cuda.empty_cache()
+    gemv_summary(rows)
+
+
+def gemv_summary(rows: list) -> None:
+    """The shape preference's gemv choice (plans.preference, each variant at its plan's
+    splits) over the fastest variant at its plan: geomean and worst, of the time and of the
+    GPU part. Also `python3 tools/int8_tiles.py --gemv-summary JSON` (no GPU)."""
+    class V:  # what plans.preference reads of a variant
+        backend, dtype = "cuda", None
+
+        def __init__(self, params):
+            self.params = params
+
+    time, gpu = [], []
+    for r in rows:
+        plan = [x for x in r["runs"] if x["tag"] == "plan"]
+        chosen = min(plan, key=lambda x: plans.preference(V(x["params"]), r["M"], r["N"], r["sms"], r["K"]))
+        time.append(chosen["us"] / min(x["us"] for x in plan))
+        gpu.append(chosen["gpu_us"] / min(x["gpu_us"] for x in plan))
+    if rows:
+        g = lambda a: math.exp(sum(map(math.log, a)) / len(a))  # noqa: E731
+        print(f"the rule's choice / the fastest over {len(rows)} cases: time {g(time):.3f} (worst {max(time):.2f}), "
+              f"GPU {g(gpu):.3f} (worst {max(gpu):.2f})")
 
 
 if __name__ == "__main__":
