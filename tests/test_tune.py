@@ -3,6 +3,7 @@
 CPU tests inject a fake timer and a fake device key; Triton variants load under the
 interpreter, so dispatch really loads the table's winner. GPU tests time real kernels."""
 
+import functools
 import json
 import logging
 import subprocess
@@ -555,7 +556,7 @@ def test_a_family_vetoes_a_nearby_winner_where_its_own_rule_knows_better(tables)
     assert fba.nearby_transfers({"rows": 9, "cols": 168, "has_y": True}, tuned, flat)
 
 
-def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables):
+def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables, monkeypatch):
     """`tuned_transfers`: logmatmul's bucket tuned at an even K keeps its wide tl.dot winner
     at every even K of the bucket, but an odd K (where that tile loads one element at a time)
     goes to the batch rule, memoised per shape (not for the bucket); an odd-K probe keeps it."""
@@ -582,6 +583,21 @@ def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables):
     odd = {**entry, "shape": {"B": 200, "N": 600, "K": 777}}
     tune.record({tune.key("logmatmul", FAKE_DEVICE, "float32", bucket): {**entry, "probes": [odd]}}, replace=True)
     assert choose(138, 535, 779) == (dispatch.load(wide), "tuned")
+    # the op memoises a tuned choice per bucket and K's parity: an even K's tuned winner is not
+    # handed to an odd K of the same bucket
+    calls = []
+
+    def fake_choose(device, dtype, B, N, K):
+        calls.append(K)
+        return ("rule", "untuned rule (vetoed)") if K % 2 else ("wide", "tuned")
+
+    monkeypatch.setattr(lmm.op, "_choose", fake_choose)
+    monkeypatch.setattr(lmm.op, "_MODULES", {})
+    monkeypatch.setattr(lmm.op, "_BY_SHAPE", {})
+    module = functools.partial(lmm.op._module, CUDA0, torch.float32)
+    assert [module(138, 535, 780), module(140, 600, 702), module(138, 535, 779), module(140, 600, 701)] == \
+        ["wide", "wide", "rule", "rule"]
+    assert calls == [780, 779, 701]  # the even K's choice served the bucket; each odd K chose anew
     # the small-batch forms and the 16-row tile load along K whatever its parity: never vetoed
     narrow = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == lmm.op.ODD_K_ROWS)
     assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], narrow)

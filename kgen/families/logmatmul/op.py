@@ -51,7 +51,9 @@ def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
     mod = _BY_SHAPE.get(exact, MISSING)
     if mod is not MISSING:
         return mod
-    key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length())
+    # (K's parity too: a tuned winner of the bucket holds for an even K and may be vetoed at an
+    # odd one, tuned_transfers)
+    key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length(), K & 1)
     mod = _MODULES.get(key, MISSING)
     if mod is MISSING:
         from kgen.runtime.dispatch import holds_for_bucket
