@@ -15,8 +15,8 @@ TIE = 0.02  # candidates within 2 % of the fastest are a tie (see pick)
 # shorter calls, partly L2-resident, move up to 5 % between processes (4096 x 4096 fp16)
 LONG_US = 100.0
 LONG_TIE = 0.005
-# host-bound candidates (host time above the GPU time) within 10 % of each other are a tie
-# that their GPU times decide (see pick): a shared host's launch times move 10-30 % between
+# a host-bound candidate (host time above the GPU time) within 10 % of another is a tie that
+# their GPU times decide (see pick, _tie): a shared host's launch times move 10-30 % between
 # calls (H100 hosts, BENCHMARKS.md), its GPU times a few %
 HOST_TIE = 0.10
 NEAR_MARGIN = 0.10  # a nearby bucket's winner carries over only with this margin (transfers)
@@ -34,8 +34,13 @@ def _margin(ta: float, tb: float) -> float:
 
 def _tie(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None) -> float:
     """How far apart a's and b's totals may be and still tie: HOST_TIE where the host bounds
-    both (its noise), else `_margin`."""
-    if _host_bound(a, times, gpu) and _host_bound(b, times, gpu):
+    either (its noise), else `_margin`. Either, not both: a GPU-bound candidate's total is
+    its kernel's, and a host-bound one within HOST_TIE of it costs the same in a host-bound
+    loop give or take the host's noise, while its kernel is what a captured graph or a busy
+    stream runs (float32 logmatmul 64 x 1024 x 1024 on an H200 host: a Triton tile host-bound
+    at 22.9 us with 14.0 us of GPU time lost at 2.1 % to one GPU-bound at 22.4, and served
+    47 x 848 x 806 at 25.5 us against 13.5; BENCHMARKS.md, sixtieth session)."""
+    if _host_bound(a, times, gpu) or _host_bound(b, times, gpu):
         return HOST_TIE
     return _margin(times[a], times[b])
 
@@ -75,8 +80,9 @@ def pick(times: dict[str, float], gpu: dict[str, float] | None = None) -> str:
     processes, measured on an H100), and a tie goes to the order the spec's author gave, so
     that noise does not flip choices between tables.
 
-    With GPU times (`gpu`, candidate -> GPU part of its time), a host-bound candidate ties
-    with a host-bound fastest one within HOST_TIE, and the tied candidates are narrowed
+    With GPU times (`gpu`, candidate -> GPU part of its time), a candidate ties with the
+    fastest one within HOST_TIE where the host bounds either of them (`_tie`), and the tied
+    candidates are narrowed
     first to those within TIE of the least GPU time among them: where the host's launch
     time bounds every candidate, the totals tie whatever the kernels cost, and the GPU time
     is what still tells them apart (logmatmul B = 16 on a slow host: every candidate
