@@ -386,13 +386,15 @@ def test_untuned_shapes_put_the_batchs_tile_first():
 
 
 def test_cuda_backward_chunks_cover_n_within_shared_memory():
-    from kgen.families.logmatmul.plans import BWD_B, BWD_CUDA_SMEM, bwd_cuda_chunks
+    from kgen.families.logmatmul.plans import BWD_B, BWD_CUDA_SMEM, bwd_cuda_chunks, pow2_at_least
 
     for B in range(1, BWD_B + 1):
         for N, K in ((1, 4), (5, 1028), (300, 516), (4096, 4096), (100000, 512), (3, 65536)):
             chunks, rows = bwd_cuda_chunks(B, N, K, 132)
-            assert (chunks - 1) * rows < N <= chunks * rows and 4 * B * rows <= BWD_CUDA_SMEM
+            # (the kernel keeps pow2(B) factors a row: 3 rows of x take 4)
+            assert (chunks - 1) * rows < N <= chunks * rows and 4 * pow2_at_least(B) * rows <= BWD_CUDA_SMEM
     assert bwd_cuda_chunks(1, 4096, 4096, 132) == (66, 63)  # 8 column tiles x 66 chunks: 528 CTAs
+    assert bwd_cuda_chunks(16, 4096, 4096, 132) == (33, 125)  # 9-16 rows: 16 tiles of 256 columns
 
 
 class _FakeCuda:

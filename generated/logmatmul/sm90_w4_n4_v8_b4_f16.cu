@@ -533,7 +533,7 @@ cudaError_t dispatch_b(int device, const TX* x, const void* w, float* pm, float*
 
 
 // ----------------------------------------------------------------------------- backward
-// The backward for float32 w and B <= BWD_B: dw[n, k] = sum_b c'[b, n] e'[b, k] and dx[b, k] =
+// The backward for float32 w and B <= BWD_B (16): dw[n, k] = sum_b c'[b, n] e'[b, k] and dx[b, k] =
 // e'[b, k] sum_n c'[b, n] w[n, k], with e' = exp(x - m) 2^S and c' = g exp(m - out) 2^-S (0
 // where out = -inf), so that c' e' = g exp(x - out) whatever the shifts: m and S only keep
 // e' and c' in float range. Each CTA takes its own per-row m and S from the x columns and the
@@ -541,40 +541,76 @@ cudaError_t dispatch_b(int device, const TX* x, const void* w, float* pm, float*
 // m = the largest x, 0 for none; L = log2 of exp(largest out - m); S = min(64, floor(100 - L)),
 // 0 for no live out. Its dx partials are e' times its sums, free of its shifts. So no
 // statistics launch runs first, and two launches of one host call (kgen_backward) remain:
-//  1. lmm_bwd_main, grid (K / (THREADS_BWD x 4), chunks of N): a thread owns 4 columns of w
-//     (16-byte loads, a warp 512 contiguous bytes of a row). Its first rows of w are in flight
-//     before the CTA's shifts and its chunk's c' (in shared memory) are computed; then each
-//     row is read once, the next rows loading while these are used (bwd_rows), its dw written
-//     once (16-byte streaming stores) and c' w summed per column.
+//  1. lmm_bwd_main, grid (K / (THREADS_BWD x C), chunks of N): a thread owns C = bwd_cols
+//     columns of w (4 up to 8 rows of x: 16-byte loads, a warp 512 contiguous bytes of a row;
+//     2 at 16). Its first rows of w are in flight before the CTA's shifts and its chunk's c'
+//     (in shared memory, a row's BB factors together: one broadcast 16-byte read per 4 rows
+//     of x) are computed; then each row is read once, the next rows loading while these are
+//     used (bwd_rows), its dw written once (streaming stores) and c' w summed per column.
 //  2. lmm_bwd_dx (several chunks): dx = the chunks' partials summed in order.
 // Both are programmatic dependent launches (common/pdl.cuh.j2; sm_90): each starts launching
 // while the kernel before it finishes, and waits for it before touching memory.
 // No atomics: bit-identical run to run.
-constexpr int BWD_B = 8;
+constexpr int BWD_B = 16;
 constexpr int THREADS_BWD = 128;
 constexpr int WARPS_BWD = THREADS_BWD / 32;
-// rows of w a thread uses per step, as many more in flight: 8 up to 4 rows of x, 4 at 8 (its
-// sums and exps take the registers; H100, N = K = 4096: B = 1..4 0.5-0.9 us faster than 4 rows)
+// columns of w a thread owns: 4 up to 8 rows of x, 2 at 16 (a thread's exps and sums are
+// 2 x BB x C registers); plans.bwd_cuda_cols says the same
+__host__ __device__ constexpr int bwd_cols(int bb) { return bb <= 8 ? 4 : 2; }
+// rows of w a thread uses per step, as many more in flight: 8 up to 4 rows of x, 4 at 8 and
+// 16 (its sums and exps take the registers: 8 at 16 spilled; H100, N = K = 4096: B = 1..4
+// 0.5-0.9 us faster than 4 rows)
 template <int BB>
 __host__ __device__ constexpr int bwd_rows() { return BB <= 4 ? 8 : 4; }
-constexpr size_t BWD_SMEM = 46 * 1024;  // c' of a chunk: B x n_chunk floats
+constexpr size_t BWD_SMEM = 46 * 1024;  // c' of a chunk: BB x n_chunk floats
 
-__device__ __forceinline__ void st_stream(float* p, float4 v) {
-  asm volatile("st.global.cs.v4.f32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
-               : "memory");
+template <int C>
+__device__ __forceinline__ void st_stream(float* p, const float (&v)[C]) {
+  if constexpr (C == 4)
+    asm volatile("st.global.cs.v4.f32 [%0], { %1, %2, %3, %4 };" :: "l"(p), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+  else
+    asm volatile("st.global.cs.v2.f32 [%0], { %1, %2 };" :: "l"(p), "f"(v[0]), "f"(v[1]) : "memory");
+}
+
+template <int C>
+__device__ __forceinline__ void bwd_weights(const float* p, float (&f)[C]) {
+  if constexpr (C == 4) {
+    Vec<float, 4>::weights(p, f);
+  } else {
+    unsigned a, b;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 { %0, %1 }, [%2];" : "=r"(a), "=r"(b) : "l"(p));
+    f[0] = __uint_as_float(a);
+    f[1] = __uint_as_float(b);
+  }
 }
 
 // rows r .. r + R - 1 of the chunk at this thread's columns (0 past the chunk or K)
-template <int R>
-__device__ __forceinline__ void bwd_load(float (&wv)[R][4], const float* wp, int r, int rows, int K, bool k_ok) {
+template <int R, int C>
+__device__ __forceinline__ void bwd_load(float (&wv)[R][C], const float* wp, int r, int rows, int K, bool k_ok) {
 #pragma unroll
   for (int u = 0; u < R; ++u) {
     if (k_ok && r + u < rows) {
-      Vec<float, 4>::weights(wp + (int64_t)(r + u) * K, wv[u]);
+      bwd_weights<C>(wp + (int64_t)(r + u) * K, wv[u]);
     } else {
 #pragma unroll
-      for (int v = 0; v < 4; ++v) wv[u][v] = 0.f;
+      for (int v = 0; v < C; ++v) wv[u][v] = 0.f;
     }
+  }
+}
+
+// one row's BB factors c' (shared memory, 16-byte aligned for BB >= 4): a broadcast read
+template <int BB>
+__device__ __forceinline__ void bwd_factors(const float* p, float (&c)[BB]) {
+  if constexpr (BB >= 4) {
+#pragma unroll
+    for (int i = 0; i < BB / 4; ++i) {
+      const float4 v = reinterpret_cast<const float4*>(p)[i];
+      c[4 * i] = v.x; c[4 * i + 1] = v.y; c[4 * i + 2] = v.z; c[4 * i + 3] = v.w;
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < BB; ++b) c[b] = p[b];
   }
 }
 
@@ -584,26 +620,26 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
              const float* __restrict__ g, float* __restrict__ dw, float* __restrict__ dxp, TX* __restrict__ dx, int B,
              int N, int K, int n_chunk, bool direct) {
   extern __shared__ float4 bwd_smem[];
-  float* cs = reinterpret_cast<float*>(bwd_smem);  // [B][n_chunk]
+  float* cs = reinterpret_cast<float*>(bwd_smem);  // [n_chunk][BB]: 0 past B
   __shared__ float red[2][BB][WARPS_BWD];          // per warp: the largest x, the largest out
   pdl_wait();  // the kernel before has finished (out and g written)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int k = (blockIdx.x * THREADS_BWD + threadIdx.x) * 4;
+  constexpr int C = bwd_cols(BB), R = bwd_rows<BB>();
+  const int k = (blockIdx.x * THREADS_BWD + threadIdx.x) * C;
   const int n_lo = blockIdx.y * n_chunk;
   const int rows = min(n_chunk, N - n_lo);
-  const bool k_ok = k < K;  // K % 4 == 0: a thread's 4 columns are all in or all out
+  const bool k_ok = k < K;  // K % 4 == 0: a thread's C columns are all in or all out
   const float* wp = w + (int64_t)n_lo * K + k;
-  constexpr int R = bwd_rows<BB>();
-  float wv[R][4];
+  float wv[R][C];
   bwd_load(wv, wp, 0, rows, K, k_ok);  // in flight while the shifts and c' are computed
 
   // the CTA's shifts: x over its columns, out over its chunk's rows
-  float xv[BB][4];
+  float xv[BB][C];
 #pragma unroll
   for (int b = 0; b < BB; ++b) {
     float mx = -INFINITY, mo = -INFINITY;
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < C; ++v) {
       // rows past B: -inf (e' = 0: they add nothing to dw; their dx is never written)
       xv[b][v] = b < B && k_ok ? kgen::to_float(x[(int64_t)b * K + k + v]) : -INFINITY;
       mx = fmaxf(mx, xv[b][v]);
@@ -631,24 +667,29 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
     const float L = (mo - m[b]) * LOG2E;  // log2 of the largest live s
     S[b] = L == -INFINITY ? 0.f : fminf(64.f, floorf(100.f - L));
   }
-  for (int i = threadIdx.x; i < B * rows; i += THREADS_BWD) {
+  // (b-major over i: the reads of out and g coalesce; rows b past B get 0, as their e' is)
+  for (int i = threadIdx.x; i < BB * rows; i += THREADS_BWD) {
     const int b = i / rows, r = i - b * rows;
-    const int64_t o = (int64_t)b * N + n_lo + r;
-    const float ob = out[o];
-    float mb = 0.f, Sb = 0.f;  // m[b], S[b] without indexing registers by a variable
+    float c = 0.f;
+    if (b < B) {
+      const int64_t o = (int64_t)b * N + n_lo + r;
+      const float ob = out[o];
+      float mb = 0.f, Sb = 0.f;  // m[b], S[b] without indexing registers by a variable
 #pragma unroll
-    for (int j = 0; j < BB; ++j)
-      if (j == b) {
-        mb = m[j];
-        Sb = S[j];
-      }
-    cs[b * n_chunk + r] = ob == -INFINITY ? 0.f : g[o] * exp2f((mb - ob) * LOG2E - Sb);
+      for (int j = 0; j < BB; ++j)
+        if (j == b) {
+          mb = m[j];
+          Sb = S[j];
+        }
+      c = ob == -INFINITY ? 0.f : g[o] * exp2f((mb - ob) * LOG2E - Sb);
+    }
+    cs[r * BB + b] = c;
   }
-  float e[BB][4], acc[BB][4];
+  float e[BB][C], acc[BB][C];
 #pragma unroll
   for (int b = 0; b < BB; ++b)
 #pragma unroll
-    for (int v = 0; v < 4; ++v) {
+    for (int v = 0; v < C; ++v) {
       e[b][v] = exp2f((xv[b][v] - m[b]) * LOG2E + S[b]);  // x = -inf: 0
       acc[b][v] = 0.f;
     }
@@ -656,41 +697,47 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
   if (k_ok) {
     float* dwp = dw + (int64_t)n_lo * K + k;
     for (int r = 0; r < rows; r += R) {
-      float wn[R][4];
+      float wn[R][C];
       bwd_load(wn, wp, r + R, rows, K, k_ok);  // the next rows, while these are used
 #pragma unroll
       for (int u = 0; u < R; ++u) {
         if (r + u < rows) {
-          float d[4] = {0.f, 0.f, 0.f, 0.f};
+          float c[BB], d[C];
+          bwd_factors<BB>(cs + (r + u) * BB, c);
+#pragma unroll
+          for (int v = 0; v < C; ++v) d[v] = 0.f;
 #pragma unroll
           for (int b = 0; b < BB; ++b) {
-            const float c = cs[min(b, B - 1) * n_chunk + r + u];  // a broadcast read
 #pragma unroll
-            for (int v = 0; v < 4; ++v) {
-              d[v] = fmaf(c, e[b][v], d[v]);
-              acc[b][v] = fmaf(c, wv[u][v], acc[b][v]);
+            for (int v = 0; v < C; ++v) {
+              d[v] = fmaf(c[b], e[b][v], d[v]);
+              acc[b][v] = fmaf(c[b], wv[u][v], acc[b][v]);
             }
           }
-          st_stream(dwp + (int64_t)(r + u) * K, make_float4(d[0], d[1], d[2], d[3]));
+          st_stream<C>(dwp + (int64_t)(r + u) * K, d);
         }
       }
 #pragma unroll
       for (int u = 0; u < R; ++u)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) wv[u][v] = wn[u][v];
+        for (int v = 0; v < C; ++v) wv[u][v] = wn[u][v];
     }
     pdl_launch_dependents();  // lmm_bwd_dx may start launching (it waits for this grid)
 #pragma unroll
     for (int b = 0; b < BB; ++b) {
       if (b < B) {
-        float p[4];  // this chunk's part of dx (0 where e' = 0)
+        float p[C];  // this chunk's part of dx (0 where e' = 0)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) p[v] = e[b][v] == 0.f ? 0.f : e[b][v] * acc[b][v];  // NaN stays NaN
+        for (int v = 0; v < C; ++v) p[v] = e[b][v] == 0.f ? 0.f : e[b][v] * acc[b][v];  // NaN stays NaN
         if (direct) {
 #pragma unroll
-          for (int v = 0; v < 4; ++v) dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(p[v]);
+          for (int v = 0; v < C; ++v) dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(p[v]);
         } else {
-          *reinterpret_cast<float4*>(dxp + ((int64_t)blockIdx.y * B + b) * K + k) = make_float4(p[0], p[1], p[2], p[3]);
+          float* q = dxp + ((int64_t)blockIdx.y * B + b) * K + k;
+          if constexpr (C == 4)
+            *reinterpret_cast<float4*>(q) = make_float4(p[0], p[1], p[2], p[3]);
+          else
+            *reinterpret_cast<float2*>(q) = make_float2(p[0], p[1]);
         }
       }
     }
@@ -709,17 +756,19 @@ lmm_bwd_dx(const float* __restrict__ dxp, TX* __restrict__ dx, int B, int K, int
 
 cudaError_t backward_run(int device, const TX* x, const float* w, const float* out, const float* g, float* dw,
                          float* dxp, TX* dx, int B, int N, int K, int chunks, int n_chunk, cudaStream_t s) {
-  const size_t smem = (size_t)B * n_chunk * sizeof(float);
+  const int bb = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : B <= 8 ? 8 : 16;  // the kernel's BB
+  const size_t smem = (size_t)bb * n_chunk * sizeof(float);
   if (B < 1 || B > BWD_B || K % 4 || chunks < 1 || chunks > 65535 || (int64_t)chunks * n_chunk < N ||
       smem > BWD_SMEM)
     return cudaErrorInvalidValue;
-  const dim3 grid((unsigned)kgen::cdiv(K, THREADS_BWD * 4), chunks), block(THREADS_BWD);
+  const dim3 grid((unsigned)kgen::cdiv(K, THREADS_BWD * bwd_cols(bb)), chunks), block(THREADS_BWD);
   const bool direct = chunks == 1;
   cudaError_t e;
-  if (B <= 1) e = launch_pdl(device, lmm_bwd_main<1>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
-  else if (B <= 2) e = launch_pdl(device, lmm_bwd_main<2>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
-  else if (B <= 4) e = launch_pdl(device, lmm_bwd_main<4>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
-  else e = launch_pdl(device, lmm_bwd_main<8>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  if (bb == 1) e = launch_pdl(device, lmm_bwd_main<1>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (bb == 2) e = launch_pdl(device, lmm_bwd_main<2>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (bb == 4) e = launch_pdl(device, lmm_bwd_main<4>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else if (bb == 8) e = launch_pdl(device, lmm_bwd_main<8>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
+  else e = launch_pdl(device, lmm_bwd_main<16>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
   if (e != cudaSuccess || direct) return e;
   return launch_pdl(device, lmm_bwd_dx, dim3((unsigned)kgen::cdiv((int64_t)B * K, 256)), dim3(256), 0, s, dxp, dx, B, K,
                     chunks);

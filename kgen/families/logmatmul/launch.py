@@ -11,7 +11,7 @@ CTAs hold 16 nodes per warp's m-tile and its K slices step by plans.cuda_k_step.
 
 Backward: see the Triton template's header (per-row factors, then one pass over w that
 reads it and writes dw; dx's chunk partials summed in order: no atomics, bit-identical run
-to run). A CUDA variant's library holds its own backward for float32 w and B <= 8
+to run). A CUDA variant's library holds its own backward for float32 w and B <= 16
 (CudaForward.backward: two launches in one host call, each CTA taking its own shifts, so
 no statistics launch; backward.cuh.j2), on by default (CUDA_BACKWARD).
 

@@ -93,22 +93,27 @@ def bwd_chunks(mod, N: int, K: int, sms: int) -> tuple[int, int]:
     return cdiv(N, rows), rows
 
 
-# The CUDA backward (cuda.cu.j2's kgen_backward): rows of x it takes, columns of w per CTA
-# (128 threads x 4), CTAs per SM aimed for, the shared memory of a chunk's c' (B x rows).
-BWD_B = 8
-BWD_CUDA_COLS = 512
+# The CUDA backward (cuda.cu.j2's kgen_backward): rows of x it takes, CTAs per SM aimed for,
+# the shared memory of a chunk's c' (B rounded up to a power of two x rows).
+BWD_B = 16
 BWD_CUDA_WAVES = 4
 BWD_CUDA_SMEM = 46 * 1024
 
 
+def bwd_cuda_cols(B: int) -> int:
+    """Columns of w a CTA of the CUDA backward takes: 128 threads x 4 up to 8 rows of x,
+    x 2 at 9-16 (backward.cuh.j2's bwd_cols)."""
+    return 128 * (4 if B <= 8 else 2)
+
+
 def bwd_cuda_chunks(B: int, N: int, K: int, sms: int) -> tuple[int, int]:
     """(chunks, rows per chunk) of N for the CUDA backward: about BWD_CUDA_WAVES CTAs per SM
-    over (column tiles x chunks), at least 8 rows a chunk, B x rows floats of c' within
+    over (column tiles x chunks), at least 8 rows a chunk, pow2(B) x rows floats of c' within
     its shared memory. At N = K = 4096 on a 132-SM H100: 8 column tiles x 66 chunks of 63
-    rows."""
-    tiles = cdiv(K, BWD_CUDA_COLS)
+    rows (B <= 8)."""
+    tiles = cdiv(K, bwd_cuda_cols(B))
     chunks = max(1, min(cdiv(BWD_CUDA_WAVES * sms, tiles), cdiv(N, 8)))
-    chunks = max(chunks, cdiv(N, BWD_CUDA_SMEM // (4 * B)))
+    chunks = max(chunks, cdiv(N, BWD_CUDA_SMEM // (4 * pow2_at_least(B))))
     rows = cdiv(N, chunks)
     return cdiv(N, rows), rows
 
