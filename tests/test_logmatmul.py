@@ -334,7 +334,8 @@ def test_tune_hooks():
 
 def test_untuned_shapes_put_the_batchs_tile_first():
     """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
-    at B = 16; from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
+    at B = 16, but the tensor-core CUDA form first at 8-16 rows of float32 over large weights;
+    from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
     64 below 512, else 128), small weights and few outputs the small-batch Triton form; the
     rest after it."""
     vs = dispatch._ordered("logmatmul", "float32", (9, 0))
@@ -342,8 +343,17 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     def order(B, N, K):
         return lmm.untuned_order(vs, {"B": B, "N": N, "K": K})
 
-    assert order(8, 4096, 4096) == vs and order(16, 512, 512) == vs
-    for B, rows in ((16, 16), (32, 16), (64, 64), (127, 64), (130, 64), (256, 64), (511, 64), (512, 128), (4096, 128)):
+    assert order(7, 4096, 4096) == vs and order(8, 2048, 2047) == vs and order(16, 512, 512) == vs
+    # 8-16 rows of float32 over 4M weights or more: the tensor-core CUDA form first
+    for B, N, K in ((8, 4096, 4096), (16, 777, 12004), (12, 300, 20000), (16, 2048, 2048)):
+        first, *rest = order(B, N, K)
+        assert first.backend == "cuda" and first.params["mma"] == 1, (B, N, K)
+        assert rest == [v for v in vs if v is not first]
+    for B, N, K in ((16, 2048, 2047), (17, 4096, 4096)):
+        assert order(B, N, K)[0].params.get("mma", 0) == 0, (B, N, K)
+    bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))  # (no tensor-core form: tl.dot at B = 16)
+    assert lmm.untuned_order(bf16, {"B": 16, "N": 4096, "K": 4096})[0].params["block_b"] == 16
+    for B, rows in ((17, 16), (32, 16), (64, 64), (127, 64), (130, 64), (256, 64), (511, 64), (512, 128), (4096, 128)):
         first, *rest = order(B, 4096, 4096)
         assert first.backend == "triton" and first.params["block_b"] == rows and first.params["dot"] != "none"
         assert rest == [v for v in vs if v is not first]
@@ -360,7 +370,6 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         assert order(B, N, K)[0].params["dot"] == "none", (B, N, K)
     # odd K from ODD_K_SMALL_K: the small-batch form up to 96K outputs (float32) or 32K
     # (16-bit x), whatever the weights' size; the tiles beyond, and at an even or shorter K
-    bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))
     for dtype_vs, B, N, K, small in ((vs, 130, 300, 545, True), (vs, 115, 312, 657, True), (vs, 57, 1401, 1341, True),
                                      (vs, 60, 2000, 1001, False), (vs, 130, 300, 511, False),
                                      (vs, 130, 300, 546, False), (vs, 16, 2000, 1001, False),

@@ -181,6 +181,18 @@ def tuned_transfers(shape: dict, probes: list, variant) -> bool:
     return not shape["K"] % 2 or any(p["K"] % 2 for p in probes)
 
 
+# The batches (float32: the tensor-core CUDA form, mma = 1, takes float32 x and w only) and
+# the weights (N x K) from which the tensor-core form goes first where nothing is tuned: its
+# FMA rivals issue B FMAs a weight and fall behind the weights' stream. The H100 and H200
+# tables: at B = 16 it won 4096^2 by 1.55-1.81x over spec order's FMA form and lost 1024^2
+# by 1.08-1.14x and 512^2 by 1.9x; at B = 8 it won 4096^2 by 1.03-1.13x and lost 1024^2 by
+# 1.36-1.41x. Untuned shapes on an H200 (GPU us, the FMA form's against it): 8 x 777 x 12004
+# 22.5 against 15.6, 12 x 777 x 12004 31.0 against 18.2, 16 x 300 x 20000 21.9 against 17.6;
+# 16 x 777 x 12004 ran 57.4 on the 16-row tl.dot tile before, 18.9 now (BENCHMARKS.md,
+# sixtieth session).
+MMA_BATCH, MMA_WEIGHTS = (8, 16), 1 << 22
+
+
 def _by_batch(variants, B: int, N: int, K: int):
     """Where nothing is tuned, B >= 16 runs a tl.dot variant whose rows per program match
     the batch (16 up to B = 32, 64 below WIDE_TILE_ROWS, else 128 -- 16 where those programs
@@ -192,7 +204,12 @@ def _by_batch(variants, B: int, N: int, K: int):
     tuned size) and the small-batch Triton form above it where the outputs are few too
     (SMALL_OUTPUTS, SMALL_WORK; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
     16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session), as do odd K's moderate
-    outputs (ODD_K_OUTPUTS). None: spec order."""
+    outputs (ODD_K_OUTPUTS). 8-16 rows of float32 over large weights take the tensor-core
+    CUDA form (MMA_BATCH, MMA_WEIGHTS). None: spec order."""
+    if MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
+        mma = next((v for v in variants if v.backend == "cuda" and v.params.get("mma", 0)), None)
+        if mma is not None:
+            return mma
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
