@@ -156,15 +156,20 @@ FEW_PROGRAMS, FEW_PROGRAMS_K = (128, 32), 128
 TUNED_ROWS = 256
 
 
+def _wide_dot_tile(variant) -> bool:
+    """Whether `variant` is a tl.dot tile of more than ODD_K_ROWS rows: at an odd K its loads
+    go one element at a time (ODD_K_ROWS)."""
+    return variant is not None and variant.params.get("dot", "none") != "none" and variant.params["block_b"] > ODD_K_ROWS
+
+
 def nearby_transfers(shape: dict, bucket: str, variant) -> bool:
     """dispatch's veto on a nearby bucket's winner (above): False where `_by_batch` serves the
     shape instead, also wherever the winner is a tl.dot tile of more than ODD_K_ROWS rows
-    and K is odd (its loads would go one element at a time)."""
+    and K is odd."""
     B, N, K = shape["B"], shape["N"], shape["K"]
     if B <= 16:
-        return True  # the small batches: _by_batch names nothing (spec order)
-    if variant is not None and variant.params.get("dot", "none") != "none" and variant.params["block_b"] > ODD_K_ROWS \
-            and K % 2:
+        return True  # the small batches: a nearby bucket's measured winner serves them
+    if _wide_dot_tile(variant) and K % 2:
         return False
     return B > TUNED_ROWS and tune_bucket(B, N, K).split(".")[1:] == bucket.split(".")[1:]
 
@@ -176,9 +181,7 @@ def tuned_transfers(shape: dict, probes: list, variant) -> bool:
     138 x 535 x 779, the B <= 256, N, K <= 1024 bucket's 128-row winner, tuned at 256 x 1024 x
     1024, ran 77.9 us of GPU time against the 16-row tile's 26.0; BENCHMARKS.md fifty-ninth
     session). `_by_batch` then serves the call, as at an odd K nothing was tuned for."""
-    if variant is None or variant.params.get("dot", "none") == "none" or variant.params["block_b"] <= ODD_K_ROWS:
-        return True
-    return not shape["K"] % 2 or any(p["K"] % 2 for p in probes)
+    return not _wide_dot_tile(variant) or not shape["K"] % 2 or any(p["K"] % 2 for p in probes)
 
 
 # The batches (float32: the tensor-core CUDA form, mma = 1, takes float32 x and w only) and
