@@ -426,6 +426,45 @@ class _FakeCuda:
         raise RuntimeError(rc)
 
 
+def test_a_triton_forwards_backward_runs_a_cuda_library_where_one_takes_it(monkeypatch):
+    """B <= 16 with float32 w, a forward dispatch put on a Triton module: the backward runs a
+    CUDA variant of x's dtype wrapped around that module (its library's one pass over w),
+    loaded once per module; a CUDA forward, B past BWD_B, 16-bit w, a CPU tensor, a `using`
+    block and CUDA_BACKWARD off keep the module, as does a dtype no CUDA variant loads for."""
+    from types import SimpleNamespace as NS
+
+    from kgen.families.logmatmul import op as lop
+
+    picked = []
+
+    def select(family, device, dtype, backend=None, shape=None):
+        picked.append((family, dtype, backend))
+        return _FakeCuda()
+
+    monkeypatch.setattr(dispatch, "select", select)
+    monkeypatch.setattr(lop, "_BWD_CUDA", {})
+    tri = object()  # a Triton module
+    gpu = torch.device("cuda", 0)
+    x, w32 = NS(shape=(12, 64), device=gpu, dtype=torch.float32), NS(dtype=torch.float32)
+    got = lop._backward_module(tri, x, w32)
+    assert isinstance(got, launch.CudaForward) and got.triton is tri
+    assert picked == [("logmatmul", "float32", "cuda")]
+    assert lop._backward_module(tri, x, w32) is got and len(picked) == 1  # loaded once
+    assert lop._backward_module(got, x, w32) is got
+    assert lop._backward_module(tri, NS(shape=(17, 64), device=gpu, dtype=torch.float32), w32) is tri
+    assert lop._backward_module(tri, x, NS(dtype=torch.bfloat16)) is tri
+    assert lop._backward_module(tri, NS(shape=(12, 64), device=torch.device("cpu"), dtype=torch.float32), w32) is tri
+    with lop.using(tri):
+        assert lop._backward_module(tri, x, w32) is tri
+    monkeypatch.setattr(launch, "CUDA_BACKWARD", False)
+    assert lop._backward_module(tri, x, w32) is tri
+    monkeypatch.setattr(launch, "CUDA_BACKWARD", True)
+    monkeypatch.setattr(dispatch, "select", lambda *a, **k: picked.append("none"))
+    xb = NS(shape=(3, 64), device=gpu, dtype=torch.bfloat16)
+    assert lop._backward_module(tri, xb, w32) is tri and lop._backward_module(tri, xb, w32) is tri
+    assert picked.count("none") == 1  # remembered
+
+
 def test_fast_path_launches_what_the_general_path_does(monkeypatch):
     """The op's eager fast path (a bound launcher per call signature) passes the kernel the
     same arguments as CudaForward.run, and steps aside for gradients, `using` blocks,

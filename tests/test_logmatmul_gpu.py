@@ -212,6 +212,46 @@ def test_gpu_cuda_backward(poison, name):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpu_a_triton_forward_takes_the_cuda_backward(poison, monkeypatch, dtype):
+    """Where dispatch gives a Triton tile at B <= 16 with float32 w (the tuned bf16 B <= 16
+    buckets at 4096^2 do; here `_module` is patched to give it), the op's backward runs a CUDA
+    variant's library backward (spied: it ran, and took the call), with gradients within
+    GRAD_TOL of float64 and bit-identical run to run."""
+    from kgen.families.logmatmul import op as lop
+
+    tri = _gpu_mod(next(v.name for v in SPEC.variants if v.backend == "triton" and v.dtype == dtype))
+    monkeypatch.setattr(lop, "_module", lambda *a: tri)
+    ran = []
+    real = launch.CudaForward.backward
+
+    def spy(self, *a):
+        got = real(self, *a)
+        ran.append(got is not None)
+        return got
+
+    monkeypatch.setattr(launch.CudaForward, "backward", spy)
+    t = getattr(torch, dtype)
+    for B, N, K in ((13, 300, 1028), (4, 77, 516)):
+        x, w = numerics.make_inputs(B, N, K, t, torch.device("cuda"), seed=B)  # (w float32)
+        g = torch.randn(B, N, generator=torch.Generator().manual_seed(B), dtype=torch.float64).to("cuda")
+        grads = []
+        for _ in range(2):
+            xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+            lmm.logmatmul(xg, wg).backward(g.float())
+            grads.append((xg.grad, wg.grad))
+        assert ran == [True, True] * (1 + (B == 4)), ran
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        lmm.reference(xr, wr, torch.float64).backward(g)
+        tol = numerics.GRAD_TOL[dtype]
+        for have, want, gt in ((grads[0][0], xr.grad, tol), (grads[0][1], wr.grad, numerics.GRAD_TOL["float32"])):
+            big = float(want.abs().max())
+            assert big > 0 and torch.isfinite(have).all(), (B, N, K)
+            assert float((have.double() - want).abs().max()) <= gt * big, (B, N, K)
+        assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@gpu
 @pytest.mark.parametrize("name", [n for n in CUDA if n.startswith("sm90")])
 def test_gpu_cuda_fast_path_with_a_k_split(poison, name):
     """The op's eager fast path (CudaForward.direct) where the plan splits K: the partials in

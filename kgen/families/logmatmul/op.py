@@ -7,9 +7,11 @@ import contextlib
 
 import torch
 
+from kgen.families.logmatmul import launch as _launch
 from kgen.families.logmatmul.checks import check_block_sparse, check_dense
 from kgen.families.logmatmul.launch import (
     CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward, triton_direct)
+from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import reference, reference_backward
 from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
@@ -17,6 +19,7 @@ FAMILY = "logmatmul"
 _FORCED = Override()
 _MODULES: dict = {}  # per shape bucket, where the choice is the bucket's (dispatch.holds_for_bucket)
 _BY_SHAPE: dict = {}  # per exact shape, in front of _MODULES
+_BWD_CUDA: dict = {}  # per (device index, x dtype, Triton module): what runs its backward (_backward_module)
 # The eager fast path (`logmatmul`): per exact signature (x shape, w shape, dtypes,
 # devices), a CUDA variant's bound one-launch launcher (CudaForward.direct); and the `using`
 # blocks open in any thread (the fast path steps aside while one is).
@@ -309,7 +312,28 @@ def _bwd_impl(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad: torch.T
     grad = grad.to(torch.float32).contiguous()
     if mod is None:
         return reference_backward(x, w, out, grad)
-    return backward(mod, x.contiguous(), w.contiguous(), out.contiguous(), grad)
+    return backward(_backward_module(mod, x, w), x.contiguous(), w.contiguous(), out.contiguous(), grad)
+
+
+def _backward_module(mod, x: torch.Tensor, w: torch.Tensor):
+    """What runs the backward of a call whose forward dispatch gave `mod`: `mod` itself, but
+    for a Triton module at 1 <= B <= BWD_B with float32 w on CUDA, a CUDA variant of x's dtype
+    wrapped around it (the first that loads, spec order), whose library backward is one pass
+    over w where the Triton module's is the GEMM form past its bwd_b: H200, N = K = 4096 float32,
+    B = 16: 59.9 us against 136.5 (BENCHMARKS.md, sixtieth session). Calls the library backward
+    cannot take (K % 4, unaligned w) fall back to `mod` in launch.backward. A `using` block runs
+    what it names, forward and backward."""
+    if (isinstance(mod, CudaForward) or not _launch.CUDA_BACKWARD or w.dtype is not torch.float32
+            or not 1 <= x.shape[0] <= BWD_B or x.device.type != "cuda" or _FORCED.get() is not MISSING):
+        return mod
+    key = (x.device.index, x.dtype, mod)
+    got = _BWD_CUDA.get(key, MISSING)
+    if got is MISSING:
+        from kgen.runtime import dispatch
+
+        kernel = dispatch.select(FAMILY, x.device, str(x.dtype).removeprefix("torch."), backend="cuda")
+        got = _BWD_CUDA[key] = CudaForward(kernel, mod) if kernel is not None else mod
+    return got
 
 
 def _bwd_fake(x, w, out, grad):
