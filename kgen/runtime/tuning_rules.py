@@ -38,7 +38,7 @@ def _tie(a: str, b: str, times: dict[str, float], gpu: dict[str, float] | None) 
     its kernel's, and a host-bound one within HOST_TIE of it costs the same in a host-bound
     loop give or take the host's noise, while its kernel is what a captured graph or a busy
     stream runs (float32 logmatmul 64 x 1024 x 1024 on an H200 host: a Triton tile host-bound
-    at 22.9 us with 14.0 us of GPU time lost at 2.1 % to one GPU-bound at 22.4, and served
+    at 22.9 us with 14.0 us of GPU time lost at 2.0 % to one GPU-bound at 22.4, and served
     47 x 848 x 806 at 25.5 us against 13.5; BENCHMARKS.md, sixtieth session)."""
     if _host_bound(a, times, gpu) or _host_bound(b, times, gpu):
         return HOST_TIE
