@@ -319,10 +319,10 @@ def _backward_module(mod, x: torch.Tensor, w: torch.Tensor):
     """What runs the backward of a call whose forward dispatch gave `mod`: `mod` itself, but
     for a Triton module at 1 <= B <= BWD_B with float32 w on CUDA, a CUDA variant of x's dtype
     wrapped around it (the first that loads, spec order), whose library backward is one pass
-    over w where the Triton module's is the GEMM form past its bwd_b: H200, N = K = 4096 float32,
-    B = 16: 59.9 us against 136.5 (BENCHMARKS.md, sixtieth session). Calls the library backward
-    cannot take (K % 4, unaligned w) fall back to `mod` in launch.backward. A `using` block runs
-    what it names, forward and backward."""
+    over w where the Triton module's is the GEMM form past its bwd_b: H200, N = K = 4096, bf16 x
+    and float32 w, B = 16: a training step of 110.4 us against 183.6 (BENCHMARKS.md, sixtieth
+    session). Calls the library backward cannot take (K % 4, unaligned w) fall back to `mod`
+    in launch.backward. A `using` block runs what it names, forward and backward."""
     if (isinstance(mod, CudaForward) or not _launch.CUDA_BACKWARD or w.dtype is not torch.float32
             or not 1 <= x.shape[0] <= BWD_B or x.device.type != "cuda" or _FORCED.get() is not MISSING):
         return mod
