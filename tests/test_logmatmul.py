@@ -334,7 +334,7 @@ def test_tune_hooks():
 
 def test_untuned_shapes_put_the_batchs_tile_first():
     """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
-    at B = 16, but the tensor-core CUDA form first at 8-16 rows of float32 over large weights;
+    at B = 16, but the tensor-core CUDA form first at 8-64 rows of float32 over large weights;
     from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
     64 below 512, else 128), small weights and few outputs the small-batch Triton form; the
     rest after it."""
@@ -344,19 +344,21 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         return lmm.untuned_order(vs, {"B": B, "N": N, "K": K})
 
     assert order(7, 4096, 4096) == vs and order(8, 2048, 2047) == vs and order(16, 512, 512) == vs
-    # 8-16 rows of float32 over 4M weights or more: the tensor-core CUDA form first
-    for B, N, K in ((8, 4096, 4096), (16, 777, 12004), (12, 300, 20000), (16, 2048, 2048)):
+    # 8-64 rows of float32 over 4M weights or more: the tensor-core CUDA form first
+    for B, N, K in ((8, 4096, 4096), (16, 777, 12004), (12, 300, 20000), (16, 2048, 2048), (17, 777, 12004),
+                    (40, 6000, 800), (64, 4096, 4096)):
         first, *rest = order(B, N, K)
         assert first.backend == "cuda" and first.params["mma"] == 1, (B, N, K)
         assert rest == [v for v in vs if v is not first]
-    for B, N, K in ((16, 2048, 2047), (17, 4096, 4096)):
+    for B, N, K in ((16, 2048, 2047), (65, 4096, 4096)):
         assert order(B, N, K)[0].params.get("mma", 0) == 0, (B, N, K)
     bf16 = dispatch._ordered("logmatmul", "bfloat16", (9, 0))  # (no tensor-core form: tl.dot at B = 16)
     assert lmm.untuned_order(bf16, {"B": 16, "N": 4096, "K": 4096})[0].params["block_b"] == 16
     for B, rows in ((17, 16), (32, 16), (64, 64), (127, 64), (130, 64), (256, 64), (511, 64), (512, 128), (4096, 128)):
-        first, *rest = order(B, 4096, 4096)
+        dtype_vs = bf16 if B <= 64 else vs  # (float32 to B = 64: the tensor-core form, above)
+        first, *rest = lmm.untuned_order(dtype_vs, {"B": B, "N": 4096, "K": 4096})
         assert first.backend == "triton" and first.params["block_b"] == rows and first.params["dot"] != "none"
-        assert rest == [v for v in vs if v is not first]
+        assert rest == [v for v in dtype_vs if v is not first]
     first = order(64, 512, 512)[0]
     assert first.backend == "triton" and first.params["dot"] == "none"
     # small weights but many outputs or much work: the small-batch form's programs grow with B x N
@@ -387,7 +389,7 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     # under 64M at K > 16 (every tile then takes its exps in the tile loop)
     f32 = dispatch._ordered("logmatmul", "float32", (9, 0))
     for B, N, K, rows in ((110, 1200, 120, 16), (130, 2500, 120, 16), (100, 4679, 120, 16), (200, 2500, 120, 16),
-                          (60, 1900, 1024, 16), (100, 1200, 1024, 64), (40, 12000, 1024, 64), (120, 4679, 120, 64),
+                          (60, 1900, 1024, 16), (100, 1200, 1024, 64), (70, 12000, 1024, 64), (120, 4679, 120, 64),
                           (370, 1880, 22, 16), (300, 4000, 22, 16), (386, 3152, 16, 64), (600, 4000, 16, 128),
                           (700, 1200, 16, 16), (600, 2000, 128, 128)):  # 700 x 1200: 120 programs of 128 rows
         v = lmm.op._by_batch(f32, B, N, K)
@@ -615,14 +617,14 @@ def cuda_builds():
 
 @requires_nvcc
 def test_cuda_rows_knob_tiles_the_batch(monkeypatch):
-    """`rows`: CTAs hold at most that many rows of x; B up to 16 runs as tiles side by
-    side. The knob is checked against what registers hold, and the K-split plan counts
+    """`rows`: CTAs hold at most that many rows of x; B up to CUDA_TILED_MAX_B runs as
+    tiles side by side. The knob is checked against what registers hold, and the K-split plan counts
     the tiles' CTAs."""
     from kgen.errors import SpecError
     from kgen.families.logmatmul import schema
 
     ctx = schema.template_context(SPEC.variant("sm90_w4_n8_v4_b4_f32"))
-    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (4, 16, [1, 2, 4])
+    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (4, 64, [1, 2, 4])
     plain = spec.parse("family: logmatmul\nvariants:\n  - {backend: cuda, arch: sm_90, dtypes: [float32], "
                        "warps: 4, nodes: 8, vec: 4}\n").variants[0]
     ctx = schema.template_context(plain)
@@ -638,7 +640,7 @@ def test_cuda_rows_knob_tiles_the_batch(monkeypatch):
         params = dict(variant.params)
 
     mod = launch.CudaForward(Kernel, None)
-    assert (mod.max_b, mod.rows) == (16, 4)
+    assert (mod.max_b, mod.rows) == (64, 4)
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)  # an H100
     # N = 1024: 128 node groups. B = 4: 128 CTAs, 4 K splits for ~4 per SM; B = 16: 4 CTAs a
     # node group, 512 CTAs, no split
@@ -656,10 +658,10 @@ def test_cuda_mma_knob_checks_and_plan(monkeypatch):
     assert MMA, "the spec has a tensor-core variant"
     v = SPEC.variant(MMA[0])
     ctx = schema.template_context(v)
-    assert (ctx["MMA"], ctx["NODES"], ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (1, 64, 16, 16, [8, 16])
+    assert (ctx["MMA"], ctx["NODES"], ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (1, 64, 16, 64, [8, 16])
     assert schema.template_context(SPEC.variant(CUDA[0]))["MMA"] == 0
     ctx = schema.template_context(MMA_FORMS["sm90_w4_n32_v4_u2_b8_m1_f32"])
-    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (8, 16, [8])
+    assert (ctx["ROWS"], ctx["MAX_B"], ctx["batch_instances"]) == (8, 64, [8])
     base = "family: logmatmul\nvariants:\n  - {backend: cuda, arch: sm_90, "
     for knobs, bad in (("dtypes: [bfloat16], warps: 4, nodes: 64, vec: 8, mma: 1", "mma=1 takes float32"),
                        ("dtypes: [float16], warps: 4, nodes: 64, vec: 8, mma: 1", "mma=1 takes float32"),
@@ -689,7 +691,7 @@ def test_cuda_mma_knob_checks_and_plan(monkeypatch):
         params = dict(v.params)
 
     mod = launch.CudaForward(Kernel, None)
-    assert (mod.max_b, mod.rows, mod.mma) == (16, 16, 1)
+    assert (mod.max_b, mod.rows, mod.mma) == (64, 16, 1)
     monkeypatch.setattr(launch, "sm_count", lambda device: 132)  # an H100
     f32, bf16 = torch.float32, torch.bfloat16
     # N = K = 4096: 64 node groups of 64 nodes, one row tile up to B = 16, 8 K splits: 512 CTAs
@@ -697,7 +699,10 @@ def test_cuda_mma_knob_checks_and_plan(monkeypatch):
         assert mod._plan((B, 4096, 4096, f32, f32, 0)) == (8, 512)
     assert mod._plan((12, 11008, 4096, f32, f32, 0)) == (3, 1408)  # 172 node groups x 3
     assert mod._plan((3, 77, 332, f32, f32, 0)) == (1, 384)  # small: one launch (2 CTAs)
-    for key in ((17, 4096, 4096, f32, f32, 0), (4, 4096, 4098, f32, f32, 0), (4, 4096, 4096, f32, bf16, 0),
+    # B = 17..64: row tiles of 16 side by side, the K splits shrinking as the tiles grow
+    assert mod._plan((17, 4096, 4096, f32, f32, 0)) == (4, 1024)  # 64 node groups x 2 tiles x 4
+    assert mod._plan((64, 4096, 4096, f32, f32, 0)) == (2, 2048)  # 64 x 4 x 2
+    for key in ((65, 4096, 4096, f32, f32, 0), (4, 4096, 4098, f32, f32, 0), (4, 4096, 4096, f32, bf16, 0),
                 (4, 4096, 4096, bf16, bf16, 0), (1, 8, schema.CUDA_MAX_K + 4, f32, f32, 0)):
         assert mod._plan(key) is None, key
     Kernel.params = dict(MMA_FORMS["sm90_w4_n32_v4_u2_b8_m1_f32"].params)

@@ -281,7 +281,7 @@ def test_gpu_cuda_fast_path_with_a_k_split(poison, name):
 @pytest.mark.parametrize("name", MMA + list(MMA_FORMS))
 def test_gpu_cuda_mma_sizes_splits_and_determinism(poison, name):
     """The tensor-core kernel (no Triton fallback allowed: every shape here is one it takes)
-    against float64 at B = 1..16 (n-tiles full and part-full, row tiles side by side), N off
+    against float64 at B = 1..max_b (n-tiles full and part-full, row tiles side by side), N off
     the 16-node m-tile, K off the 16-k chunk (a guarded tail), K slices shorter than a loop
     step, forced K splits; -inf holes, an all -inf row, a zero weight row; bit-identical run
     to run."""
@@ -289,7 +289,7 @@ def test_gpu_cuda_mma_sizes_splits_and_determinism(poison, name):
     dev = torch.device("cuda")
     tol = SPEC.numerics["float32"]
     for B, N, K in ((1, 1000, 4100), (5, 77, 332), (8, 16, 4), (13, 33, 4096), (16, 1000, 4100), (16, 300, 20),
-                    (9, 4096, 1024)):
+                    (9, 4096, 1024), (17, 300, 4100), (33, 77, 1028), (mod.max_b, 1000, 332)):
         x, w = numerics.make_inputs(B, N, K, torch.float32, dev, seed=B + N + K)
         x = x * 3
         assert mod.takes(x, w), (B, N, K)

@@ -5,7 +5,7 @@
 // dtype:   float32
 // knobs:   warps=4, nodes=4, vec=4, unroll=1, waves=4, rows=8, mma=0, mtiles=1
 //
-// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16,
+// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 64,
 // and its backward for float32 w and B <= 8 (below the forward's kernels).
 //
 // One launch on the caller's stream (two with several K splits), each a programmatic dependent
@@ -98,7 +98,7 @@ constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int NODES = 4;
 constexpr int UNROLL = 1;
-constexpr int MAX_B = 16;
+constexpr int MAX_B = 64;
 constexpr int ROWS = 8;  // rows of x per CTA at most (more: CTAs side by side per node group)
 constexpr float LOG2E = 1.4426950408889634f;
 

@@ -5,7 +5,7 @@
 // dtype:   float32
 // knobs:   warps=4, nodes=64, vec=4, unroll=4, waves=4, rows=0, mma=1, mtiles=1
 //
-// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 16,
+// Small-batch logmatmul forward: out[b, n] = log sum_k w[n, k] exp(x[b, k]) for B <= 64,
 // and its backward for float32 w and B <= 8 (below the forward's kernels).
 //
 // One launch on the caller's stream (two with several K splits), each a programmatic dependent
@@ -100,7 +100,7 @@ constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
 constexpr int NODES = 64;
 constexpr int UNROLL = 4;
-constexpr int MAX_B = 16;
+constexpr int MAX_B = 64;
 constexpr int ROWS = 16;  // rows of x per CTA at most (more: CTAs side by side per node group)
 constexpr float LOG2E = 1.4426950408889634f;
 
@@ -514,7 +514,7 @@ extern "C" int kgen_bsl_launch(const long long* ints, const double* floats) {
 
 namespace {
 // ----------------------------------------------------------------------------- tensor cores
-// lmm_mma (knob mma = 1, float32 x and w, B <= 16): the same CTAs, grid and outputs as
+// lmm_mma (knob mma = 1, float32 x and w, B <= 64): the same CTAs, grid and outputs as
 // lmm_partials, the products on tensor cores, mma.sync m16n8k8 tf32 in 3 passes (hi.hi +
 // hi.lo + lo.hi, each operand v split hi = tf32(v), lo = tf32(v - hi): products to ~2^-21,
 // float32 accumulators), so that B = 5..16 stays memory-bound (lmm_partials issues B FMAs a

@@ -195,8 +195,11 @@ def tuned_transfers(shape: dict, probes: list, variant) -> bool:
 # 1.36-1.41x. Untuned shapes on an H200 (GPU us, the FMA form's against it): 8 x 777 x 12004
 # 22.5 against 15.6, 12 x 777 x 12004 31.0 against 18.2, 16 x 300 x 20000 21.9 against 17.6;
 # 16 x 777 x 12004 ran 57.4 on the 16-row tl.dot tile before, 18.9 now (BENCHMARKS.md,
-# sixtieth session).
-MMA_BATCH, MMA_WEIGHTS = (8, 16), 1 << 22
+# sixtieth session). B = 17..64 runs as row tiles of 16 side by side (the later ones reading
+# w from L2): H200, against the tl.dot tiles the rule took before, 17 / 32 / 64 x 777 x 12004
+# 24.7 / 25.6 / 40.8 us against 65.9 / 66.5 / 88.1, 17 / 64 x 4096 x 4096 32.3 / 59.7 against
+# 58.4 / 61.4, 24 x 6000 x 800 14.5 against 23.4 (BENCHMARKS.md, sixty-first session).
+MMA_BATCH, MMA_WEIGHTS = (8, 64), 1 << 22
 
 
 def _by_batch(variants, B: int, N: int, K: int):
@@ -210,7 +213,7 @@ def _by_batch(variants, B: int, N: int, K: int):
     tuned size) and the small-batch Triton form above it where the outputs are few too
     (SMALL_OUTPUTS, SMALL_WORK; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
     16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session), as do odd K's moderate
-    outputs (ODD_K_OUTPUTS). 8-16 rows of float32 over large weights take the tensor-core
+    outputs (ODD_K_OUTPUTS). 8-64 rows of float32 over large weights take the tensor-core
     CUDA form (MMA_BATCH, MMA_WEIGHTS). None: spec order."""
     if MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
         mma = next((v for v in variants if v.backend == "cuda" and v.params.get("mma", 0)), None)

@@ -17,6 +17,9 @@ _REG_BUDGET = 128
 # (checked per instantiation with cuobjdump: e.g. 4 nodes, unroll 2 held 8 rows, not 16);
 # 16-bit x unpacks beside them, so at most 32 accumulators.
 CUDA_MAX_B = 16
+# The largest B of a CUDA forward whose CTAs take tiles of rows (`rows`, or mma): B above a
+# tile runs as CTAs side by side per node group, the later ones reading w from L2.
+CUDA_TILED_MAX_B = 64
 _CUDA_REGS = 96
 # The widest K the CUDA forward takes: its FMA CTA addresses a node's row from the node group's
 # first with an int (nodes x K < 2^31); wider calls run on the Triton kernels.
@@ -47,10 +50,10 @@ def cuda_max_b(nodes: int, vec: int = 4, unroll: int = 1, dtype: str = "float32"
 
 
 def cuda_op_max_b(knobs: Mapping[str, Any], dtype: str) -> int:
-    """The largest B a CUDA variant takes: what its CTAs hold in registers, or CUDA_MAX_B
-    with row tiles (`rows`)."""
+    """The largest B a CUDA variant takes: what its CTAs hold in registers, or
+    CUDA_TILED_MAX_B with row tiles (`rows`, mma)."""
     if knobs["rows"] or knobs.get("mma", 0):
-        return CUDA_MAX_B
+        return CUDA_TILED_MAX_B
     return cuda_max_b(knobs["nodes"], knobs["vec"], knobs["unroll"], dtype)
 
 
@@ -147,7 +150,7 @@ SCHEMA = Schema(
             Knob("vec", "v", lo=4, hi=8, pow2=True),  # elements per 16-byte weight load
             Knob("unroll", "u", lo=1, hi=4, default=1),  # steps of weight loads issued before any is used
             Knob("waves", "q", lo=1, hi=32, default=4),  # CTAs per SM the K split aims for
-            # rows of x per CTA at most (0: as many as registers hold); above it, B <= 16 runs
+            # rows of x per CTA at most (0: as many as registers hold); above it, B <= CUDA_TILED_MAX_B runs
             # as CTAs side by side per node group, each a tile of rows
             Knob("rows", "b", lo=0, hi=16, default=0),
             # 1: the tensor-core kernel (lmm_mma: mma.sync tf32 in 3 passes, float32 only)
