@@ -198,24 +198,29 @@ __device__ __forceinline__ void mma_16(float (&d)[4], const uint32_t (&a)[4], ui
   }
 }
 
-// Four int8 (one word, k ascending from the low byte) to two pairs of T, exactly. The biased
-// byte u = v + 128 is placed under a magic exponent and the bias subtracted:
+// Four int8 (one word, k ascending from the low byte) to two pairs of T, exactly: bytes placed
+// under a magic exponent, the magic value subtracted:
 //   fp16: the half 0x64uu is 1024 + u (fp16 steps by 1 in [1024, 2048)): one PRMT builds a
 //     pair, one HADD2 subtracts 1152 from both (2 instructions a pair, 5 the float route
 //     below takes: 8 % off the fp16 kernels' time at M = 1, H200, BENCHMARKS.md);
-//   bf16 (8 significant bits: no exponent holds 256 consecutive integers): the float
-//     0x4B0000uu is 2^23 + u, minus 2^23 + 128 gives v, rounded to bf16 exactly (|v| <= 128).
+//   bf16 (8 significant bits: the exponent of 128 holds only 128 consecutive integers): the
+//     byte's low 7 bits under 0x43 are 128 + (v & 127), its sign bit under 0x43 is 128 or 256
+//     (0x4300 / 0x4380), and their difference is v, exactly (|v| <= 128): two LOP3s, four
+//     PRMTs and two bf16x2 subtractions a word, where the float route (0x4B0000uu = 2^23 + u,
+//     FADD, F2FP pairs) took eleven.
 template <typename T>
 __device__ __forceinline__ void widen4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const uint32_t u = w ^ 0x80808080u;
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    const float f0 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7440)) - 8388736.0f;
-    const float f1 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7441)) - 8388736.0f;
-    const float f2 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7442)) - 8388736.0f;
-    const float f3 = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7443)) - 8388736.0f;
-    const __nv_bfloat162 p = __floats2bfloat162_rn(f0, f1), q = __floats2bfloat162_rn(f2, f3);
+    const uint32_t low7 = w & 0x7F7F7F7Fu, sign = w & 0x80808080u;
+    const uint32_t a = __byte_perm(low7, 0x43434343u, 0x4140), b = __byte_perm(sign, 0x43434343u, 0x4140);
+    const uint32_t c = __byte_perm(low7, 0x43434343u, 0x4342), d = __byte_perm(sign, 0x43434343u, 0x4342);
+    const __nv_bfloat162 p = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&b));
+    const __nv_bfloat162 q = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&c),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&d));
     lo = *reinterpret_cast<const uint32_t*>(&p), hi = *reinterpret_cast<const uint32_t*>(&q);
   } else {
+    const uint32_t u = w ^ 0x80808080u;
     const __half2 bias = __halves2half2(__ushort_as_half(0x6480u), __ushort_as_half(0x6480u));  // 1152
     const uint32_t p = __byte_perm(u, 0x64646464u, 0x5140), q = __byte_perm(u, 0x64646464u, 0x5342);
     const __half2 a = __hsub2(*reinterpret_cast<const __half2*>(&p), bias);
