@@ -334,8 +334,8 @@ def test_tune_hooks():
 
 def test_untuned_shapes_put_the_batchs_tile_first():
     """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
-    at B = 16, but the tensor-core CUDA form first at 8-64 rows of float32 over large weights;
-    from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
+    at B = 16, but the tensor-core CUDA form first at 8-64 rows of float32 over large weights
+    and a CUDA FMA form at 17-64 rows over little work; else from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
     64 below 512, else 128), small weights and few outputs the small-batch Triton form; the
     rest after it."""
     vs = dispatch._ordered("logmatmul", "float32", (9, 0))
@@ -359,16 +359,29 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         first, *rest = lmm.untuned_order(dtype_vs, {"B": B, "N": 4096, "K": 4096})
         assert first.backend == "triton" and first.params["block_b"] == rows and first.params["dot"] != "none"
         assert rest == [v for v in dtype_vs if v is not first]
-    first = order(64, 512, 512)[0]
-    assert first.backend == "triton" and first.params["dot"] == "none"
+    # 17-64 rows up to FMA_OUTPUTS outputs and FMA_WORK multiply-adds: a CUDA FMA form (row
+    # tiles side by side); float32 from MMA_OUTPUTS outputs at a short K or over MMA_MIN_WEIGHTS
+    # weights, or beyond FMA_OUTPUTS, the tensor-core one; K in whole 16-byte vectors of x's
+    # dtype only (the CUDA forms' loads), the Triton rules otherwise
+    for dtype_vs, B, N, K, form in ((vs, 64, 512, 512, "fma"), (vs, 17, 1500, 2000, "fma"), (vs, 24, 1500, 2000, "mma"),
+                                    (vs, 64, 2000, 300, "mma"), (vs, 64, 700, 700, "fma"), (vs, 17, 300, 2000, "fma"),
+                                    (vs, 40, 64, 4096, "fma"), (vs, 64, 500, 8000, "mma"), (vs, 33, 513, 510, "triton"),
+                                    (vs, 53, 2391, 32, "mma"), (vs, 28, 1200, 400, "fma"), (vs, 60, 1200, 400, "mma"),
+                                    (bf16, 40, 3616, 240, "triton"), (bf16, 31, 2000, 800, "fma"),
+                                    (bf16, 20, 2000, 2000, "fma"), (bf16, 40, 3000, 1000, "triton"),
+                                    (bf16, 40, 300, 2004, "triton"), (bf16, 17, 4096, 4096, "triton"),
+                                    (bf16, 64, 512, 512, "fma")):
+        first = lmm.untuned_order(dtype_vs, {"B": B, "N": N, "K": K})[0]
+        got = "triton" if first.backend == "triton" else "mma" if first.params.get("mma", 0) else "fma"
+        assert got == form, (B, N, K, first.name)
     # small weights but many outputs or much work: the small-batch form's programs grow with B x N
     # and its time with B x N x K
     # (B x N over 32K: the 16-row tile, one launch as the small-batch form is, runs ahead)
     for B, N, K in ((60, 4679, 25), (130, 1200, 60), (24, 12000, 9), (121, 1102, 99), (107, 829, 1262),
-                    (370, 188, 22), (60, 1200, 120), (272, 400, 52), (130, 300, 546), (94, 730, 900)):
+                    (370, 188, 22), (65, 1200, 120), (272, 400, 52), (130, 300, 546), (94, 730, 900)):
         first = order(B, N, K)[0]
         assert first.backend == "triton" and first.params["dot"] != "none", (B, N, K)
-    for B, N, K in ((24, 300, 120), (86, 102, 15), (160, 152, 868), (62, 88, 283), (250, 130, 64)):
+    for B, N, K in ((86, 102, 15), (160, 152, 868), (62, 88, 283), (250, 130, 64)):
         assert order(B, N, K)[0].params["dot"] == "none", (B, N, K)
     # odd K from ODD_K_SMALL_K: the small-batch form up to 96K outputs (float32) or 32K
     # (16-bit x), whatever the weights' size; the tiles beyond, and at an even or shorter K
@@ -389,7 +402,7 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     # under 64M at K > 16 (every tile then takes its exps in the tile loop)
     f32 = dispatch._ordered("logmatmul", "float32", (9, 0))
     for B, N, K, rows in ((110, 1200, 120, 16), (130, 2500, 120, 16), (100, 4679, 120, 16), (200, 2500, 120, 16),
-                          (60, 1900, 1024, 16), (100, 1200, 1024, 64), (70, 12000, 1024, 64), (120, 4679, 120, 64),
+                          (60, 1900, 1026, 16), (100, 1200, 1024, 64), (70, 12000, 1024, 64), (120, 4679, 120, 64),
                           (370, 1880, 22, 16), (300, 4000, 22, 16), (386, 3152, 16, 64), (600, 4000, 16, 128),
                           (700, 1200, 16, 16), (600, 2000, 128, 128)):  # 700 x 1200: 120 programs of 128 rows
         v = lmm.op._by_batch(f32, B, N, K)

@@ -456,3 +456,35 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
         assert torch.equal(a, b)
         _assert_ok(numerics.check_case(mod, B, N, K, torch.float32, torch.float32, dev,
                                        SPEC.numerics["float32"]))
+
+
+@gpu
+def test_gpu_untuned_batches_17_to_64_run_the_cuda_forms(poison, monkeypatch):
+    """With nothing tuned (nor nearby), 17-64 rows run the CUDA forms (op._by_batch): an FMA
+    form over few outputs and little work, float32's tensor-core form over many outputs, the
+    Triton tiles beyond FMA_WORK for 16-bit x and wherever K is not whole 16-byte vectors.
+    Each within tolerance of float64 (x in its dtype, w float32 and x's dtype), and the public
+    op (its fast path, second call) bitwise equal to the first call."""
+    from kgen.families.logmatmul import op as lop
+    from kgen.runtime import tuning_table
+
+    monkeypatch.setattr(tuning_table, "lookup", lambda k: None)
+    monkeypatch.setattr(tuning_table, "nearest", lambda k: None)
+    monkeypatch.setattr(lop, "_MODULES", {})
+    monkeypatch.setattr(lop, "_BY_SHAPE", {})
+    monkeypatch.setattr(lop, "_FAST", {})
+    dev = torch.device("cuda")
+    for dtype, B, N, K, form in ((torch.float32, 17, 513, 516, "fma"), (torch.float32, 64, 700, 700, "fma"),
+                                 (torch.float32, 53, 2391, 32, "mma"), (torch.float32, 24, 1501, 2000, "mma"),
+                                 (torch.float32, 33, 513, 510, "triton"), (torch.bfloat16, 41, 241, 2568, "fma"),
+                                 (torch.bfloat16, 40, 3616, 240, "triton"), (torch.float16, 29, 1001, 1000, "fma")):
+        mod = lop._module(dev, dtype, B, N, K)
+        if form == "triton":
+            assert type(mod) is not launch.CudaForward, (B, N, K)
+        else:
+            assert type(mod) is launch.CudaForward and bool(mod.mma) == (form == "mma"), (B, N, K)
+        for w_dtype in {torch.float32, dtype}:
+            _assert_ok(numerics.check_case(mod, B, N, K, dtype, w_dtype, dev, SPEC.numerics[str(dtype)[6:]]))
+            x, w = numerics.make_inputs(B, N, K, dtype, dev, w_dtype)
+            a, b = lmm.logmatmul(x, w), lmm.logmatmul(x, w)
+            assert torch.equal(a, b)

@@ -13,6 +13,7 @@ from kgen.families.logmatmul.launch import (
     CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward, triton_direct)
 from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import reference, reference_backward
+from kgen.families.logmatmul.schema import CUDA_TILED_MAX_B
 from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
 FAMILY = "logmatmul"
@@ -200,6 +201,27 @@ def tuned_transfers(shape: dict, probes: list, variant) -> bool:
 # 24.7 / 25.6 / 40.8 us against 65.9 / 66.5 / 88.1, 17 / 64 x 4096 x 4096 32.3 / 59.7 against
 # 58.4 / 61.4, 24 x 6000 x 800 14.5 against 23.4 (BENCHMARKS.md, sixty-first session).
 MMA_BATCH, MMA_WEIGHTS = (8, 64), 1 << 22
+# B = 17..CUDA_TILED_MAX_B where nothing above applies: the CUDA FMA forms run the rows as
+# row tiles of 4 or 8 side by side, each reading w (the later ones from L2), so they win
+# while the outputs and the work are few (FMA_OUTPUTS, FMA_WORK), where every tl.dot tile
+# pays its exp pre-pass or wastes rows; beyond, their CTAs (row tiles x node groups) and
+# re-reads of w outgrow the GPU. The tensor-core form's extra launches (a row-max pre-pass,
+# and over a long K a split's scratch and combine) cost it 4-12 us a call more than its GPU
+# time at small weights (17 x 512^2: 10.9 us a call, 6.5 of GPU time; 17 x 1500 x 2000: 18.9
+# and 10.1), which it repays from MMA_OUTPUTS outputs (B x N) at a short K (MMA_SHORT_K, no
+# split), over MMA_MIN_WEIGHTS weights, or beyond FMA_OUTPUTS. H200, time a call (the larger
+# of host and GPU), fitted on 108 shapes at B = 17-64 (44 chosen, 64 random: N = 64-4096, K =
+# 16-4096, float32 and bf16) and checked on 64 other random ones (BENCHMARKS.md sixty-second
+# session): the chosen candidate's time over the fastest's, geomean 1.46 before (tl.dot tiles
+# or the small-batch Triton form), 1.04 now, 45 shapes past 1.15x before, 4 now. Float32: 17 /
+# 24 x 1500 x 2000 ran 13.8 / 16.8 us on the first FMA form against 18.9 / 12.4 on the
+# tensor-core form, 64 x 512^2 10.5 against 12.7, 53 x 2391 x 32 21.5 against 10.8, 64 x 2000
+# x 300 23.0 against 7.4; bf16 x (no tensor-core form): 20 x 2000^2 19.1 against a tl.dot
+# tile's 27.4, 40 x 3000 x 1000 (120M multiply-adds) 35.5 against 27.1, 40 x 3616 x 240 (145K
+# outputs) 25.8 against 10.7.
+MMA_OUTPUTS, MMA_SHORT_K, MMA_MIN_WEIGHTS = 32 * 1024, 256, 1 << 19
+FMA_OUTPUTS, FMA_WORK = 64 * 1024, 3 << 25
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _by_batch(variants, B: int, N: int, K: int):
@@ -214,11 +236,22 @@ def _by_batch(variants, B: int, N: int, K: int):
     (SMALL_OUTPUTS, SMALL_WORK; an H200 at 31 x 23 x 545: 6.4 us of GPU time against the
     16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session), as do odd K's moderate
     outputs (ODD_K_OUTPUTS). 8-64 rows of float32 over large weights take the tensor-core
-    CUDA form (MMA_BATCH, MMA_WEIGHTS). None: spec order."""
-    if MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
-        mma = next((v for v in variants if v.backend == "cuda" and v.params.get("mma", 0)), None)
-        if mma is not None:
+    CUDA form (MMA_BATCH, MMA_WEIGHTS), 17-64 rows a CUDA FMA form over few outputs and
+    little work (FMA_OUTPUTS, FMA_WORK), else float32's tensor-core one from MMA_OUTPUTS.
+    None: spec order."""
+    # the CUDA forms take rows of w in whole 16-byte vectors only (launch.CudaForward._plan);
+    # w is x's dtype or float32, so K a multiple of 16 bytes of x's dtype is enough
+    cuda = [v for v in variants if v.backend == "cuda" and K % (16 // _ITEMSIZE.get(v.dtype, 1)) == 0]
+    mma = next((v for v in cuda if v.params.get("mma", 0)), None)
+    if mma is not None and MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
+        return mma
+    if 16 < B <= CUDA_TILED_MAX_B:
+        if mma is not None and (B * N >= MMA_OUTPUTS and (K <= MMA_SHORT_K or N * K >= MMA_MIN_WEIGHTS
+                                                         or B * N > FMA_OUTPUTS) or B * N * K > FMA_WORK):
             return mma
+        fma = next((v for v in cuda if not v.params.get("mma", 0)), None)
+        if fma is not None and B * N <= FMA_OUTPUTS and B * N * K <= FMA_WORK:
+            return fma
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
