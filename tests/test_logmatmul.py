@@ -362,12 +362,15 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     # 17-64 rows up to FMA_OUTPUTS outputs and FMA_WORK multiply-adds: a CUDA FMA form (row
     # tiles side by side); float32 from MMA_OUTPUTS outputs at a short K or over MMA_MIN_WEIGHTS
     # weights, or beyond FMA_OUTPUTS, the tensor-core one; K in whole 16-byte vectors of x's
-    # dtype only (the CUDA forms' loads), the Triton rules otherwise
+    # dtype only (the CUDA forms' loads), the Triton rules otherwise; 5-16 rows over many
+    # outputs the tensor-core form or the 16-row tl.dot tile
     for dtype_vs, B, N, K, form in ((vs, 64, 512, 512, "fma"), (vs, 17, 1500, 2000, "fma"), (vs, 24, 1500, 2000, "mma"),
                                     (vs, 64, 2000, 300, "mma"), (vs, 64, 700, 700, "fma"), (vs, 17, 300, 2000, "fma"),
                                     (vs, 40, 64, 4096, "fma"), (vs, 64, 500, 8000, "mma"), (vs, 33, 513, 510, "triton"),
                                     (vs, 53, 2391, 32, "mma"), (vs, 28, 1200, 400, "fma"), (vs, 60, 1200, 400, "mma"),
                                     (bf16, 40, 3616, 240, "triton"), (bf16, 31, 2000, 800, "fma"),
+                                    (vs, 11, 10077, 16, "mma"), (vs, 15, 4120, 368, "mma"), (vs, 5, 5422, 856, "fma"),
+                                    (vs, 4, 20000, 64, "fma"), (bf16, 9, 13781, 16, "triton"), (bf16, 15, 3623, 616, "fma"),
                                     (bf16, 20, 2000, 2000, "fma"), (bf16, 40, 3000, 1000, "triton"),
                                     (bf16, 40, 300, 2004, "triton"), (bf16, 17, 4096, 4096, "triton"),
                                     (bf16, 64, 512, 512, "fma")):

@@ -462,7 +462,8 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
 def test_gpu_untuned_batches_17_to_64_run_the_cuda_forms(poison, monkeypatch):
     """With nothing tuned (nor nearby), 17-64 rows run the CUDA forms (op._by_batch): an FMA
     form over few outputs and little work, float32's tensor-core form over many outputs, the
-    Triton tiles beyond FMA_WORK for 16-bit x and wherever K is not whole 16-byte vectors.
+    Triton tiles beyond FMA_WORK for 16-bit x and wherever K is not whole 16-byte vectors;
+    5-16 rows over many outputs the tensor-core form or the 16-row tl.dot tile.
     Each within tolerance of float64 (x in its dtype, w float32 and x's dtype), and the public
     op (its fast path, second call) bitwise equal to the first call."""
     from kgen.families.logmatmul import op as lop
@@ -477,7 +478,9 @@ def test_gpu_untuned_batches_17_to_64_run_the_cuda_forms(poison, monkeypatch):
     for dtype, B, N, K, form in ((torch.float32, 17, 513, 516, "fma"), (torch.float32, 64, 700, 700, "fma"),
                                  (torch.float32, 53, 2391, 32, "mma"), (torch.float32, 24, 1501, 2000, "mma"),
                                  (torch.float32, 33, 513, 510, "triton"), (torch.bfloat16, 41, 241, 2568, "fma"),
-                                 (torch.bfloat16, 40, 3616, 240, "triton"), (torch.float16, 29, 1001, 1000, "fma")):
+                                 (torch.bfloat16, 40, 3616, 240, "triton"), (torch.float16, 29, 1001, 1000, "fma"),
+                                 (torch.float32, 11, 10077, 16, "mma"), (torch.float32, 5, 5423, 856, "fma"),
+                                 (torch.bfloat16, 9, 13781, 16, "triton")):
         mod = lop._module(dev, dtype, B, N, K)
         if form == "triton":
             assert type(mod) is not launch.CudaForward, (B, N, K)

@@ -221,6 +221,16 @@ MMA_BATCH, MMA_WEIGHTS = (8, 64), 1 << 22
 # outputs) 25.8 against 10.7.
 MMA_OUTPUTS, MMA_SHORT_K, MMA_MIN_WEIGHTS = 32 * 1024, 256, 1 << 19
 FMA_OUTPUTS, FMA_WORK = 64 * 1024, 3 << 25
+# ... and the same outputs rules from B = MANY_OUTPUTS_B to 16, where the spec-order FMA form
+# runs one row tile a node group: its time grows with B x N (CTAs of 4 rows x 4-8 nodes) at
+# any K. H200, 28 random shapes B = 4-16, N = 3000-20000, K = 16-1200 (BENCHMARKS.md
+# sixty-second session): float32 15 x 4120 x 368 ran 12.6 us on the FMA form against 6.6 on
+# the tensor-core form, 11 x 10077 x 16 20.5 against 6.6, 5 x 14845 x 1096 38.9 against 24.4
+# (5 x 5422 x 856, 27K outputs: 12.1 against 17.4); bf16 11 x 16481 x 192 34.2 against the
+# 16-row tl.dot tile's 13.7, 9 x 13781 x 16 26.4 against 15.1 (15 x 3623 x 616, 54K outputs:
+# 15.8 against 23.1). Below B = 5 nothing was measured (the tensor-core form's pre-pass and
+# split cost most there, kgen/specs/logmatmul.yaml).
+MANY_OUTPUTS_B = 5
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -237,21 +247,28 @@ def _by_batch(variants, B: int, N: int, K: int):
     16-row tl.dot tile's 17.6; BENCHMARKS.md, twenty-second session), as do odd K's moderate
     outputs (ODD_K_OUTPUTS). 8-64 rows of float32 over large weights take the tensor-core
     CUDA form (MMA_BATCH, MMA_WEIGHTS), 17-64 rows a CUDA FMA form over few outputs and
-    little work (FMA_OUTPUTS, FMA_WORK), else float32's tensor-core one from MMA_OUTPUTS.
-    None: spec order."""
+    little work (FMA_OUTPUTS, FMA_WORK), else float32's tensor-core one from MMA_OUTPUTS;
+    5-16 rows that tensor-core form or the 16-row tl.dot tile over many outputs
+    (MANY_OUTPUTS_B). None: spec order."""
     # the CUDA forms take rows of w in whole 16-byte vectors only (launch.CudaForward._plan);
     # w is x's dtype or float32, so K a multiple of 16 bytes of x's dtype is enough
     cuda = [v for v in variants if v.backend == "cuda" and K % (16 // _ITEMSIZE.get(v.dtype, 1)) == 0]
     mma = next((v for v in cuda if v.params.get("mma", 0)), None)
     if mma is not None and MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
         return mma
+    many = B * N >= MMA_OUTPUTS and (K <= MMA_SHORT_K or N * K >= MMA_MIN_WEIGHTS or B * N > FMA_OUTPUTS)
     if 16 < B <= CUDA_TILED_MAX_B:
-        if mma is not None and (B * N >= MMA_OUTPUTS and (K <= MMA_SHORT_K or N * K >= MMA_MIN_WEIGHTS
-                                                         or B * N > FMA_OUTPUTS) or B * N * K > FMA_WORK):
+        if mma is not None and (many or B * N * K > FMA_WORK):
             return mma
         fma = next((v for v in cuda if not v.params.get("mma", 0)), None)
         if fma is not None and B * N <= FMA_OUTPUTS and B * N * K <= FMA_WORK:
             return fma
+    elif MANY_OUTPUTS_B <= B <= 16:
+        if mma is not None and many:
+            return mma
+        if B * N > FMA_OUTPUTS:  # the 16-row tl.dot tile
+            tiles = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= 16]
+            return max(tiles, key=lambda v: v.params["block_b"], default=None)
     if B < 16:
         return None
     small = N * K < next(w for b, w in SMALL_WEIGHTS if B <= b)
