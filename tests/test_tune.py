@@ -567,7 +567,8 @@ def test_a_family_vetoes_a_nearby_winner_where_its_own_rule_knows_better(tables)
 def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables, monkeypatch):
     """`tuned_transfers`: logmatmul's bucket tuned at an even K keeps its wide tl.dot winner
     at every even K of the bucket, but an odd K (where that tile loads one element at a time)
-    goes to the batch rule, memoised per shape (not for the bucket); an odd-K probe keeps it."""
+    goes to the batch rule, memoised per shape (not for the bucket); an odd-K probe keeps it.
+    A CUDA winner is vetoed where K is not whole 16-byte vectors."""
     from kgen.families import logmatmul as lmm
 
     f32 = dispatch.runnable("logmatmul", "float32", CUDA0)
@@ -603,13 +604,21 @@ def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables, monk
     monkeypatch.setattr(lmm.op, "_MODULES", {})
     monkeypatch.setattr(lmm.op, "_BY_SHAPE", {})
     module = functools.partial(lmm.op._module, CUDA0, torch.float32)
-    assert [module(138, 535, 780), module(140, 600, 702), module(138, 535, 779), module(140, 600, 701)] == \
+    assert [module(138, 535, 780), module(140, 600, 788), module(138, 535, 779), module(140, 600, 701)] == \
         ["wide", "wide", "rule", "rule"]
-    assert calls == [780, 779, 701]  # the even K's choice served the bucket; each odd K chose anew
+    assert calls == [780, 779, 701]  # the even K's choice served K's class; each odd K chose anew
+    assert module(140, 600, 782) == "wide" and calls[-1] == 782  # K % 8 == 6: a class of its own
     # the small-batch forms and the 16-row tile load along K whatever its parity: never vetoed
     narrow = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == lmm.op.ODD_K_ROWS)
     assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], narrow)
     assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], None)
+    # a CUDA winner where K is not whole 16-byte vectors of x's dtype (w float32 or x's dtype):
+    # the form would hand the call to its Triton companion, the small-batch form, at any batch
+    probes = [{"B": 64, "N": 4096, "K": 4096}]
+    for dtype, aligned, short in (("float32", 3000, 3002), ("bfloat16", 3000, 3004)):
+        cuda = next(v for v in dispatch.runnable("logmatmul", dtype, CUDA0) if v.backend == "cuda")
+        assert lmm.tuned_transfers({"B": 50, "N": 3000, "K": aligned}, probes, cuda)
+        assert not lmm.tuned_transfers({"B": 50, "N": 3000, "K": short}, probes, cuda)
 
 
 def test_untuned_shapes_go_by_the_familys_rule(tables):

@@ -55,9 +55,9 @@ def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
     mod = _BY_SHAPE.get(exact, MISSING)
     if mod is not MISSING:
         return mod
-    # (K's parity too: a tuned winner of the bucket holds for an even K and may be vetoed at an
-    # odd one, tuned_transfers)
-    key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length(), K & 1)
+    # (K's residue mod 8 too: a tuned winner of the bucket holds for an even K, or K in whole
+    # 16-byte vectors, and may be vetoed at another, tuned_transfers)
+    key = (device.index, dtype, (B - 1).bit_length(), (N - 1).bit_length(), (K - 1).bit_length(), K & 7)
     mod = _MODULES.get(key, MISSING)
     if mod is MISSING:
         from kgen.runtime.dispatch import holds_for_bucket
@@ -184,8 +184,22 @@ def tuned_transfers(shape: dict, probes: list, variant) -> bool:
     would go one element at a time where they were measured as vectors: H200 float32
     138 x 535 x 779, the B <= 256, N, K <= 1024 bucket's 128-row winner, tuned at 256 x 1024 x
     1024, ran 77.9 us of GPU time against the 16-row tile's 26.0; BENCHMARKS.md fifty-ninth
-    session). `_by_batch` then serves the call, as at an odd K nothing was tuned for."""
+    session). `_by_batch` then serves the call, as at an odd K nothing was tuned for. Also
+    False where the winner is a CUDA form and K is not whole 16-byte vectors of x's dtype
+    (`_cuda_takes_k`): the form would hand the call to its Triton companion, the small-batch
+    form, whatever the batch (50 x 3000 x 3001 in the B <= 64, N, K <= 4096 bucket, whose
+    float32 winner is the tensor-core form, would run the small-batch form over 150K outputs
+    instead of the 16-row tl.dot tile)."""
+    if variant is not None and variant.backend == "cuda" and not _cuda_takes_k(variant, shape["K"]):
+        return False
     return not _wide_dot_tile(variant) or not shape["K"] % 2 or any(p["K"] % 2 for p in probes)
+
+
+def _cuda_takes_k(variant, K: int) -> bool:
+    """Whether a CUDA form surely takes rows of K weights: whole 16-byte vectors
+    (launch.CudaForward._plan), w being x's dtype or float32, so K a multiple of 16 bytes of
+    x's dtype."""
+    return K % (16 // _ITEMSIZE.get(variant.dtype, 1)) == 0
 
 
 # The batches (float32: the tensor-core CUDA form, mma = 1, takes float32 x and w only) and
@@ -250,9 +264,7 @@ def _by_batch(variants, B: int, N: int, K: int):
     little work (FMA_OUTPUTS, FMA_WORK), else float32's tensor-core one from MMA_OUTPUTS;
     5-16 rows that tensor-core form or the 16-row tl.dot tile over many outputs
     (MANY_OUTPUTS_B). None: spec order."""
-    # the CUDA forms take rows of w in whole 16-byte vectors only (launch.CudaForward._plan);
-    # w is x's dtype or float32, so K a multiple of 16 bytes of x's dtype is enough
-    cuda = [v for v in variants if v.backend == "cuda" and K % (16 // _ITEMSIZE.get(v.dtype, 1)) == 0]
+    cuda = [v for v in variants if v.backend == "cuda" and _cuda_takes_k(v, K)]
     mma = next((v for v in cuda if v.params.get("mma", 0)), None)
     if mma is not None and MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
         return mma
