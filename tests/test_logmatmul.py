@@ -364,7 +364,8 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     # weights, or beyond FMA_OUTPUTS, the tensor-core one; K in whole 16-byte vectors of x's
     # dtype only (the CUDA forms' loads), the Triton rules otherwise; 5-16 rows over many
     # outputs the tensor-core form or the 16-row tl.dot tile
-    for dtype_vs, B, N, K, form in ((vs, 64, 512, 512, "fma"), (vs, 17, 1500, 2000, "fma"), (vs, 24, 1500, 2000, "mma"),
+    for dtype_vs, B, N, K, form in ((vs, 64, 512, 512, "fma"), (vs, 17, 1500, 2000, "fma"),
+                                    (vs, 24, 1500, 2000, "mma"),
                                     (vs, 64, 2000, 300, "mma"), (vs, 64, 700, 700, "fma"), (vs, 17, 300, 2000, "fma"),
                                     (vs, 40, 64, 4096, "fma"), (vs, 64, 500, 8000, "mma"), (vs, 33, 513, 510, "triton"),
                                     (vs, 53, 2391, 32, "mma"), (vs, 28, 1200, 400, "fma"), (vs, 60, 1200, 400, "mma"),

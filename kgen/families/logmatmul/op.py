@@ -279,7 +279,8 @@ def _by_batch(variants, B: int, N: int, K: int):
         if mma is not None and many:
             return mma
         if B * N > FMA_OUTPUTS:  # the 16-row tl.dot tile
-            tiles = [v for v in variants if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= 16]
+            tiles = [v for v in variants
+                     if v.backend == "triton" and v.params["dot"] != "none" and v.params["block_b"] <= 16]
             return max(tiles, key=lambda v: v.params["block_b"], default=None)
     if B < 16:
         return None
