@@ -12,6 +12,10 @@ where dispatch falls to "tuned nearby" or spec order.
         `kgen tune --shapes` takes it: 208x4671x3776 or B=2048,widths=13-512-256)
     --all: also dispatch's choice and why (dispatch.choose), and every candidate's time
         and GPU part, fastest first
+    --shapes-file F: the cases of F (whitespace-separated DTYPE:SHAPE, `--shape` words ignored)
+    --json F: every case's times (op, each candidate: [time, GPU part]) and dispatch's choice
+    The last line sums up: geomean op / fastest and dispatch's choice (its candidate's time) /
+    fastest, and how many cases are past 1.15x, to compare rules over the same shapes.
 
 It found the untuned-shape defects of the twenty-second session (BENCHMARKS.md): int8 above
 M = 16 on Triton tiles, logmatmul at tiny K through the op's general path, a winner carried
@@ -22,6 +26,7 @@ bare launch: host-bound cases read ~2x here without any defect; compare GPU part
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 
@@ -102,9 +107,16 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="print dispatch's choice and every candidate's times")
     ap.add_argument("--shape", action="append", default=[], metavar="DTYPE:SHAPE",
                     help="time this case instead of random ones (repeatable)")
+    ap.add_argument("--shapes-file", help="time the DTYPE:SHAPE cases this file lists")
+    ap.add_argument("--json", help="write every case's times and dispatch's choice here")
     args = ap.parse_args()
     fam, rng, dev = module_of(args.family), random.Random(args.seed), torch.device("cuda")
-    given = [(c.partition(":")[0], parse_shape(c.partition(":")[2], fam.TUNE_DIMS)) for c in args.shape]
+    cases = list(args.shape)
+    if args.shapes_file:
+        with open(args.shapes_file) as f:
+            cases += [w for w in f.read().split() if w != "--shape"]
+    given = [(c.partition(":")[0], parse_shape(c.partition(":")[2], fam.TUNE_DIMS)) for c in cases]
+    records = []
     for n in range(len(given) or args.cases):
         dt, shape = given[n] if given else random_case(args.family, rng)
         shape = tune.with_extras(fam, dt, shape)
@@ -134,13 +146,39 @@ def main() -> None:
             f"{' <<<' if ratio > 1.15 else ''}{' GPU<<<' if gpu_ratio > 1.15 else ''}",
             flush=True,
         )
+        kernel, why = dispatch.choose(args.family, dev, dt, fam.tune_bucket(**shape), shape)
+        chosen = kernel.name if kernel is not None else tuning_table.REFERENCE
         if args.all:
-            kernel, why = dispatch.choose(args.family, dev, dt, fam.tune_bucket(**shape), shape)
-            print(f"    dispatch: {kernel.name if kernel is not None else tuning_table.REFERENCE} ({why})")
+            print(f"    dispatch: {chosen} ({why})")
             for k in sorted(cands, key=cands.get):
                 print(f"    {k:48s} {best[k]:8.1f} (gpu {gpu[k]:7.1f})")
+        records.append({"dtype": dt, "shape": {d: shape[d] for d in fam.TUNE_DIMS}, "chosen": chosen, "why": why,
+                        "op": [best["OP"], gpu["OP"]], "times": {k: [best[k], gpu[k]] for k in cands}})
         del inputs, fns
         torch.cuda.empty_cache()
+    print(summary(records))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+def summary(records: list) -> str:
+    """One line over the cases: geomean op / fastest and dispatch's choice / fastest (its
+    candidate's time; cases where the choice is not a timed candidate are left out), and how
+    many are past 1.15x."""
+
+    def geomean(xs):
+        return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
+
+    op, chosen = [], []
+    for r in records:
+        fastest = min(t[0] for t in r["times"].values())
+        op.append(r["op"][0] / fastest)
+        if r["chosen"] in r["times"]:
+            chosen.append(r["times"][r["chosen"]][0] / fastest)
+    return (f"{len(records)} cases: op / fastest geomean {geomean(op):.3f} ({sum(x > 1.15 for x in op)} past 1.15x); "
+            f"dispatch's choice / fastest geomean {geomean(chosen):.3f} ({sum(x > 1.15 for x in chosen)} past 1.15x, "
+            f"{len(chosen)} cases)")
 
 
 if __name__ == "__main__":
