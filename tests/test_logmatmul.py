@@ -4,6 +4,7 @@ equivalent, argument checks, the op under torch.compile, compile-only checks of 
 variants. The `gpu` tests (the same on a GPU, dispatch, graph replay, torch.compile) are in
 test_logmatmul_gpu.py, which imports this module's helpers."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -378,6 +379,12 @@ def test_untuned_shapes_put_the_batchs_tile_first():
         first = lmm.untuned_order(dtype_vs, {"B": B, "N": N, "K": K})[0]
         got = "triton" if first.backend == "triton" else "mma" if first.params.get("mma", 0) else "fma"
         assert got == form, (B, N, K, first.name)
+    # a CUDA form without row tiles (a user's `rows: 0`) is passed over beyond the rows it holds
+    untiled = [dataclasses.replace(v, knobs=tuple({**v.params, "rows": 0}.items()))
+               if v.backend == "cuda" and not v.params["mma"]
+               else v for v in vs]
+    assert lmm.untuned_order(untiled, {"B": 64, "N": 512, "K": 512})[0].backend == "triton"
+    assert lmm.untuned_order(untiled, {"B": 4, "N": 512, "K": 512})[0].backend == "cuda"
     # small weights but many outputs or much work: the small-batch form's programs grow with B x N
     # and its time with B x N x K
     # (B x N over 32K: the 16-row tile, one launch as the small-batch form is, runs ahead)

@@ -13,7 +13,7 @@ from kgen.families.logmatmul.launch import (
     CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward, triton_direct)
 from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import reference, reference_backward
-from kgen.families.logmatmul.schema import CUDA_TILED_MAX_B
+from kgen.families.logmatmul.schema import CUDA_TILED_MAX_B, cuda_op_max_b
 from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
 FAMILY = "logmatmul"
@@ -264,7 +264,9 @@ def _by_batch(variants, B: int, N: int, K: int):
     little work (FMA_OUTPUTS, FMA_WORK), else float32's tensor-core one from MMA_OUTPUTS;
     5-16 rows that tensor-core form or the 16-row tl.dot tile over many outputs
     (MANY_OUTPUTS_B). None: spec order."""
-    cuda = [v for v in variants if v.backend == "cuda" and _cuda_takes_k(v, K)]
+    # (a CUDA form without row tiles, e.g. a user's `rows: 0`, takes only the rows its registers hold)
+    cuda = [v for v in variants
+            if v.backend == "cuda" and _cuda_takes_k(v, K) and B <= cuda_op_max_b(v.params, v.dtype)]
     mma = next((v for v in cuda if v.params.get("mma", 0)), None)
     if mma is not None and MMA_BATCH[0] <= B <= MMA_BATCH[1] and N * K >= MMA_WEIGHTS:
         return mma
