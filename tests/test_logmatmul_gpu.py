@@ -424,13 +424,9 @@ def test_gpu_cuda_block_sparse_op_int64_indices_and_fallbacks(poison, monkeypatc
     assert torch.equal(a, b)
 
 
-@gpu
-def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
-    """With nothing tuned (nor nearby): B > 16 with small weights and few outputs runs the
-    small-batch Triton form (not a 16-row tl.dot tile), more outputs the 16-row tile (op.
-    SMALL_OUTPUTS), odd K from 512 up to op.ODD_K_OUTPUTS the small-batch form; B <= 16 where the CUDA kernel cannot take K
-    (rows not whole 16-byte vectors) runs its Triton companion through the fast path. Each
-    within tolerance of float64, forward and gradients, and bitwise equal to a second call."""
+def _nothing_tuned(monkeypatch):
+    """No tuning table entry, own or nearby, and empty op memos: the op's choices are the
+    untuned rule's (op._by_batch). Returns the op module."""
     from kgen.families.logmatmul import op as lop
     from kgen.runtime import tuning_table
 
@@ -439,6 +435,17 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
     monkeypatch.setattr(lop, "_MODULES", {})
     monkeypatch.setattr(lop, "_BY_SHAPE", {})
     monkeypatch.setattr(lop, "_FAST", {})
+    return lop
+
+
+@gpu
+def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
+    """With nothing tuned (nor nearby): B > 16 with small weights and few outputs runs the
+    small-batch Triton form (not a 16-row tl.dot tile), more outputs the 16-row tile (op.
+    SMALL_OUTPUTS), odd K from 512 up to op.ODD_K_OUTPUTS the small-batch form; B <= 16 where the CUDA kernel cannot take K
+    (rows not whole 16-byte vectors) runs its Triton companion through the fast path. Each
+    within tolerance of float64, forward and gradients, and bitwise equal to a second call."""
+    lop = _nothing_tuned(monkeypatch)
     dev = torch.device("cuda")
     for B, N, K, small in ((31, 23, 545, True), (160, 152, 868, True), (250, 130, 64, True), (370, 188, 22, False),
                           (130, 300, 545, True), (130, 300, 546, False), (60, 2000, 1001, False),
@@ -466,14 +473,7 @@ def test_gpu_untuned_batches_17_to_64_run_the_cuda_forms(poison, monkeypatch):
     5-16 rows over many outputs the tensor-core form or the 16-row tl.dot tile.
     Each within tolerance of float64 (x in its dtype, w float32 and x's dtype), and the public
     op (its fast path, second call) bitwise equal to the first call."""
-    from kgen.families.logmatmul import op as lop
-    from kgen.runtime import tuning_table
-
-    monkeypatch.setattr(tuning_table, "lookup", lambda k: None)
-    monkeypatch.setattr(tuning_table, "nearest", lambda k: None)
-    monkeypatch.setattr(lop, "_MODULES", {})
-    monkeypatch.setattr(lop, "_BY_SHAPE", {})
-    monkeypatch.setattr(lop, "_FAST", {})
+    lop = _nothing_tuned(monkeypatch)
     dev = torch.device("cuda")
     for dtype, B, N, K, form in ((torch.float32, 17, 513, 516, "fma"), (torch.float32, 64, 700, 700, "fma"),
                                  (torch.float32, 53, 2391, 32, "mma"), (torch.float32, 24, 1501, 2000, "mma"),
