@@ -336,9 +336,10 @@ def test_tune_hooks():
 def test_untuned_shapes_put_the_batchs_tile_first():
     """dispatch's hook where nothing is tuned: spec order below B = 16 and for small weights
     at B = 16, but the tensor-core CUDA form first at 8-64 rows of float32 over large weights
-    and a CUDA FMA form at 17-64 rows over little work; else from B = 16 the tl.dot variant whose rows match the batch first (16 to B = 32,
-    64 below 512, else 128), small weights and few outputs the small-batch Triton form; the
-    rest after it."""
+    and a CUDA FMA form at 17-64 rows over little work (the tensor-core form over many
+    outputs, also at 5-16 rows); else from B = 16 the tl.dot variant whose rows match the
+    batch first (16 to B = 32, 64 below 512, else 128), small weights and few outputs the
+    small-batch Triton form; the rest after it."""
     vs = dispatch._ordered("logmatmul", "float32", (9, 0))
 
     def order(B, N, K):
