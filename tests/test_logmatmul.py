@@ -407,7 +407,7 @@ def test_untuned_shapes_put_the_batchs_tile_first():
     # loads then are single elements; K % 4 == 2 loads pairs and keeps the rows rule)
     for B, N, K, rows in ((276, 350, 4001, 16), (64, 4096, 4097, 16), (64, 4096, 4098, 64), (256, 4096, 4096, 64),
                           (300, 4096, 1028, 64), (64, 4096, 4096, 64), (137, 2275, 450, 64)):
-        v = lmm.op._by_batch(bf16, B, N, K)
+        v = lmm.rules._by_batch(bf16, B, N, K)
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
     # 16 where the wide tile's programs are short of a wave (fewer still at a wide K):
     # cdiv(B, rows) x cdiv(N, 64) against 128 at K <= 128, 32 beyond; and where the work is
@@ -417,7 +417,7 @@ def test_untuned_shapes_put_the_batchs_tile_first():
                           (60, 1900, 1026, 16), (100, 1200, 1024, 64), (70, 12000, 1024, 64), (120, 4679, 120, 64),
                           (370, 1880, 22, 16), (300, 4000, 22, 16), (386, 3152, 16, 64), (600, 4000, 16, 128),
                           (700, 1200, 16, 16), (600, 2000, 128, 128)):  # 700 x 1200: 120 programs of 128 rows
-        v = lmm.op._by_batch(f32, B, N, K)
+        v = lmm.rules._by_batch(f32, B, N, K)
         assert v.params["block_b"] == rows and v.params["dot"] != "none", (B, N, K, v.name)
 
 

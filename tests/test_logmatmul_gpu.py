@@ -426,7 +426,7 @@ def test_gpu_cuda_block_sparse_op_int64_indices_and_fallbacks(poison, monkeypatc
 
 def _nothing_tuned(monkeypatch):
     """No tuning table entry, own or nearby, and empty op memos: the op's choices are the
-    untuned rule's (op._by_batch). Returns the op module."""
+    untuned rule's (rules._by_batch). Returns the op module."""
     from kgen.families.logmatmul import op as lop
     from kgen.runtime import tuning_table
 
@@ -441,9 +441,10 @@ def _nothing_tuned(monkeypatch):
 @gpu
 def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
     """With nothing tuned (nor nearby): B > 16 with small weights and few outputs runs the
-    small-batch Triton form (not a 16-row tl.dot tile), more outputs the 16-row tile (op.
-    SMALL_OUTPUTS), odd K from 512 up to op.ODD_K_OUTPUTS the small-batch form; B <= 16 where the CUDA kernel cannot take K
-    (rows not whole 16-byte vectors) runs its Triton companion through the fast path. Each
+    small-batch Triton form (not a 16-row tl.dot tile), more outputs the 16-row tile
+    (rules.SMALL_OUTPUTS), odd K from 512 up to rules.ODD_K_OUTPUTS the small-batch form; B <= 16
+    where the CUDA kernel cannot take K (rows not whole 16-byte vectors) runs its Triton
+    companion through the fast path. Each
     within tolerance of float64, forward and gradients, and bitwise equal to a second call."""
     lop = _nothing_tuned(monkeypatch)
     dev = torch.device("cuda")
@@ -467,7 +468,7 @@ def test_gpu_untuned_small_shapes_run_the_small_batch_form(poison, monkeypatch):
 
 @gpu
 def test_gpu_untuned_batches_17_to_64_run_the_cuda_forms(poison, monkeypatch):
-    """With nothing tuned (nor nearby), 17-64 rows run the CUDA forms (op._by_batch): an FMA
+    """With nothing tuned (nor nearby), 17-64 rows run the CUDA forms (rules._by_batch): an FMA
     form over few outputs and little work, float32's tensor-core form over many outputs, the
     Triton tiles beyond FMA_WORK for 16-bit x and wherever K is not whole 16-byte vectors;
     5-16 rows over many outputs the tensor-core form or the 16-row tl.dot tile.

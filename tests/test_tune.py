@@ -545,12 +545,12 @@ def test_a_family_vetoes_a_nearby_winner_where_its_own_rule_knows_better(tables)
     assert (kernel.name, why) == (wide.name, f"tuned nearby ({tuned})")
     for B, N, K in ((100, 300, 545), (100, 2500, 1024), (130, 300, 1024)):  # other classes / fewer rows
         kernel, why = choose(B, N, K)
-        rule = lmm.op._by_batch(f32, B, N, K)
+        rule = lmm.rules._by_batch(f32, B, N, K)
         assert why == "untuned rule" and kernel.name == rule.name != wide.name, (B, N, K)
     kernel, why = choose(1000, 1000, 1001)  # odd K: a 128-row tile would load one element at a time
-    assert why == "untuned rule" and kernel.params["block_b"] == lmm.op.ODD_K_ROWS
+    assert why == "untuned rule" and kernel.params["block_b"] == lmm.rules.ODD_K_ROWS
     assert lmm.nearby_transfers({"B": 8, "N": 300, "K": 545}, tuned, wide)
-    assert lmm.op.TUNED_ROWS == max(s["B"] for s in lmm.TUNE_SHAPES)
+    assert lmm.rules.TUNED_ROWS == max(s["B"] for s in lmm.TUNE_SHAPES)
 
     # fused_bias_act: the cols <= 1024 bucket's 1024-wide row tile does not serve 168 columns
     row_tile = next(v for v in _triton_f32() if v.params["order"] == "down" and v.params["block_cols"] == 1024)
@@ -584,7 +584,7 @@ def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables, monk
 
     assert choose(138, 535, 780) == (dispatch.load(wide), "tuned")
     kernel, why = choose(138, 535, 779)
-    rule = lmm.op._by_batch(f32, 138, 535, 779)
+    rule = lmm.rules._by_batch(f32, 138, 535, 779)
     assert kernel.name == rule.name != wide.name
     assert why == f"untuned rule (the tuned winner {wide.name} vetoed for the shape)"
     assert not dispatch.holds_for_bucket(why)
@@ -609,7 +609,7 @@ def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables, monk
     assert calls == [780, 779, 701]  # the even K's choice served K's class; each odd K chose anew
     assert module(140, 600, 782) == "wide" and calls[-1] == 782  # K % 8 == 6: a class of its own
     # the small-batch forms and the 16-row tile load along K whatever its parity: never vetoed
-    narrow = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == lmm.op.ODD_K_ROWS)
+    narrow = next(v for v in f32 if v.backend == "triton" and v.params["block_b"] == lmm.rules.ODD_K_ROWS)
     assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], narrow)
     assert lmm.tuned_transfers({"B": 138, "N": 535, "K": 779}, [{"B": 256, "N": 1024, "K": 1024}], None)
     # a CUDA winner where K is not whole 16-byte vectors of x's dtype (w float32 or x's dtype):

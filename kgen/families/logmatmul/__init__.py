@@ -4,17 +4,20 @@ circuits and HMMs, dense and block-sparse, with both gradient flows.
 Modules: `schema` (knobs, variant rules, template context, ahead-of-time builds),
 `reference` (the math in PyTorch: the CPU path and the float64 oracle), `checks`
 (arguments), `plans` (rows per program, K splits, grids), `launch` (the kernels and how
-they run; its docstring and the Triton template's header describe the algorithms), `op`
-(kernel choice, tuning hooks, the torch.library ops and autograd, the public functions)
-and `numerics` (golden numerics for `kgen verify` and the tests).
+they run; its docstring and the Triton template's header describe the algorithms), `rules`
+(kernel choice beside the tuning table: buckets, the untuned rule, vetoes on a tuned
+winner), `op` (the op's memoised choice, tuning hooks, the torch.library ops and autograd,
+the public functions) and `numerics` (golden numerics for `kgen verify` and the tests).
 """
 
 from kgen.families.logmatmul.numerics import GRAD_TOL, golden, make_inputs
 from kgen.families.logmatmul.launch import CudaForward, backward, bsl_backward, bsl_forward, forward
 from kgen.families.logmatmul.op import (
-    OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, block_sparse_logmatmul, dense_from_blocks, implementation, logmatmul,
-    nearby_transfers, runner, tune_bucket, tune_inputs, tune_runner, tuned_transfers, untuned_order, using)
+    OPS, TUNE_SHAPES, block_sparse_logmatmul, dense_from_blocks, implementation, logmatmul, runner, tune_inputs,
+    tune_runner, using)
 from kgen.families.logmatmul.reference import reference, reference_backward
+from kgen.families.logmatmul.rules import (
+    TUNE_DIMS, TUNE_FREE_DIMS, nearby_transfers, tune_bucket, tuned_transfers, untuned_order)
 from kgen.families.logmatmul.schema import SCHEMA, TEMPLATES, template_context, triton_aot
 
 BENCHMARK = "kgen.benchmarks.logmatmul"
