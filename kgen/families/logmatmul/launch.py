@@ -28,7 +28,8 @@ import torch
 from kgen.families.logmatmul.plans import (
     BWD_B, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
     cuda_k_step, cuda_splits, k_split, pow2_at_least, pre_pass, sm_count)
-from kgen.families.logmatmul.schema import CUDA_MAX_B, CUDA_MAX_K, cuda_bsl_shape, cuda_op_max_b, cuda_rows
+from kgen.families.logmatmul.schema import (
+    CUDA_MAX_B, CUDA_MAX_K, cuda_bsl_shape, cuda_op_max_b, cuda_rows, cuda_whole_rows)
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype, stride_align
 from kgen.runtime.streams import current_raw_stream
@@ -98,7 +99,7 @@ class CudaForward:
         B, N, K, xt, wt, index = key
         w32 = wt is torch.float32
         plan, forced = None, splits
-        if (1 <= B <= self.max_b and K <= CUDA_MAX_K and (K * (4 if w32 else 2)) % 16 == 0 and xt == self.dtype
+        if (1 <= B <= self.max_b and K <= CUDA_MAX_K and cuda_whole_rows(K, 4 if w32 else 2) and xt == self.dtype
                 and (w32 or wt == xt) and (w32 or not self.mma)):
             # a CTA's K slice is a whole number of steps (threads x 16 bytes of w; mma: a warp's
             # loop step of chunks of 16 k)

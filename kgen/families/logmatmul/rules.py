@@ -7,7 +7,7 @@ calls it once per shape (the op memoises the result)."""
 
 from __future__ import annotations
 
-from kgen.families.logmatmul.schema import CUDA_TILED_MAX_B, cuda_op_max_b
+from kgen.families.logmatmul.schema import CUDA_TILED_MAX_B, DTYPE_BYTES, cuda_op_max_b, cuda_whole_rows
 
 # Buckets: B, N and K each rounded up to a power of two (B decides the tiling: the
 # small-batch forms up to 16, tl.dot tiles beyond).
@@ -133,10 +133,9 @@ def tuned_transfers(shape: dict, probes: list, variant) -> bool:
 
 
 def _cuda_takes_k(variant, K: int) -> bool:
-    """Whether a CUDA form surely takes rows of K weights: whole 16-byte vectors
-    (launch.CudaForward._plan), w being x's dtype or float32, so K a multiple of 16 bytes of
-    x's dtype."""
-    return K % (16 // _ITEMSIZE.get(variant.dtype, 1)) == 0
+    """Whether a CUDA form surely takes rows of K weights (schema.cuda_whole_rows): w is x's
+    dtype or float32, so rows whole in x's dtype are whole in either."""
+    return cuda_whole_rows(K, DTYPE_BYTES.get(variant.dtype, 1))
 
 
 # The batches (float32: the tensor-core CUDA form, mma = 1, takes float32 x and w only) and
@@ -182,7 +181,6 @@ FMA_OUTPUTS, FMA_WORK = 64 * 1024, 3 << 25
 # 15.8 against 23.1). Below B = 5 nothing was measured (the tensor-core form's pre-pass and
 # split cost most there, kgen/specs/logmatmul.yaml).
 MANY_OUTPUTS_B = 5
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _by_batch(variants, B: int, N: int, K: int):

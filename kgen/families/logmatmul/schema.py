@@ -24,6 +24,14 @@ _CUDA_REGS = 96
 # The widest K the CUDA forward takes: its FMA CTA addresses a node's row from the node group's
 # first with an int (nodes x K < 2^31); wider calls run on the Triton kernels.
 CUDA_MAX_K = 1 << 27
+# Bytes of an element of each dtype a variant takes (x's; w is x's dtype or float32).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def cuda_whole_rows(K: int, w_bytes: int) -> bool:
+    """Whether rows of K weights of `w_bytes` each are whole 16-byte vectors: the CUDA
+    forward's loads take no other (a call that is not goes to the Triton companion)."""
+    return K * w_bytes % 16 == 0
 
 
 # The tensor-core form (mma = 1): a warp owns 16 nodes (an mma m-tile), a CTA 16 x (m-tiles)
