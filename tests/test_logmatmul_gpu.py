@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kgen.families import logmatmul as lmm
-from kgen.families.logmatmul import launch, numerics
+from kgen.families.logmatmul import backward_launch, launch, numerics
 from kgen.runtime import dispatch
 from test_logmatmul import (CUDA, MMA, MMA_FORMS, SPEC, TRITON, _assert_ok, _mod, _pattern, _variant,
                              assert_nan_as_pytorch, nan_case)
@@ -216,21 +216,30 @@ def test_gpu_cuda_backward(poison, name):
 def test_gpu_a_triton_forward_takes_the_cuda_backward(poison, monkeypatch, dtype):
     """Where dispatch gives a Triton tile at B <= 16 with float32 w (the tuned bf16 B <= 16
     buckets at 4096^2 do; here `_module` is patched to give it), the op's backward runs a CUDA
-    variant's library backward (spied: it ran, and took the call), with gradients within
+    variant's library backward (spied: its bound launcher ran, and took the call), with gradients within
     GRAD_TOL of float64 and bit-identical run to run."""
     from kgen.families.logmatmul import op as lop
 
     tri = _gpu_mod(next(v.name for v in SPEC.variants if v.backend == "triton" and v.dtype == dtype))
     monkeypatch.setattr(lop, "_module", lambda *a: tri)
+    monkeypatch.setattr(lop, "_BWD_FAST", {})
     ran = []
-    real = launch.CudaForward.backward
+    real = launch.CudaForward.backward_direct
 
-    def spy(self, *a):
-        got = real(self, *a)
-        ran.append(got is not None)
-        return got
+    def spy(self, *a):  # the op's backward takes the library's bound launcher (backward_direct)
+        f = real(self, *a)
+        if f is None:
+            ran.append(False)
+            return None
 
-    monkeypatch.setattr(launch.CudaForward, "backward", spy)
+        def counted(*b):
+            got = f(*b)
+            ran.append(got is not None)
+            return got
+
+        return counted
+
+    monkeypatch.setattr(launch.CudaForward, "backward_direct", spy)
     t = getattr(torch, dtype)
     for B, N, K in ((13, 300, 1028), (4, 77, 516)):
         x, w = numerics.make_inputs(B, N, K, t, torch.device("cuda"), seed=B)  # (w float32)
@@ -249,6 +258,66 @@ def test_gpu_a_triton_forward_takes_the_cuda_backward(poison, monkeypatch, dtype
             assert big > 0 and torch.isfinite(have).all(), (B, N, K)
             assert float((have.double() - want).abs().max()) <= gt * big, (B, N, K)
         assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_backward_fast_path_replays_each_form(poison, dtype):
+    """The backward's bound launches (backward_launch.backward_direct, the op's backward per signature)
+    in each form: the one-pass Triton kernel with one chunk of N and with several, the GEMM
+    form (w float32, and w in x's dtype) and a CUDA library's backward. After the recording
+    call the Triton launches replay (counted); every call gives `backward_launch.backward`'s gradients
+    bit for bit, within GRAD_TOL of float64 (as test_gpu_cuda_backward judges them); a CUDA
+    graph capture of it replays what an eager call computes for a new upstream gradient."""
+    from kgen.runtime import triton_launch as tlaunch
+
+    t, dev = getattr(torch, dtype), torch.device("cuda")
+    tri = _gpu_mod(next(v.name for v in SPEC.variants if v.backend == "triton" and v.dtype == dtype))
+    cuda = _gpu_mod(next(n for n in CUDA if n.startswith("sm90") and _variant(n).dtype == dtype
+                         and not _variant(n).params["mma"]))
+    gemm_b = tri.BWD_B + 3
+    cases = [(tri, min(3, tri.BWD_B), 50, 1030, torch.float32, 1), (tri, tri.BWD_B, 3001, 1031, torch.float32, None),
+             (tri, gemm_b, 333, 1030, torch.float32, 3), (tri, gemm_b, 200, 515, t, 3),
+             (cuda, 6, 300, 1028, torch.float32, 0)]
+    for mod, B, N, K, wt, launches in cases:
+        x, w = numerics.make_inputs(B, N, K, t, dev, w_dtype=wt, seed=B + K)
+        g = torch.randn(B, N, generator=torch.Generator().manual_seed(N), dtype=torch.float64).to(dev)
+        out = launch.forward(tri, x, w)
+        plan = backward_launch._bwd_plan(tri, B, N, K, dev)
+        if launches is None:  # several chunks: the partials' sum is a third launch
+            assert not plan[0] and plan[1] > 1, plan
+            launches = 3
+        elif launches == 1:
+            assert not plan[0] and plan[1] == 1, plan
+            launches = 2
+        f = backward_launch.backward_direct(mod, B, N, K, t, wt, x.device)  # (as the op passes it: with its index)
+        first = f(x, w, out, g.float())
+        n = tlaunch.STATS["direct"]
+        again = f(x, w, out, g.float())
+        assert tlaunch.STATS["direct"] == n + launches, (B, N, K)
+        want_dx, want_dw = backward_launch.backward(mod, x, w, out, g.float())
+        for got in (first, again):
+            assert torch.equal(got[0], want_dx) and torch.equal(got[1], want_dw), (B, N, K)
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        lmm.reference(xr, wr, torch.float64).backward(g)
+        for have, ref, tol in ((first[0], xr.grad, numerics.GRAD_TOL[dtype]),
+                               (first[1], wr.grad, numerics.GRAD_TOL[str(wt).removeprefix("torch.")])):
+            big = float(ref.abs().max())
+            assert big > 0 and torch.isfinite(have).all(), (B, N, K)
+            assert float((have.double() - ref).abs().max()) <= tol * big, (B, N, K)
+        gf = g.float()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            f(x, w, out, gf)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = f(x, w, out, gf)
+        gf.copy_(torch.randn_like(gf))
+        graph.replay()
+        eager = f(x, w, out, gf)
+        assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1]), (B, N, K)
 
 
 @gpu

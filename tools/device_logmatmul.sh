@@ -35,7 +35,7 @@ fi
 import time, torch, triton
 from kgen import ops
 from kgen.families import logmatmul as lmm
-from kgen.families.logmatmul import launch, plans
+from kgen.families.logmatmul import backward_launch, launch, plans
 from kgen.runtime import dispatch
 from kgen import spec as kspec
 S = kspec.load("kgen/specs/logmatmul.yaml")
@@ -46,8 +46,8 @@ for B in (1, 2, 4, 8):
     x = torch.randn(B, 4096, device="cuda") * 2
     out = launch.forward(mod, x, w)
     g = torch.randn(B, 4096, device="cuda")
-    one = t(lambda: launch.backward(mod, x, w, out, g, gemm=False))
-    two = t(lambda: launch.backward(mod, x, w, out, g, gemm=True))
+    one = t(lambda: backward_launch.backward(mod, x, w, out, g, gemm=False))
+    two = t(lambda: backward_launch.backward(mod, x, w, out, g, gemm=True))
     print(f"B={B}: backward one-pass kernel {one:.1f} us, GEMM form {two:.1f} us")
 for B in (1, 8):
     x = (torch.randn(B, 4096, device="cuda") * 2).requires_grad_()

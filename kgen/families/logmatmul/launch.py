@@ -1,5 +1,5 @@
-"""logmatmul's kernel launches: the dense forward (Triton, or a CUDA variant's small-batch
-kernel with its Triton companion), the fused backward, and the block-sparse forward and
+"""logmatmul's forward launches: the dense forward (Triton, or a CUDA variant's small-batch
+kernel with its Triton companion) and the block-sparse forward; `backward_launch` runs the
 backward. Inputs arrive checked and contiguous; every buffer comes from `_empty` (tests
 poison it with NaN so an element a kernel never writes shows up).
 
@@ -9,11 +9,10 @@ same library, on the caller's stream. A variant with mma = 1 runs the tensor-cor
 that kernel (mma.sync tf32 in 3 passes; float32 x and w only) behind the same launcher: its
 CTAs hold 16 nodes per warp's m-tile and its K slices step by plans.cuda_k_step.
 
-Backward: see the Triton template's header (per-row factors, then one pass over w that
-reads it and writes dw; dx's chunk partials summed in order: no atomics, bit-identical run
-to run). A CUDA variant's library holds its own backward for float32 w and B <= 16
+A CUDA variant's library also holds its own backward for float32 w and B <= 16
 (CudaForward.backward: two launches in one host call, each CTA taking its own shifts, so
-no statistics launch; backward.cuh.j2), on by default (CUDA_BACKWARD).
+no statistics launch; backward.cuh.j2), which `backward_launch.backward` runs where it
+applies, by default (CUDA_BACKWARD).
 
 Block-sparse forward: a CUDA variant's library runs its own (CudaForward.bsl: the dense
 kernel's CTA over block rows, bsl.cuh.j2) where it takes the call; else the Triton kernel.
@@ -26,8 +25,8 @@ import os
 import torch
 
 from kgen.families.logmatmul.plans import (
-    BWD_B, REDUCE_BLOCK, STATS_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_chunks, bwd_cuda_chunks, bwd_rows, cdiv,
-    cuda_k_step, cuda_splits, k_split, pow2_at_least, pre_pass, sm_count)
+    BWD_B, REDUCE_BLOCK, block_b, bsl_cuda_splits, bsl_tiles, bwd_cuda_chunks, cdiv, cuda_k_step, cuda_splits, k_split,
+    pre_pass, sm_count)
 from kgen.families.logmatmul.schema import (
     CUDA_MAX_B, CUDA_MAX_K, cuda_bsl_shape, cuda_op_max_b, cuda_rows, cuda_whole_rows)
 from kgen.runtime import triton_launch
@@ -192,22 +191,36 @@ class CudaForward:
         it does not apply (then the Triton companion's backward runs): float32 w, x in the
         variant's dtype, 1 <= B <= BWD_B, whole 16-byte rows of w at a 16-byte aligned base."""
         B, K = x.shape
-        N = w.shape[0]
-        if (self._bwd is None or w.dtype is not torch.float32 or x.dtype is not self.dtype or not 1 <= B <= BWD_B
-                or N < 1 or K < 1 or K % 4 or w.data_ptr() & 15):
+        f = self.backward_direct(B, w.shape[0], K, x.dtype, w.dtype, x.device)
+        return f(x, w, out, grad) if f is not None else None
+
+    def backward_direct(self, B: int, N: int, K: int, x_dtype, w_dtype, device: torch.device):
+        """The library's backward bound to one exact call signature: `f(x, w, out, grad)` ->
+        (dx, dw), or None where w's base is not 16-byte aligned; None instead of `f` where
+        the backward does not take the signature (see `backward`). The chunks of N and the
+        entry point are fixed once; a call allocates dw, dx and, with several chunks, dx's
+        partials."""
+        if (self._bwd is None or w_dtype is not torch.float32 or x_dtype is not self.dtype or not 1 <= B <= BWD_B
+                or N < 1 or K < 1 or K % 4):
             return None
-        dev = x.device
-        chunks, n_chunk = bwd_cuda_chunks(B, N, K, sm_count(dev))
-        f32 = torch.float32
-        dw = _empty((N, K), dtype=f32, device=dev)
-        dx = _empty((B, K), dtype=x.dtype, device=dev)
-        dxp = dx if chunks == 1 else _empty((chunks, B, K), dtype=f32, device=dev)
-        raw, ptr = self._bwd
-        rc = raw(ptr, dev.index, x.data_ptr(), w.data_ptr(), out.data_ptr(), grad.data_ptr(), dw.data_ptr(),
-                 dxp.data_ptr(), dx.data_ptr(), B, N, K, chunks, n_chunk, current_raw_stream(dev.index))
-        if rc:
-            self.kernel.fail(rc)
-        return dx, dw
+        chunks, n_chunk = bwd_cuda_chunks(B, N, K, sm_count(device))
+        raw, ptr, fail, index = *self._bwd, self.kernel.fail, device.index
+        alloc = Allocs(device, ((N, K), torch.float32), ((B, K), x_dtype),
+                       ((chunks, B, K), torch.float32) if chunks > 1 else None)
+
+        def launch(x, w, out, grad):
+            wp = w.data_ptr()
+            if wp & 15:
+                return None
+            dw, dx, dxp = alloc()
+            rc = raw(ptr, index, x.data_ptr(), wp, out.data_ptr(), grad.data_ptr(), dw.data_ptr(),
+                     (dxp if dxp is not None else dx).data_ptr(), dx.data_ptr(), B, N, K, chunks, n_chunk,
+                     current_raw_stream(index))
+            if rc:
+                fail(rc)
+            return dx, dw
+
+        return launch
 
     def bsl(self, x, blocks, row_ptr, col_idx, block_size: int, out, splits: int | None = None) -> bool:
         """The block-sparse forward by the library's kgen_bsl_launch into out (its K splits'
@@ -374,49 +387,21 @@ def triton_direct(mod, B: int, N: int, K: int, device: torch.device):
     return launch
 
 
-def backward(mod, x, w, out, grad, gemm: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in x's dtype, dw in w's dtype) from the saved out [B, N] and the upstream
-    gradient [B, N] (float32), all contiguous: the passes of the Triton template's header.
-    `gemm` forces the GEMM form on or off (default: B > the variant's bwd_b). With
-    CUDA_BACKWARD a CUDA variant runs its library's backward where that applies (`gemm` unset)."""
-    if isinstance(mod, CudaForward):
-        got = mod.backward(x, w, out, grad) if gemm is None and CUDA_BACKWARD else None
-        if got is not None:
-            return got
-        mod = mod.triton
-    B, K = x.shape
-    N = w.shape[0]
-    dev = x.device
-    if B == 0 or N == 0 or K == 0:
-        return (torch.zeros((B, K), dtype=x.dtype, device=dev), torch.zeros((N, K), dtype=w.dtype, device=dev))
-    f32 = torch.float32
-    stats = _empty((B, 2), dtype=f32, device=dev)
-    triton_launch.launch(mod.logmatmul_bwd_stats_kernel, (B,),
-                         (x, out, stats, N, K),
-                         dict(BLOCK=STATS_BLOCK, num_warps=8))
-    if gemm if gemm is not None else B > mod.BWD_B:
-        e = _empty((B, K), dtype=f32, device=dev)
-        c = _empty((B, N), dtype=f32, device=dev)
-        triton_launch.launch(mod.logmatmul_bwd_factors_kernel, (B, cdiv(max(N, K), REDUCE_BLOCK)),
-                             (x, out, grad, stats, e, c, N, K),
-                             dict(BLOCK=REDUCE_BLOCK))
-        # two GEMMs on the scaled factors (float32 unless the caller allowed TF32 matmuls)
-        dx = torch.where(e == 0, 0.0, e * (c @ w.to(f32))).to(x.dtype)  # (x = -inf: 0; a NaN stays NaN)
-        return dx, (c.T @ e).to(w.dtype)
-    chunks, n_chunk = bwd_chunks(mod, N, K, sm_count(dev))
-    dw = _empty((N, K), dtype=w.dtype, device=dev)
-    dx = _empty((B, K), dtype=x.dtype, device=dev)
-    direct = chunks == 1
-    dxp = dx if direct else _empty((chunks, B, K), dtype=f32, device=dev)
-    triton_launch.launch(mod.logmatmul_bwd_kernel, (cdiv(K, mod.BWD_K), chunks),
-                         (x, w, out, grad, stats, dw, dxp, B, N, K, n_chunk),
-                         dict(BB=pow2_at_least(B), BN=mod.BWD_N, BK=mod.BWD_K, DIRECT=direct, KA=stride_align(K),
-                              num_warps=mod.BWD_WARPS))
-    if not direct:
-        triton_launch.launch(mod.logmatmul_dx_kernel, (cdiv(B * K, REDUCE_BLOCK),),
-                             (dxp, x, stats, dx, B, K, chunks),
-                             dict(BLOCK=REDUCE_BLOCK))
-    return dx, dw
+class Allocs:
+    """New tensors of fixed (shape, dtype)s on one device, as one call: `torch.empty_like`
+    of prototypes (op.prototype), or `_empty` where tests have patched it (poisoned
+    buffers). A None entry gives None."""
+
+    __slots__ = ("specs", "protos", "device")
+
+    def __init__(self, device, *specs):
+        self.specs, self.device = specs, device
+        self.protos = tuple(prototype(*s, device) if s is not None else None for s in specs)
+
+    def __call__(self) -> list:
+        if _empty is _TORCH_EMPTY:
+            return [torch.empty_like(p) if p is not None else None for p in self.protos]
+        return [_empty(s[0], dtype=s[1], device=self.device) if s is not None else None for s in self.specs]
 
 
 # --------------------------------------------------------------------------- block-sparse
@@ -449,38 +434,3 @@ def block_rows(row_ptr: torch.Tensor, nnz: int) -> torch.Tensor:
     counts = (row_ptr[1:] - row_ptr[:-1]).long()
     rows = torch.arange(counts.shape[0], device=row_ptr.device)
     return torch.repeat_interleave(rows, counts, output_size=nnz)
-
-
-def column_order(col_idx: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(perm, col_ptr): the blocks sorted stably by column block, and where each column
-    block's run starts (no host wait)."""
-    order = torch.sort(col_idx.long(), stable=True)
-    col_ptr = torch.searchsorted(order.values, torch.arange(columns + 1, device=col_idx.device))
-    return order.indices, col_ptr
-
-
-def bsl_backward(mod, x, blocks, row_ptr, col_idx, block_size: int, out, grad):
-    """(dx in x's dtype, dblocks in blocks' dtype)."""
-    if isinstance(mod, CudaForward):
-        mod = mod.triton
-    B, K = x.shape
-    bs = block_size
-    nnz = blocks.shape[0]
-    N = (row_ptr.shape[0] - 1) * bs
-    dev = x.device
-    dx = _empty((B, K), dtype=x.dtype, device=dev)
-    dblocks = _empty(blocks.shape, dtype=blocks.dtype, device=dev)
-    if B == 0 or nnz == 0 or K == 0:
-        return dx.zero_(), dblocks.zero_()
-    bn, bk = min(mod.BWD_N, bs), min(mod.BWD_K, bs)
-    nn = bs // bn
-    dxp = _empty((nnz * nn, B, bs), dtype=torch.float32, device=dev)
-    rows = block_rows(row_ptr, nnz)
-    triton_launch.launch(mod.bsl_bwd_kernel, (nnz * nn * (bs // bk),),
-                         (x, blocks, rows, col_idx, out, grad, dblocks, dxp, B, N, K),
-                         dict(BS=bs, BB=bwd_rows(mod, B), BN=bn, BK=bk, num_warps=mod.BWD_WARPS))
-    perm, col_ptr = column_order(col_idx, K // bs)
-    triton_launch.launch(mod.bsl_dx_reduce_kernel, (K // bs, cdiv(B * bs, REDUCE_BLOCK)),
-                         (dxp, perm, col_ptr, dx, B, K),
-                         dict(BS=bs, NN=nn, BLOCK=REDUCE_BLOCK))
-    return dx, dblocks

@@ -9,8 +9,8 @@ import torch
 
 from kgen.families.logmatmul import launch as _launch
 from kgen.families.logmatmul.checks import check_block_sparse, check_dense
-from kgen.families.logmatmul.launch import (
-    CudaForward, backward, block_rows, bsl_backward, bsl_forward, forward, triton_direct)
+from kgen.families.logmatmul.backward_launch import backward, backward_direct, bsl_backward
+from kgen.families.logmatmul.launch import CudaForward, block_rows, bsl_forward, forward, triton_direct
 from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import reference, reference_backward
 from kgen.families.logmatmul.rules import tune_bucket
@@ -25,7 +25,12 @@ _BWD_CUDA: dict = {}  # per (device index, x dtype, Triton module): what runs it
 # devices), a CUDA variant's bound one-launch launcher (CudaForward.direct); and the `using`
 # blocks open in any thread (the fast path steps aside while one is).
 _FAST: dict = {}
+_FAST_OF: dict = {}  # what each _FAST entry launches (the op's forward uses an entry only for that)
 _USING = _FORCED.open
+# The backward's counterpart (the op's implementation; autograd always takes the op): per
+# exact signature, CUDA_BACKWARD and forward implementation, backward_launch.backward_direct's bound
+# launches (None: none).
+_BWD_FAST: dict = {}
 
 
 def implementation(kernel, companion=None):
@@ -134,11 +139,20 @@ def _fwd_impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     if not w.is_contiguous():
         w = w.contiguous()
-    if _FORCED.get() is MISSING and len(_FAST) < 4096:
+    if _FORCED.get() is MISSING:
+        # the signature's bound launcher (the public function's fast path next time, and this
+        # call's too: a training step's forward, which takes the op for autograd, replays
+        # its launches as well)
         key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device)
-        if key not in _FAST:  # next time: the fast path (None: this CUDA signature takes splits)
-            _FAST[key] = (mod.direct(B, w.shape[0], K, x.dtype, w.dtype, x.device) if type(mod) is CudaForward
-                          else triton_direct(mod, B, w.shape[0], K, x.device))
+        launch = _FAST.get(key, MISSING)
+        if (launch is MISSING or _FAST_OF.get(key) is not mod) and len(_FAST) < 4096:
+            launch = _FAST[key] = (mod.direct(B, w.shape[0], K, x.dtype, w.dtype, x.device) if type(mod) is CudaForward
+                                   else triton_direct(mod, B, w.shape[0], K, x.device))
+            _FAST_OF[key] = mod
+        if launch is not MISSING and launch is not None and _FAST_OF.get(key) is mod:
+            out = launch(x, w)
+            if out is not None:
+                return out
     return forward(mod, x, w)
 
 
@@ -153,6 +167,20 @@ def _bwd_impl(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad: torch.T
     grad = grad.to(torch.float32).contiguous()
     if mod is None:
         return reference_backward(x, w, out, grad)
+    if _FORCED.get() is MISSING and x.is_contiguous() and w.is_contiguous() and out.is_contiguous():
+        # per exact signature, the backward's bound launches (backward_launch.backward_direct)
+        key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device, _launch.CUDA_BACKWARD, mod)
+        launch = _BWD_FAST.get(key, MISSING)
+        if launch is MISSING:
+            if len(_BWD_FAST) >= 4096:
+                _BWD_FAST.clear()
+            B, K = x.shape
+            launch = _BWD_FAST[key] = backward_direct(_backward_module(mod, x, w), B, w.shape[0], K, x.dtype,
+                                                      w.dtype, x.device)
+        if launch is not None:
+            got = launch(x, w, out, grad)
+            if got is not None:
+                return got
     return backward(_backward_module(mod, x, w), x.contiguous(), w.contiguous(), out.contiguous(), grad)
 
 
@@ -163,7 +191,7 @@ def _backward_module(mod, x: torch.Tensor, w: torch.Tensor):
     over w where the Triton module's is the GEMM form past its bwd_b: H200, N = K = 4096, bf16 x
     and float32 w, B = 16: a training step of 110.4 us against 183.6 (BENCHMARKS.md, sixtieth
     session). Calls the library backward cannot take (K % 4, unaligned w) fall back to `mod`
-    in launch.backward. A `using` block runs what it names, forward and backward."""
+    in backward_launch.backward. A `using` block runs what it names, forward and backward."""
     if (isinstance(mod, CudaForward) or not _launch.CUDA_BACKWARD or w.dtype is not torch.float32
             or not 1 <= x.shape[0] <= BWD_B or x.device.type != "cuda" or _FORCED.get() is not MISSING):
         return mod
