@@ -577,6 +577,41 @@ def test_fast_path_of_a_triton_variant_runs_its_forward(monkeypatch):
     assert torch.equal(lmm.logmatmul(x, w), out) and calls == [1]
 
 
+def test_backward_direct_of_a_triton_variant_runs_its_backward(poison):
+    """The backward's bound form (backward_launch.backward_direct) of a Triton variant under the
+    interpreter, in each form: the one-pass kernel with one chunk of N and with several, the GEMM
+    form with w float32 and in x's dtype. Call after call it gives `backward`'s gradients bit for
+    bit into new (poisoned) buffers, within GRAD_TOL of float64; the interpreter's launches are
+    not replayed (each group is marked so after its first call)."""
+    from kgen.families.logmatmul import backward_launch
+
+    for name in (TRITON[0], TRITON_16[0]):
+        mod = _mod(name)
+        t = getattr(torch, _variant(name).dtype)
+        bb = mod.BWD_B
+        for B, N, K, wt, form in ((min(2, bb), 20, 70, torch.float32, (False, 1)), (bb, 300, 70, torch.float32, None),
+                                  (bb + 2, 37, 100, torch.float32, (True, 1)), (bb + 2, 37, 100, t, (True, 1))):
+            plan = backward_launch._bwd_plan(mod, B, N, K, CPU)
+            assert plan[:2] == form if form else not plan[0] and plan[1] > 1, (name, B, N, K, plan)
+            x, w = numerics.make_inputs(B, N, K, t, CPU, w_dtype=wt, seed=B + N)
+            g = torch.randn(B, N, generator=torch.Generator().manual_seed(N), dtype=torch.float64)
+            out = launch.forward(mod, x, w)
+            f = backward_launch.backward_direct(mod, B, N, K, t, wt, CPU)
+            got = [f(x, w, out, g.float()) for _ in range(2)]
+            want = backward_launch.backward(mod, x, w, out, g.float())
+            for dx, dw in got:
+                assert torch.equal(dx, want[0]) and torch.equal(dw, want[1]), (name, B, N, K, wt)
+            assert got[0][0].data_ptr() != got[1][0].data_ptr()
+            xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+            lmm.reference(xr, wr, torch.float64).backward(g)
+            for have, ref, gt in ((got[0][0], xr.grad, t), (got[0][1], wr.grad, wt)):
+                bound = numerics.GRAD_TOL[str(gt).removeprefix("torch.")] * max(1.0, float(ref.abs().max()))
+                assert float((have.double() - ref).abs().max()) <= bound, (name, B, N, K, wt)
+            cells = [c.cell_contents for c in f.__closure__]
+            recorded = [c for c in cells if isinstance(c, backward_launch._Recorded)]
+            assert recorded and all(r.rep is False for r in recorded)
+
+
 @pytest.mark.parametrize("name,B,N,K,splits,pre", [(TRITON[0], 3, 37, 100, 1, False), (TRITON[-1], 5, 70, 300, 1, False),
                                                    (TRITON[-1], 2, 40, 4096, 3, False),
                                                    (TRITON[-1], 50, 3990, 1024, 2, True)])  # 204M: the exp launch
