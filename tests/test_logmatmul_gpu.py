@@ -216,8 +216,8 @@ def test_gpu_cuda_backward(poison, name):
 def test_gpu_a_triton_forward_takes_the_cuda_backward(poison, monkeypatch, dtype):
     """Where dispatch gives a Triton tile at B <= 16 with float32 w (the tuned bf16 B <= 16
     buckets at 4096^2 do; here `_module` is patched to give it), the op's backward runs a CUDA
-    variant's library backward (spied: its bound launcher ran, and took the call), with gradients within
-    GRAD_TOL of float64 and bit-identical run to run."""
+    variant's library backward (spied: its bound launcher ran, and took the call), with
+    gradients within GRAD_TOL of float64 and bit-identical run to run."""
     from kgen.families.logmatmul import op as lop
 
     tri = _gpu_mod(next(v.name for v in SPEC.variants if v.backend == "triton" and v.dtype == dtype))
@@ -263,12 +263,13 @@ def test_gpu_a_triton_forward_takes_the_cuda_backward(poison, monkeypatch, dtype
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_backward_fast_path_replays_each_form(poison, dtype):
-    """The backward's bound launches (backward_launch.backward_direct, the op's backward per signature)
-    in each form: the one-pass Triton kernel with one chunk of N and with several, the GEMM
-    form (w float32, and w in x's dtype) and a CUDA library's backward. After the recording
-    call the Triton launches replay (counted); every call gives `backward_launch.backward`'s gradients
-    bit for bit, within GRAD_TOL of float64 (as test_gpu_cuda_backward judges them); a CUDA
-    graph capture of it replays what an eager call computes for a new upstream gradient."""
+    """The backward's bound launches (backward_launch.backward_direct, the op's backward per
+    signature) in each form: the one-pass Triton kernel with one chunk of N and with several,
+    the GEMM form (w float32, and w in x's dtype) and a CUDA library's backward. After the
+    recording call the Triton launches replay (counted); every call gives
+    `backward_launch.backward`'s gradients bit for bit, within GRAD_TOL of float64 (as
+    test_gpu_cuda_backward judges them); a CUDA graph capture of it replays what an eager call
+    computes for a new upstream gradient."""
     from kgen.runtime import triton_launch as tlaunch
 
     t, dev = getattr(torch, dtype), torch.device("cuda")
@@ -290,7 +291,7 @@ def test_gpu_backward_fast_path_replays_each_form(poison, dtype):
         elif launches == 1:
             assert not plan[0] and plan[1] == 1, plan
             launches = 2
-        f = backward_launch.backward_direct(mod, B, N, K, t, wt, x.device)  # (as the op passes it: with its index)
+        f = backward_launch.backward_direct(mod, B, N, K, t, wt, x.device)  # (the op passes x's: with its index)
         first = f(x, w, out, g.float())
         n = tlaunch.STATS["direct"]
         again = f(x, w, out, g.float())
