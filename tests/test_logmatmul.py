@@ -582,7 +582,7 @@ def test_backward_direct_of_a_triton_variant_runs_its_backward(poison):
     interpreter, in each form: the one-pass kernel with one chunk of N and with several, the GEMM
     form with w float32 and in x's dtype. Call after call it gives `backward`'s gradients bit for
     bit into new (poisoned) buffers, within GRAD_TOL of float64; the interpreter's launches are
-    not replayed (each group is marked so after its first call)."""
+    never recorded for replay."""
     from kgen.families.logmatmul import backward_launch
 
     for name in (TRITON[0], TRITON_16[0]):
@@ -609,7 +609,7 @@ def test_backward_direct_of_a_triton_variant_runs_its_backward(poison):
                 assert float((have.double() - ref).abs().max()) <= bound, (name, B, N, K, wt)
             cells = [c.cell_contents for c in f.__closure__]
             recorded = [c for c in cells if isinstance(c, backward_launch._Recorded)]
-            assert recorded and all(r.rep is False for r in recorded)
+            assert recorded and all(r.rep is None for r in recorded)
 
 
 @pytest.mark.parametrize("name,B,N,K,splits,pre", [(TRITON[0], 3, 37, 100, 1, False), (TRITON[-1], 5, 70, 300, 1, False),

@@ -110,23 +110,25 @@ def _fused_steps(mod, x, w, out, grad, stats, dw, dx, dxp, plan) -> list[tuple]:
 
 class _Recorded:
     """A group of launches replayed with its slots' new addresses (triton_launch.replay)
-    after its first run, which goes through triton_launch.launch and records it."""
+    after a run through triton_launch.launch has recorded it. Until one has (replay declines
+    a call whose slots are not 16-byte aligned, as triton_direct's first call may be), each
+    run tries to, as triton_direct does."""
 
     __slots__ = ("rep",)
 
     def __init__(self):
-        self.rep = None  # the Replay; False: the launches cannot be replayed
+        self.rep = None  # the Replay, once recorded
 
     def run(self, steps, slots) -> None:
         """`steps()` -> the group's launches (built only where the replay does not run)."""
         rep = self.rep
-        if rep and rep([t.data_ptr() for t in slots]):
+        if rep is not None and rep([t.data_ptr() for t in slots]):
             return
         todo = steps()
         for step in todo:
             triton_launch.launch(*step)
         if rep is None:
-            self.rep = triton_launch.replay(todo, slots) or False
+            self.rep = triton_launch.replay(todo, slots)
 
 
 def backward_direct(mod, B: int, N: int, K: int, x_dtype, w_dtype, device: torch.device):

@@ -144,12 +144,12 @@ def _fwd_impl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # call's too: a training step's forward, which takes the op for autograd, replays
         # its launches as well)
         key = (x.shape, w.shape, x.dtype, w.dtype, x.device, w.device)
-        launch = _FAST.get(key, MISSING)
-        if (launch is MISSING or _FAST_OF.get(key) is not mod) and len(_FAST) < 4096:
+        launch = _FAST.get(key, MISSING) if _FAST_OF.get(key) is mod else MISSING
+        if launch is MISSING and len(_FAST) < 4096:
             launch = _FAST[key] = (mod.direct(B, w.shape[0], K, x.dtype, w.dtype, x.device) if type(mod) is CudaForward
                                    else triton_direct(mod, B, w.shape[0], K, x.device))
             _FAST_OF[key] = mod
-        if launch is not MISSING and launch is not None and _FAST_OF.get(key) is mod:
+        if launch is not MISSING and launch is not None:
             out = launch(x, w)
             if out is not None:
                 return out
