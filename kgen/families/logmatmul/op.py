@@ -21,15 +21,16 @@ _FORCED = Override()
 _MODULES: dict = {}  # per shape bucket, where the choice is the bucket's (dispatch.holds_for_bucket)
 _BY_SHAPE: dict = {}  # per exact shape, in front of _MODULES
 _BWD_CUDA: dict = {}  # per (device index, x dtype, Triton module): what runs its backward (_backward_module)
-# The eager fast path (`logmatmul`): per exact signature (x shape, w shape, dtypes,
-# devices), a CUDA variant's bound one-launch launcher (CudaForward.direct); and the `using`
-# blocks open in any thread (the fast path steps aside while one is).
+# The eager fast path (`logmatmul`, and the op's forward, which a training step takes): per
+# exact signature (x shape, w shape, dtypes, devices), the bound launcher (CudaForward.direct,
+# triton_direct; None: none); and the `using` blocks open in any thread (the fast path steps
+# aside while one is).
 _FAST: dict = {}
 _FAST_OF: dict = {}  # what each _FAST entry launches (the op's forward uses an entry only for that)
 _USING = _FORCED.open
-# The backward's counterpart (the op's implementation; autograd always takes the op): per
-# exact signature, CUDA_BACKWARD and forward implementation, backward_launch.backward_direct's bound
-# launches (None: none).
+# The backward's counterpart (autograd always takes the op): per exact signature,
+# CUDA_BACKWARD and forward implementation, backward_launch.backward_direct's bound launches
+# (None: none).
 _BWD_FAST: dict = {}
 
 
