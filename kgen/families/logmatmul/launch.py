@@ -190,6 +190,8 @@ class CudaForward:
         """(dx, dw) by the library's backward (one host call, two launches), or None where
         it does not apply (then the Triton companion's backward runs): float32 w, x in the
         variant's dtype, 1 <= B <= BWD_B, whole 16-byte rows of w at a 16-byte aligned base."""
+        if w.data_ptr() & 15:  # (before binding: the bound launcher would decline it too)
+            return None
         B, K = x.shape
         f = self.backward_direct(B, w.shape[0], K, x.dtype, w.dtype, x.device)
         return f(x, w, out, grad) if f is not None else None
