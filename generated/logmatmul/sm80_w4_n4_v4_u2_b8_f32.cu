@@ -548,7 +548,7 @@ cudaError_t dispatch_b(int device, const TX* x, const void* w, float* pm, float*
 //     (in shared memory, a row's BB factors together: one broadcast 16-byte read per 4 rows
 //     of x) are computed; then each row is read once, the next rows loading while these are
 //     used (bwd_rows), its dw written once (streaming stores) and c' w summed per column.
-//  2. lmm_bwd_dx (several chunks): dx = the chunks' partials summed in order.
+//  2. lmm_bwd_dx (several chunks): dx = the chunks' partials summed in a fixed order.
 // Both are programmatic dependent launches (common/pdl.cuh.j2; sm_90): each starts launching
 // while the kernel before it finishes, and waits for it before touching memory.
 // No atomics: bit-identical run to run.
@@ -745,14 +745,32 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
   }
 }
 
+// dx[i] = the chunks' partials summed: a CTA of 256 threads takes 256 / G outputs (consecutive
+// threads, consecutive outputs: loads coalesce) times G groups of chunks (group q: chunks q, q + G,
+// ...; a thread's loads are independent of one another), then group 0 adds the G sums in group
+// order (a fixed order: bit-identical run to run). G = 8 where B x K <= 24576, else 1 (one thread
+// an output, summing the chunks in order). At few outputs one thread an output was bound by its
+// chain of loads; at many, G > 1 cost 1-2 % (H200, N = K = 4096, 66 chunks: the backward at
+// B = 1 / 2 / 4 0.97-0.98x with G = 8, at B = 12 / 16 1.01x; random shapes with B x K 4-12 Ki
+// 0.77-0.95x, 37-94 Ki 1.01-1.06x: BENCHMARKS.md, sixty-fourth session).
+inline int bwd_dx_groups(int64_t outputs) { return outputs <= 24576 ? 8 : 1; }
+
 __global__ void __launch_bounds__(256)
-lmm_bwd_dx(const float* __restrict__ dxp, TX* __restrict__ dx, int B, int K, int chunks) {
+lmm_bwd_dx(const float* __restrict__ dxp, TX* __restrict__ dx, int B, int K, int chunks, int groups) {
+  __shared__ float red[256];
   pdl_wait();
-  const int64_t i = (int64_t)blockIdx.x * 256 + threadIdx.x, total = (int64_t)B * K;
-  if (i >= total) return;
+  const int per = 256 / groups, o = threadIdx.x % per, q = threadIdx.x / per;
+  const int64_t i = (int64_t)blockIdx.x * per + o, total = (int64_t)B * K;
   float s = 0.f;
-  for (int j = 0; j < chunks; ++j) s += dxp[(int64_t)j * total + i];
-  dx[i] = kgen::from_float<TX>(s);
+  if (i < total)
+    for (int j = q; j < chunks; j += groups) s += dxp[(int64_t)j * total + i];
+  red[threadIdx.x] = s;
+  __syncthreads();
+  if (q == 0 && i < total) {
+    float t = red[o];
+    for (int r = 1; r < groups; ++r) t += red[r * per + o];
+    dx[i] = kgen::from_float<TX>(t);
+  }
 }
 
 cudaError_t backward_run(int device, const TX* x, const float* w, const float* out, const float* g, float* dw,
@@ -771,8 +789,9 @@ cudaError_t backward_run(int device, const TX* x, const float* w, const float* o
   else if (bb == 8) e = launch_pdl(device, lmm_bwd_main<8>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
   else e = launch_pdl(device, lmm_bwd_main<16>, grid, block, smem, s, x, w, out, g, dw, dxp, dx, B, N, K, n_chunk, direct);
   if (e != cudaSuccess || direct) return e;
-  return launch_pdl(device, lmm_bwd_dx, dim3((unsigned)kgen::cdiv((int64_t)B * K, 256)), dim3(256), 0, s, dxp, dx, B, K,
-                    chunks);
+  const int groups = bwd_dx_groups((int64_t)B * K);
+  return launch_pdl(device, lmm_bwd_dx, dim3((unsigned)kgen::cdiv((int64_t)B * K, 256 / groups)), dim3(256), 0, s, dxp,
+                    dx, B, K, chunks, groups);
 }
 
 }  // namespace
