@@ -751,7 +751,7 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
 // ...; a thread's loads are independent of one another), then group 0 adds the G sums in group
 // order (a fixed order: bit-identical run to run). G = 8 where B x K <= 24576, else 1 (one thread
 // an output, summing the chunks in order). At few outputs one thread an output was bound by its
-// chain of loads; at many, G > 1 cost 1-2 % (H200, N = K = 4096, 66 chunks: the backward at
+// chain of loads; at many, G > 1 cost 1-6 % (H200, N = K = 4096, 66 chunks: the backward at
 // B = 1 / 2 / 4 0.97-0.98x with G = 8, at B = 12 / 16 1.01x; random shapes with B x K 4-12 Ki
 // 0.77-0.95x, 37-94 Ki 1.01-1.06x: BENCHMARKS.md, sixty-fourth session).
 inline int bwd_dx_groups(int64_t outputs) { return outputs <= 24576 ? 8 : 1; }
