@@ -1031,6 +1031,19 @@ def test_gpu_cuda_variant(name):
     f = launch.direct(impl, x, ws, bs, *acts)
     assert f is not None and torch.equal(f(x, ws, bs), got)
     assert f(xu, ws, bs) is None  # unaligned: the general path
+    # the C launcher checks every pointer: a weight or a bias off by one element launches nothing
+    wu = torch.empty(ws[1].numel() + 1, dtype=dtype, device="cuda")[1:].view(ws[1].shape).copy_(ws[1])
+    assert f(x, [ws[0], wu, *ws[2:]], bs) is None
+    bu = torch.empty(bs[0].numel() + 1, dtype=dtype, device="cuda")[1:].copy_(bs[0])
+    assert f(x, ws, [bu, *bs[1:]]) is None
+    # every layer with a bias, and none: the launcher's other two argument patterns
+    for bias in ([True] * len(ws), [False] * len(ws)):
+        _, _, b2 = fm.make_inputs("cuda", dtype, B, widths, seed=7, bias=bias)
+        f2 = launch.direct(impl, x, ws, b2, *acts)
+        got2 = poisoned((B, widths[-1]), dtype, "cuda")
+        launch.forward(impl, x, ws, b2, *acts, out=got2)
+        assert error_ratio(got2, fm.reference(x, ws, b2, *acts), TOL[v.dtype]) <= 1
+        assert f2 is not None and torch.equal(f2(x, ws, b2), got2)
     with fm.using(impl):
         assert torch.equal(ops.fused_mlp(x, ws, bs, activation=acts[0], last_activation=acts[1]), got)
 

@@ -63,26 +63,35 @@ def _cells(f):
 
 
 def breakdown(mlp, x, ws, bs, act, last):
-    """The fast path's parts, timed alone: its memo lookup (op._call and CallMemo.get), the launcher closure (checks, the
-    output, the bound launch), triton_launch's bound launch of a fixed argument list, Triton's
-    launcher (CompiledKernel.run) alone, torch.empty_like of the output prototype."""
+    """The fast path's parts, timed alone: its memo lookup (op._call and CallMemo.get), the
+    launcher closure (checks, the output, the bound launch), the launch itself with a fixed
+    argument list (a Triton variant: triton_launch's bound launch and Triton's own launcher,
+    CompiledKernel.run; a CUDA cluster variant: kgen's trampoline into its C launcher),
+    torch.empty_like of the output prototype."""
     f = fm.op._FAST.get(fm.op._call(x, ws, bs, act, last))[0]
     cells = _cells(f)
+    proto = cells["proto"].cell_contents
+    parts = [(f"{mlp} part: memo lookup", "after", lambda: fm.op._FAST.get(fm.op._call(x, ws, bs, act, last))),
+             (f"{mlp} part: launcher closure", "after", lambda: f(x, ws, bs)),
+             (f"{mlp} part: torch.empty_like(proto)", "after", lambda: torch.empty_like(proto))]
+    if "go" not in cells:  # a CUDA cluster variant (fused_mlp/cuda.py, CudaMLP.direct)
+        raw, got = cells["raw"].cell_contents, []
+        cells["raw"].cell_contents = lambda *a: got.append(a) or 0
+        keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer
+        cells["raw"].cell_contents = raw
+        a = got[0]
+        return parts + [(f"{mlp} part: trampoline launch alone", "after", lambda: raw(*a) or keep)]
     go, got = cells["go"].cell_contents, []
     cells["go"].cell_contents = lambda g0, a: got.append((g0, list(a))) or True
-    keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer
+    keep = f(x, ws, bs)
     cells["go"].cell_contents = go
     g0, a = got[0]
     gc = _cells(go)
     run, function, meta, tail, dev = (gc[k].cell_contents for k in ("run", "function", "metadata", "tail", "device"))
     stream = torch.cuda.current_stream(dev).cuda_stream
-    proto = cells["proto"].cell_contents
-    return [(f"{mlp} part: memo lookup", "after", lambda: fm.op._FAST.get(fm.op._call(x, ws, bs, act, last))),
-            (f"{mlp} part: launcher closure", "after", lambda: f(x, ws, bs)),
-            (f"{mlp} part: bound launch go()", "after", lambda: go(g0, a)),
-            (f"{mlp} part: CompiledKernel.run alone", "after",
-             lambda: run(g0, 1, 1, stream, function, meta, None, None, None, *a, *tail) or keep),
-            (f"{mlp} part: torch.empty_like(proto)", "after", lambda: torch.empty_like(proto))]
+    return parts + [(f"{mlp} part: bound launch go()", "after", lambda: go(g0, a)),
+                    (f"{mlp} part: CompiledKernel.run alone", "after",
+                     lambda: run(g0, 1, 1, stream, function, meta, None, None, None, *a, *tail) or keep)]
 
 
 def graphed_us(fn, reps=20):

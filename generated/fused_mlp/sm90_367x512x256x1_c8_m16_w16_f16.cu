@@ -742,6 +742,7 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
   kgen::cluster_wait();  // no CTA leaves while another may still write into it
 }
 
+constexpr int KGEN_MISALIGNED = -1;  // kgen_launch: a pointer not 16-byte aligned, nothing launched
 int max_clusters[64] = {};  // per device: clusters resident at once (0: not asked yet)
 uint64_t configured = 0;  // per device: the shared-memory opt-in made
 
@@ -793,27 +794,32 @@ cudaError_t setup(int device) {
 }  // namespace
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
-// checked the shapes (x [B, 367], weights and biases of these widths, contiguous,
-// 16-byte aligned) and B >= 1; it launches on the caller's stream, as a persistent grid of at
-// most the clusters the device holds at once.
-//   ints: device, x, out, then per layer w_i, b_i (0 when absent), then B, bias_mask, act,
-//         last_act, stream
+// checked the shapes (x [B, 367], weights and biases of these widths, contiguous) and
+// B >= 1; the launcher checks the pointers' 16-byte alignment (its vector loads) and returns
+// KGEN_MISALIGNED without launching where one is not, so that the eager fast path reads each
+// pointer once. It launches on the caller's stream, as a persistent grid of at most the
+// clusters the device holds at once.
+//   ints: device, stream, B, bias_mask, act, last_act, x, out, w_0 .. w_{L-1}, then the
+//         biases present (bit i of bias_mask: layer i has one), in layer order
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
+  cudaStream_t stream = reinterpret_cast<cudaStream_t>(ints[1]);
   Params p;
-  p.x = reinterpret_cast<const T*>(ints[1]);
-  p.out = reinterpret_cast<T*>(ints[2]);
+  p.B = (int)ints[2];
+  p.bias_mask = (int)ints[3];
+  p.act = (int)ints[4];
+  p.last_act = (int)ints[5];
+  p.x = reinterpret_cast<const T*>(ints[6]);
+  p.out = reinterpret_cast<T*>(ints[7]);
+  unsigned long long ptrs = (unsigned long long)ints[6] | (unsigned long long)ints[7];
+  const long long* next = ints + 8 + LAYERS;  // the present biases
   for (int i = 0; i < LAYERS; ++i) {
-    p.w[i] = reinterpret_cast<const T*>(ints[3 + 2 * i]);
-    p.b[i] = reinterpret_cast<const T*>(ints[4 + 2 * i]);
+    p.w[i] = reinterpret_cast<const T*>(ints[8 + i]);
+    p.b[i] = (p.bias_mask >> i & 1) ? reinterpret_cast<const T*>(*next++) : nullptr;
+    ptrs |= (unsigned long long)ints[8 + i] | (unsigned long long)p.b[i];
   }
-  const long long* rest = ints + 3 + 2 * LAYERS;
-  p.B = (int)rest[0];
-  p.bias_mask = (int)rest[1];
-  p.act = (int)rest[2];
-  p.last_act = (int)rest[3];
-  cudaStream_t stream = reinterpret_cast<cudaStream_t>(rest[4]);
+  if (ptrs & 15) return KGEN_MISALIGNED;
   if (p.B < 1) return (int)cudaErrorInvalidValue;
   const cudaError_t e = setup(device);
   if (e != cudaSuccess) return (int)e;

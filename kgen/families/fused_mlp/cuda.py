@@ -13,6 +13,9 @@ from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
 
+MISALIGNED = -1  # the C launcher's answer for a pointer not 16-byte aligned (launch.cuh.j2): nothing ran
+
+
 class CudaMLP:
     """A loaded CUDA variant (`kernel`) with its Triton companion's module (`triton`)."""
 
@@ -48,12 +51,10 @@ class CudaMLP:
         return n
 
     def _args(self, x, out, weights, biases, activation, last_activation):
-        args, mask = [x.device.index, x.data_ptr(), out.data_ptr()], 0
-        for i, (w, b) in enumerate(zip(weights, biases)):
-            args += [w.data_ptr(), b.data_ptr() if b is not None else 0]
-            mask |= (b is not None) << i
-        return args + [x.shape[0], mask, ACT_CODE[activation], ACT_CODE[last_activation],
-                       current_raw_stream(x.device.index)]
+        mask = sum(1 << i for i, b in enumerate(biases) if b is not None)
+        return [x.device.index, current_raw_stream(x.device.index), x.shape[0], mask, ACT_CODE[activation],
+                ACT_CODE[last_activation], x.data_ptr(), out.data_ptr(), *(w.data_ptr() for w in weights),
+                *(b.data_ptr() for b in biases if b is not None)]
 
     def run(self, x, weights, biases, activation: str, last_activation: str, out=None) -> torch.Tensor:
         """The forward into `out` (or a new [B, wL] tensor); the caller checked `takes`."""
@@ -61,6 +62,8 @@ class CudaMLP:
             out = torch.empty((x.shape[0], self.widths[-1]), dtype=x.dtype, device=x.device)
         k = self.kernel
         rc = k.raw(k.ptr, *self._args(x, out, weights, biases, activation, last_activation))
+        if rc == MISALIGNED:
+            raise ValueError(f"{self.name}: an input or the output is not 16-byte aligned")
         if rc:
             k.fail(rc)
         return out
@@ -68,32 +71,38 @@ class CudaMLP:
     def direct(self, x, weights, biases, activation: str, last_activation: str):
         """The eager fast path's launcher for this call's signature (see launch.direct): `f(x,
         weights, biases)` -> out [..., wL], or None (then the general path runs) where an input
-        is not 16-byte aligned; it takes only calls with this one's strides (the fast paths'
-        memo compares them). None where this signature has no fast form."""
+        is not 16-byte aligned (the C launcher checks, launching nothing); it takes only calls
+        with this one's strides and bias pattern (the fast paths' memo compares them). None
+        where this signature has no fast form."""
         B = x.numel() // self.widths[0] if self.widths[0] else 0
         x2 = x.reshape(B, self.widths[0]) if B else x
         if B == 0 or not self.takes(x2, weights, biases):
             return None
         k, index = self.kernel, x.device.index
         raw, ptr, fail = k.raw, k.ptr, k.fail
-        has_bias = tuple(b is not None for b in biases)
-        mask = sum(1 << i for i, h in enumerate(has_bias) if h)
-        tail = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation])
+        present = [i for i, b in enumerate(biases) if b is not None]
+        mask = sum(1 << i for i in present)
+        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation])
         proto = prototype((*x.shape[:-1], self.widths[-1]), x.dtype, x.device)
-        empty_like = torch.empty_like
+        empty_like, data_ptr = torch.empty_like, torch.Tensor.data_ptr
 
-        def launch(x, weights, biases):  # (the caller's memo matched this call's strides: contiguous)
-            ptrs, args = x.data_ptr(), []
-            for w, b in zip(weights, biases):
-                wp, bp = w.data_ptr(), (b.data_ptr() if b is not None else 0)
-                ptrs |= wp | bp
-                args += (wp, bp)
-            if ptrs & 15:
-                return None
-            out = empty_like(proto)
-            rc = raw(ptr, index, x.data_ptr(), out.data_ptr(), *args, *tail, current_raw_stream(index))
-            if rc:
-                fail(rc)
-            return out
+        # (each pointer read once, by a C-level map where the pattern allows: this closure is most
+        # of a fast call's Python; the alignment check is the C launcher's)
+        if len(present) == len(biases):
+            def launch(x, weights, biases):
+                out = empty_like(proto)
+                rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
+                         *map(data_ptr, weights), *map(data_ptr, biases))
+                if rc:
+                    return None if rc == MISALIGNED else fail(rc)
+                return out
+        else:
+            def launch(x, weights, biases):
+                out = empty_like(proto)
+                rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
+                         *map(data_ptr, weights), *[biases[i].data_ptr() for i in present])
+                if rc:
+                    return None if rc == MISALIGNED else fail(rc)
+                return out
 
         return launch
