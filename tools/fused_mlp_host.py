@@ -11,12 +11,13 @@ launch queue's depth, so the host never waits on the GPU), the minimum over inte
 beside it the same loop timed to the end of the GPU work (GPU-bound where the kernel is longer).
 GPU time: a CUDA graph of 20 calls, replayed (triton.testing.do_bench, median), per call.
 
-`python3 tools/fused_mlp_host.py [--quick]` (PYTHONPATH = the repo root); prints JSON lines and
-tables.
+`python3 tools/fused_mlp_host.py [--quick] [--batch B] [--dtype bfloat16|float16|float32]`
+(PYTHONPATH = the repo root; defaults B = 128, bfloat16; float32 with TF32 on); prints JSON lines
+and tables. The reference launch is always torch.add of two 128 x 512 bfloat16 tensors.
 """
 
+import argparse
 import json
-import sys
 import time
 
 import torch
@@ -70,28 +71,27 @@ def breakdown(mlp, x, ws, bs, act, last):
     torch.empty_like of the output prototype."""
     f = fm.op._FAST.get(fm.op._call(x, ws, bs, act, last))[0]
     cells = _cells(f)
-    proto = cells["proto"].cell_contents
     parts = [(f"{mlp} part: memo lookup", "after", lambda: fm.op._FAST.get(fm.op._call(x, ws, bs, act, last))),
-             (f"{mlp} part: launcher closure", "after", lambda: f(x, ws, bs)),
-             (f"{mlp} part: torch.empty_like(proto)", "after", lambda: torch.empty_like(proto))]
-    if "go" not in cells:  # a CUDA cluster variant (fused_mlp/cuda.py, CudaMLP.direct)
+             (f"{mlp} part: launcher closure", "after", lambda: f(x, ws, bs))]
+    if "proto" not in cells:  # the eager composition, called without the op around it
+        return parts
+    proto = cells["proto"].cell_contents
+    parts.append((f"{mlp} part: torch.empty_like(proto)", "after", lambda: torch.empty_like(proto)))
+    if "raw" in cells:  # a CUDA cluster variant (fused_mlp/cuda.py, CudaMLP.direct)
         raw, got = cells["raw"].cell_contents, []
         cells["raw"].cell_contents = lambda *a: got.append(a) or 0
         keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer
         cells["raw"].cell_contents = raw
         a = got[0]
         return parts + [(f"{mlp} part: trampoline launch alone", "after", lambda: raw(*a) or keep)]
-    go, got = cells["go"].cell_contents, []
-    cells["go"].cell_contents = lambda g0, a: got.append((g0, list(a))) or True
-    keep = f(x, ws, bs)
-    cells["go"].cell_contents = go
-    g0, a = got[0]
-    gc = _cells(go)
-    run, function, meta, tail, dev = (gc[k].cell_contents for k in ("run", "function", "metadata", "tail", "device"))
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    return parts + [(f"{mlp} part: bound launch go()", "after", lambda: go(g0, a)),
-                    (f"{mlp} part: CompiledKernel.run alone", "after",
-                     lambda: run(g0, 1, 1, stream, function, meta, None, None, None, *a, *tail) or keep)]
+    # a Triton variant (launch.direct): triton_launch's Replay of the recorded launches
+    rep, got = cells["rep"].cell_contents, []
+    cells["rep"].cell_contents = lambda vals: got.append(list(vals)) or True
+    keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer
+    cells["rep"].cell_contents = rep
+    if cells["s_numel"].cell_contents:  # a scratch buffer, freed after the call: not replayed alone
+        return parts
+    return parts + [(f"{mlp} part: Replay of the launches alone", "after", lambda: rep(got[0]) or keep)]
 
 
 def graphed_us(fn, reps=20):
@@ -108,16 +108,17 @@ def graphed_us(fn, reps=20):
     return 1e3 * triton.testing.do_bench(g.replay, warmup=10, rep=100, return_mode="median") / reps
 
 
-def main(quick):
-    print(json.dumps({**environment(), "triton_launch": triton_launch.disabled() or "on"}), flush=True)
-    dtype = torch.bfloat16
-    a = torch.randn(128, 512, device="cuda", dtype=dtype)
+def main(quick, batch, dtype):
+    print(json.dumps({**environment(), "triton_launch": triton_launch.disabled() or "on",
+                      "batch": batch, "dtype": str(dtype)}), flush=True)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    a = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
     b = torch.randn_like(a)
     impls = [("torch.add(128x512 bf16)", "after", lambda: torch.add(a, b))]
     checks = []
     torch.set_grad_enabled(False)
     for mlp, (widths, act, last) in MLPS.items():
-        x, ws, bs = fm.make_inputs("cuda", dtype, 128, widths)
+        x, ws, bs = fm.make_inputs("cuda", dtype, batch, widths)
         module = FusedMLP(widths, act, last, dtype=dtype, device="cuda")
 
         def op(x=x, ws=ws, bs=bs, act=act, last=last):
@@ -148,7 +149,7 @@ def main(quick):
     base = res[impls[0][0]][0]
     rows = [{"impl": name, "host us/call": h, "x torch.add": h / base, "us/call to GPU end": e}
             for name, (h, e) in res.items()]
-    print_table("host cost per call (B = 128, bfloat16, no grad; min over rounds of 150 calls)", rows)
+    print_table(f"host cost per call (B = {batch}, {dtype}, no grad; min over rounds of 150 calls)", rows)
     print(json.dumps(rows), flush=True)
 
     gpu = []
@@ -161,11 +162,17 @@ def main(quick):
                 row[f"graph us/call, {m}"] = graphed_us(lambda: fm.fused_mlp(x, ws, bs, activation=act,
                                                                            last_activation=last))
             mode("after")
-            row["variant"] = getattr(fm.module_for(x.device, dtype, widths, B), "__name__", "eager")
+            mod = fm.module_for(x.device, dtype, widths, B)
+            row["variant"] = "eager" if mod is None else getattr(mod, "name", None) or mod.__name__
             gpu.append(row)
-    print_table("GPU time per forward, bfloat16 (CUDA graph of 20 calls, median replay / 20)", gpu)
+    print_table(f"GPU time per forward, {dtype} (CUDA graph of 20 calls, median replay / 20)", gpu)
     print(json.dumps(gpu), flush=True)
 
 
 if __name__ == "__main__":
-    main("--quick" in sys.argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="5 rounds, not 15")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = ap.parse_args()
+    main(args.quick, args.batch, getattr(torch, args.dtype))
