@@ -754,6 +754,53 @@ def test_cuda_plan_and_checks():
                           "    dtypes: [bfloat16]\n")
 
 
+@pytest.mark.parametrize("bias", [True, False, [False, True, True]], ids=["every", "none", "some"])
+def test_cuda_direct_arguments(monkeypatch, bias):
+    """The CUDA cluster variant's fast launcher passes the C launcher's arguments in the order
+    launch.cuh.j2 reads them (device, stream, B, bias mask, activations, x, out, the weights,
+    the present biases) with this call's pointers and a new output each call, and returns None
+    where the launcher answers MISALIGNED; another error code raises. (A fake launcher: the
+    kernel itself runs in the GPU tests.)"""
+    from types import SimpleNamespace
+
+    from kgen.families.fused_mlp import cuda
+    from kgen.families.fused_mlp.schema import ACT_CODE
+
+    calls, answer = [], [0]
+
+    def raw(ptr, *args):
+        calls.append((ptr, args))
+        return answer[0]
+
+    def fail(rc):
+        raise RuntimeError(f"CUDA error {rc}")
+
+    widths = (13, 40, 24, 8)
+    kernel = SimpleNamespace(name="fake", params={"widths": list(widths)}, variant=SimpleNamespace(dtype="bfloat16"),
+                             raw=raw, ptr=1234, fail=fail)
+    monkeypatch.setattr(cuda, "current_raw_stream", lambda index: 77)
+    impl = cuda.CudaMLP(kernel, None)
+    x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 6, widths, bias=bias)
+    x = x.reshape(2, 3, widths[0])
+    f = impl.direct(x, ws, bs, "gelu", "sigmoid")
+    present = [b for b in bs if b is not None]
+    mask = sum(1 << i for i, b in enumerate(bs) if b is not None)
+    for _ in range(2):  # a second call: its own output
+        x2, ws2, bs2 = x.clone(), [w.clone() for w in ws], [b.clone() if b is not None else None for b in bs]
+        out = f(x2, ws2, bs2)
+        assert out.shape == (2, 3, widths[-1]) and out.dtype == torch.bfloat16
+        ptr, args = calls[-1]
+        assert ptr == 1234 and args == (
+            None, 77, 6, mask, ACT_CODE["gelu"], ACT_CODE["sigmoid"], x2.data_ptr(), out.data_ptr(),
+            *(w.data_ptr() for w in ws2), *(b.data_ptr() for b in bs2 if b is not None))
+        assert len(args) == 8 + len(ws) + len(present)
+    answer[0] = cuda.MISALIGNED
+    assert f(x, ws, bs) is None
+    answer[0] = 700
+    with pytest.raises(RuntimeError, match="700"):
+        f(x, ws, bs)
+
+
 @requires_nvcc
 def test_cuda_variants_sass():
     """Every shipped CUDA variant compiles for sm_90: mma.sync (HMMA.16816.F32) from ldmatrix

@@ -86,23 +86,16 @@ class CudaMLP:
         proto = prototype((*x.shape[:-1], self.widths[-1]), x.dtype, x.device)
         empty_like, data_ptr = torch.empty_like, torch.Tensor.data_ptr
 
-        # (each pointer read once, by a C-level map where the pattern allows: this closure is most
-        # of a fast call's Python; the alignment check is the C launcher's)
-        if len(present) == len(biases):
-            def launch(x, weights, biases):
-                out = empty_like(proto)
-                rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
-                         *map(data_ptr, weights), *map(data_ptr, biases))
-                if rc:
-                    return None if rc == MISALIGNED else fail(rc)
-                return out
-        else:
-            def launch(x, weights, biases):
-                out = empty_like(proto)
-                rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
-                         *map(data_ptr, weights), *[biases[i].data_ptr() for i in present])
-                if rc:
-                    return None if rc == MISALIGNED else fail(rc)
-                return out
+        every = len(present) == len(biases)
+
+        # (each pointer read once, by a C-level map: this closure is most of a fast call's Python;
+        # the alignment check is the C launcher's)
+        def launch(x, weights, biases):
+            out = empty_like(proto)
+            rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
+                     *map(data_ptr, weights), *map(data_ptr, biases if every else [biases[i] for i in present]))
+            if rc:
+                return None if rc == MISALIGNED else fail(rc)
+            return out
 
         return launch
