@@ -406,6 +406,101 @@ def test_replay_through_the_driver_call(fake, monkeypatch):
         go((32, 64, 1.5))
 
 
+def _two_driver_launches(fake, monkeypatch):
+    """Two recorded launches of `fake` whose binaries the trampoline launches (every argument
+    but the constexprs a parameter, then 2 scratch): slots x and a scratch whose halves the
+    launches take, and scalars: launch 0's scale, launch 1's n."""
+    x, scratch = torch.empty(64), torch.empty(256)
+    kw = {"BLOCK": 64, "MODE": "a", "num_warps": 4}
+    todo = [(fake.jit, (2,), (x, scratch[:128], 32, 7, 0.5), kw), (fake.jit, (3, 2), (scratch[128:], x, 48, 9, 1.5), kw)]
+    for _, grid, args, kw_ in todo:
+        tlaunch.launch(fake.jit, grid, args, kw_)
+    monkeypatch.setattr(tlaunch._Entry, "driver", lambda self: (128, 512, b"qqiifnn", (0, 1, 2, 3, 4)))
+    return todo, (x, scratch), ((0, 4), (1, 2))
+
+
+def test_native_replay_packs_what_the_python_loop_passes(fake, monkeypatch):
+    """Where every launch goes through the trampoline, one launcher.c call packs them all: its
+    parameters (replay_args) are the ones the Python loop hands the trampoline, the scratch
+    view at its offset and the moved scalars in; a misaligned slot launches nothing; on a
+    machine with no CUDA driver (-1) the Python loop runs the launches instead."""
+    if tlaunch._trampoline_call() is None:
+        pytest.skip("no C compiler or Python headers here")
+    from kgen.runtime import loader
+
+    tramp_args = loader.trampoline().replay_args
+    todo, slots, scalars = _two_driver_launches(fake, monkeypatch)
+    go = tlaunch.replay(todo, slots, scalars)
+    assert go.native is not None
+    values = (1 << 20, (1 << 24) + 4096, 2.5, 100)
+
+    # the Python loop's trampoline calls, recorded: (function, grid, block, shared, stream, codes, *args)
+    calls = []
+    monkeypatch.setitem(tlaunch._state, "tcall", lambda *a: calls.append(a) or 0)
+    monkeypatch.setitem(tlaunch._state, "rplan", None)
+    ref = tlaunch.replay(todo, slots, scalars)
+    assert ref.native is None and ref(values) is True and len(calls) == 2
+    for k, call in enumerate(calls):
+        packed = tramp_args(go.native, k, values)
+        assert len(packed) == len(call[7]) == 7
+        assert [v for v, c in zip(packed, call[7]) if c != ord("n")] == list(call[8:])
+        assert packed[5:] == (None, None)  # Triton's scratch pointers: null
+    assert calls[0][8:] == (1 << 20, (1 << 24) + 4096, 32, 7, 2.5)
+    assert calls[1][8:] == ((1 << 24) + 4096 + 512, 1 << 20, 100, 9, 1.5)
+    assert tramp_args(go.native, 0, (1 << 20, (1 << 24) + 8, 2.5, 100)) == tlaunch.NATIVE_MISALIGNED
+
+    # no CUDA driver on this machine: replay_run launches nothing, Triton's launchers run both
+    n = len(fake.launches)
+    assert go((1 << 20, 1 << 24, 2.5, 100)) is True and len(fake.launches) == n + 2
+    assert fake.launches[-1][5] == ((1 << 24) + 512, 1 << 20, 100, 9, 1.5, 64, "a")
+    assert go((1 << 20, (1 << 24) + 8, 2.5, 100)) is False and len(fake.launches) == n + 2
+
+
+@pytest.mark.parametrize("rc", [0, tlaunch.NATIVE_MISALIGNED, 700])
+def test_native_replay_results(fake, monkeypatch, rc):
+    """replay_run's result: 0 counts both launches as direct driver launches; a misaligned
+    slot is False; any other code raises, naming the kernels. Checks that fail before it
+    (another device current) never reach it."""
+    if tlaunch._trampoline_call() is None:
+        pytest.skip("no C compiler or Python headers here")
+    todo, slots, scalars = _two_driver_launches(fake, monkeypatch)
+    go = tlaunch.replay(todo, slots, scalars)
+    runs = []
+    monkeypatch.setitem(tlaunch._state, "rrun", lambda plan, stream, values: runs.append((plan, stream, values)) or rc)
+    n = len(fake.launches)
+    values = (1 << 20, 1 << 24, 2.5, 100)
+    if rc == 700:
+        with pytest.raises(RuntimeError, match="CUDA error 700"):
+            go(values)
+    else:
+        assert go(values) is (rc == 0)
+    assert runs == [(go.native, 4242, values)] and len(fake.launches) == n
+    assert tlaunch.STATS["driver"] == (2 if rc == 0 else 0)
+    monkeypatch.setattr(tlaunch, "current_device", lambda: 1)
+    assert go(values) is False and len(runs) == 1
+
+
+def test_replay_plan_refuses_what_it_cannot_pack():
+    """replay_plan raises (the Replay then keeps the Python loop) for a patch onto a non-pointer
+    parameter, a parameter left without a value, a moved value that is not a scalar's."""
+    from kgen.runtime import loader
+
+    tramp = loader.trampoline()
+    if tramp is None:
+        pytest.skip("no C compiler or Python headers here")
+    step = (1, 1, 1, 1, 128, 0, b"qifn", [None, 3, 0.5], ((0, 0, 16),), ((2, 1),))
+    plan = tramp.replay_plan(1, 2, [step])
+    assert tramp.replay_args(plan, 0, (4096, 0.25)) == (4096 + 16, 3, 0.25, None)
+    assert tramp.replay_run(plan, 0, (4096, 0.25)) == tlaunch.NATIVE_NOT_LAUNCHED  # no CUDA driver here
+    for bad in [(1, 1, 1, 1, 128, 0, b"qifn", [None, 3, 0.5], ((1, 0, 0),), ()),  # patch onto an i32
+                (1, 1, 1, 1, 128, 0, b"qifn", [None, 3, 0.5], (), ()),  # pointer with no value
+                (1, 1, 1, 1, 128, 0, b"qifn", [None, 3, 0.5], ((0, 0, 0),), ((2, 0),)),  # moved from a slot
+                (1, 1, 1, 1, 128, 0, b"qifn", [None, 3], ((0, 0, 0),), ()),  # template short
+                (0, 1, 1, 1, 128, 0, b"qifn", [None, 3, 0.5], ((0, 0, 0),), ())]:  # null function
+        with pytest.raises((ValueError, TypeError)):
+            tramp.replay_plan(1, 2, [bad])
+
+
 def test_trampoline_declines_without_a_launch():
     """launcher.c's triton_call returns -1 (nothing launched) for a null function, codes that
     do not match the arguments, or no CUDA driver (this machine), and checks its call."""

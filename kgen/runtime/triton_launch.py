@@ -42,7 +42,11 @@ without its per-call Python (scratch-allocator lookups, closures, argument annot
 1.0-1.4 us of a 9-12 us replayed call on an H200 host, BENCHMARKS.md thirty-fifth
 session). Anything that does not line up (the PTX's parameters against the arguments Triton
 passes, their types against the signature's) keeps Triton's launcher for that binary;
-KGEN_TRITON_DRIVER_CALL=0 keeps it for all.
+KGEN_TRITON_DRIVER_CALL=0 keeps it for all. Where every launch of a replay goes that way, the
+parameters are packed once into a plan (`launcher.c`'s replay_plan) and each call is one C call
+(replay_run: the alignment check, the new addresses and scalars patched in, every launch), not
+a Python loop over the launches' parameters: 1.4-3.7 us less a call with one or two launches
+on an H200 host (BENCHMARKS.md, sixty-seventh session).
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from kgen.runtime.streams import current_device, current_raw_stream
 
 # what the plain path takes and the direct one skips, for tests and benchmarks
 STATS = {"direct": 0, "plain": 0, "driver": 0}  # driver: of the direct ones, by the trampoline's cuLaunchKernel
+NATIVE_NOT_LAUNCHED, NATIVE_MISALIGNED = -1, -2  # launcher.c's replay_run: nothing launched
 DRIVER_CALL = os.environ.get("KGEN_TRITON_DRIVER_CALL", "1") != "0"
 MAX_ENTRIES = 4096  # specialisations kept (kernels x arguments x devices); cleared beyond
 SUPPORTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # the releases whose JITFunction.run was read
@@ -405,7 +410,27 @@ def replay(launches, slots, scalars=()) -> "Replay | None":
         steps.append((e.run, e.function, e.metadata, _grid3(grid), template, tuple(patches), moved,
                       _driver_step(e, template, patches, moved)))
         entries.append(e)
-    return Replay(tuple(steps), tuple(entries), len(slots), device, knobs)
+    return Replay(tuple(steps), tuple(entries), len(slots), device, knobs,
+                  _native_plan(steps, len(slots), len(slots) + len(scalars)))
+
+
+def _native_plan(steps, n_slots, n_values):
+    """launcher.c's replay plan of `steps` (every one launched by the trampoline, packed
+    once: `replay_run` patches and launches them all in C), or None: the steps go one by one
+    through `Replay`'s Python loop."""
+    if any(st[7] is None for st in steps) or _trampoline_call() is None:
+        return None
+    plan = _state.get("rplan")
+    if plan is None:
+        return None
+    rows = []
+    for *_, (g0, g1, g2), _template, _patches, _moved, driver in steps:
+        _call, fn_, block, shared, codes, t, dpatches, dmoved, _name = driver
+        rows.append((fn_, g0, g1, g2, block, shared, codes, t, dpatches, dmoved))
+    try:
+        return plan(n_slots, n_values, rows)
+    except (TypeError, ValueError, OverflowError):  # (a value it cannot pack: the Python loop packs it)
+        return None
 
 
 def _driver_step(e, template, patches, moved):
@@ -432,6 +457,9 @@ def _trampoline_call():
 
         tramp = loader.trampoline()
         _state["tcall"] = getattr(tramp, "triton_call", None)
+        # (a launcher.c built before replay plans existed has none: then the Python loop)
+        _state["rplan"] = getattr(tramp, "replay_plan", None)
+        _state["rrun"] = getattr(tramp, "replay_run", None)
     return _state["tcall"]
 
 
@@ -453,24 +481,40 @@ class Replay:
     launches nothing and returns False where Triton's own path must run: a slot address not
     16-byte aligned, hooks set since, a knob or the current device changed, a kernel's
     global constant changed. The check is made for every launch before the first runs, so a
-    call never half-replays."""
+    call never half-replays. Where every launch goes through the trampoline, one call of
+    launcher.c's `replay_run` patches and launches them all (`native`, its packed plan)."""
 
-    __slots__ = ("steps", "entries", "n_slots", "device", "knobs")
+    __slots__ = ("steps", "entries", "n_slots", "device", "knobs", "native")
 
-    def __init__(self, steps, entries, n_slots, device, knobs):
+    def __init__(self, steps, entries, n_slots, device, knobs, native=None):
         self.steps, self.entries, self.n_slots, self.device, self.knobs = steps, entries, n_slots, device, knobs
+        self.native = native
 
     def __call__(self, values) -> bool:
-        bad = 0
-        for v in values[:self.n_slots]:
-            bad |= v
-        if (bad & 15 or _state.get("reason") is not None or _hooked(_state["runtime"])
+        if (_state.get("reason") is not None or _hooked(_state["runtime"])
                 or current_device() != self.device or _state["knobs"]() != self.knobs):
             return False
         for e in self.entries:
             if not e.globals_unchanged():
                 return False
         stream = current_raw_stream(self.device)
+        if self.native is not None:
+            rc = _state["rrun"](self.native, stream, values)
+            if rc == 0:
+                n = len(self.steps)
+                STATS["direct"] += n
+                STATS["driver"] += n
+                return True
+            if rc == NATIVE_MISALIGNED:
+                return False
+            if rc != NATIVE_NOT_LAUNCHED:  # (-1: no current context: Triton's launchers below make one)
+                names = ", ".join(st[7][8] for st in self.steps)
+                raise RuntimeError(f"kgen: launching Triton kernels {names}: CUDA error {rc}")
+        bad = 0
+        for v in values[:self.n_slots]:
+            bad |= v
+        if bad & 15:
+            return False
         for run, function, metadata, (g0, g1, g2), template, patches, moved, driver in self.steps:
             STATS["direct"] += 1
             if driver is not None:
