@@ -1,8 +1,9 @@
 """Host cost of the eager fast calls whose Triton launches are replayed (triton_launch.Replay),
 with launcher.c's replay_run (new) and with the Python replay loop (old: replay_run stubbed to
 "not launched", one extra no-op call, ~0.05 us), in one process: each case alternates old, new
-and a 1-element torch.add, 15 rounds of 200 calls, the minimum per side (µs a call, wall time of
-the loop: host cost where the GPU keeps up). KGEN_BACKEND=triton sends every family to its
+and a 1-element torch.add, 15 rounds of 200 calls, the minimum per side (µs a call: the loop's
+time up to the last call's return, before the synchronise, i.e. the host's cost while the launch
+queue has room; a call whose GPU work is longer fills the queue and then shows its GPU time). KGEN_BACKEND=triton sends every family to its
 Triton variants. On a GPU machine from the repo root: PYTHONPATH=$PWD python3 tools/replay_host_ab.py
 (BENCHMARKS.md, sixty-seventh session)."""
 import os
