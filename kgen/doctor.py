@@ -1,7 +1,7 @@
 """`kgen doctor`: what this machine can do with kgen, on one screen.
 
-It reports versions, the CUDA compiler, the GPU, which variants of each shipped spec can
-run here and the state of the cache, and exits non-zero when the cache is not writable or
+It reports versions, the CUDA compiler, the GPU, how eager calls launch (the C trampoline or
+ctypes), which variants of each shipped spec can run here and the state of the cache, and exits non-zero when the cache is not writable or
 something named with `--require` cannot work.
 """
 
@@ -73,6 +73,18 @@ def _gpu() -> tuple[tuple[int, int] | None, str]:
     return (p.major, p.minor), f"{p.name}, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs{more}"
 
 
+def _launcher() -> str:
+    """How eager calls reach the GPU: launcher.c's trampoline where this Python can build it
+    (nothing is built here: that happens on first use, into the cache), else ctypes."""
+    from kgen.runtime import loader
+
+    cc, why = loader.trampoline_toolchain()
+    if cc is None:
+        return (f"ctypes: {why} (~3 us more host time a CUDA launch; replayed Triton launches go "
+                "through Triton's own launcher)")
+    return f"C trampoline (built on first use with {cc})"
+
+
 def _cache() -> tuple[str, bool]:
     """(what to print, whether the cache dir is writable). Creates it 0700 if absent, as a
     build would (kgen.runtime.cache.root)."""
@@ -135,6 +147,7 @@ def doctor(specs, require: list[str], console) -> int:
     capability, gpu = _gpu()
     nvcc, nvcc_ok = _nvcc()
     cache, cache_ok = _cache()
+    launcher = _launcher()
     env = [f"{k}={v}" for k, v in sorted(os.environ.items())
            if k.startswith("KGEN_") or k in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")]
 
@@ -143,7 +156,7 @@ def doctor(specs, require: list[str], console) -> int:
              ("torch", f"{torch.__version__}, built with CUDA {torch.version.cuda or '- (CPU build)'}"),
              ("Triton", triton or "NOT INSTALLED (`pip install triton`)"),
              ("numpy", numpy or "not installed: the Triton interpreter (CPU) needs it"),
-             ("nvcc", nvcc), ("GPU", gpu), ("cache", cache)] + ([("environment", " ".join(env))] if env else [])
+             ("nvcc", nvcc), ("GPU", gpu), ("launcher", launcher), ("cache", cache)] + ([("environment", " ".join(env))] if env else [])
     grid = Table.grid(padding=(0, 2))
     for name, value in facts:
         grid.add_row(name, escape(value))  # paths and variables are text, not rich markup

@@ -11,9 +11,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _doctor(*args, cache):
+def _doctor(*args, cache, **env):
     return subprocess.run([sys.executable, "-m", "kgen.cli", "doctor", *args], capture_output=True, text=True,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "KGEN_CACHE_DIR": str(cache)})
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "KGEN_CACHE_DIR": str(cache), **env})
 
 
 def test_reports_versions_cache_and_specs(tmp_path):
@@ -45,3 +45,18 @@ def test_unwritable_cache_is_an_error(tmp_path):
 def test_unknown_requirement_is_a_usage_error(tmp_path):
     r = _doctor("--require", "tpu", cache=tmp_path)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_launcher_row_names_the_compiler_or_why_not(tmp_path):
+    """The launcher row: the C trampoline with the compiler it would be built with, or ctypes
+    and why (here: CC names no compiler); either way nothing is built into the cache."""
+    from kgen.runtime import loader
+
+    cc, _ = loader.trampoline_toolchain()
+    r = _doctor(cache=tmp_path / "c1")
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("launcher"))
+    assert (f"C trampoline (built on first use with {cc})" if cc else "ctypes:") in line
+    r = _doctor(cache=tmp_path / "c2", CC="/nonexistent/kgen-cc")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ctypes: CC='/nonexistent/kgen-cc' is not a compiler found on PATH" in " ".join(r.stdout.split())
+    assert list((tmp_path / "c2").iterdir()) == []

@@ -60,3 +60,19 @@ def test_trampoline_rejects_non_numbers(probe):
     ptr = ctypes.cast(probe.kgen_launch, ctypes.c_void_p).value
     with pytest.raises(TypeError):
         loader.trampoline().call(ptr, "not a number")
+
+
+@pytest.mark.parametrize("cc", ["/nonexistent/kgen-cc", "kgen-no-such-compiler"])
+def test_a_missing_compiler_falls_back_to_ctypes(tmp_path, cc):
+    """CC naming no compiler (a path or a name not on PATH): the trampoline is None with a
+    warning that says so, and kgen's launches take ctypes; it used to raise FileNotFoundError
+    on every CUDA variant's load."""
+    import os
+    import sys
+
+    code = "from kgen.runtime import loader; print('tramp', loader.trampoline())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "CC": cc, "KGEN_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert "tramp None" in r.stdout
+    assert f"CC={cc!r} is not a compiler found on PATH" in r.stderr and "ctypes" in r.stderr

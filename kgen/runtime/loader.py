@@ -46,16 +46,29 @@ class Kernel:
         raise RuntimeError(f"{self.variant.qualname}: CUDA error {rc} at launch: {msg}")
 
 
+def trampoline_toolchain() -> tuple[str | None, str]:
+    """(the C compiler's resolved path, the Python headers' directory) that `trampoline`
+    builds launcher.c with, or (None, why there is none). The compiler is $CC where set
+    (one word: a name on PATH or a path), else cc or gcc."""
+    include = sysconfig.get_paths()["include"]
+    if not (Path(include) / "Python.h").is_file():
+        return None, f"no Python.h in {include} (this Python's development headers)"
+    want = os.environ.get("CC")
+    cc = shutil.which(want) if want else (shutil.which("cc") or shutil.which("gcc"))
+    if cc is None:
+        return None, f"CC={want!r} is not a compiler found on PATH" if want else "no C compiler (cc or gcc) on PATH"
+    return str(Path(cc).resolve()), include
+
+
 @functools.cache
 def trampoline():
     """The compiled `launcher.c` module, or None when this Python has no headers or no C
-    compiler (then ctypes calls the launcher, at ~3 us more host time per call)."""
-    include = sysconfig.get_paths()["include"]
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not (Path(include) / "Python.h").is_file() or not cc:
-        log.warning("kgen: no Python.h or C compiler; CUDA launches go through ctypes (slower)")
+    compiler, or the build fails (then ctypes calls the launcher, at ~3 us more host time per
+    call, and replayed Triton launches go through Triton's own launcher)."""
+    cc, include = trampoline_toolchain()
+    if cc is None:
+        log.warning("kgen: %s; CUDA launches go through ctypes (slower)", include)
         return None
-    cc = str(Path(shutil.which(cc) or cc).resolve())
     src = _LAUNCHER_SRC.read_text()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     so = "kgen_launcher" + suffix
@@ -73,7 +86,7 @@ def trampoline():
 
     try:
         entry = cache.obtain("_runtime", "launcher", key, make)
-    except CompileError as e:
+    except (CompileError, OSError) as e:  # (OSError: the compiler could not be run)
         log.warning("kgen: the launcher trampoline did not compile; using ctypes: %s", e)
         return None
     loader = importlib.machinery.ExtensionFileLoader("kgen_launcher", str(entry.file(so)))
