@@ -242,7 +242,10 @@ def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     underflows to -inf (the price of one shift per row instead of one per output).
     A NaN in a row of x or a row of w makes that row's (that node's) outputs NaN, as PyTorch's
     expression does (never a plausible -inf); +inf in x is outside the domain and gives NaN
-    too (the expression gives +inf).
+    too (the expression gives +inf). A negative weight is outside the domain too and is not
+    checked (that would read all of w on every call): its node's output is then meaningless
+    (-inf where the sum is not positive, else a finite value), where the expression, through
+    log(w), gives NaN.
     Differentiable in x and w: dx[b,k] = sum_n g w[n,k] exp(x[b,k] - out[b,n]),
     dw[n,k] = sum_b g exp(x[b,k] - out[b,n]); outputs of -inf contribute nothing, and an
     entry of x that is -inf gets dx = 0; NaN outputs give NaN gradients. On CUDA the
