@@ -93,6 +93,27 @@ typedef union {
   void* p;
 } param_t;
 
+/* One value by its code into `out`; 0, or -1 with a Python error set. */
+static int pack(char code, PyObject* v, param_t* out) {
+  if (code == 'q') {
+    out->q = PyLong_AsLongLong(v);
+    if (out->q == -1 && PyErr_Occurred()) { /* a u64 above 2**63 */
+      PyErr_Clear();
+      out->q = (long long)PyLong_AsUnsignedLongLong(v);
+    }
+  } else if (code == 'i') {
+    out->i = (int)PyLong_AsLongLong(v);
+  } else if (code == 'f') {
+    out->f = (float)PyFloat_AsDouble(v);
+  } else if (code == 'd') {
+    out->d = PyFloat_AsDouble(v);
+  } else {
+    PyErr_Format(PyExc_ValueError, "parameter code %c takes no value", code);
+    return -1;
+  }
+  return PyErr_Occurred() ? -1 : 0;
+}
+
 static PyObject* triton_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs < 8 || !PyBytes_Check(args[7])) {
@@ -119,24 +140,8 @@ static PyObject* triton_call(PyObject* self, PyObject* const* args, Py_ssize_t n
       vals[k].p = NULL;
       continue;
     }
-    if (a >= nargs) return PyLong_FromLong(-1);
-    PyObject* v = args[a++];
-    if (c == 'q') {
-      vals[k].q = PyLong_AsLongLong(v);
-      if (vals[k].q == -1 && PyErr_Occurred()) { /* a u64 above 2**63 */
-        PyErr_Clear();
-        vals[k].q = (long long)PyLong_AsUnsignedLongLong(v);
-      }
-    } else if (c == 'i') {
-      vals[k].i = (int)PyLong_AsLongLong(v);
-    } else if (c == 'f') {
-      vals[k].f = (float)PyFloat_AsDouble(v);
-    } else if (c == 'd') {
-      vals[k].d = PyFloat_AsDouble(v);
-    } else {
-      return PyLong_FromLong(-1);
-    }
-    if (PyErr_Occurred()) return NULL;
+    if (a >= nargs || (c != 'q' && c != 'i' && c != 'f' && c != 'd')) return PyLong_FromLong(-1);
+    if (pack(c, args[a++], &vals[k])) return NULL;
   }
   if (a != nargs) return PyLong_FromLong(-1);
   void* ctx = NULL;
@@ -173,27 +178,6 @@ typedef struct {
 static const char* PLAN_NAME = "kgen.replay_plan";
 
 static void plan_free(PyObject* capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, PLAN_NAME)); }
-
-/* One value by its code into `out`; 0, or -1 with a Python error set. */
-static int pack(char code, PyObject* v, param_t* out) {
-  if (code == 'q') {
-    out->q = PyLong_AsLongLong(v);
-    if (out->q == -1 && PyErr_Occurred()) { /* a u64 above 2**63 */
-      PyErr_Clear();
-      out->q = (long long)PyLong_AsUnsignedLongLong(v);
-    }
-  } else if (code == 'i') {
-    out->i = (int)PyLong_AsLongLong(v);
-  } else if (code == 'f') {
-    out->f = (float)PyFloat_AsDouble(v);
-  } else if (code == 'd') {
-    out->d = PyFloat_AsDouble(v);
-  } else {
-    PyErr_Format(PyExc_ValueError, "parameter code %c takes no value", code);
-    return -1;
-  }
-  return PyErr_Occurred() ? -1 : 0;
-}
 
 static int int_item(PyObject* seq, Py_ssize_t i, long long* out) {
   PyObject* v = PySequence_GetItem(seq, i);
