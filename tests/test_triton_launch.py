@@ -458,26 +458,102 @@ def test_native_replay_packs_what_the_python_loop_passes(fake, monkeypatch):
 
 @pytest.mark.parametrize("rc", [0, tlaunch.NATIVE_MISALIGNED, 700])
 def test_native_replay_results(fake, monkeypatch, rc):
-    """replay_run's result: 0 counts both launches as direct driver launches; a misaligned
-    slot is False; any other code raises, naming the kernels. Checks that fail before it
-    (another device current) never reach it."""
+    """replay_go's result: 0 counts both launches as direct driver launches; a misaligned
+    slot is False; any other code raises, naming the kernels. It gets the values as
+    arguments, on the replay's device's current stream; hooks or a changed knob (checked
+    before it) never reach it."""
     if tlaunch._trampoline_call() is None:
         pytest.skip("no C compiler or Python headers here")
     todo, slots, scalars = _two_driver_launches(fake, monkeypatch)
     go = tlaunch.replay(todo, slots, scalars)
     runs = []
-    monkeypatch.setitem(tlaunch._state, "rrun", lambda plan, stream, values: runs.append((plan, stream, values)) or rc)
+    monkeypatch.setitem(tlaunch._state, "rgo", lambda plan, stream, *values: runs.append((plan, stream, values)) or rc)
+    monkeypatch.setitem(tlaunch._state, "rrun", None)  # (never reached)
     n = len(fake.launches)
     values = (1 << 20, 1 << 24, 2.5, 100)
     if rc == 700:
         with pytest.raises(RuntimeError, match="CUDA error 700"):
             go(values)
     else:
-        assert go(values) is (rc == 0)
+        assert go.go(*values) is (rc == 0)
     assert runs == [(go.native, 4242, values)] and len(fake.launches) == n
     assert tlaunch.STATS["driver"] == (2 if rc == 0 else 0)
+    knobs = tlaunch._state["knobs"]
+    monkeypatch.setitem(tlaunch._state, "knobs", lambda: ("changed",))
+    assert go(values) is False and len(runs) == 1
+    monkeypatch.setitem(tlaunch._state, "knobs", knobs)
+    monkeypatch.setattr(tlaunch, "_hooked", lambda rt: True)
+    assert go(values) is False and len(runs) == 1
+
+
+@pytest.mark.parametrize("rc", [tlaunch.NATIVE_STALE, tlaunch.NATIVE_NOT_LAUNCHED])
+def test_native_replay_not_launched_leaves_it_to_the_python_checks(fake, monkeypatch, rc):
+    """Where replay_go launched nothing (a guard failed, or no current context), the Python
+    checks decide: another device current is False with nothing launched; else replay_run
+    (no guards of its own) launches them."""
+    if tlaunch._trampoline_call() is None:
+        pytest.skip("no C compiler or Python headers here")
+    todo, slots, scalars = _two_driver_launches(fake, monkeypatch)
+    go = tlaunch.replay(todo, slots, scalars)
+    runs = []
+    monkeypatch.setitem(tlaunch._state, "rgo", lambda plan, stream, *values: rc)
+    monkeypatch.setitem(tlaunch._state, "rrun", lambda plan, stream, values: runs.append((plan, stream, values)) or 0)
+    values = (1 << 20, 1 << 24, 2.5, 100)
+    assert go(values) is True and runs == [(go.native, 4242, values)]
+    assert tlaunch.STATS["driver"] == 2
     monkeypatch.setattr(tlaunch, "current_device", lambda: 1)
     assert go(values) is False and len(runs) == 1
+
+
+def test_replay_go_checks_the_plans_guards():
+    """launcher.c's replay_go: every guarded name still bound to its object, else -4 (a
+    rebinding to an equal value too, and a deleted name), before the values are read; then
+    the alignment check (-2); then no CUDA driver on this machine (-1). A plan made without
+    guards checks none."""
+    from kgen.runtime import loader
+
+    tramp = loader.trampoline()
+    if tramp is None:
+        pytest.skip("no C compiler or Python headers here")
+    step = (1, 1, 1, 1, 128, 0, b"qi", [None, 3], ((0, 0, 16),), ())
+    big = 10 ** 6
+    g = {"C": big, "D": "x"}
+    guarded = tramp.replay_plan(1, 1, [step], ((g, "C", g["C"]), (g, "D", g["D"])))
+    plain = tramp.replay_plan(1, 1, [step])
+    assert tramp.replay_go(guarded, 0, 4096) == tlaunch.NATIVE_NOT_LAUNCHED
+    assert tramp.replay_go(guarded, 0, 4104) == tlaunch.NATIVE_MISALIGNED
+    g["C"] = int(str(big))  # equal, another object
+    assert tramp.replay_go(guarded, 0, 4096) == tlaunch.NATIVE_STALE
+    assert tramp.replay_go(guarded, 0, 4104) == tlaunch.NATIVE_STALE  # (the guards first)
+    assert tramp.replay_go(plain, 0, 4096) == tlaunch.NATIVE_NOT_LAUNCHED
+    del g["C"]
+    assert tramp.replay_go(guarded, 0, 4096) == tlaunch.NATIVE_STALE
+    with pytest.raises(ValueError):
+        tramp.replay_go(plain, 0)  # a slot short
+    for bad in [((g, "C"),), (({"C": 1}.items(), "C", 1),), [(g, "C", 1)]]:
+        with pytest.raises(TypeError):
+            tramp.replay_plan(1, 1, [step], bad)
+
+
+def test_native_plan_guards_the_kernels_globals(fake, monkeypatch):
+    """A Replay's plan carries its kernels' global constants: rebound, replay_go declines
+    (-4) and the Python check decides: a new value is False, nothing launched."""
+    if tlaunch._trampoline_call() is None:
+        pytest.skip("no C compiler or Python headers here")
+    g = {"C": 1}
+    fake.jit.cache_key  # Triton fills used_global_vals here (its first compile)
+    fake.jit.used_global_vals = {("C", id(g)): (1, g)}
+    todo, slots, scalars = _two_driver_launches(fake, monkeypatch)
+    go = tlaunch.replay(todo, slots, scalars)
+    assert go.native is not None
+    seen, real = [], tlaunch._state["rgo"]
+    monkeypatch.setitem(tlaunch._state, "rgo", lambda *a: seen.append(real(*a)) or seen[-1])
+    values = (1 << 20, 1 << 24, 2.5, 100)
+    n = len(fake.launches)
+    assert go(values) is True and seen == [tlaunch.NATIVE_NOT_LAUNCHED]  # (no CUDA here: Triton's launchers)
+    assert len(fake.launches) == n + 2
+    g["C"] = 2
+    assert go(values) is False and seen[-1] == tlaunch.NATIVE_STALE and len(fake.launches) == n + 2
 
 
 def test_replay_plan_refuses_what_it_cannot_pack():

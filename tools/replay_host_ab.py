@@ -1,6 +1,6 @@
 """Host cost of the eager fast calls whose Triton launches are replayed (triton_launch.Replay),
-with launcher.c's replay_run (new) and with the Python replay loop (old: replay_run stubbed to
-"not launched", one extra no-op call, ~0.05 us), in one process: each case alternates old, new
+with launcher.c's replay_go (new) and with the Python replay loop (old: replay_go and replay_run
+stubbed to "not launched", two extra no-op calls, ~0.1 us, and the Python checks), in one process: each case alternates old, new
 and a 1-element torch.add, 15 rounds of 200 calls, the minimum per side (µs a call: the loop's
 time up to the last call's return, before the synchronise, i.e. the host's cost while the launch
 queue has room; a call whose GPU work is longer fills the queue and then shows its GPU time). KGEN_BACKEND=triton sends every family to its
@@ -64,13 +64,13 @@ for name, f in cases():
     s0 = tl.STATS["direct"]
     f()
     launches = tl.STATS["direct"] - s0
-    real = tl._state.get("rrun")
+    real, real_go = tl._state.get("rrun"), tl._state.get("rgo")
     old, new, base = [], [], []
     for _ in range(15):
         base.append(timed(add))
-        tl._state["rrun"] = lambda *a: -1
+        tl._state["rrun"] = tl._state["rgo"] = lambda *a: -1
         old.append(timed(f))
-        tl._state["rrun"] = real
+        tl._state["rrun"], tl._state["rgo"] = real, real_go
         new.append(timed(f))
     o, n_, b_ = min(old), min(new), min(base)
     print(f"| {name} | {b_:.2f} | {o:.2f} ({o / b_:.2f}x) | {n_:.2f} ({n_ / b_:.2f}x) | {n_ - o:+.2f} | {launches} |")

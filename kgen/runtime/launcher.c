@@ -22,6 +22,11 @@
  * once, and `replay_run(plan, stream, values)` launches them all with the slots' new
  * addresses and the scalars' new values patched in: the template copy, the patching and the
  * argument tuple that a Python replay builds per launch (~2-3 us of a call) happen here.
+ * `replay_go(plan, stream, *values)` is replay_run with the values as arguments and, for a
+ * plan made with guards (`replay_plan(..., guards)`: (dict, name, object) triples, a kernel's
+ * global constants as Triton compiled it), the checks a replay makes before it launches:
+ * every guarded name still bound to its object, and the plan's CUDA context current; -4
+ * (nothing launched) where one is not, and the caller's own checks decide.
  * `replay_args(plan, step, values)` returns the parameters one step would be launched with
  * (tests compare them with the Python replay's).
  */
@@ -158,6 +163,7 @@ static PyObject* triton_call(PyObject* self, PyObject* const* args, Py_ssize_t n
 #define KGEN_MAX_STEPS 16
 #define KGEN_NOT_LAUNCHED (-1)
 #define KGEN_MISALIGNED (-2)
+#define KGEN_STALE (-4) /* a guard failed: the caller's own checks decide (nothing launched) */
 
 typedef struct {
   void* function;
@@ -172,12 +178,19 @@ typedef struct {
 
 typedef struct {
   int nslots, nvalues, nsteps;
+  int guarded;      /* replay_go checks the context and `guards` */
+  void* ctx;        /* the CUDA context current when planned (NULL: none then) */
+  PyObject* guards; /* a tuple of (dict, name, object) triples, or NULL */
   rstep_t steps[KGEN_MAX_STEPS];
 } rplan_t;
 
 static const char* PLAN_NAME = "kgen.replay_plan";
 
-static void plan_free(PyObject* capsule) { PyMem_Free(PyCapsule_GetPointer(capsule, PLAN_NAME)); }
+static void plan_free(PyObject* capsule) {
+  rplan_t* p = PyCapsule_GetPointer(capsule, PLAN_NAME);
+  if (p != NULL) Py_XDECREF(p->guards);
+  PyMem_Free(p);
+}
 
 static int int_item(PyObject* seq, Py_ssize_t i, long long* out) {
   PyObject* v = PySequence_GetItem(seq, i);
@@ -282,9 +295,21 @@ static int plan_step(rstep_t* s, PyObject* t, int nslots, int nvalues) {
 
 static PyObject* replay_plan(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "replay_plan(n_slots, n_values, steps)");
+  if (nargs != 3 && nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "replay_plan(n_slots, n_values, steps[, guards])");
     return NULL;
+  }
+  PyObject* guards = nargs == 4 ? args[3] : NULL;
+  if (guards != NULL) {
+    int ok = PyTuple_Check(guards);
+    for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(guards); ++i) {
+      PyObject* g = PyTuple_GET_ITEM(guards, i);
+      ok = PyTuple_Check(g) && PyTuple_GET_SIZE(g) == 3 && PyDict_Check(PyTuple_GET_ITEM(g, 0));
+    }
+    if (!ok) {
+      PyErr_SetString(PyExc_TypeError, "guards: a tuple of (dict, name, object)");
+      return NULL;
+    }
   }
   long nslots = PyLong_AsLong(args[0]), nvalues = PyLong_AsLong(args[1]);
   if (PyErr_Occurred()) return NULL;
@@ -302,31 +327,35 @@ static PyObject* replay_plan(PyObject* self, PyObject* const* args, Py_ssize_t n
     return PyErr_NoMemory();
   }
   p->nslots = (int)nslots, p->nvalues = (int)nvalues, p->nsteps = (int)ns;
+  if (guards != NULL) {
+    p->guarded = 1;
+    if (find_cuda() && cu_ctx_current(&p->ctx) != 0) p->ctx = NULL;
+    p->guards = Py_NewRef(guards);
+  }
   for (Py_ssize_t i = 0; i < ns; ++i) {
     if (plan_step(&p->steps[i], PySequence_Fast_GET_ITEM(steps, i), p->nslots, p->nvalues)) {
       Py_DECREF(steps);
+      Py_XDECREF(p->guards);
       PyMem_Free(p);
       return NULL;
     }
   }
   Py_DECREF(steps);
   PyObject* capsule = PyCapsule_New(p, PLAN_NAME, plan_free);
-  if (capsule == NULL) PyMem_Free(p);
+  if (capsule == NULL) {
+    Py_XDECREF(p->guards);
+    PyMem_Free(p);
+  }
   return capsule;
 }
 
-/* Every step's parameters for `values` into vals[step]; 0, KGEN_MISALIGNED (a slot address
-   not 16-byte aligned), or -3 with a Python error set. Nothing is launched. */
-static int fill(const rplan_t* p, PyObject* values, param_t (*vals)[KGEN_MAX_PARAMS]) {
-  if (!PyTuple_Check(values) && !PyList_Check(values)) {
-    PyErr_SetString(PyExc_TypeError, "values: a tuple or a list");
-    return -3;
-  }
-  if (PySequence_Fast_GET_SIZE(values) < p->nvalues) {
+/* Every step's parameters for the values `items[0..n)` into vals[step]; 0, KGEN_MISALIGNED
+   (a slot address not 16-byte aligned), or -3 with a Python error set. Nothing is launched. */
+static int fill(const rplan_t* p, PyObject* const* items, Py_ssize_t n, param_t (*vals)[KGEN_MAX_PARAMS]) {
+  if (n < p->nvalues) {
     PyErr_SetString(PyExc_ValueError, "values: fewer than the plan's slots and scalars");
     return -3;
   }
-  PyObject** items = PySequence_Fast_ITEMS(values);
   long long slot[KGEN_MAX_PARAMS * KGEN_MAX_STEPS];
   long long bad = 0;
   for (int i = 0; i < p->nslots; ++i) {
@@ -346,6 +375,29 @@ static int fill(const rplan_t* p, PyObject* values, param_t (*vals)[KGEN_MAX_PAR
   return 0;
 }
 
+/* fill from `values`, a tuple or a list. */
+static int fill_seq(const rplan_t* p, PyObject* values, param_t (*vals)[KGEN_MAX_PARAMS]) {
+  if (!PyTuple_Check(values) && !PyList_Check(values)) {
+    PyErr_SetString(PyExc_TypeError, "values: a tuple or a list");
+    return -3;
+  }
+  return fill(p, PySequence_Fast_ITEMS(values), PySequence_Fast_GET_SIZE(values), vals);
+}
+
+/* Every step launched on `stream` in the current context: 0 or the first CUresult. */
+static int launch_all(const rplan_t* p, void* stream, param_t (*vals)[KGEN_MAX_PARAMS]) {
+  int rc = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (int k = 0; k < p->nsteps && rc == 0; ++k) {
+    const rstep_t* s = &p->steps[k];
+    void* params[KGEN_MAX_PARAMS];
+    for (int i = 0; i < s->n; ++i) params[i] = &vals[k][i];
+    rc = cu_launch(s->function, s->grid[0], s->grid[1], s->grid[2], s->block, 1, 1, s->shared, stream, params, NULL);
+  }
+  Py_END_ALLOW_THREADS
+  return rc;
+}
+
 static PyObject* replay_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 3) {
@@ -357,21 +409,45 @@ static PyObject* replay_run(PyObject* self, PyObject* const* args, Py_ssize_t na
   void* stream = PyLong_AsVoidPtr(args[1]);
   if (PyErr_Occurred()) return NULL;
   param_t vals[KGEN_MAX_STEPS][KGEN_MAX_PARAMS];
-  int rc = fill(p, args[2], vals);
+  int rc = fill_seq(p, args[2], vals);
   if (rc == -3) return NULL;
   if (rc != 0) return PyLong_FromLong(rc);
   if (!find_cuda()) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
   void* ctx = NULL;
   if (cu_ctx_current(&ctx) != 0 || ctx == NULL) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
-  Py_BEGIN_ALLOW_THREADS
-  for (int k = 0; k < p->nsteps && rc == 0; ++k) {
-    const rstep_t* s = &p->steps[k];
-    void* params[KGEN_MAX_PARAMS];
-    for (int i = 0; i < s->n; ++i) params[i] = &vals[k][i];
-    rc = cu_launch(s->function, s->grid[0], s->grid[1], s->grid[2], s->block, 1, 1, s->shared, stream, params, NULL);
+  return PyLong_FromLong(launch_all(p, stream, vals));
+}
+
+/* replay_run with the plan's guards first and the values as arguments (no list to build):
+   KGEN_STALE where a guarded global is no longer bound to the object it was planned with,
+   or another context than the plan's is current (the caller's own checks then decide). */
+static PyObject* replay_go(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs < 2) {
+    PyErr_SetString(PyExc_TypeError, "replay_go(plan, stream, *values)");
+    return NULL;
   }
-  Py_END_ALLOW_THREADS
-  return PyLong_FromLong(rc);
+  const rplan_t* p = PyCapsule_GetPointer(args[0], PLAN_NAME);
+  if (p == NULL) return NULL;
+  void* stream = PyLong_AsVoidPtr(args[1]);
+  if (PyErr_Occurred()) return NULL;
+  if (p->guarded && p->guards != NULL) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p->guards); ++i) {
+      PyObject* g = PyTuple_GET_ITEM(p->guards, i);
+      PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(g, 0), PyTuple_GET_ITEM(g, 1));
+      if (now == NULL && PyErr_Occurred()) return NULL;
+      if (now != PyTuple_GET_ITEM(g, 2)) return PyLong_FromLong(KGEN_STALE);
+    }
+  }
+  param_t vals[KGEN_MAX_STEPS][KGEN_MAX_PARAMS];
+  int rc = fill(p, args + 2, nargs - 2, vals);
+  if (rc == -3) return NULL;
+  if (rc != 0) return PyLong_FromLong(rc);
+  if (!find_cuda()) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
+  void* ctx = NULL;
+  if (cu_ctx_current(&ctx) != 0 || ctx == NULL) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
+  if (p->guarded && ctx != p->ctx) return PyLong_FromLong(KGEN_STALE);
+  return PyLong_FromLong(launch_all(p, stream, vals));
 }
 
 static PyObject* replay_args(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
@@ -389,7 +465,7 @@ static PyObject* replay_args(PyObject* self, PyObject* const* args, Py_ssize_t n
     return NULL;
   }
   param_t vals[KGEN_MAX_STEPS][KGEN_MAX_PARAMS];
-  int rc = fill(p, args[2], vals);
+  int rc = fill_seq(p, args[2], vals);
   if (rc == -3) return NULL;
   if (rc != 0) return PyLong_FromLong(rc);
   const rstep_t* s = &p->steps[step];
@@ -419,6 +495,8 @@ static PyMethodDef methods[] = {
      "replay_plan(n_slots, n_values, steps) -> plan"},
     {"replay_run", (PyCFunction)(void (*)(void))replay_run, METH_FASTCALL,
      "replay_run(plan, stream, values) -> 0, a CUresult, -1: nothing launched, -2: a slot misaligned, nothing launched"},
+    {"replay_go", (PyCFunction)(void (*)(void))replay_go, METH_FASTCALL,
+     "replay_go(plan, stream, *values) -> replay_run's codes, or -4: a guard failed, nothing launched"},
     {"replay_args", (PyCFunction)(void (*)(void))replay_args, METH_FASTCALL,
      "replay_args(plan, step, values) -> that step's parameters, or -2: a slot misaligned"},
     {NULL, NULL, 0, NULL}};

@@ -44,9 +44,10 @@ session). Anything that does not line up (the PTX's parameters against the argum
 passes, their types against the signature's) keeps Triton's launcher for that binary;
 KGEN_TRITON_DRIVER_CALL=0 keeps it for all. Where every launch of a replay goes that way, the
 parameters are packed once into a plan (`launcher.c`'s replay_plan) and each call is one C call
-(replay_run: the alignment check, the new addresses and scalars patched in, every launch), not
-a Python loop over the launches' parameters: 1.4-3.7 us less a call with one or two launches
-on an H200 host (BENCHMARKS.md, sixty-seventh session).
+(replay_go: the kernels' global constants and the CUDA context checked, the alignment check,
+the new addresses and scalars patched in, every launch), not a Python loop over the launches'
+parameters: 1.4-3.7 us less a call with one or two launches on an H200 host (BENCHMARKS.md,
+sixty-seventh session), and the values given as arguments (`Replay.go`), not in a list.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ from kgen.runtime.streams import current_device, current_raw_stream
 
 # what the plain path takes and the direct one skips, for tests and benchmarks
 STATS = {"direct": 0, "plain": 0, "driver": 0}  # driver: of the direct ones, by the trampoline's cuLaunchKernel
-NATIVE_NOT_LAUNCHED, NATIVE_MISALIGNED = -1, -2  # launcher.c's replay_run: nothing launched
+# launcher.c's replay_run / replay_go: nothing launched (no CUDA context; a slot misaligned; a
+# guard failed: a kernel's global rebound or another context current, the Python checks decide)
+NATIVE_NOT_LAUNCHED, NATIVE_MISALIGNED, NATIVE_STALE = -1, -2, -4
 DRIVER_CALL = os.environ.get("KGEN_TRITON_DRIVER_CALL", "1") != "0"
 MAX_ENTRIES = 4096  # specialisations kept (kernels x arguments x devices); cleared beyond
 SUPPORTED = ((3, 6), (3, 7), (3, 8), (3, 9))  # the releases whose JITFunction.run was read
@@ -138,10 +141,13 @@ def hooked() -> bool:
 
 
 def _hooked(rt) -> bool:
-    for h in (rt.launch_enter_hook, rt.launch_exit_hook):
-        # 3.6-3.9 keep a HookChain (never None); an empty one calls nothing, as None does
-        if h is not None and getattr(h, "calls", True):
-            return True
+    # 3.6-3.9 keep a HookChain (never None); an empty one calls nothing, as None does
+    h = rt.launch_enter_hook
+    if h is not None and getattr(h, "calls", True):
+        return True
+    h = rt.launch_exit_hook
+    if h is not None and getattr(h, "calls", True):
+        return True
     if not _state.get("stages_knob", True):  # read once (_check_triton); unknown: ask
         return False
     return getattr(rt, "add_stages_inspection_hook", None) is not None
@@ -411,24 +417,27 @@ def replay(launches, slots, scalars=()) -> "Replay | None":
                       _driver_step(e, template, patches, moved)))
         entries.append(e)
     return Replay(tuple(steps), tuple(entries), len(slots), device, knobs,
-                  _native_plan(steps, len(slots), len(slots) + len(scalars)))
+                  _native_plan(steps, len(slots), len(slots) + len(scalars), entries))
 
 
-def _native_plan(steps, n_slots, n_values):
+def _native_plan(steps, n_slots, n_values, entries=()):
     """launcher.c's replay plan of `steps` (every one launched by the trampoline, packed
-    once: `replay_run` patches and launches them all in C), or None: the steps go one by one
-    through `Replay`'s Python loop."""
+    once: `replay_go` checks, patches and launches them all in C), guarded by `entries`'
+    global constants (each name bound to the object it was bound to when Triton last checked)
+    and the CUDA context current now; or None: the steps go one by one through `Replay`'s
+    Python loop."""
     if any(st[7] is None for st in steps) or _trampoline_call() is None:
         return None
     plan = _state.get("rplan")
-    if plan is None:
+    if plan is None or _state.get("rgo") is None:
         return None
+    guards = {(id(g), name): (g, name, bound) for e in entries for name, bound, _val, g in e.globals}
     rows = []
     for *_, (g0, g1, g2), _template, _patches, _moved, driver in steps:
         _call, fn_, block, shared, codes, t, dpatches, dmoved, _name = driver
         rows.append((fn_, g0, g1, g2, block, shared, codes, t, dpatches, dmoved))
     try:
-        return plan(n_slots, n_values, rows)
+        return plan(n_slots, n_values, rows, tuple(guards.values()))
     except (TypeError, ValueError, OverflowError):  # (a value it cannot pack: the Python loop packs it)
         return None
 
@@ -460,6 +469,7 @@ def _trampoline_call():
         # (a launcher.c built before replay plans existed has none: then the Python loop)
         _state["rplan"] = getattr(tramp, "replay_plan", None)
         _state["rrun"] = getattr(tramp, "replay_run", None)
+        _state["rgo"] = getattr(tramp, "replay_go", None)
     return _state["tcall"]
 
 
@@ -476,13 +486,14 @@ def _slot_of(a, slots, spans):
 
 
 class Replay:
-    """Recorded launches (see `replay`): `r(values)` launches them again on the current
-    stream with the slots' new addresses and the scalars' new values and returns True, or
-    launches nothing and returns False where Triton's own path must run: a slot address not
-    16-byte aligned, hooks set since, a knob or the current device changed, a kernel's
-    global constant changed. The check is made for every launch before the first runs, so a
-    call never half-replays. Where every launch goes through the trampoline, one call of
-    launcher.c's `replay_run` patches and launches them all (`native`, its packed plan)."""
+    """Recorded launches (see `replay`): `r(values)`, or `r.go(*values)`, launches them again
+    on the current stream with the slots' new addresses and the scalars' new values and
+    returns True, or launches nothing and returns False where Triton's own path must run: a
+    slot address not 16-byte aligned, hooks set since, a knob or the current device changed,
+    a kernel's global constant changed. The check is made for every launch before the first
+    runs, so a call never half-replays. Where every launch goes through the trampoline, one
+    call of launcher.c's `replay_go` checks the globals and the context, patches and launches
+    them all (`native`, its packed plan); the hooks and knobs are read here first."""
 
     __slots__ = ("steps", "entries", "n_slots", "device", "knobs", "native")
 
@@ -491,6 +502,37 @@ class Replay:
         self.native = native
 
     def __call__(self, values) -> bool:
+        return self.go(*values)
+
+    def go(self, *values) -> bool:
+        """As `r(values)`, the values as arguments (a fast path's call builds no list)."""
+        native = self.native
+        if native is not None:
+            st = _state
+            if st.get("reason") is None and not _hooked(st["runtime"]) and st["knobs"]() == self.knobs:
+                done = self._native_result(st["rgo"](native, current_raw_stream(self.device), *values))
+                if done is not None:
+                    return done
+                # (not launched: no current context, or a guard failed: the checks below decide)
+        return self._checked(values)
+
+    def _native_result(self, rc):
+        """True (launched: counted), False (a slot misaligned), None (not launched: no
+        current context or a guard failed); a CUDA error raises, naming the kernels."""
+        if rc == 0:
+            n = len(self.steps)
+            STATS["direct"] += n
+            STATS["driver"] += n
+            return True
+        if rc == NATIVE_MISALIGNED:
+            return False
+        if rc > 0:
+            names = ", ".join(st[7][8] for st in self.steps)
+            raise RuntimeError(f"kgen: launching Triton kernels {names}: CUDA error {rc}")
+        return None
+
+    def _checked(self, values) -> bool:
+        """Every check in Python, then replay_run (no guards of its own) or the Python loop."""
         if (_state.get("reason") is not None or _hooked(_state["runtime"])
                 or current_device() != self.device or _state["knobs"]() != self.knobs):
             return False
@@ -499,17 +541,9 @@ class Replay:
                 return False
         stream = current_raw_stream(self.device)
         if self.native is not None:
-            rc = _state["rrun"](self.native, stream, values)
-            if rc == 0:
-                n = len(self.steps)
-                STATS["direct"] += n
-                STATS["driver"] += n
-                return True
-            if rc == NATIVE_MISALIGNED:
-                return False
-            if rc != NATIVE_NOT_LAUNCHED:  # (-1: no current context: Triton's launchers below make one)
-                names = ", ".join(st[7][8] for st in self.steps)
-                raise RuntimeError(f"kgen: launching Triton kernels {names}: CUDA error {rc}")
+            done = self._native_result(_state["rrun"](self.native, stream, values))
+            if done is not None:  # (else no current context: Triton's launchers below make one)
+                return done
         bad = 0
         for v in values[:self.n_slots]:
             bad |= v

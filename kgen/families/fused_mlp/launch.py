@@ -217,25 +217,25 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     proto = prototype(shape, dtype, device)  # outputs: empty_like of it
     z_protos = [prototype(z.shape, z.dtype, z.device) if z is not None else None for z in zs]
     s_numel = scratch.numel() if scratch is not None else 0
-    empty_like, empty = torch.empty_like, torch.empty
+    empty_like, empty, data_ptr, go = torch.empty_like, torch.empty, torch.Tensor.data_ptr, rep.go
+    present_at = [i for i, b in enumerate(biases) if b is not None]
+    every = len(present_at) == len(biases)
 
+    # (each pointer read once, by a C-level map, handed to the replay as arguments: this closure
+    # is most of a fast call's Python)
     def launch(x, weights, biases):  # (the caller's memo matched this call's strides: contiguous)
         out = empty_like(proto)
-        vals = [x.data_ptr(), out.data_ptr()]
-        for w in weights:
-            vals.append(w.data_ptr())
-        for b in biases:
-            if b is not None:
-                vals.append(b.data_ptr())
-        zs = None
-        if save:
-            zs = [empty_like(p) if on else None for p, on in zip(z_protos, z_on)]
-            vals += [z.data_ptr() for z in zs if z is not None]
-        scratch = None
-        if s_numel:  # held until launched (freed after: stream-ordered, as the general path's)
-            scratch = empty(s_numel, dtype=dtype, device=device)
-            vals.append(scratch.data_ptr())
-        if not rep(vals):
+        bs = biases if every else [biases[i] for i in present_at]
+        if not save and not s_numel:
+            ok = go(x.data_ptr(), out.data_ptr(), *map(data_ptr, weights), *map(data_ptr, bs))
+            return out if ok else None
+        zs = [empty_like(p) if on else None for p, on in zip(z_protos, z_on)] if save else None
+        # (the scratch held until launched: freed after, stream-ordered, as the general path's)
+        scratch = empty(s_numel, dtype=dtype, device=device) if s_numel else None
+        ok = go(x.data_ptr(), out.data_ptr(), *map(data_ptr, weights), *map(data_ptr, bs),
+                *(map(data_ptr, [z for z in zs if z is not None]) if save else ()),
+                *((scratch.data_ptr(),) if s_numel else ()))
+        if not ok:
             return None
         return (out, zs) if save else out
 

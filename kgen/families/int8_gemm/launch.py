@@ -37,6 +37,7 @@ def _empty(shape, dtype, device) -> torch.Tensor:
 
 
 _EMPTY = _empty
+_data_ptr = torch.Tensor.data_ptr
 
 
 class Impl:
@@ -155,12 +156,9 @@ def triton_direct(mod, mode: int, M: int, N: int, K: int, out_dtype, group_size:
             out = _empty((M, N), out_dtype, device)
             part = _empty((n_splits, M, N), part_dtype, device) if n_splits > 1 else None
         present = [t for t in (scale_a, scale_b, bias) if t is not None]
-        if rec:
-            vals = [a.data_ptr(), b.data_ptr(), out.data_ptr(), *(t.data_ptr() for t in present)]
-            if part is not None:
-                vals.append(part.data_ptr())
-            if rec[0](vals):
-                return out
+        if rec and rec[0].go(a.data_ptr(), b.data_ptr(), out.data_ptr(), *map(_data_ptr, present),
+                             *((part.data_ptr(),) if part is not None else ())):
+            return out
         if a.dim() != 2:  # (leading batch dims: the launches take a as [M, K])
             a = a.view(M, K)
         todo = _triton_launches(mod, mode, a, b, out, scale_a, scale_b, bias, group_size, n_splits, k_split, part)

@@ -371,10 +371,8 @@ def triton_direct(mod, B: int, N: int, K: int, device: torch.device):
             out = _empty((B, N), dtype=f32, device=device)
             scratch = _empty((at[-1],), dtype=f32, device=device) if at[-1] else None
         if rec:
-            vals = [x.data_ptr(), w.data_ptr(), out.data_ptr()]
-            if scratch is not None:
-                vals.append(scratch.data_ptr())
-            if rec[0](vals):
+            if (rec[0].go(x.data_ptr(), w.data_ptr(), out.data_ptr()) if scratch is None
+                    else rec[0].go(x.data_ptr(), w.data_ptr(), out.data_ptr(), scratch.data_ptr())):
                 return out
         out, scratch, *bufs = _triton_buffers(plan, B, N, K, device, out, scratch)
         todo = _triton_launches(mod, x, w, out, *bufs, plan)
