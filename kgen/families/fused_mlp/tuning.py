@@ -275,9 +275,14 @@ def tune_choices(inputs: dict) -> dict:
 # this one; 1.05 against the old 1.045 on the second run alone (its eager host cost ~1.5x
 # the first's). It keeps the old bounds' cases: 1024-4096-1024 (1669 us against eager's
 # 18.8) and 784-512-512-10 (121 against 17) to eager, 32-64-64-1 (4.8 against 14.4) and
-# 63-256x4-4 at B <= 4096 (44 against 105) generic. The generic tiles smallest first at
-# every B: 64-row tiles beat 32-row ones by at most 1.3x there and lost by up to 2.4x
-# (float32 past B = 8000). The exact variants (a model's own widths, tuned) keep their order:
+# 63-256x4-4 at B <= 4096 (44 against 105) generic. The generic tiles smallest first (64-row
+# tiles beat 32-row ones by at most 1.3x there and lost by up to 2.4x, float32 past B =
+# 8000), but for float32 with TF32 off past UNTUNED_SMALL_TILES_B rows, largest first: there
+# the 64-row tile took 0.65-1.01x the 32-row one's time at 19 random widths (geomean ~0.82;
+# widths up to 1000, B 8774-52845), except where a one-wide layer reads a wide input (75-893-1
+# at B = 8869: 650 us against 336), which keeps the smallest first (BENCHMARKS.md,
+# sixty-eighth session). 16-bit stays smallest first: 0.68-1.21x, no rule by widths found in
+# 14 cases. The exact variants (a model's own widths, tuned) keep their order:
 # the CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile: first only
 # up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs), largest
 # first beyond (the tuned tables' winners on both GPUs).
@@ -291,6 +296,7 @@ EAGER_TFLOPS = {"16-bit": 300.0, "tf32x3": 50.0, "tf32": 150.0}
 EAGER_GBPS = 3000.0
 UNTUNED_CLUSTER_B = 128
 UNTUNED_SMALL_TILES_B = 8192
+UNTUNED_ONE_WIDE_K = 64
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -326,6 +332,15 @@ def eager_us(dtype: str, B: int, widths, shape: dict) -> float:
     return max(EAGER_LAYER_US * layers, gpu)
 
 
+def _large_tiles_first(dtype: str, B: int, widths, shape: dict) -> bool:
+    """Whether the generic variants go largest row tile first: float32 with TF32 off past
+    UNTUNED_SMALL_TILES_B rows, but where a one-wide layer reads more than one block_k step
+    (it runs as a float32 FMA loop, which a 64-row tile makes ~2x slower)."""
+    if _dot_class(dtype, shape) != "tf32x3" or B <= UNTUNED_SMALL_TILES_B:
+        return False
+    return not any(n == 1 and k > UNTUNED_ONE_WIDE_K for k, n in zip(widths, widths[1:]))
+
+
 def untuned_order(variants, shape: dict) -> list:
     """dispatch's hook for widths nothing was tuned for: `variants` (those that take the
     widths, in spec order) to try in turn; none left means the eager composition."""
@@ -336,6 +351,8 @@ def untuned_order(variants, shape: dict) -> list:
     exact = sorted((v for v in variants if v.backend == "triton" and v.params["widths"]), **by_tile)
     generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]),
                      key=lambda v: v.params["block_m"])
+    if generic and _large_tiles_first(generic[0].dtype, B, widths, shape):
+        generic.reverse()
     if generic:
         eager = eager_us(generic[0].dtype, B, widths, shape)
         generic = [v for v in generic
