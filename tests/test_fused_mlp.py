@@ -917,14 +917,17 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
 def test_untuned_float32_takes_large_generic_tiles_at_many_rows():
     """Float32 with TF32 off past 8192 rows: the generic 64-row tile first (0.65-1.01x the
     32-row one's time at 19 random widths on an H200), but where a one-wide layer reads more
-    than 64 inputs (75-893-1: 650 us against 336); at fewer rows, in 16-bit, or with TF32
-    on, the 32-row tile first."""
+    than 64 inputs (75-893-1: 650 us against 336); 16-bit there where a layer is wider than
+    128; at fewer rows, at narrower 16-bit widths, or with TF32 on, the 32-row tile first."""
     m32, m64 = "triton_mw4096_m32_k64_w4_f32", "triton_mw4096_m64_k64_w4_f32"
     assert _untuned((2, 79, 4, 76), 13380, "float32") == [m64, m32]  # 30.2 against 38.1 us
     assert _untuned((17, 1, 7, 2, 16, 1), 40528, "float32") == [m64, m32]  # one-wide layers, 16 inputs
     assert _untuned((2, 79, 4, 76), 8192, "float32") == [m32, m64]
     assert _untuned((8, 70, 1), 20000, "float32") == [m32, m64]  # a one-wide layer of 70 inputs
-    assert _untuned((2, 79, 4, 76), 13380) == ["triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_bf16"]
+    b32, b64 = "triton_mw4096_m32_k64_w4_bf16", "triton_mw4096_m64_k64_w4_bf16"
+    assert _untuned((2, 79, 4, 76), 13380) == [b32, b64]  # 16-bit: no layer wider than 128
+    assert _untuned((199, 2, 19, 110, 27, 68), 28765) == [b64, b32]  # 46.4 against 56.6 us
+    assert _untuned((199, 2, 19, 110, 27, 68), 8192) == [b32, b64]
     vs = [v for v in dispatch._ordered("fused_mlp", "float32", (9, 0)) if fm.variant_fits(v, {"widths": (2, 79, 4, 76)})]
     tf32 = fm.untuned_order(vs, {"B": 13380, "widths": "2-79-4-76", "precision": "tf32"})
     assert [v.name for v in tf32] == [m32, m64]

@@ -281,8 +281,9 @@ def tune_choices(inputs: dict) -> dict:
 # the 64-row tile took 0.65-1.01x the 32-row one's time at 19 random widths (geomean ~0.82;
 # widths up to 1000, B 8774-52845), except where a one-wide layer reads a wide input (75-893-1
 # at B = 8869: 650 us against 336), which keeps the smallest first (BENCHMARKS.md,
-# sixty-eighth session). 16-bit stays smallest first: 0.68-1.21x, no rule by widths found in
-# 14 cases. The exact variants (a model's own widths, tuned) keep their order:
+# sixty-eighth session); and 16-bit past those rows where a layer is wider than 128 (two
+# block_k steps): there 0.65-1.18x at 20 random widths (geomean 0.90; narrower, 0.80-1.21x,
+# geomean 1.01, at 12). The exact variants (a model's own widths, tuned) keep their order:
 # the CUDA cluster variants (DLRM's widths) are a chain of latencies a row tile: first only
 # up to B = 128; the Triton tiles smallest first up to B = 8192 (more programs), largest
 # first beyond (the tuned tables' winners on both GPUs).
@@ -297,6 +298,7 @@ EAGER_GBPS = 3000.0
 UNTUNED_CLUSTER_B = 128
 UNTUNED_SMALL_TILES_B = 8192
 UNTUNED_ONE_WIDE_K = 64
+UNTUNED_WIDE_16BIT = 128
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -333,12 +335,16 @@ def eager_us(dtype: str, B: int, widths, shape: dict) -> float:
 
 
 def _large_tiles_first(dtype: str, B: int, widths, shape: dict) -> bool:
-    """Whether the generic variants go largest row tile first: float32 with TF32 off past
-    UNTUNED_SMALL_TILES_B rows, but where a one-wide layer reads more than one block_k step
-    (it runs as a float32 FMA loop, which a 64-row tile makes ~2x slower)."""
-    if _dot_class(dtype, shape) != "tf32x3" or B <= UNTUNED_SMALL_TILES_B:
+    """Whether the generic variants go largest row tile first: past UNTUNED_SMALL_TILES_B
+    rows, float32 with TF32 off but where a one-wide layer reads more than one block_k step
+    (it runs as a float32 FMA loop, which a 64-row tile makes ~2x slower), and 16-bit where
+    a layer is wider than UNTUNED_WIDE_16BIT."""
+    if B <= UNTUNED_SMALL_TILES_B:
         return False
-    return not any(n == 1 and k > UNTUNED_ONE_WIDE_K for k, n in zip(widths, widths[1:]))
+    dots = _dot_class(dtype, shape)
+    if dots == "tf32x3":
+        return not any(n == 1 and k > UNTUNED_ONE_WIDE_K for k, n in zip(widths, widths[1:]))
+    return dots == "16-bit" and max(widths) > UNTUNED_WIDE_16BIT
 
 
 def untuned_order(variants, shape: dict) -> list:
