@@ -85,13 +85,13 @@ def breakdown(mlp, x, ws, bs, act, last):
         a = got[0]
         return parts + [(f"{mlp} part: trampoline launch alone", "after", lambda: raw(*a) or keep)]
     # a Triton variant (launch.direct): triton_launch's Replay of the recorded launches
-    rep, got = cells["rep"].cell_contents, []
-    cells["rep"].cell_contents = lambda vals: got.append(list(vals)) or True
+    go, got = cells["go"].cell_contents, []  # (Replay.go, bound)
+    cells["go"].cell_contents = lambda *vals: got.append(vals) or True
     keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer
-    cells["rep"].cell_contents = rep
+    cells["go"].cell_contents = go
     if cells["s_numel"].cell_contents:  # a scratch buffer, freed after the call: not replayed alone
         return parts
-    return parts + [(f"{mlp} part: Replay of the launches alone", "after", lambda: rep(got[0]) or keep)]
+    return parts + [(f"{mlp} part: Replay of the launches alone", "after", lambda: go(*got[0]) or keep)]
 
 
 def graphed_us(fn, reps=20):

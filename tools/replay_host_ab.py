@@ -56,7 +56,7 @@ def cases():
 a1 = torch.ones(1, device=dev)
 add = lambda: torch.add(a1, a1)  # noqa: E731
 print(f"{sys.argv[1] if len(sys.argv) > 1 else ''} KGEN_BACKEND={os.environ.get('KGEN_BACKEND', '')}")
-print("| case | torch.add | Python loop (old) | replay_run (new) | new - old | Triton launches a call |")
+print("| case | torch.add | Python loop (old) | replay_go (new) | new - old | Triton launches a call |")
 print("|---|---:|---:|---:|---:|---:|")
 for name, f in cases():
     for _ in range(30):
