@@ -178,9 +178,8 @@ typedef struct {
 
 typedef struct {
   int nslots, nvalues, nsteps;
-  int guarded;      /* replay_go checks the context and `guards` */
-  void* ctx;        /* the CUDA context current when planned (NULL: none then) */
-  PyObject* guards; /* a tuple of (dict, name, object) triples, or NULL */
+  PyObject* guards; /* a tuple of (dict, name, object) triples, or NULL: replay_go checks none */
+  void* ctx;        /* with guards: the CUDA context current when planned (NULL: none then) */
   rstep_t steps[KGEN_MAX_STEPS];
 } rplan_t;
 
@@ -328,7 +327,6 @@ static PyObject* replay_plan(PyObject* self, PyObject* const* args, Py_ssize_t n
   }
   p->nslots = (int)nslots, p->nvalues = (int)nvalues, p->nsteps = (int)ns;
   if (guards != NULL) {
-    p->guarded = 1;
     if (find_cuda() && cu_ctx_current(&p->ctx) != 0) p->ctx = NULL;
     p->guards = Py_NewRef(guards);
   }
@@ -431,7 +429,7 @@ static PyObject* replay_go(PyObject* self, PyObject* const* args, Py_ssize_t nar
   if (p == NULL) return NULL;
   void* stream = PyLong_AsVoidPtr(args[1]);
   if (PyErr_Occurred()) return NULL;
-  if (p->guarded && p->guards != NULL) {
+  if (p->guards != NULL) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p->guards); ++i) {
       PyObject* g = PyTuple_GET_ITEM(p->guards, i);
       PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(g, 0), PyTuple_GET_ITEM(g, 1));
@@ -446,7 +444,7 @@ static PyObject* replay_go(PyObject* self, PyObject* const* args, Py_ssize_t nar
   if (!find_cuda()) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
   void* ctx = NULL;
   if (cu_ctx_current(&ctx) != 0 || ctx == NULL) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
-  if (p->guarded && ctx != p->ctx) return PyLong_FromLong(KGEN_STALE);
+  if (p->guards != NULL && ctx != p->ctx) return PyLong_FromLong(KGEN_STALE);
   return PyLong_FromLong(launch_all(p, stream, vals));
 }
 
