@@ -396,56 +396,51 @@ static int launch_all(const rplan_t* p, void* stream, param_t (*vals)[KGEN_MAX_P
   return rc;
 }
 
-static PyObject* replay_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  (void)self;
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "replay_run(plan, stream, values)");
-    return NULL;
-  }
+/* The plan, its stream and, with `guarded`, its guards checked: KGEN_STALE where a guarded
+   global is no longer bound to the object it was planned with, or another context than the
+   plan's is current (the caller's own checks then decide); then the values `items[0..n)`
+   patched in and every step launched. NULL with a Python error set. */
+static PyObject* run(PyObject* const* args, PyObject* const* items, Py_ssize_t n, int guarded) {
   const rplan_t* p = PyCapsule_GetPointer(args[0], PLAN_NAME);
   if (p == NULL) return NULL;
   void* stream = PyLong_AsVoidPtr(args[1]);
   if (PyErr_Occurred()) return NULL;
+  guarded = guarded && p->guards != NULL;
+  for (Py_ssize_t i = 0; guarded && i < PyTuple_GET_SIZE(p->guards); ++i) {
+    PyObject* g = PyTuple_GET_ITEM(p->guards, i);
+    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(g, 0), PyTuple_GET_ITEM(g, 1));
+    if (now == NULL && PyErr_Occurred()) return NULL;
+    if (now != PyTuple_GET_ITEM(g, 2)) return PyLong_FromLong(KGEN_STALE);
+  }
   param_t vals[KGEN_MAX_STEPS][KGEN_MAX_PARAMS];
-  int rc = fill_seq(p, args[2], vals);
+  int rc = fill(p, items, n, vals);
   if (rc == -3) return NULL;
   if (rc != 0) return PyLong_FromLong(rc);
   if (!find_cuda()) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
   void* ctx = NULL;
   if (cu_ctx_current(&ctx) != 0 || ctx == NULL) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
+  if (guarded && ctx != p->ctx) return PyLong_FromLong(KGEN_STALE);
   return PyLong_FromLong(launch_all(p, stream, vals));
 }
 
-/* replay_run with the plan's guards first and the values as arguments (no list to build):
-   KGEN_STALE where a guarded global is no longer bound to the object it was planned with,
-   or another context than the plan's is current (the caller's own checks then decide). */
+/* run without the guards, the values a tuple or a list */
+static PyObject* replay_run(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 3 || (!PyTuple_Check(args[2]) && !PyList_Check(args[2]))) {
+    PyErr_SetString(PyExc_TypeError, "replay_run(plan, stream, values: a tuple or a list)");
+    return NULL;
+  }
+  return run(args, PySequence_Fast_ITEMS(args[2]), PySequence_Fast_GET_SIZE(args[2]), 0);
+}
+
+/* run with the guards, the values as arguments (no list to build) */
 static PyObject* replay_go(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs < 2) {
     PyErr_SetString(PyExc_TypeError, "replay_go(plan, stream, *values)");
     return NULL;
   }
-  const rplan_t* p = PyCapsule_GetPointer(args[0], PLAN_NAME);
-  if (p == NULL) return NULL;
-  void* stream = PyLong_AsVoidPtr(args[1]);
-  if (PyErr_Occurred()) return NULL;
-  if (p->guards != NULL) {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(p->guards); ++i) {
-      PyObject* g = PyTuple_GET_ITEM(p->guards, i);
-      PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(g, 0), PyTuple_GET_ITEM(g, 1));
-      if (now == NULL && PyErr_Occurred()) return NULL;
-      if (now != PyTuple_GET_ITEM(g, 2)) return PyLong_FromLong(KGEN_STALE);
-    }
-  }
-  param_t vals[KGEN_MAX_STEPS][KGEN_MAX_PARAMS];
-  int rc = fill(p, args + 2, nargs - 2, vals);
-  if (rc == -3) return NULL;
-  if (rc != 0) return PyLong_FromLong(rc);
-  if (!find_cuda()) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
-  void* ctx = NULL;
-  if (cu_ctx_current(&ctx) != 0 || ctx == NULL) return PyLong_FromLong(KGEN_NOT_LAUNCHED);
-  if (p->guards != NULL && ctx != p->ctx) return PyLong_FromLong(KGEN_STALE);
-  return PyLong_FromLong(launch_all(p, stream, vals));
+  return run(args, args + 2, nargs - 2, 1);
 }
 
 static PyObject* replay_args(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {

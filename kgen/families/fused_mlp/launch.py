@@ -226,16 +226,13 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     def launch(x, weights, biases):  # (the caller's memo matched this call's strides: contiguous)
         out = empty_like(proto)
         bs = biases if every else [biases[i] for i in present_at]
-        if not save and not s_numel:
-            ok = go(x.data_ptr(), out.data_ptr(), *map(data_ptr, weights), *map(data_ptr, bs))
-            return out if ok else None
-        zs = [empty_like(p) if on else None for p, on in zip(z_protos, z_on)] if save else None
-        # (the scratch held until launched: freed after, stream-ordered, as the general path's)
-        scratch = empty(s_numel, dtype=dtype, device=device) if s_numel else None
-        ok = go(x.data_ptr(), out.data_ptr(), *map(data_ptr, weights), *map(data_ptr, bs),
-                *(map(data_ptr, [z for z in zs if z is not None]) if save else ()),
-                *((scratch.data_ptr(),) if s_numel else ()))
-        if not ok:
+        zs, more = None, ()
+        if save:
+            zs = [empty_like(p) if on else None for p, on in zip(z_protos, z_on)]
+            more = [z for z in zs if z is not None]
+        if s_numel:  # (held until launched: freed after, stream-ordered, as the general path's)
+            more = [*more, empty(s_numel, dtype=dtype, device=device)]
+        if not go(x.data_ptr(), out.data_ptr(), *map(data_ptr, weights), *map(data_ptr, bs), *map(data_ptr, more)):
             return None
         return (out, zs) if save else out
 
