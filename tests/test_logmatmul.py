@@ -186,6 +186,84 @@ def test_nan_propagates_as_in_pytorch(poison, name, B):
     assert torch.equal(torch.isnan(split), torch.isnan(out)) and torch.equal(torch.isneginf(split), torch.isneginf(out))
 
 
+def test_cpu_op_nan_propagates_as_in_pytorch():
+    """The CPU path (the float32 reference and its written-out backward) keeps the kernels'
+    NaN rule: a NaN output makes NaN the gradient terms it meets (it used to drop them as if
+    it were -inf), and an entry of x that is -inf still gets dx = 0."""
+    for B in (3, 12):
+        x, w = nan_case(B)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with lmm.using(None):
+            out = lmm.logmatmul(xl, wl)
+            out.backward(torch.ones_like(out))
+        assert_nan_as_pytorch(out, xl.grad, wl.grad, x, w)
+
+
+def negative_case(B: int, K: int = 40, device=CPU, with_negative_sum=True):
+    """x [B, K] and w with negative weights: node 0 all negative (its sum is negative), node 1
+    one negative weight in a positive sum, node 2 +1 and -1 on two equal columns of x and 0
+    elsewhere (a sum of exactly 0), nodes 3-4 positive; without node 0 if not
+    `with_negative_sum`."""
+    g = torch.Generator().manual_seed(B + 100)
+    x = torch.randn(B, K, generator=g)
+    x[:, 1] = x[:, 0]
+    w = torch.rand(5, K, generator=g) + 0.1
+    w[0] = -w[0]
+    w[1, 3] = -0.05
+    w[2] = 0.0
+    w[2, 0], w[2, 1] = 1.0, -1.0
+    return x.to(device), (w if with_negative_sum else w[1:]).contiguous().to(device)
+
+
+def assert_negative_weights_as_formula(run, dtype, device=CPU, grad_tol=2e-5):
+    """`run(x, w, g)` -> (out, dx, dw): out is log sum_k w exp(x) where the sum is positive
+    (against float64), NaN where it is negative (log of a negative number, as the expression
+    log(exp(x - m) @ w.T) + m gives), -inf where it is exactly 0; a NaN output makes the
+    gradients it meets NaN (every dx, its node's dw row), and without one both gradients are
+    the formula's (float64 autograd; bound as numerics.check_case's, relative to the largest)."""
+    for B in (3, 12):
+        x, w = negative_case(B, device=device)
+        x = x.to(dtype)
+        g = torch.randn(B, w.shape[0], generator=torch.Generator().manual_seed(B)).to(device)
+        out, dx, dw = (t.cpu() for t in run(x, w, g))
+        ref = lmm.reference(x.double().cpu(), w.double().cpu(), torch.float64)
+        assert torch.isnan(out[:, 0]).all() and torch.isnan(ref[:, 0]).all()
+        assert torch.isneginf(out[:, 2]).all() and torch.isneginf(ref[:, 2]).all()
+        assert torch.isfinite(out[:, [1, 3, 4]]).all()
+        torch.testing.assert_close(out[:, [1, 3, 4]].double(), ref[:, [1, 3, 4]], rtol=2e-5, atol=2e-5)
+        assert torch.isnan(dx).all() and torch.isnan(dw[0]).all() and not torch.isnan(dw[1:]).any()
+        x, w = negative_case(B, device=device, with_negative_sum=False)
+        x = x.to(dtype)
+        out, dx, dw = (t.cpu() for t in run(x, w, g[:, 1:]))
+        xr, wr = x.double().cpu().requires_grad_(), w.double().cpu().requires_grad_()
+        ref = lmm.reference(xr, wr, torch.float64)
+        ref.backward(g[:, 1:].double().cpu())
+        assert torch.equal(torch.isneginf(out), torch.isneginf(ref)) and not torch.isnan(out).any()
+        for got, want in ((dx, xr.grad), (dw, wr.grad)):
+            bound = grad_tol * max(1.0, float(want.abs().max()))
+            assert float((got.double() - want).abs().max()) <= bound
+
+
+def _run_op(mod):
+    def run(x, w, g):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with lmm.using(mod):
+            out = lmm.logmatmul(xl, wl)
+            out.backward(g)
+        return out.detach(), xl.grad, wl.grad
+    return run
+
+
+@pytest.mark.parametrize("name", ["reference"] + TRITON + TRITON_16)
+def test_negative_weights_give_the_formula_or_nan(poison, name):
+    """Negative weights (outside the documented domain) never give a plausible wrong value:
+    the formula's value where the sum is positive, NaN where it is negative, on the CPU path
+    and every Triton variant (the one-pass backward at B = 3, the GEMM form at 12)."""
+    dtype = torch.float32 if name == "reference" else getattr(torch, SPEC.variant(name).dtype)
+    tol = 2e-5 if dtype == torch.float32 else numerics.GRAD_TOL[str(dtype).removeprefix("torch.")]
+    assert_negative_weights_as_formula(_run_op(None if name == "reference" else _mod(name)), dtype, grad_tol=tol)
+
+
 @pytest.mark.parametrize("scale", [1e30, 1e-30])
 @pytest.mark.parametrize("B", [3, 12])  # the one-pass kernel (B <= bwd_b) and the GEMM form
 def test_backward_extreme_weight_scales(poison, scale, B):
@@ -251,7 +329,7 @@ def test_block_sparse_matches_dense(poison, impl):
     torch.testing.assert_close(bl.grad.double(), dw_blocks, rtol=0, atol=2e-5 * scale)
 
 
-@pytest.mark.parametrize("impl", [TRITON[0], TRITON[1]])
+@pytest.mark.parametrize("impl", ["reference", TRITON[0], TRITON[1]])
 def test_block_sparse_nan_propagates(poison, impl):
     """A NaN in x or in a block gives NaN outputs exactly where a present block's terms meet
     it (absent blocks are no terms: 0 x NaN is not summed); the empty block row stays -inf;
@@ -261,7 +339,7 @@ def test_block_sparse_nan_propagates(poison, impl):
     blocks[0, 2, 5] = float("nan")  # block row 0, node 2
     x, _ = numerics.make_inputs(B, 1, C * bs, torch.float32, CPU)
     x[1, 9] = float("nan")
-    with lmm.using(_mod(impl)):
+    with lmm.using(None if impl == "reference" else _mod(impl)):
         out = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
     present = lmm.dense_from_blocks(torch.ones_like(blocks), row_ptr, col_idx, bs, C * bs) > 0
     w = lmm.dense_from_blocks(blocks.double(), row_ptr, col_idx, bs, C * bs)

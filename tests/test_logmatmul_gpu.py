@@ -3,6 +3,8 @@ numerics, awkward sizes, the CUDA forms' K splits and tensor-core sizes, the fas
 CUDA-graph capture, dispatch determinism, torch.compile and block-sparse. The CPU half, and
 the helpers these share, are in test_logmatmul.py."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from kgen.runtime import dispatch
 from test_logmatmul import (CUDA, MMA, MMA_FORMS, SPEC, TRITON, _assert_ok, _mod, _pattern, _variant,
                              assert_nan_as_pytorch, nan_case)
 from test_logmatmul import poison  # noqa: F401 - the fixture, by name
+from test_logmatmul import assert_negative_weights_as_formula
 
 gpu = pytest.mark.gpu
 ALL_GPU = [v.name for v in SPEC.variants]
@@ -393,6 +396,38 @@ def test_gpu_cuda_nan_propagates_as_in_pytorch(poison, name):
         for o in outs:
             assert torch.equal(torch.isnan(o), torch.isnan(out)) and torch.equal(torch.isneginf(o), torch.isneginf(out))
         assert_nan_as_pytorch(out, xl.grad, wl.grad, x, w)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["dispatch"] + CUDA + list(MMA_FORMS))
+def test_gpu_negative_weights_give_the_formula_or_nan(poison, name):
+    """Negative weights on every CUDA form (FMA, tensor-core) and dispatch's choice: the
+    formula's value where the sum is positive, NaN where it is negative, -inf where it is 0,
+    and the gradients as test_logmatmul's CPU check says (the library's CUDA backward where
+    it takes the call). Tensor-core forms: their stated tolerance."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if name == "dispatch":
+        mod, dtype = None, torch.float32
+    else:
+        mod, dtype = _gpu_mod(name), getattr(torch, _variant(name).dtype)
+
+    def run(x, w, g):
+        assert mod is None or mod.takes(x, w)
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with lmm.using(mod) if mod is not None else contextlib.nullcontext():  # None: dispatch's choice
+            out = lmm.logmatmul(xl, wl)
+            out.backward(g)
+        if mod is not None:
+            for s in (1, 3):
+                o = launch.forward(mod, x, w, splits=s)
+                assert torch.equal(torch.isnan(o), torch.isnan(out)) and torch.equal(torch.isneginf(o), torch.isneginf(out))
+        return out.detach(), xl.grad, wl.grad
+
+    mma = name != "dispatch" and _variant(name).params.get("mma")
+    # dx in x's dtype: numerics.GRAD_TOL's bound for 16-bit x; the tensor-core forms' products
+    # of rounded operands (float32 x only): 2e-3 of the largest gradient
+    tol = numerics.GRAD_TOL[str(dtype).removeprefix("torch.")] if dtype != torch.float32 else 2e-3 if mma else 2e-5
+    assert_negative_weights_as_formula(run, dtype, dev, grad_tol=tol)
 
 
 # --------------------------------------------------------------------------- block-sparse on CUDA

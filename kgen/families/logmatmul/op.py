@@ -12,7 +12,8 @@ from kgen.families.logmatmul.checks import check_block_sparse, check_dense
 from kgen.families.logmatmul.backward_launch import backward, backward_direct, bsl_backward
 from kgen.families.logmatmul.launch import CudaForward, block_rows, bsl_forward, forward, triton_direct
 from kgen.families.logmatmul.plans import BWD_B
-from kgen.families.logmatmul.reference import reference, reference_backward
+from kgen.families.logmatmul.reference import (block_sparse_reference, block_sparse_reference_backward,
+                                                reference, reference_backward)
 from kgen.families.logmatmul.rules import tune_bucket
 from kgen.runtime.op import MISSING, Override, define, dispatch_modes
 
@@ -242,10 +243,11 @@ def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     underflows to -inf (the price of one shift per row instead of one per output).
     A NaN in a row of x or a row of w makes that row's (that node's) outputs NaN, as PyTorch's
     expression does (never a plausible -inf); +inf in x is outside the domain and gives NaN
-    too (the expression gives +inf). A negative weight is outside the domain too and is not
-    checked (that would read all of w on every call): its node's output is then meaningless
-    (-inf where the sum is not positive, else a finite value), where the expression, through
-    log(w), gives NaN.
+    too (the expression gives +inf). Negative weights are outside the domain too and are not
+    checked (that would read all of w again on every call); every path computes the formula
+    for them as written: the node's value where its sum is positive (with the accuracy its
+    cancellation leaves), NaN where the sum is negative, -inf where it is exactly 0 -- as
+    log(exp(x - m) @ w.T) + m gives (logsumexp(x + log(w)) would be NaN for any negative weight).
     Differentiable in x and w: dx[b,k] = sum_n g w[n,k] exp(x[b,k] - out[b,n]),
     dw[n,k] = sum_b g exp(x[b,k] - out[b,n]); outputs of -inf contribute nothing, and an
     entry of x that is -inf gets dx = 0; NaN outputs give NaN gradients. On CUDA the
@@ -284,6 +286,8 @@ def _bsl_impl(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_
     N = (row_ptr.shape[0] - 1) * block_size
     mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(N, 1), max(x.shape[1], 1))
     if mod is None:
+        if x.device.type == "cpu":  # block row by block row, as the kernels (reads the pattern's values)
+            return block_sparse_reference(x, blocks, row_ptr, col_idx, block_size)
         return reference(x, dense_from_blocks(blocks, row_ptr, col_idx, block_size, x.shape[1])).contiguous()
     return bsl_forward(mod, x.contiguous(), blocks.contiguous(), row_ptr.contiguous(), col_idx.contiguous(),
                        block_size)
@@ -299,6 +303,8 @@ def _bsl_bwd_impl(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, 
     N = (row_ptr.shape[0] - 1) * block_size
     mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(N, 1), max(x.shape[1], 1))
     grad = grad.to(torch.float32).contiguous()
+    if mod is None and x.device.type == "cpu":
+        return block_sparse_reference_backward(x, blocks, row_ptr, col_idx, block_size, out, grad)
     if mod is None:
         w = dense_from_blocks(blocks, row_ptr, col_idx, block_size, x.shape[1])
         dx, dw = reference_backward(x, w, out, grad)

@@ -2,7 +2,9 @@
 
 out[b, n] = log sum_k w[n, k] * exp(x[b, k]), computed with each x row shifted by its own
 maximum (a -inf maximum, an all -inf row, shifts by 0). An output is -inf when no term
-survives (an all -inf row, a zero weight row, or weights only where x is -inf).
+survives (an all -inf row, a zero weight row, or weights only where x is -inf), NaN where the
+sum is negative (negative weights: log of a negative number, as the kernels and the
+expression log(exp(x - m) @ w.T) + m give) or NaN.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.
     x, w = x.to(compute), w.to(compute)
     m = _shift(x)
     s = torch.exp(x - m) @ w.T
-    dead = s <= 0
+    dead = s == 0  # a negative sum is left to log: NaN
     one = torch.ones((), dtype=compute, device=x.device)
     out = torch.log(torch.where(dead, one, s)) + m
     return torch.where(dead, torch.full((), NEG_INF, dtype=compute, device=x.device), out)
@@ -37,21 +39,64 @@ def reference_backward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad
     does not run inside a custom op's implementation):
       dx[b, k] = sum_n g[b, n] w[n, k] exp(x[b, k] - out[b, n])
       dw[n, k] = sum_b g[b, n] exp(x[b, k] - out[b, n])
-    with terms of an output that is -inf left out. Materialises [B, N, K]: use on small
-    sizes only (the op's CPU path runs it in blocks of rows)."""
+    with terms of an output that is -inf left out, and no term at an entry of x that is -inf
+    (its dx is 0); an output that is NaN makes NaN every term it meets, as in the kernels.
+    Materialises [B, N, K]: use on small sizes only (the op's CPU path runs it in blocks of
+    rows)."""
     xc, wc, oc, gc = x.to(compute), w.to(compute), out.to(compute), grad.to(compute)
     dx = torch.zeros(xc.shape, dtype=compute, device=xc.device)
     dw = torch.zeros(wc.shape, dtype=compute, device=xc.device)
-    live = torch.isfinite(oc)
+    live = oc != NEG_INF
     gc = torch.where(live, gc, torch.zeros((), dtype=compute))
     oc = torch.where(live, oc, torch.zeros((), dtype=compute))
     for b in range(xc.shape[0]):
         e = torch.exp(xc[b][None, :] - oc[b][:, None])  # [N, K]
         # clamped to the largest finite value: a zero weight (or a zero upstream gradient)
         # times an exp that overflowed is 0, not NaN
-        e = torch.where(live[b][:, None], torch.clamp(e, max=torch.finfo(compute).max),
+        e = torch.where(live[b][:, None] & (xc[b] != NEG_INF)[None, :], torch.clamp(e, max=torch.finfo(compute).max),
                         torch.zeros((), dtype=compute))
         ge = gc[b][:, None] * e
         dw += ge
-        dx[b] = (wc * ge).sum(0)
+        dx[b] = torch.where(xc[b] != NEG_INF, (wc * ge).sum(0), torch.zeros((), dtype=compute))  # not NaN x 0
     return dx.to(x.dtype), dw.to(w.dtype)
+
+
+def _block_row(blocks, ptr: list, cols: list, r: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the K indices of block row r's child blocks, its weights [bs, their count x bs])."""
+    lo, hi = ptr[r], ptr[r + 1]
+    idx = torch.cat([torch.arange(c * bs, (c + 1) * bs) for c in cols[lo:hi]])
+    return idx, blocks[lo:hi].permute(1, 0, 2).reshape(bs, -1)
+
+
+def block_sparse_reference(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor,
+                           block_size: int, compute=torch.float32) -> torch.Tensor:
+    """out [B, N] of block-CSR weights (block_sparse_logmatmul's layout), block row by block
+    row as the kernels compute it: each its own terms only, shifted by the largest x of its
+    own child blocks, so a NaN in x reaches only the block rows whose children hold it, and
+    an empty block row is -inf. Reads row_ptr's and col_idx's values: the CPU path."""
+    bs, ptr, cols = block_size, row_ptr.tolist(), col_idx.tolist()
+    out = torch.full((x.shape[0], (len(ptr) - 1) * bs), NEG_INF, dtype=compute)
+    for r in range(len(ptr) - 1):
+        if ptr[r] < ptr[r + 1]:
+            idx, w = _block_row(blocks, ptr, cols, r, bs)
+            out[:, r * bs:(r + 1) * bs] = reference(x[:, idx], w, compute)
+    return out
+
+
+def block_sparse_reference_backward(x, blocks, row_ptr, col_idx, block_size: int, out, grad,
+                                    compute=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dblocks) of block_sparse_reference's out for upstream `grad`: reference_backward
+    per block row, dx summed over the block rows in `compute` precision."""
+    bs, ptr, cols = block_size, row_ptr.tolist(), col_idx.tolist()
+    dx = torch.zeros(x.shape, dtype=compute)
+    db = torch.zeros(blocks.shape, dtype=compute)
+    for r in range(len(ptr) - 1):
+        lo, hi = ptr[r], ptr[r + 1]
+        if lo == hi:
+            continue
+        idx, w = _block_row(blocks, ptr, cols, r, bs)
+        cut = slice(r * bs, (r + 1) * bs)
+        dx_r, dw_r = reference_backward(x[:, idx].to(compute), w.to(compute), out[:, cut], grad[:, cut], compute)
+        dx[:, idx] += dx_r
+        db[lo:hi] = dw_r.reshape(bs, hi - lo, bs).permute(1, 0, 2)
+    return dx.to(x.dtype), db.to(blocks.dtype)
