@@ -67,6 +67,9 @@ def test_non_contiguous_input_out_of_place():
     ("bias device", ValueError, "bias is on meta"),
     ("y device", ValueError, "y is on meta"),
     ("act", ValueError, "unknown act 'tanh'"),
+    ("act list", ValueError, r"unknown act \['relu'\]"),
+    ("act list inplace", ValueError, r"unknown act \['relu'\]"),
+    ("alpha requires grad", TypeError, "alpha is a constant"),
     ("alpha", TypeError, "alpha must be a float"),
     ("scalar x", ValueError, "at least one dimension"),
     ("inplace non-contiguous", ValueError, "contiguous"),
@@ -95,6 +98,10 @@ def test_bad_inputs_raise_before_launch(case, exc, match):
         kw["act"] = "tanh"
     elif case == "alpha":
         kw["alpha"] = "1"
+    elif case.startswith("act list"):
+        kw["act"], kw["inplace"] = ["relu"], case.endswith("inplace")
+    elif case == "alpha requires grad":
+        kw["alpha"] = torch.tensor(0.5, requires_grad=True)
     elif case == "scalar x":
         x, b = torch.tensor(1.0), torch.randn(1)
     elif case == "inplace non-contiguous":
@@ -111,6 +118,22 @@ def test_bad_inputs_raise_before_launch(case, exc, match):
 
 
 # --------------------------------------------------------------------------- autograd, library
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5), (7,), (2, 3, 5)])
+def test_gradients_at_edge_shapes(shape):
+    """Zero columns or rows, 1-D and 3-D x: every gradient has its input's shape; bias's sums
+    dz over all leading dims (1-D x: it is dz itself)."""
+    x = torch.randn(shape, requires_grad=True)
+    b = torch.randn(shape[-1], requires_grad=True)
+    y = torch.randn(shape, requires_grad=True)
+    ops.fused_bias_act(x, b, y, alpha=0.5, act="silu").sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    torch.nn.functional.silu(x64 + 0.5 * y.detach().double() + b.detach().double()).sum().backward()
+    assert x.grad.shape == x.shape and y.grad.shape == y.shape and b.grad.shape == b.shape
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-5, atol=1e-6)  # float32 recomputation
+    torch.testing.assert_close(y.grad, 0.5 * x.grad)
+    torch.testing.assert_close(b.grad, x.grad.reshape(-1, shape[-1]).sum(0) if x.numel() else torch.zeros(shape[-1]))
 
 
 @pytest.mark.parametrize("act", fba.ACTIVATIONS)

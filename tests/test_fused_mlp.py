@@ -518,6 +518,61 @@ def test_from_sequential_not_sequential():
         FusedMLP.from_sequential(nn.Linear(3, 4))
 
 
+class _Doubled(nn.Linear):  # a LoRA-like layer: nn.Linear's parameters, another function
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class _Renamed(nn.Linear):  # nn.Linear's own forward (as nn.MultiheadAttention's out_proj)
+    pass
+
+
+def _hooked():
+    lin = nn.Linear(3, 4)
+    lin.register_forward_hook(lambda m, i, o: 2 * o)
+    return lin
+
+
+def test_from_sequential_refuses_what_it_would_compute_differently():
+    """A conversion never silently computes another function: an nn.Linear subclass with a
+    forward of its own, forward hooks (weight_norm's pre-hook too) and mixed dtypes raise;
+    a subclass that keeps nn.Linear's forward converts."""
+    for seq, match in ((nn.Sequential(nn.Linear(3, 4), nn.ReLU(), _Doubled(4, 2)), "_Doubled"),
+                       (nn.Sequential(_hooked(), nn.ReLU()), "forward hooks"),
+                       (nn.Sequential(nn.utils.weight_norm(nn.Linear(3, 4))), "forward hooks")):
+        with pytest.raises(TypeError, match=match):
+            FusedMLP.from_sequential(seq)
+    inner = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    inner.register_forward_pre_hook(lambda m, i: None)
+    with pytest.raises(TypeError, match="nested Sequential has forward hooks"):
+        FusedMLP.from_sequential(nn.Sequential(inner, nn.Linear(4, 2)))
+    with pytest.raises(ValueError, match="float64"):
+        FusedMLP.from_sequential(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2).double()))
+    seq = nn.Sequential(_Renamed(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(FusedMLP.from_sequential(seq)(x), seq(x))
+
+
+@pytest.mark.parametrize("widths", [4, [4.5, 3], "43", None])
+def test_fused_mlp_module_widths_must_be_ints(widths):
+    with pytest.raises(TypeError, match="sequence of ints"):
+        FusedMLP(widths)
+
+
+def test_registered_op_checks_its_bias_mask():
+    """torch.ops.kgen.fused_mlp's biases are the present ones and a bit per layer: a mask
+    that does not describe them raises, rather than dropping a bias (mask 0 with one given)
+    or failing inside (a set bit with none given)."""
+    x, w, b = torch.randn(3, 4), torch.randn(2, 4), torch.randn(2)
+    for biases, mask in (([b], 0), ([], 1), ([b], 3), ([b, b], 1)):
+        with pytest.raises(ValueError, match="bias_mask"):
+            torch.ops.kgen.fused_mlp(x, [w], biases, mask, "none", "none")
+        with pytest.raises(ValueError, match="bias_mask"):
+            torch.ops.kgen.fused_mlp(x.to("meta"), [w.to("meta")], [t.to("meta") for t in biases], mask, "none",
+                                     "none")
+    torch.testing.assert_close(torch.ops.kgen.fused_mlp(x, [w], [b], 1, "none", "none"), x @ w.T + b)
+
+
 def test_partial_biases_gradients_and_empty_batch():
     w = [torch.randn(4, 3, requires_grad=True), torch.randn(2, 4, requires_grad=True)]
     b = [None, torch.randn(2, requires_grad=True)]

@@ -126,6 +126,20 @@ def test_ops_reference_path_cpu_exact_and_batched():
                               group_size=12), ValueError, "group_size"),
     (lambda: ops.w8a16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), _ints(3, 32, device="cpu"), torch.ones(3),
                               group_size=16), ValueError, "scale_b has shape"),
+    (lambda: ops.w8a16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), _ints(3, 32, device="cpu"),
+                              torch.ones(3, 2), group_size=16.0), TypeError, "group_size must be an int"),
+    (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), _ints(3, 4, device="cpu"), torch.ones(2), torch.ones(3),
+                             torch.ones(3, dtype=torch.float16), torch.float32),
+     TypeError, r"expected torch.float32$"),
+    # the registered ops take 2-D a / x (kgen.ops flattens leading dims), and say so
+    (lambda: torch.ops.kgen.int8_mm(_ints(2, 3, 4, device="cpu"), _ints(5, 4, device="cpu")), ValueError, "2-D a"),
+    (lambda: torch.ops.kgen.int8_linear(_ints(4, device="cpu"), _ints(5, 4, device="cpu"), torch.ones(1),
+                                        torch.ones(5), None, torch.bfloat16), ValueError, "2-D a"),
+    (lambda: torch.ops.kgen.w8a16_linear(torch.zeros(2, 3, 32, dtype=torch.bfloat16), _ints(6, 32, device="cpu"),
+                                         torch.ones(6), None, None), ValueError, "2-D x"),
+    (lambda: torch.ops.kgen.w8a16_linear(torch.zeros(2, 3, 32, dtype=torch.bfloat16, device="meta"),
+                                         _ints(6, 32, device="cpu").to("meta"), torch.ones(6, device="meta"), None,
+                                         None), ValueError, "2-D x"),
 ])
 def test_bad_inputs(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -151,6 +165,37 @@ def test_fake_impls_and_compile_on_cpu():
     got = torch.compile(f, fullgraph=True, backend="aot_eager")(a, b, x)
     for g, w in zip(got, f(a, b, x)):
         assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0), (0,), (4, 0)])
+def test_zero_k_at_any_rank_gives_zeros_plus_bias(shape):
+    """K = 0: an empty sum, so int8_mm gives zeros and the linears their bias, for a / x of
+    any rank (flattening [..., 0] cannot infer its rows from -1)."""
+    a, b = _ints(*shape, device="cpu"), _ints(5, 0, device="cpu")
+    lead = shape[:-1]
+    assert torch.equal(ops.int8_mm(a, b), torch.zeros(*lead, 5, dtype=torch.int32))
+    bias = torch.randn(5)
+    y = ops.int8_linear(a, b, torch.ones(lead).reshape(-1) if lead else torch.ones(1), torch.ones(5), bias,
+                        torch.float32)
+    assert torch.equal(y, bias.expand(*lead, 5))
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    assert torch.equal(ops.w8a16_linear(x, b, torch.ones(5), bias.bfloat16()), bias.bfloat16().expand(*lead, 5))
+
+
+def test_w8a16_group_size_any_integer_and_bias_gradient_in_its_shape():
+    """group_size from numpy (an integer all the same) works as an int; a [1, N] bias, which
+    the forward takes (N values), gets its gradient in its own shape."""
+    import numpy as np
+
+    x = torch.randn(3, 32).to(torch.bfloat16).requires_grad_()
+    b, s = _ints(4, 32, device="cpu"), torch.rand(4, 2) / 127
+    bias = torch.randn(1, 4, requires_grad=True)
+    out = ops.w8a16_linear(x, b, s, bias, group_size=np.int64(16))
+    assert torch.equal(out, ops.w8a16_linear(x, b, s, bias, group_size=16))
+    g = torch.randn(3, 4).to(torch.bfloat16).float()  # (the output is bf16: its gradient arrives in bf16)
+    out.float().backward(g)
+    assert bias.grad.shape == (1, 4)
+    torch.testing.assert_close(bias.grad, g.sum(0, keepdim=True))
 
 
 def test_w8a16_gradient_of_x():

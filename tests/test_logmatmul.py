@@ -352,6 +352,41 @@ def test_block_sparse_nan_propagates(poison, impl):
     torch.testing.assert_close(out[~hit].double(), ref[~hit], rtol=1e-5, atol=3e-5)
 
 
+@pytest.mark.parametrize("impl", ["reference"] + TRITON + TRITON_16)
+def test_plus_inf_in_x_gives_nan_on_every_path(poison, impl):
+    """+inf in x is outside the domain: every output of its row is NaN (x - max is
+    inf - inf), on the CPU path as in the kernels, dense and block-sparse; the other rows are
+    the float64 values."""
+    x, w = numerics.make_inputs(3, 5, 64, torch.float32, CPU, holes=False)
+    x[1, 7] = float("inf")
+    blocks, row_ptr, col_idx = _pattern(1, 2, 1.0, 32, seed=2)  # (one block row: no empty one)
+    dtype = torch.float32 if impl == "reference" else getattr(torch, SPEC.variant(impl).dtype)
+    x = x.to(dtype)
+    with lmm.using(None if impl == "reference" else _mod(impl)):
+        dense = lmm.logmatmul(x, w)
+        sparse = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, 32)
+    wb = lmm.dense_from_blocks(blocks, row_ptr, col_idx, 32, 64)
+    for out, weights in ((dense, w), (sparse, wb)):
+        assert torch.isnan(out[1]).all()
+        fin = torch.tensor([0, 2])
+        want = torch.logsumexp(x[fin].double()[:, None, :] + weights.double().log()[None], -1)
+        torch.testing.assert_close(out[fin].double(), want, rtol=1e-5, atol=3e-5)
+
+
+def test_block_size_takes_integers_only():
+    """block_size: any integer (numpy's, a 0-d integer tensor), never a float truncated."""
+    import numpy as np
+
+    blocks, row_ptr, col_idx = _pattern(2, 2, 1.0, 32, seed=3)
+    x = torch.randn(2, 64)
+    want = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, 32)
+    for bs in (np.int64(32), torch.tensor(32)):
+        assert torch.equal(lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs), want)
+    for bs in (32.0, 32.7, "32"):
+        with pytest.raises(TypeError, match="block_size must be an int"):
+            lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
+
+
 # --------------------------------------------------------------------------- the op
 
 

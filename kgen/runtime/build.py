@@ -222,6 +222,8 @@ def triton_source_entry(variant: Variant) -> cache.Entry:
 
 def load_triton_module(entry: cache.Entry):
     config.pin_triton_defaults()
+    if interpret.active():  # TRITON_INTERPRET=1 set by hand: the interpreter's bf16 fixes too (idempotent)
+        interpret.enable()
     name = f"kgen_generated.{entry.path.parent.name}.{entry.path.name.replace('-', '_')}"
     return sys.modules.get(name) or _import_file(entry.file(TRITON_SOURCE), name)
 

@@ -14,6 +14,8 @@ the golden-numerics comparison.
 - `Override()`: a per-thread "run this instead of dispatch's choice" (`with
   OVERRIDE.using(impl):`), for tests and benchmarks that pin one variant or the reference.
 - `sm_count(device, off_gpu)`: the device's SM count (cached), for launch plans.
+- `once_differentiable(name)`: the decorator every op's backward carries (second
+  derivatives raise an error naming the op).
 - `autocast(*tensors)`: under torch.autocast, the floating-point tensors in the autocast
   dtype, as F.linear's inputs are (for ops with linear layers: bf16 activations with an
   fp32 master weight work, its gradient arrives in float32 through the cast).
@@ -73,8 +75,13 @@ def autocast(*tensors):
     if first is None or not torch.is_autocast_enabled(first.device.type):
         return tensors
     dtype = torch.get_autocast_dtype(first.device.type)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+    # (float64 stays float64, as autocast leaves it: the op then says whether it takes it)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in _AUTOCAST_FROM and t.dtype != dtype else t
                  for t in tensors)
+
+
+# The dtypes torch.autocast casts (its "eligible" floating-point types; never float64).
+_AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Override:
@@ -195,10 +202,12 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
     """Register `kgen::<name>` and return the function a family exposes (see the module
     doc). `backward(ctx, *grads)` and `setup_context(ctx, inputs, output)` follow
     `torch.library.register_autograd`; the eager path runs the same two."""
-    op = torch.library.custom_op(f"kgen::{name}", mutates_args=mutates_args)(impl)
+    schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
+    op = torch.library.custom_op(f"kgen::{name}", _without_autocast(impl), mutates_args=mutates_args, schema=schema)
     op.register_fake(fake)
     eager_grad = None
     if backward is not None:
+        backward = once_differentiable(name)(backward)
         op.register_autograd(backward, setup_context=setup_context)
 
         class _Eager(torch.autograd.Function):
@@ -220,8 +229,10 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
         eager_grad = _Eager.apply
 
     def eager(args):
-        if eager_grad is not None and _needs_grad(args):
-            return eager_grad(*args)
+        if _needs_grad(args):
+            # (no backward: the registered op, whose output's backward raises PyTorch's "no
+            # autograd formula" error, as a call of torch.ops.kgen.<name> does)
+            return eager_grad(*args) if eager_grad is not None else op(*args)
         return impl(*args)
 
     def call(*args):
@@ -236,6 +247,75 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
     call.__name__ = call.__qualname__ = name
     call.__doc__ = impl.__doc__
     return call
+
+
+def _without_autocast(impl: Callable) -> Callable:
+    """`impl` as the registered op runs it: with torch.autocast off inside, so that a call of
+    torch.ops.kgen.<name> under autocast computes as the Python function's does (which turns
+    it off around the op: `define`), not with autocast's casts inside its reference math.
+    (`define` reads the schema from `impl` itself.)"""
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        if _any_autocast():
+            with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                return impl(*args, **kwargs)
+        return impl(*args, **kwargs)
+
+    return run
+
+
+def once_differentiable(name: str) -> Callable[[Callable], Callable]:
+    """Decorates an op's backward(ctx, *grads) (kgen::`name`'s) as once differentiable, as
+    `define` does for every op's autograd and the fast paths' autograd.Functions do for
+    theirs. Normally backward runs without grad mode and this costs one C call. Where a
+    second derivative is asked for (create_graph=True), backward runs without grad mode
+    all the same, and each floating-point gradient it returns (in lists too) is an alias
+    whose own backward raises an error naming the op: differentiating a gradient again fails
+    loudly, rather than silently missing every term that goes through the kernels (their
+    outputs carry no graph, so a gradient made partly by torch GEMMs on kernel outputs would
+    have some terms and not others, and one made only by kernels none). Unlike
+    torch.autograd.function.once_differentiable, whatever the upstream gradients: a
+    gradient penalty on x.grad, whose upstream gradient is a constant, raises too. Under
+    tracing (fake or functional tensors) backward runs as it is."""
+    message = (f"kgen::{name} has no second derivative: trying to differentiate twice a function that was "
+               "marked with @once_differentiable").encode()
+
+    def decorate(backward: Callable) -> Callable:
+        @functools.wraps(backward)
+        def run(ctx, *grads):
+            if not _grad_enabled() or not _plain(grads):
+                return backward(ctx, *grads)
+            with torch.no_grad():
+                out = backward(ctx, *grads)
+            return _mark_twice(ctx, out, message)
+
+        return run
+
+    return decorate
+
+
+def _mark_twice(ctx, out, message: bytes):
+    flat = [t for item in (out if isinstance(out, tuple) else (out,))
+            for t in (item if isinstance(item, (list, tuple)) else (item,))
+            if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not flat:
+        return out
+    # (the saved inputs that need a gradient go through the error node too, so that
+    # torch.autograd.grad(f(x.grad), weight) meets it rather than finding weight unused)
+    aliases = [t.detach().requires_grad_() for t in flat] + [
+        t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+    marked = torch._C._functions.DelayedError(message, len(aliases))(*aliases)
+    swap = dict(zip(map(id, flat), marked if isinstance(marked, tuple) else (marked,)))
+
+    def sub(item):
+        if isinstance(item, (list, tuple)):
+            return type(item)(swap.get(id(t), t) for t in item)
+        return swap.get(id(item), item)
+
+    return tuple(sub(item) for item in out) if isinstance(out, tuple) else sub(out)
+
+
+_grad_enabled = torch.is_grad_enabled
 
 
 def error_ratio(out: torch.Tensor, ref: torch.Tensor, tol) -> float:

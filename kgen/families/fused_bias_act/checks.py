@@ -32,7 +32,7 @@ def _explain(x, bias, y, alpha, act, inplace: bool) -> None:
         raise TypeError(f"fused_bias_act: x has dtype {x.dtype}; supported: float32, bfloat16, float16")
     if bias.dtype != x.dtype:
         raise TypeError(f"fused_bias_act: bias dtype {bias.dtype} differs from x dtype {x.dtype}")
-    if act not in ACT_CODE:
+    if not isinstance(act, str) or act not in ACT_CODE:
         raise ValueError(f"fused_bias_act: unknown act {act!r}; expected one of {', '.join(ACTIVATIONS)}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise TypeError(f"fused_bias_act: alpha must be a float, got {type(alpha).__name__}")

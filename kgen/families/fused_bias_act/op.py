@@ -3,6 +3,7 @@ ops with autograd and the public function."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -197,7 +198,7 @@ def _backward(ctx, grad):
     z = _preact(x, bias, y, ctx.alpha, torch.float32)
     dz = grad.to(torch.float32) * _dact(z, ctx.act)
     grad_x = dz.to(x.dtype) if ctx.needs_input_grad[0] else None
-    grad_bias = dz.reshape(-1, x.shape[-1]).sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
+    grad_bias = dz.reshape(math.prod(x.shape[:-1]), x.shape[-1]).sum(0).to(bias.dtype) if ctx.needs_input_grad[1] else None
     grad_y = (ctx.alpha * dz).to(y.dtype) if y is not None and ctx.needs_input_grad[2] else None
     return grad_x, grad_bias, grad_y, None, None
 
@@ -208,10 +209,15 @@ _op_inplace = define("fused_bias_act_", _op_inplace_impl, fake=_op_inplace_fake,
 
 
 def _as_float(alpha) -> float:
-    """Any real scalar (int, numpy float, 0-d CPU tensor) as a Python float; not bool or str."""
+    """Any real scalar (int, numpy float, 0-d CPU tensor) as a Python float; not bool or str,
+    nor a tensor that requires a gradient (alpha is a constant of the op: its gradient would
+    be dropped)."""
     import numbers
 
     if isinstance(alpha, torch.Tensor) and alpha.dim() == 0 and not alpha.is_cuda:
+        if alpha.requires_grad:
+            raise TypeError("fused_bias_act: alpha is a constant, not differentiable; it requires a gradient "
+                            "(pass float(alpha), or compute act(x + alpha * y + bias) with torch ops)")
         alpha = alpha.item()
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
         raise TypeError(f"fused_bias_act: alpha must be a float, got {type(alpha).__name__}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import nn
 
@@ -22,7 +24,10 @@ class FusedMLP(nn.Module):
     def __init__(self, widths, activation: str = "relu", last_activation: str = "none", *, bias: bool = True,
                  dtype=None, device=None):
         super().__init__()
-        widths = tuple(int(w) for w in widths)
+        try:
+            widths = tuple(operator.index(w) for w in widths)
+        except TypeError:
+            raise TypeError(f"FusedMLP: widths must be a sequence of ints (w0, w1, ..., wL), got {widths!r}") from None
         if not 2 <= len(widths) <= MAX_LAYERS + 1:
             raise ValueError(f"FusedMLP: {len(widths)} widths make {len(widths) - 1} layers; 1 to {MAX_LAYERS} "
                              "are supported")
@@ -54,13 +59,20 @@ class FusedMLP(nn.Module):
         """The same network from an nn.Sequential of nn.Linear layers, each followed by at
         most one of nn.ReLU, nn.Sigmoid, nn.GELU(approximate="tanh"), nn.SiLU (nn.Identity
         and nested nn.Sequential are skipped through); every hidden layer's activation must
-        be the same. The parameters are copied (dtype and device kept). Anything else is a
-        TypeError or ValueError naming the module."""
+        be the same. The parameters are copied (dtype and device kept: every layer's must be
+        the same). Anything else is a TypeError or ValueError naming the module: a subclass
+        of nn.Linear that computes something else (its own forward: LoRA, fake quantisation),
+        and any module with forward hooks (they would not run), included."""
         if not isinstance(seq, nn.Sequential):
             raise TypeError(f"FusedMLP.from_sequential: expected an nn.Sequential, got {type(seq).__name__}")
+        _no_hooks(seq, "the Sequential")
         mods = list(_flatten(seq))
         linears, acts = [], []
         for i, m in enumerate(mods):
+            _no_hooks(m, f"module {i} ({type(m).__name__})")
+            if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward:
+                raise TypeError(f"FusedMLP.from_sequential: module {i} is {type(m).__name__}, an nn.Linear with a "
+                                "forward of its own; fused_mlp computes nn.Linear's")
             if isinstance(m, nn.Linear):
                 linears.append(m)
                 acts.append("none")
@@ -90,6 +102,11 @@ class FusedMLP(nn.Module):
                 raise ValueError(f"FusedMLP.from_sequential: nn.Linear({a.in_features}, {a.out_features}) feeds "
                                  f"nn.Linear({b.in_features}, {b.out_features})")
         w = linears[0].weight
+        for i, lin in enumerate(linears):
+            for p in (lin.weight, lin.bias):
+                if p is not None and (p.dtype != w.dtype or p.device != w.device):
+                    raise ValueError(f"FusedMLP.from_sequential: nn.Linear {i} holds {p.dtype} on {p.device}, "
+                                     f"the first {w.dtype} on {w.device}; fused_mlp takes one dtype and device")
         widths = [linears[0].in_features] + [lin.out_features for lin in linears]
         out = cls(widths, hidden.pop() if hidden else "none", acts[-1], bias=bias.pop(), dtype=w.dtype,
                   device=w.device)
@@ -117,11 +134,22 @@ class FusedMLP(nn.Module):
         return nn.Sequential(*layers)
 
 
+def _no_hooks(m: nn.Module, what: str) -> None:
+    """TypeError where `m` has forward (pre-)hooks of its own (torch.nn.utils.weight_norm's
+    too): the FusedMLP made from it would not run them."""
+    if m._forward_hooks or m._forward_pre_hooks:
+        raise TypeError(f"FusedMLP.from_sequential: {what} has forward hooks, which a FusedMLP would not run; "
+                        "remove them first (torch.nn.utils.parametrize keeps a computed weight without hooks)")
+
+
 def _flatten(seq):
     for m in seq:
         if isinstance(m, nn.Sequential):
+            _no_hooks(m, "a nested Sequential")
             yield from _flatten(m)
-        elif not isinstance(m, nn.Identity):
+        elif isinstance(m, nn.Identity):
+            _no_hooks(m, "an nn.Identity")
+        else:
             yield m
 
 

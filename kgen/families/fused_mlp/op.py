@@ -76,6 +76,11 @@ _CUDA: dict = {}  # (CUDA variant name, device index) -> its CudaMLP (an exact v
 
 
 def _per_layer(biases, bias_mask: int, L: int) -> list:
+    """One entry per layer (the present biases in order, None where bit i of bias_mask is
+    clear); ValueError where the mask does not describe `biases` (the torch.ops form)."""
+    if not 0 <= bias_mask < 1 << L or bin(bias_mask).count("1") != len(biases):
+        raise ValueError(f"fused_mlp: bias_mask {bias_mask:#b} does not match {len(biases)} biases for {L} layers "
+                         "(bit i set: layer i has the next bias)")
     it = iter(biases)
     return [next(it) if (bias_mask >> i) & 1 else None for i in range(L)]
 

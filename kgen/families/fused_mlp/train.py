@@ -23,6 +23,7 @@ import torch
 from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.reference import backward_lean, eager
 from kgen.families.fused_mlp.tuning import backward_choice, fused_option
+from kgen.runtime.op import once_differentiable
 from kgen.runtime.triton_launch import current_device
 
 
@@ -101,6 +102,7 @@ class Step(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable("fused_mlp")
     def backward(ctx, grad):
         entry = ctx.entry
         L = entry.L

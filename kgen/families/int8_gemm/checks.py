@@ -5,6 +5,8 @@ contiguous, and the launcher routes what the CUDA kernels cannot take to Triton.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from kgen.families.int8_gemm.reference import MAX_K
@@ -44,11 +46,32 @@ def _operands(op: str, aname: str, a, b) -> tuple[int, int, int]:
 def _vector(op: str, name: str, t, n: int, what: str, dtypes, device) -> None:
     _tensor(op, name, t)
     if t.dtype not in dtypes:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected {' or '.join(map(str, dtypes))}")
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected {' or '.join(map(str, dict.fromkeys(dtypes)))}")
     if t.numel() != n:
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}; expected {n} values ({what})")
     if t.device != device:
         raise ValueError(f"{op}: {name} is on {t.device}, the operands on {device}")
+
+
+def two_d(op: str, name: str, a) -> None:
+    """The registered ops (torch.ops.kgen.<op>) take a 2-D `name`; kgen.ops.<op> flattens
+    leading dims before calling them."""
+    if isinstance(a, torch.Tensor) and a.dim() != 2:
+        raise ValueError(f"torch.ops.kgen.{op}: {name} has shape {tuple(a.shape)}; the registered op takes a "
+                         f"2-D {name} [M, K] (kgen.ops.{op} takes [..., K])")
+
+
+def group_size_arg(group_size):
+    """w8a16_linear's group_size as a Python int (any integer type: numpy's too), or None;
+    TypeError for anything else (bool, float, str)."""
+    if group_size is None or type(group_size) is int:
+        return group_size
+    if not isinstance(group_size, bool):
+        try:
+            return operator.index(group_size)
+        except TypeError:
+            pass
+    raise TypeError(f"w8a16_linear: group_size must be an int or None, got {type(group_size).__name__}")
 
 
 def check_int8_mm(a, b) -> tuple[int, int, int]:

@@ -4,6 +4,7 @@ public functions, and the golden numerics `kgen verify` runs."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -206,6 +207,7 @@ def tune_runner(kernel, inputs: dict):
 
 
 def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    checks.two_d("int8_mm", "a", a)
     M, N, K = checks.check_int8_mm(a, b)
     a, b = a.contiguous(), b.contiguous()
     impl = _impl(a.device, torch.int8, M, N, K, False) if M and N and K else None
@@ -217,12 +219,14 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _mm_fake(a, b):
+    checks.two_d("int8_mm", "a", a)
     M, N, _ = checks.check_int8_mm(a, b)
     return a.new_empty((M, N), dtype=torch.int32)
 
 
 def _linear_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                  bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    checks.two_d("int8_linear", "a", a)
     M, N, K = checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
     a, b = a.contiguous(), b.contiguous()
     scale_a, scale_b = scale_a.reshape(-1).contiguous(), scale_b.reshape(-1).contiguous()
@@ -237,12 +241,14 @@ def _linear_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 
 def _linear_fake(a, b, scale_a, scale_b, bias, out_dtype):
+    checks.two_d("int8_linear", "a", a)
     M, N, _ = checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
     return a.new_empty((M, N), dtype=out_dtype)
 
 
 def _w8a16_impl(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
                 group_size: Optional[int]) -> torch.Tensor:
+    checks.two_d("w8a16_linear", "x", x)
     M, N, K = checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
     x, b = x.contiguous(), b.contiguous()
     scale_b = scale_b.contiguous() if group_size else scale_b.reshape(-1).contiguous()
@@ -259,6 +265,7 @@ def _w8a16_impl(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: O
 
 
 def _w8a16_fake(x, b, scale_b, bias, group_size):
+    checks.two_d("w8a16_linear", "x", x)
     M, N, _ = checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
     return x.new_empty((M, N))
 
@@ -267,7 +274,7 @@ def _w8a16_setup(ctx, inputs, output):
     x, b, scale_b, bias, group_size = inputs
     ctx.save_for_backward(b, scale_b)
     ctx.group_size, ctx.x_dtype, ctx.has_bias = group_size, x.dtype, bias is not None
-    ctx.bias_dtype = bias.dtype if bias is not None else None
+    ctx.bias_dtype, ctx.bias_shape = (bias.dtype, bias.shape) if bias is not None else (None, None)
 
 
 def _w8a16_backward(ctx, grad):
@@ -279,7 +286,7 @@ def _w8a16_backward(ctx, grad):
         w = reference.dequantized(b, scale_b, ctx.group_size, torch.float32)
         gx = (grad.float() @ w).to(ctx.x_dtype)
     if ctx.has_bias and ctx.needs_input_grad[3]:
-        gbias = grad.float().sum(0).to(ctx.bias_dtype)
+        gbias = grad.float().sum(0).to(ctx.bias_dtype).reshape(ctx.bias_shape)  # (a [1, N] bias: its shape)
     return gx, None, None, gbias, None
 
 
@@ -290,7 +297,7 @@ _w8a16_op = define("w8a16_linear", _w8a16_impl, fake=_w8a16_fake, backward=_w8a1
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() != 2 else t  # (not -1: K may be 0)
 
 
 def _flat_shape(t: torch.Tensor, dims: int = 2) -> torch.Size:
@@ -372,6 +379,8 @@ def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: 
     of 16 dividing K) is given; float32 or 16-bit. Differentiable for x and bias. Also
     torch.ops.kgen.w8a16_linear (2-D x). Under torch.autocast, x and bias are cast to its
     dtype, as F.linear's are."""
+    if group_size is not None and type(group_size) is not int:
+        group_size = checks.group_size_arg(group_size)
     if (_plain(x, b, scale_b, bias) and scale_b is not None and x.dim() >= 1 and not _any_autocast()
             and not ((x.requires_grad or (bias is not None and bias.requires_grad)) and _grad_enabled())):
         key = (MODE_W8A16, _flat_shape(x), x.dtype, b.shape, b.dtype, x.device,

@@ -19,6 +19,7 @@ import torch
 from kgen.families.linear_logp import backward_launch, kept, launch
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.plans import _cdiv
+from kgen.runtime.op import once_differentiable
 
 
 # The fast path's CUDA forward keeps the partials in the allocation of lse2 and ez2 when a
@@ -146,6 +147,7 @@ class Step(torch.autograd.Function):
         return (logp, entropy) if entry.with_entropy else logp
 
     @staticmethod
+    @once_differentiable("linear_logp")
     def backward(ctx, grad_logp, grad_entropy=None):
         entry = ctx.entry
         hidden, weight, target, bias, *saved = ctx.saved_tensors

@@ -4,6 +4,7 @@ torch.library ops with fake impls and autograd, the public functions, golden num
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 
@@ -240,7 +241,9 @@ def logmatmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     weights (float32 or x's dtype). Each row of x is shifted by its maximum (per K slice,
     merged exactly), so nothing overflows; an all -inf row or a zero weight row gives -inf,
     never NaN. A node whose weighted inputs all lie more than ~87 below its row's maximum
-    underflows to -inf (the price of one shift per row instead of one per output).
+    is summed from float32 subnormals, with fewer significant bits the further below (its
+    output ~1e-5 off at ~95, ~2e-2 at ~100), and underflows to -inf beyond ~104 (the price
+    of one shift per row instead of one per output).
     A NaN in a row of x or a row of w makes that row's (that node's) outputs NaN, as PyTorch's
     expression does (never a plausible -inf); +inf in x is outside the domain and gives NaN
     too (the expression gives +inf). Negative weights are outside the domain too and are not
@@ -345,7 +348,9 @@ def block_sparse_logmatmul(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch
     (child block indices in [0, K/bs), no repeats within a block row). The index values are
     not checked (that would wait on the device); the kernels read only blocks row_ptr
     names. Differentiable in x and blocks. Also torch.ops.kgen.block_sparse_logmatmul."""
-    return _bsl_op(x, blocks, row_ptr, col_idx, int(block_size))
+    if type(block_size) is not int and not isinstance(block_size, bool) and hasattr(block_size, "__index__"):
+        block_size = operator.index(block_size)  # (numpy's or a 0-d integer tensor; never a float's truncation)
+    return _bsl_op(x, blocks, row_ptr, col_idx, block_size)
 
 
 OPS = {"logmatmul": logmatmul, "block_sparse_logmatmul": block_sparse_logmatmul}

@@ -15,9 +15,10 @@ NEG_INF = float("-inf")
 
 
 def _shift(x: torch.Tensor) -> torch.Tensor:
-    """Each row's maximum, 0 where it is -inf (then every exp is 0 and no NaN appears)."""
+    """Each row's maximum, 0 where it is -inf (then every exp is 0 and no NaN appears). A
+    +inf or NaN maximum stays: the row's outputs are NaN, as the kernels give them."""
     m = x.amax(dim=-1, keepdim=True) if x.shape[-1] else x.new_zeros(x.shape[:-1] + (1,))
-    return torch.where(torch.isfinite(m), m, torch.zeros((), dtype=x.dtype, device=x.device)).detach()
+    return torch.where(m == NEG_INF, torch.zeros((), dtype=x.dtype, device=x.device), m).detach()
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.Tensor:
