@@ -35,7 +35,7 @@ def _load(path: str):
 def _select(spec, names: list[str] | None):
     if not names:
         return list(spec.variants)
-    return [spec.variant(n) for n in names]
+    return [spec.variant(n) for n in dict.fromkeys(names)]  # (a name given twice: once)
 
 
 # --------------------------------------------------------------------------- render helpers
@@ -52,6 +52,10 @@ def _render_all(specs) -> dict[str, str]:
     return files
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _write_if_different(path: Path, text: str) -> bool:
     if path.exists() and path.read_text(encoding="utf-8") == text:
         return False
@@ -62,13 +66,22 @@ def _write_if_different(path: Path, text: str) -> bool:
     return True
 
 
-def _write_generated(spec, out: Path) -> int:
-    """Render a spec into out/<family>/, removing files of variants the spec no longer has."""
+def _write_generated(spec, spec_file: str, out: Path) -> int:
+    """Render a spec into out/<family>/. Where it is one of the family's shipped specs, the
+    folder is theirs: files of variants none of them has any more are removed. A spec of
+    yours only adds its files (the shipped variants' stay)."""
+    from kgen.families import shipped_spec_paths
+
     files = _render_all([spec])
     changed = sum(_write_if_different(out / name, text) for name, text in files.items())
-    fam_dir = out / spec.family
-    for stale in fam_dir.glob("*"):
-        if stale.is_file() and f"{spec.family}/{stale.name}" not in files:
+    shipped = [p.resolve() for p in shipped_spec_paths(spec.family)]
+    if Path(spec_file).resolve() not in shipped:
+        return changed
+    from kgen import spec as spec_mod
+
+    owned = set(files) if len(shipped) == 1 else set(_render_all([spec_mod.load(p) for p in shipped]))
+    for stale in (out / spec.family).glob("*"):
+        if stale.is_file() and f"{spec.family}/{stale.name}" not in owned:
             stale.unlink()
             changed += 1
     return changed
@@ -88,9 +101,9 @@ def cmd_build(args) -> int:
     if args.arch:
         variants = [v for v in variants if v.backend == "triton" or v.arch == args.arch]
     out = Path(args.out)
-    changed = _write_generated(spec, out)
+    changed = _write_generated(spec, args.spec, out)
     console = _console()
-    print(f"rendered {len(spec.variants)} variants of {spec.path} into {out}/{spec.family}/ "
+    print(f"rendered {_count(len(spec.variants), 'variant')} of {spec.path} into {out}/{spec.family}/ "
           f"({changed} files changed)", flush=True)
     if args.no_compile:
         return 0
@@ -154,6 +167,9 @@ def cmd_list(args) -> int:
     from kgen.runtime import dispatch
 
     status = 0
+    for path, err in dispatch.broken_user_specs():  # skipped by dispatch: said here, with exit 1
+        print(f"kgen list: user spec {path} skipped: {err}", file=sys.stderr)
+        status = 1
     for family in FAMILY_NAMES():
         try:
             variants = dispatch.family_variants(family)
@@ -179,13 +195,20 @@ def cmd_diff(args) -> int:
         sys.stdout.writelines(difflib.unified_diff(a.text.splitlines(True), b.text.splitlines(True),
                                                    a.filename, b.filename))
         return 0
-    specs = [_load(p) for p in (args.specs or [str(p) for p in shipped_specs()])]
+    from kgen.families import shipped_spec_paths
+
+    paths = args.specs or [str(p) for p in shipped_specs()]
+    specs = [_load(p) for p in paths]
     fresh = _render_all(specs)
     out = Path(args.out)
+    given = {Path(p).resolve() for p in paths}
     on_disk = {}
     for s in specs:
+        # a family's whole folder where all its shipped specs are diffed (a file none renders
+        # is stale); a spec of yours: only the files it renders
+        whole = all(p.resolve() in given for p in shipped_spec_paths(s.family))
         for f in (out / s.family).glob("*"):
-            if f.is_file():
+            if f.is_file() and (whole or f"{s.family}/{f.name}" in fresh):
                 on_disk[f"{s.family}/{f.name}"] = f.read_text(encoding="utf-8")
     differ = False
     for name in sorted(set(fresh) | set(on_disk)):
@@ -223,7 +246,8 @@ def cmd_cache(args) -> int:
         i = cache.info()
         print(f"{i['path']}: {i['entries']} entries, {i['bytes'] / 2**20:.1f} MiB")
     else:
-        print(f"removed {cache.clear()} entries from {cache.info()['path']}")
+        print(f"removed {cache.clear()} build entries from {cache.info()['path']} (your tuning table, "
+              f"{' '.join(cache.KEPT)}, is kept: `kgen tune --show` prints it)")
     return 0
 
 
@@ -250,10 +274,12 @@ def cmd_tune(args) -> int:
 
 def _add_tune(sub) -> None:
     from kgen.runtime.timing import MIN_MEASURE_US
+    from kgen.spec import DTYPES
 
     t = sub.add_parser("tune", help="measure which variant wins per shape bucket on this GPU and record it")
     t.add_argument("spec", nargs="?")
-    t.add_argument("--dtype", nargs="+", help="only these dtypes (default: the spec's)")
+    t.add_argument("--dtype", nargs="+", choices=tuple(DTYPES), metavar="DTYPE",
+                   help=f"only these dtypes ({', '.join(DTYPES)}; default: the spec's)")
     t.add_argument("--shapes", nargs="+", metavar="SHAPE",
                    help="e.g. 8192x11008 (the family's dimensions in order) or rows=8192,cols=11008 "
                         "(default: the family's shape list)")
@@ -261,7 +287,7 @@ def _add_tune(sub) -> None:
     t.add_argument("--out", help="record into this table file instead of the user's (shipped tables)")
     t.add_argument("--min-us", type=float, default=MIN_MEASURE_US, help="GPU time per candidate (default %(default)s)")
     t.add_argument("--tf32", choices=("on", "off", "both"),
-                   help="float32 buckets that depend on TF32 (fused_mlp's): tune them with it on, off or both "
+                   help="float32 buckets that depend on TF32 (fused_mlp's, linear_logp's): tune them with it on, off or both "
                         "(default: torch's current setting)")
     t.add_argument("--replace", action="store_true",
                    help="drop what the table holds for the buckets tuned (by default a bucket keeps its other "
@@ -296,8 +322,10 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="render a spec into generated/ and compile its variants")
     b.add_argument("spec")
-    b.add_argument("--arch", help="only CUDA variants for this arch; also the Triton target (default: "
-                                  "this GPU, else sm_90)")
+    from kgen.spec import ARCHS
+
+    b.add_argument("--arch", choices=ARCHS, help="only CUDA variants for this arch; also the Triton target "
+                                                 "(default: this GPU, else sm_90)")
     b.add_argument("--no-compile", action="store_true", help="render only")
     b.add_argument("--out", default="generated", help="where rendered sources go (default: generated)")
     b.add_argument("--variants", nargs="+", metavar="NAME", help="only these variants")
@@ -347,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     except (KgenError, KeyError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"kgen: {msg}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `kgen list | head`: the reader left; no traceback (Python's docs' recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:  # a path that cannot be made or written (--out, --dir, KGEN_CACHE_DIR)
+        print(f"kgen: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         return 1
 
 

@@ -40,7 +40,13 @@ def extra_nvcc_flags() -> list[str]:
 
 def build_jobs() -> int:
     env = os.environ.get("KGEN_JOBS")
-    return int(env) if env else max(1, os.cpu_count() or 1)
+    if not env:
+        return max(1, os.cpu_count() or 1)
+    if not env.isdigit() or int(env) < 1:
+        from kgen.errors import KgenError
+
+        raise KgenError(f"KGEN_JOBS={env} must be a positive integer (how many nvcc run at once)")
+    return int(env)
 
 
 def pin_triton_defaults() -> None:

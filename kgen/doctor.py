@@ -175,6 +175,10 @@ def doctor(specs, require: list[str], console) -> int:
     problems = [f"--require {r}: missing {REQUIREMENTS[r]}" for r in require if not have[r]]
     if not cache_ok:
         problems.append(f"the cache dir {config.cache_dir()} is not writable: nothing can be built")
+    from kgen.runtime import dispatch
+
+    problems += [f"user spec {path} is skipped: {err}" for path, err in dispatch.broken_user_specs()]
+    problems += dispatch.env_problems()
     for p in problems:
         console.print(f"[bold red]problem:[/] {escape(p)}")
     if not problems:

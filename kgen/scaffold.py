@@ -42,6 +42,10 @@ def check_name(name: str) -> None:
 
     if name in FAMILY_NAMES():
         raise KgenError(f"new-family: family {name!r} already exists ({origin(name)}); pick another name")
+    from kgen import ops
+
+    if name in dir(ops):  # the scaffold's op takes the family's name: torch.ops.kgen.<name> is one op
+        raise KgenError(f"new-family: {name!r} is already an op (kgen.ops.{name}); pick another name")
     # kgen's template folders come first in the search path: NAME/cuda.cu.j2 must be the family's
     if (Path(__file__).resolve().parent / "templates" / name).exists():
         raise KgenError(f"new-family: {name!r} is the name of one of kgen's template folders; pick another name")

@@ -216,7 +216,12 @@ def _parse_yaml(text: str, path: str) -> Any:
         raise SpecError(path, mark.line + 1 if mark else None, "<yaml>", what) from None
     if node is None:
         raise SpecError(path, 1, "<file>", "the spec is empty")
-    return _construct(node, path)
+    try:
+        return _construct(node, path)
+    except yaml.YAMLError as e:  # a tag the loader does not construct (a merge key <<, a custom !tag)
+        mark = getattr(e, "problem_mark", None)
+        raise SpecError(path, mark.line + 1 if mark else None, "<yaml>",
+                        getattr(e, "problem", None) or str(e)) from None
 
 
 # --------------------------------------------------------------------------- loading
@@ -242,6 +247,8 @@ def load(path: str | Path) -> Spec:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise SpecError(shown, None, "<file>", f"cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(shown, None, "<file>", f"not UTF-8 text (byte {e.start}: {e.reason})") from None
     return parse(text, shown)
 
 

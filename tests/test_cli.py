@@ -1,4 +1,4 @@
-"""The CLI's verify and cache commands, as a user runs them."""
+"""The CLI as a user runs it: verify, cache, build and diff of a user spec, errors."""
 
 import os
 import subprocess
@@ -45,6 +45,73 @@ def test_cache_info_and_clear(tmp_path):
                    env={**os.environ, "PYTHONPATH": str(ROOT), **env})
     r = _kgen("cache", "info", env=env)
     assert r.returncode == 0 and "1 entries" in r.stdout and str(tmp_path / "c") in r.stdout
+    (tmp_path / "c" / "tuning.json").write_text("{}")  # the user's tuning table
+    (tmp_path / "c" / "notes.txt").write_text("not kgen's")  # KGEN_CACHE_DIR may be a shared folder
     r = _kgen("cache", "clear", env=env)
-    assert r.returncode == 0 and "removed 1 entries" in r.stdout
+    assert r.returncode == 0 and "removed 1 build entries" in r.stdout and "tuning.json" in r.stdout
     assert "0 entries" in _kgen("cache", "info", env=env).stdout
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["notes.txt", "tuning.json"]
+
+
+USER_SPEC = """family: fused_bias_act
+variants:
+  - {backend: triton, block_cols: 256, rows: 1, num_warps: 2, dtypes: [float32]}
+"""
+
+
+def test_building_a_user_spec_keeps_the_family_folder(tmp_path):
+    """`kgen build mine.yaml` adds its files to generated/<family>/ and `kgen diff mine.yaml
+    --check` compares only them; the shipped spec's build still removes a stale file."""
+    out = tmp_path / "generated"
+    assert _kgen("build", "kgen/specs/fused_bias_act.yaml", "--no-compile", "--out", str(out)).returncode == 0
+    shipped = sorted(p.name for p in (out / "fused_bias_act").iterdir())
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(USER_SPEC)
+    r = _kgen("build", str(mine), "--no-compile", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    now = sorted(p.name for p in (out / "fused_bias_act").iterdir())
+    assert set(now) == set(shipped) | {"triton_c256_r1_w2_f32.py"}
+    assert _kgen("diff", str(mine), "--check", "--out", str(out)).returncode == 0
+    (out / "fused_bias_act" / "stale.py").write_text("")
+    assert _kgen("diff", "kgen/specs/fused_bias_act.yaml", "--check", "--out", str(out)).returncode == 1
+    assert _kgen("build", "kgen/specs/fused_bias_act.yaml", "--no-compile", "--out", str(out)).returncode == 0
+    assert not (out / "fused_bias_act" / "stale.py").exists()
+
+
+def test_bad_paths_and_values_are_one_line_errors(tmp_path):
+    """No traceback for a path that cannot be written, an unknown --arch, a bad KGEN_JOBS, a
+    YAML tag the loader does not take, a file that is not UTF-8."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(USER_SPEC)
+    (tmp_path / "afile").write_text("")
+    merge = tmp_path / "merge.yaml"
+    merge.write_text("family: fused_bias_act\nvariants:\n  - <<: {backend: triton}\n")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe garbage")
+    for args, env, want in (
+            (("build", str(mine), "--no-compile", "--out", str(tmp_path / "afile")), {}, "Not a directory"),
+            (("build", str(mine), "--arch", "sm_12"), {}, "invalid choice"),
+            (("list", str(merge)), {}, "merge.yaml:3: <yaml>"),
+            (("list", str(binary)), {}, "not UTF-8"),
+    ):
+        r = _kgen(*args, env=env)
+        assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_kgen_jobs_must_be_a_positive_integer(monkeypatch):
+    import pytest
+
+    from kgen import config
+    from kgen.errors import KgenError
+
+    for bad in ("abc", "0", "-2", "1.5"):
+        monkeypatch.setenv("KGEN_JOBS", bad)
+        with pytest.raises(KgenError, match=f"KGEN_JOBS={bad}"):
+            config.build_jobs()
+    monkeypatch.setenv("KGEN_JOBS", "3")
+    assert config.build_jobs() == 3
+
+
+def test_python_dash_m_kgen():
+    r = subprocess.run([sys.executable, "-m", "kgen", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "new-family" in r.stdout

@@ -117,6 +117,75 @@ def test_kgen_log_dispatch_names_the_choice_its_file_and_why(clean, monkeypatch,
     assert MINE in err[0] and "mine.yaml:4" in err[0] and "forced" in err[0]
 
 
+def test_a_broken_user_spec_is_skipped_named_and_breaks_nothing_else(clean, monkeypatch, caplog):
+    """A malformed spec, or one of a family that is not installed, among good ones on
+    KGEN_SPEC_PATH: dispatch skips it with one warning naming it; the good spec's variants
+    and every other family work; `kgen list` and `kgen doctor` name it and exit 1."""
+    (clean / "a_mine.yaml").write_text(MY_FBA)
+    (clean / "b_broken.yaml").write_text(MY_FBA.replace("block_cols: 4096", "block_cols: -256"))
+    (clean / "c_nofamily.yaml").write_text("family: no_such_family\nvariants: [{backend: triton}]\n")
+    monkeypatch.setenv("KGEN_SPEC_PATH", str(clean))
+    dispatch._warned_broken.clear()
+    with caplog.at_level("WARNING", logger="kgen"):
+        assert MINE in [v.name for v in dispatch.family_variants("fused_bias_act")]
+        assert dispatch.family_variants("linear_logp")
+        dispatch.family_variants("logmatmul")
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 2 and "b_broken.yaml" in said[0] and "c_nofamily.yaml" in said[1]
+    env = {**os.environ, "KGEN_SPEC_PATH": str(clean)}
+    for cmd in (["list"], ["doctor"]):
+        r = subprocess.run([sys.executable, "-m", "kgen.cli", *cmd], env=env, capture_output=True, text=True)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        both = r.stdout + r.stderr
+        assert "b_broken.yaml" in both and "no_such_family" in both
+    assert MINE in subprocess.run([sys.executable, "-m", "kgen.cli", "list"], env=env, capture_output=True,
+                                  text=True).stdout
+
+
+def test_kgen_backend_must_be_a_backend(clean, monkeypatch):
+    """A typo in KGEN_BACKEND is an error, not spec order logged as "forced"."""
+    monkeypatch.setenv("KGEN_BACKEND", "trition")
+    with pytest.raises(KgenError, match="KGEN_BACKEND=trition is not one of cuda, triton, reference"):
+        dispatch.choose("fused_bias_act", CUDA0, "float32", "rows<=1.cols<=1.tail.y")
+    assert dispatch.env_problems() == ["KGEN_BACKEND=trition is not one of cuda, triton, reference"]
+    monkeypatch.setenv("KGEN_BACKEND", "triton")
+    kernel, why = dispatch.choose("fused_bias_act", CUDA0, "float32", "rows<=1.cols<=1.tail.y")
+    assert why == "forced" and kernel.variant.backend == "triton"
+
+
+def test_kgen_variant_pins_its_own_family_only(clean, monkeypatch):
+    """KGEN_VARIANT names one family's variant: that family's calls are forced, the other
+    families' are not (one op can be pinned in a model calling several); a name no family
+    has, or this family's variant of another dtype, is an error."""
+    (clean / "mine.yaml").write_text(MY_FBA)
+    monkeypatch.setenv("KGEN_SPEC_PATH", str(clean / "mine.yaml"))
+    monkeypatch.setenv("KGEN_VARIANT", MINE)
+    assert [v.name for v in dispatch.candidates("fused_bias_act", "float32", (9, 0))] == [MINE]
+    others = dispatch.candidates("logmatmul", "float32", (9, 0))
+    assert others and MINE not in [v.name for v in others]
+    with pytest.raises(KgenError, match="names no fused_bias_act variant for bfloat16"):
+        dispatch.candidates("fused_bias_act", "bfloat16", (9, 0))
+    monkeypatch.setenv("KGEN_VARIANT", "no_such_variant")
+    with pytest.raises(KgenError, match="names no logmatmul variant"):
+        dispatch.candidates("logmatmul", "float32", (9, 0))
+
+
+def test_an_op_name_is_one_op():
+    """A second family defining kgen::<name> (a plugin named after a shipped op) is refused
+    where it is defined; the shipped op keeps working (torch.library would let the second
+    definition replace the first silently)."""
+    from kgen.runtime.op import define
+
+    def int8_mm(x: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+        return x
+
+    int8_mm.__module__ = "kgen_someone_elses_family"
+    with pytest.raises(KgenError, match="kgen::int8_mm is defined by kgen.families.int8_gemm"):
+        define("int8_mm", int8_mm, fake=lambda x, y, alpha: x)
+    a = torch.randint(-128, 128, (3, 8), dtype=torch.int8)
+    assert torch.equal(torch.ops.kgen.int8_mm(a, a), a.long() @ a.long().T)
+
+
 # --------------------------------------------------------------------------- plugin families
 
 PLUGIN = '''

@@ -139,9 +139,32 @@ def info() -> dict:
     return {"path": str(r), "entries": entries, "bytes": size}
 
 
+# Files in the cache dir that `clear` keeps: the user's tuning table (measurements, not
+# builds: `kgen tune` took minutes to make it).
+KEPT = ("tuning.json",)
+
+
 def clear() -> int:
+    """Remove every build entry (and the staging, lock and toolchain memo files kgen keeps
+    beside them); returns how many entries there were. The user's tuning table stays, as
+    does anything kgen did not put there (KGEN_CACHE_DIR may name a folder shared with other
+    files): only the family folders of entries (their manifests say so), `.staging`,
+    `.locks` and toolchain.json go."""
     r = config.cache_dir()
     n = info()["entries"]
-    if r.is_dir():
-        shutil.rmtree(r)
+    if not r.is_dir():
+        return n
+    for p in r.iterdir():
+        if p.name in KEPT:
+            continue
+        if p.is_dir() and (p.name in (".staging", ".locks") or _holds_entries(p)):
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.name == "toolchain.json":
+            p.unlink(missing_ok=True)
     return n
+
+
+def _holds_entries(d: Path) -> bool:
+    """A family folder of the cache: it holds an entry (a folder with a manifest), beside
+    the entries' lock files."""
+    return any(e.is_dir() and (e / MANIFEST).is_file() for e in d.iterdir())

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kgen import config
 from kgen import spec as spec_mod
-from kgen.errors import KgenError
+from kgen.errors import KgenError, SpecError
 from kgen.runtime import build, loader
 
 log = logging.getLogger("kgen")
@@ -86,7 +86,34 @@ def spec_files() -> list[Path]:
 
 @functools.cache
 def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
-    return tuple(spec_mod.load(f) for f in files)
+    """The user's specs that load. One that does not (malformed, or of a family that is not
+    installed) is skipped with one warning naming it and why: it never breaks the other
+    specs, nor the families it is not about (add_spec validates its file when given)."""
+    specs = []
+    for f in files:
+        try:
+            specs.append(spec_mod.load(f))
+        except SpecError as e:
+            if str(f) not in _warned_broken:
+                _warned_broken.add(str(f))
+                log.warning("kgen: user spec %s skipped: %s", f, e)
+    return tuple(specs)
+
+
+_warned_broken: set[str] = set()
+
+
+def broken_user_specs() -> list[tuple[Path, SpecError]]:
+    """The user's spec files (spec_files) that do not load, each with its error: what `kgen
+    list` and `kgen doctor` report (dispatch skips them, warning once)."""
+    broken = []
+    for f in spec_files():
+        try:
+            spec_mod.load(f)
+        except SpecError as e:
+            _warned_broken.add(str(f))
+            broken.append((f, e))
+    return broken
 
 
 def family_specs(family: str) -> list[spec_mod.Spec]:
@@ -141,14 +168,34 @@ def _ordered(family: str, dtype: str, capability: tuple[int, int] | None,
 
 
 def _forced(family: str, dtype: str) -> list[spec_mod.Variant] | None:
+    """[the variant KGEN_VARIANT names] for this family and dtype; None where it is unset or
+    names another family's variant (that family's calls are forced, this one's are not: one
+    op can be pinned in a model that calls several); KgenError where it names this family's
+    variant of another dtype, or no family's variant at all."""
     forced = os.environ.get("KGEN_VARIANT")
     if not forced:
         return None
-    chosen = [v for v in family_variants(family) if v.dtype == dtype and v.name == forced]
-    if not chosen:
-        raise KgenError(f"KGEN_VARIANT={forced} names no {family} variant for {dtype}; "
-                        f"`kgen list` shows the names")
-    return chosen
+    mine = [v for v in family_variants(family) if v.name == forced]
+    chosen = [v for v in mine if v.dtype == dtype]
+    if chosen:
+        return chosen
+    if not mine and _other_family_has(forced, family):
+        return None
+    raise KgenError(f"KGEN_VARIANT={forced} names no {family} variant for {dtype}; "
+                    f"`kgen list` shows the names")
+
+
+def _other_family_has(name: str, family: str) -> bool:
+    from kgen.families import FAMILY_NAMES
+
+    for other in FAMILY_NAMES():
+        if other != family:
+            try:
+                if any(v.name == name for v in family_variants(other)):
+                    return True
+            except KgenError:  # a broken plugin family: not the one named
+                continue
+    return False
 
 
 def candidates(family: str, dtype: str, capability: tuple[int, int] | None,
@@ -159,7 +206,30 @@ def candidates(family: str, dtype: str, capability: tuple[int, int] | None,
     forced = _forced(family, dtype)
     if forced and (backend is None or forced[0].backend == backend):
         return forced
-    return _ordered(family, dtype, capability, backend or os.environ.get("KGEN_BACKEND"))
+    return _ordered(family, dtype, capability, backend or forced_backend())
+
+
+BACKENDS = ("cuda", "triton", "reference")
+
+
+def forced_backend() -> str | None:
+    """KGEN_BACKEND (cuda, triton or reference), or None where unset; KgenError for any
+    other value (a typo must not silently turn tuned dispatch into spec order)."""
+    backend = os.environ.get("KGEN_BACKEND")
+    if not backend:
+        return None
+    if backend not in BACKENDS:
+        raise KgenError(f"KGEN_BACKEND={backend} is not one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def env_problems() -> list[str]:
+    """What is wrong with the dispatch environment variables (for `kgen doctor`)."""
+    try:
+        forced_backend()
+    except KgenError as e:
+        return [str(e)]
+    return []
 
 
 def load(variant: spec_mod.Variant) -> loader.Kernel:
@@ -207,9 +277,14 @@ def select(family: str, device, dtype: str, backend: str | None = None,
     """The first candidate for (device, dtype) that builds and loads (and, given the call's
     `shape`, that the family's `variant_fits` accepts); None means "use the reference".
     Each failure is logged once with its reason, then the next is tried."""
-    kernel = _first_loadable(_fitting(family, device, dtype, shape, backend))
-    if kernel is None and os.environ.get("KGEN_VARIANT"):
-        raise KgenError(f"KGEN_VARIANT={os.environ['KGEN_VARIANT']} could not be built")
+    fitting = _fitting(family, device, dtype, shape, backend)
+    kernel = _first_loadable(fitting)
+    forced = os.environ.get("KGEN_VARIANT")
+    if kernel is None and _forced(family, dtype):
+        if not fitting:
+            raise KgenError(f"KGEN_VARIANT={forced} does not take this call ({family} {dtype}, {shape}); "
+                            "unset it or name a variant that does")
+        raise KgenError(f"KGEN_VARIANT={forced} could not be built or loaded (the log above says why)")
     return kernel
 
 
@@ -277,7 +352,7 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     the same entry's next-best can (`_runner_up`)."""
     if device.type != "cuda":
         return None, "fallback"
-    if os.environ.get("KGEN_VARIANT") or os.environ.get("KGEN_BACKEND"):
+    if forced_backend() or _forced(family, dtype):
         return select(family, device, dtype, shape=shape), "forced"
     from kgen.runtime import tune, tuning_rules, tuning_table
 

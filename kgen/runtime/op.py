@@ -32,6 +32,8 @@ from typing import Callable
 
 import torch
 
+from kgen.errors import KgenError
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
@@ -197,11 +199,19 @@ def _has_tensor_lists(op) -> bool:
     return any(is_tensorlist_like_type(a.type) for a in (*schema.arguments, *schema.returns))
 
 
+# op name -> the module whose `define` registered it (one op per name: see define)
+_DEFINED: dict[str, str] = {}
+
+
 def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | None = None,
            setup_context: Callable | None = None, mutates_args=()) -> Callable:
     """Register `kgen::<name>` and return the function a family exposes (see the module
     doc). `backward(ctx, *grads)` and `setup_context(ctx, inputs, output)` follow
     `torch.library.register_autograd`; the eager path runs the same two."""
+    owner = _DEFINED.setdefault(name, impl.__module__)
+    if owner != impl.__module__:  # (torch.library would let the second replace the first, silently)
+        raise KgenError(f"kgen::{name} is defined by {owner} already; {impl.__module__} must name its op "
+                        "otherwise")
     schema = torch.library.infer_schema(impl, mutates_args=mutates_args)
     op = torch.library.custom_op(f"kgen::{name}", _without_autocast(impl), mutates_args=mutates_args, schema=schema)
     op.register_fake(fake)
@@ -228,11 +238,15 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
             _Eager = supports_tensorlist(_Eager)
         eager_grad = _Eager.apply
 
+    # Where a gradient is needed: the autograd.Function; with no backward, the registered op,
+    # whose output's backward raises PyTorch's "no autograd formula" error as a call of
+    # torch.ops.kgen.<name> does; in place, nothing (the family's function refuses a gradient
+    # before: no per-call check on its host path).
+    grad_path = eager_grad if eager_grad is not None else None if mutates_args else op
+
     def eager(args):
-        if _needs_grad(args):
-            # (no backward: the registered op, whose output's backward raises PyTorch's "no
-            # autograd formula" error, as a call of torch.ops.kgen.<name> does)
-            return eager_grad(*args) if eager_grad is not None else op(*args)
+        if grad_path is not None and _needs_grad(args):
+            return grad_path(*args)
         return impl(*args)
 
     def call(*args):

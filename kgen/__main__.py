@@ -1,0 +1,7 @@
+"""`python -m kgen`: the `kgen` command."""
+
+import sys
+
+from kgen.cli import main
+
+sys.exit(main())
