@@ -243,13 +243,22 @@ def display_path(path: str | Path) -> str:
 def load(path: str | Path) -> Spec:
     """Read, validate and expand a spec file."""
     shown = display_path(path)
+    # (errors name a file outside the package and the cwd by its whole path: two mine.yaml
+    # on KGEN_SPEC_PATH must not read alike; the spec itself keeps the machine-independent name)
+    full = Path(path).absolute()
+    where = str(full) if shown == full.name and full.parent != Path.cwd() else shown
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise SpecError(shown, None, "<file>", f"cannot read: {e.strerror}") from None
+        raise SpecError(where, None, "<file>", f"cannot read: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise SpecError(shown, None, "<file>", f"not UTF-8 text (byte {e.start}: {e.reason})") from None
-    return parse(text, shown)
+        raise SpecError(where, None, "<file>", f"not UTF-8 text (byte {e.start}: {e.reason})") from None
+    try:
+        return parse(text, shown)
+    except SpecError as e:
+        if where == shown:
+            raise
+        raise SpecError(where, e.line, e.key, e.message) from None
 
 
 def parse(text: str, path: str = "<string>") -> Spec:

@@ -78,3 +78,20 @@ def test_missing_file_is_a_spec_error():
     with pytest.raises(SpecError) as ei:
         spec.load("does/not/exist.yaml")
     assert ei.value.key == "<file>"
+
+
+def test_errors_name_a_file_outside_the_cwd_by_its_whole_path(tmp_path, monkeypatch):
+    """Two mine.yaml in different folders must not read alike in an error; the spec itself
+    keeps its machine-independent name (what rendered headers and cache keys see)."""
+    bad = tmp_path / "a" / "mine.yaml"
+    bad.parent.mkdir()
+    bad.write_text("family: fused_bias_act\nvariants:\n  - {backend: triton, block_cols: -256, rows: 1, "
+                   "num_warps: 2}\n")
+    with pytest.raises(SpecError, match=f"^{re.escape(str(bad))}:3: variants\\[0\\].block_cols"):
+        spec.load(bad)
+    monkeypatch.chdir(bad.parent)
+    with pytest.raises(SpecError, match="^mine.yaml:3: "):
+        spec.load("mine.yaml")
+    bad.write_text(bad.read_text().replace("-256", "256"))
+    monkeypatch.chdir(tmp_path)  # (then under the cwd: its relative name)
+    assert spec.load(bad).path == "a/mine.yaml"

@@ -289,7 +289,8 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
                 resources.update(usage)
         except Exception as e:  # noqa: BLE001 - Triton raises many types; all mean "did not compile"
             raise CompileError(variant.qualname, f"triton.compile(target=cuda:{cc})",
-                               f"{type(e).__name__}: {e}", f"generated/{rendered.filename}") from e
+                               f"{type(e).__name__}: {e}",
+                               f"{rendered.filename} (as `kgen build` renders it under --out, default generated/)") from e
         return files, {"variant": variant.qualname, "seconds": round(time.perf_counter() - t0, 3),
                        "resources": resources, "target": arch, "triton": triton.__version__}
 

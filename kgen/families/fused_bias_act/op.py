@@ -228,6 +228,8 @@ def fused_bias_act(x: torch.Tensor, bias: torch.Tensor, y: Optional[torch.Tensor
                    alpha: float = 1.0, act: str = "none", inplace: bool = False) -> torch.Tensor:
     """out = act(x + alpha * y + bias), bias broadcast along x's last dimension.
 
+    alpha is a constant of the op: a Python number (in eager mode also a 0-d CPU tensor that
+    needs no gradient, read once; under torch.compile pass a float).
     act is one of none, relu, sigmoid, gelu (tanh form), silu; arithmetic runs in float32
     and the result has x's dtype. `inplace=True` writes into x and returns it (not
     differentiable: raises if a gradient is needed). Differentiable for x, y and bias.
