@@ -23,6 +23,48 @@ def parse_shape(text: str, dims: tuple[str, ...]) -> dict:
     return dict(zip(dims, values))
 
 
+def shapes_arg(fam, texts) -> list[dict]:
+    """`--shapes` as the shapes to tune: each parsed (parse_shape), its dimensions the
+    family's (TUNE_DIMS, all given, sizes >= 1) plus the op's variations it knows
+    (TUNE_VARIATIONS, e.g. fused_bias_act's has_y; a variation given is kept as given, the
+    others added one shape each), and its bucket computable (tune_bucket). ValueError naming
+    the shape for anything else, before any kernel is built or timed."""
+    variations = tuple(getattr(fam, "TUNE_VARIATIONS", ({},)))
+    example = dict(next(iter(getattr(fam, "TUNE_SHAPES", ())), {}))
+    known = dict.fromkeys([*fam.TUNE_DIMS, *(k for x in variations for k in x), *example])
+    shapes = []
+    for text in texts:
+        try:
+            given = parse_shape(text, fam.TUNE_DIMS)
+        except ValueError:
+            raise ValueError(f"--shapes {text!r}: expected {'x'.join(fam.TUNE_DIMS)} (integers) or "
+                             f"name=value,... with names from {', '.join(known)}") from None
+        unknown = [k for k in given if k not in known]
+        if unknown:
+            raise ValueError(f"--shapes {text!r}: unknown dimension {unknown[0]!r}; this family's: {', '.join(known)}")
+        missing = [d for d in fam.TUNE_DIMS if d not in given]
+        if missing:
+            raise ValueError(f"--shapes {text!r}: missing {', '.join(missing)} (give {', '.join(fam.TUNE_DIMS)})")
+        for k, v in given.items():
+            like = example.get(k, next((x[k] for x in variations if k in x), None))
+            if isinstance(like, bool):  # a flag: 0 / 1
+                if v not in (0, 1):
+                    raise ValueError(f"--shapes {text!r}: {k} is a flag, 0 or 1; got {v!r}")
+                given[k] = bool(v)
+            elif isinstance(like, int) or (like is None and k in fam.TUNE_DIMS):
+                if not isinstance(v, int) or v < 1:
+                    raise ValueError(f"--shapes {text!r}: {k} must be a positive integer, got {v!r}")
+        for x in variations:
+            shape = {**x, **given}
+            try:
+                fam.tune_bucket(**shape)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"--shapes {text!r}: not a shape of this family ({e})") from None
+            if shape not in shapes:
+                shapes.append(shape)
+    return shapes
+
+
 TF32_MODES = {"on": (True,), "off": (False,), "both": (False, True)}
 
 
@@ -126,17 +168,22 @@ def _summary(console, title: str, rows: list[tuple[str, list[str], dict]]):
     console.print(t)
 
 
-def show(console, family: str | None, dtypes=None, every_time: bool = False) -> int:
+def show(console, family: str | None, dtypes=None, every_time: bool = False, table: Path | None = None) -> int:
     """What the tables hold for this GPU (every device's without one): by default one row a
     bucket (winner, runner-up and its slowdown: readable at any width); `every_time`: every
-    candidate's time as columns, as `kgen tune` prints a run."""
+    candidate's time as columns, as `kgen tune` prints a run. `table`: that file alone (what
+    `kgen tune --out` wrote) instead of the tables dispatch reads."""
     import torch
 
     from kgen.runtime import tuning_rules, tuning_table
 
     device = tuning_table.device_key(torch.cuda.current_device()) if torch.cuda.is_available() else None
     rows, stale = [], 0
-    for k, e in sorted(tuning_table.TABLES.entries().items()):
+    if table is not None and not table.is_file():
+        print(f"kgen tune --show: no table at {table}", file=sys.stderr)
+        return 1
+    entries = tuning_table.read_table(table) if table is not None else tuning_table.TABLES.entries()
+    for k, e in sorted(entries.items()):
         fam, dev_name, sm, sms, dtype, bucket = k.split("|")
         if (family and fam != family) or (device and f"{dev_name}|{sm}|{sms}" != device) \
                 or (dtypes and dtype not in dtypes):
@@ -149,7 +196,8 @@ def show(console, family: str | None, dtypes=None, every_time: bool = False) -> 
             stale += 1
         rows.append((f"{fam} {dtype}" + ("" if device else f" on {dev_name}"), bucket, notes, e))
     user, shipped = tuning_table.user_path(), tuning_table.SHIPPED_DIR
-    print(f"tuning tables: {user} over {shipped}/*.json; device: {device or 'all'}")
+    where = table if table is not None else f"{user} over {shipped}/*.json"
+    print(f"tuning tables: {where}; device: {device or 'all'}")
     if every_time:
         _tables(console, "tuned winners (us)", [(t, b + (f" ({'; '.join(ns)})" if ns else ""), e.get("times_us", {}),
                                                  e["winner"]) for t, b, ns, e in rows])
@@ -173,7 +221,7 @@ def run(args, console) -> int:
 
     if args.show:
         family = spec_mod.load(args.spec).family if args.spec else None
-        return show(console, family, args.dtype, args.times)
+        return show(console, family, args.dtype, args.times, Path(args.out) if args.out else None)
     if args.times:
         print("kgen tune: --times goes with --show", file=sys.stderr)
         return 2
@@ -190,11 +238,22 @@ def run(args, console) -> int:
         print(f"kgen tune: family {spec.family} defines no tuning buckets", file=sys.stderr)
         return 1
     dtypes = args.dtype or list(spec.dtypes)
-    if args.shapes:
-        extra = getattr(fam, "TUNE_VARIATIONS", ({},))
-        shapes = [{**parse_shape(s, fam.TUNE_DIMS), **x} for s in args.shapes for x in extra]
-    else:
-        shapes = list(fam.TUNE_SHAPES)
+    if set(dtypes) - set(spec.dtypes):
+        print(f"kgen tune: {spec.path} has no {', '.join(sorted(set(dtypes) - set(spec.dtypes)))} variants "
+              f"(its dtypes: {', '.join(spec.dtypes)})", file=sys.stderr)
+        return 2
+    try:
+        shapes = shapes_arg(fam, args.shapes) if args.shapes else list(fam.TUNE_SHAPES)
+    except ValueError as e:
+        print(f"kgen tune: {e}", file=sys.stderr)
+        return 2
+    if args.json:  # checked now, not after the whole run
+        try:
+            with open(args.json, "a"):
+                pass
+        except OSError as e:
+            print(f"kgen tune: cannot write --json {args.json}: {e.strerror}", file=sys.stderr)
+            return 1
     device = torch.device("cuda", torch.cuda.current_device())
     todo = jobs(fam, dtypes, shapes, args.tf32)
     tf32_was = torch.backends.cuda.matmul.allow_tf32

@@ -919,6 +919,103 @@ def test_targets_out_of_range_give_nan_rows_or_raise_in_checked_mode(impl, monke
     call(mod, H, W, target, B, check_targets=False)  # the argument wins over the environment
 
 
+def test_out_of_range_target_rows_get_nan_gradients():
+    """The forward's NaN row is not a dropped term: its gradients are NaN too (so a
+    GradScaler-style finite check skips the step), on both paths; the other rows' are as if
+    the bad row were ignored."""
+    for mod in (None, variant()):
+        target = torch.tensor([0, 10, 3, -5])  # V = 10
+        _, _, gh, gw, gb = run(mod, H, W, target, B)
+        assert torch.isnan(gh[[1, 3]]).all(), mod
+        assert torch.isnan(gw).any() and torch.isnan(gb).any(), mod
+        _, _, gh_ok, _, _ = run(mod, H, W, torch.tensor([0, -100, 3, -100]), B)
+        torch.testing.assert_close(gh[[0, 2]], gh_ok[[0, 2]], rtol=1e-6, atol=1e-6)
+
+
+def masked_oracle(hidden, weight, target, bias, temperature, seed=1):
+    """float64 logp, entropy and their gradients, written independently of kgen: log_softmax,
+    and the entropy -sum p log p over the columns whose logit is not -inf (0 log 0 = 0, with
+    no NaN in its gradient: Categorical's clamp to finfo.min overflows there), ignored rows 0."""
+    h, w, b = (t.double().requires_grad_() for t in (hidden, weight, bias))
+    z = (h @ w.T + b) / temperature
+    valid = target != -100
+    all_logp = torch.log_softmax(z, -1)
+    logp = all_logp.gather(1, torch.where(valid, target, 0)[:, None]).squeeze(1)
+    ent = -(torch.softmax(z, -1) * torch.where(torch.isneginf(z), 0.0, all_logp)).sum(-1)
+    logp, ent = torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0)
+    g = torch.Generator().manual_seed(seed)
+    g_logp, g_ent = torch.randn(logp.shape, generator=g), torch.randn(logp.shape, generator=g)
+    ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    return logp.detach(), ent.detach(), h.grad, w.grad, b.grad
+
+
+MASKS = {"tail splits": slice(64, None), "one inner tile": slice(32, 64), "scattered": slice(1, None, 3),
+         "all but three": slice(3, None)}
+
+
+@pytest.mark.parametrize("value", [-math.inf, torch.finfo(torch.float32).min])
+@pytest.mark.parametrize("where", list(MASKS))
+@pytest.mark.parametrize("tiles", ["reference", "sv2_bv32", "sv4_bv16"])
+def test_bias_masked_columns(tiles, where, value):
+    """Columns masked by a -inf bias (or a finite one that scales to -inf) hold no mass: logp,
+    entropy and every gradient as float64 log_softmax / Categorical give, whatever the V
+    tiling (a split whose tiles are all masked gave NaN rows), and 0 gradient to the masked
+    columns. Tolerance: OUT_TOL / GRAD_TOL as the unmasked tests (float32 sums)."""
+    mod = {"reference": None, "sv2_bv32": variant(), "sv4_bv16": variant(BLOCK_V=16, SPLIT_V=4)}[tiles]
+    hidden, weight, target, bias = make_inputs(7, 130, 16)
+    bias[MASKS[where]] = value
+    live = (bias > -1e30).nonzero().squeeze(1)
+    target = torch.where(target == -100, target, live[torch.arange(len(target)) % len(live)])  # on live columns
+    got = run(mod, hidden, weight, target, bias)
+    want = masked_oracle(hidden, weight, target, bias, 0.7)
+    for name, a, e in zip(("logp", "entropy", "grad_hidden", "grad_weight", "grad_bias"), got, want):
+        rtol, atol = GRAD_TOL[torch.float32] if name.startswith("grad") else OUT_TOL
+        atol *= max(1.0, e.abs().max().item())
+        assert_close(a, e, rtol, atol, name)
+    masked = bias <= -1e30
+    assert (got[3][masked] == 0).all() and (got[4][masked] == 0).all()
+
+
+@pytest.mark.parametrize("tiles", ["reference", "sv4_bv16"])
+def test_target_on_a_masked_column_and_rows_with_every_column_masked(tiles):
+    """A target on a masked column: logp -inf (float64 log_softmax's). A row whose every column
+    is masked has no distribution: NaN logp and entropy and NaN or inf gradients, never a
+    plausible value; an ignored such row stays 0 and adds no gradient."""
+    mod = None if tiles == "reference" else variant(BLOCK_V=16, SPLIT_V=4)
+    hidden, weight, target, bias = make_inputs(5, 40, 16, ignore=False)
+    bias[20:] = -math.inf
+    target[:] = torch.tensor([1, 25, 3, 39, 0])
+    logp, ent = call(mod, hidden, weight, target, bias, return_entropy=True)
+    assert torch.isneginf(logp[[1, 3]]).all() and torch.isfinite(logp[[0, 2, 4]]).all()
+    assert torch.isfinite(ent).all()
+    bias[:] = -math.inf
+    target[[1, 3]] = -100
+    logp, ent, gh, gw, gb = run(mod, hidden, weight, target, bias)
+    assert torch.isnan(logp[[0, 2, 4]]).all() and torch.isnan(ent[[0, 2, 4]]).all()
+    assert (logp[[1, 3]] == 0).all() and (ent[[1, 3]] == 0).all()
+    assert not torch.isfinite(gh[[0, 2, 4]]).any() and (gh[[1, 3]] == 0).all()
+    target[:] = -100  # every row ignored: all zeros, finite gradients
+    logp, ent, gh, gw, gb = run(mod, hidden, weight, target, bias)
+    assert (logp == 0).all() and (ent == 0).all()
+    assert (gh == 0).all() and (gw == 0).all() and (gb == 0).all()
+
+
+def test_compile_with_a_traced_temperature():
+    """temperature as an argument of the compiled function (dynamo makes it a symbolic float
+    on its second value) and dynamic=True: the argument checks trace, no graph break."""
+    x, w, t = torch.randn(4, 8), torch.randn(11, 8), torch.randint(0, 11, (4,))
+
+    def f(x, temperature):
+        return ops.linear_logp(x, w, t, temperature=temperature)
+
+    for cf in (torch.compile(f, fullgraph=True, backend="aot_eager"),
+               torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)):
+        for temperature in (0.5, 2.0, 3.0):
+            torch.testing.assert_close(cf(x, temperature), f(x, temperature))
+    with pytest.raises(Exception, match="temperature must be finite and > 0"):
+        torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)(x, -1.0)
+
+
 def test_ignore_index_is_not_out_of_range():
     target = torch.tensor([0, 7, 3, 2])
     call(variant(), H, W, target, B, ignore_index=7)  # 7 < V: ignored, fine

@@ -110,6 +110,17 @@ def expect_error(fn, error, match):
 # ----------------------------------------------------------------------------- CPU cases
 
 
+def masked_vocab(bias, target, lengths):
+    """(bias with the last slice and every 5th column of the first set to -inf, target moved
+    to live columns where not ignored)."""
+    b = bias.clone()
+    b[sum(lengths[:-1]):] = -math.inf
+    b[:lengths[0]:5] = -math.inf
+    live = torch.isfinite(b).nonzero().squeeze(1)
+    t = torch.where(target == -100, target, live[torch.arange(len(target)) % len(live)])
+    return b, t
+
+
 def cpu_cases(rank, world):
     group = dist.group.WORLD
     lengths = {2: (40, 61), 3: (30, 1, 70)}[world]  # V = 101 and 101; uneven, one of 1 row
@@ -138,6 +149,14 @@ def cpu_cases(rank, world):
     want, got = run(hidden, weight, bad, bias), run(hidden, weight[sl], bad, bias[sl], group=group)
     assert torch.isnan(got[0][1]) and torch.isnan(got[1][2]) and not torch.isnan(got[0][0])
     compare(got, want, rank, lengths, "out-of-range targets")
+
+    # a vocabulary padded with -inf bias: the last rank's slice all masked, a few of rank 0's
+    # too, targets on live columns (a slice holding none of a row adds nothing)
+    masked_bias, live_t = masked_vocab(bias, target, lengths)
+    want = run(hidden, weight, live_t, masked_bias)
+    got = run(hidden, weight[sl], live_t, masked_bias[sl], group=group)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()
+    compare(got, want, rank, lengths, "masked vocabulary")
 
     # a bad target on one rank alone: NaN on every rank's row
     mine = target.clone()
@@ -207,6 +226,13 @@ def kernel_cases(rank, world, group):
             got = run(hidden, weight[sl], target, bias[sl], group=group)
             kept = run(hidden, weight[sl], target, bias[sl], group=group, keep_logits=True)
         compare(got, want, rank, lengths, f"kernels {dtype}", grad_tol=grad_tol)
+        if dtype is torch.float32:  # the kernels' masked columns: a rank's whole slice masked
+            masked_bias, live_t = masked_vocab(bias, target, lengths)
+            with llp.using(mod):
+                want_m = run(hidden, weight, live_t, masked_bias)
+                got_m = run(hidden, weight[sl], live_t, masked_bias[sl], group=group)
+            assert all(torch.isfinite(x).all() for x in got_m[:3])
+            compare(got_m, want_m, rank, lengths, "kernels, masked vocabulary")
         compare(kept, want, rank, lengths, f"kernels {dtype}, keep_logits", grad_tol=grad_tol)
         assert kept_calls, "keep_logits kept nothing"
         kept_calls.clear()

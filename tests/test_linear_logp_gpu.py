@@ -395,3 +395,68 @@ def test_keep_logits_compile_graph_and_no_host_wait(monkeypatch, dtype):
     step(*[x.detach().requires_grad_() for x in (h, w, b)]).backward()
     assert not done.query(), "keep_logits waited for the GPU"
     torch.cuda.synchronize()
+
+
+def _masked_case(N, V, D, dtype, seed):
+    """Inputs whose bias masks columns: a -inf tail (whole splits and tiles), and every 7th
+    column at the dtype's lowest finite value (scaled, -inf); targets on live columns."""
+    h, w, b, t = _inputs(N, V, D, dtype, seed)
+    b[V // 2:] = -math.inf
+    b[::7] = torch.finfo(dtype).min
+    live = torch.isfinite(b.float() * 1.4426950408889634).nonzero().squeeze(1)
+    t = torch.where(t == -100, t, live[torch.arange(N, device="cuda") % len(live)])
+    return h, w, b, t
+
+
+CUDA_NAMES = [v.name for v in SPEC.variants if v.backend == "cuda" and v.dtype == "bfloat16"]
+
+
+@pytest.mark.parametrize("name", CUDA_NAMES + ["dispatch"])
+def test_bias_masked_columns_on_every_kernel(monkeypatch, name):
+    """A vocabulary masked through the bias: each CUDA forward (and dispatch's forward +
+    backward) gives float64 log_softmax's logp and the masked-aware entropy; the masked
+    columns get 0 gradient. Tolerance: the spec's bf16 numerics (logits' float32 sums), the
+    family's GRAD_TOL for gradients."""
+    if name != "dispatch":
+        v = SPEC.variant(name)
+        if not dispatch.arch_runs_on(v.arch, torch.cuda.get_device_capability()):
+            pytest.skip(f"{v.arch} code does not run here")
+        ctx = llp.using(dispatch.load(v).module)
+        N = 8 if "gemv" in name else 700
+    else:
+        ctx, N = contextlib.nullcontext(), 700
+    h, w, b, t = _masked_case(N, 5000, 1024, torch.bfloat16, seed=3)
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    g_logp, g_ent = torch.randn(N, device="cuda"), torch.randn(N, device="cuda")
+    with ctx:
+        logp, ent = ops.linear_logp(*leaves[:2], t, leaves[2], temperature=0.8, return_entropy=True)
+        if name == "dispatch":
+            ((logp * g_logp).sum() + (ent * g_ent).sum()).backward()
+    ref = [x.clone().requires_grad_() for x in (h, w, b)]
+    r_logp, r_ent = llp.reference(*ref[:2], t, ref[2], temperature=0.8, compute=torch.float64)
+    tol = SPEC.numerics["bfloat16"]
+    for what, a, e in (("logp", logp, r_logp), ("entropy", ent, r_ent)):
+        assert torch.isfinite(a).all(), what
+        torch.testing.assert_close(a.double(), e.detach(), rtol=tol.rtol * 5, atol=tol.atol * 5, msg=what)
+    if name == "dispatch":
+        ((r_logp * g_logp).sum() + (r_ent * g_ent).sum()).backward()
+        for what, a, e in zip(("grad_hidden", "grad_weight", "grad_bias"), leaves, ref):
+            assert torch.isfinite(a.grad).all(), what
+            bound = llp.GRAD_TOL["bfloat16"] * max(1.0, float(e.grad.abs().max()))
+            assert float((a.grad.double() - e.grad.double()).abs().max()) <= bound, what
+        masked = ~torch.isfinite(b.float() * 1.4426950408889634)
+        assert (leaves[1].grad[masked] == 0).all() and (leaves[2].grad[masked] == 0).all()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_out_of_range_target_gives_nan_gradients(monkeypatch, bias):
+    """Dispatch's kernels (no bias: the CUDA dz epilogue at every size on sm_90a): a bad
+    target's row has NaN logp and NaN gradients, not a silently dropped term."""
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", "always")
+    h, w, b, t = _inputs(300, 50257, 1024, torch.bfloat16, seed=13)
+    t[17] = 50257
+    leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+    logp = ops.linear_logp(leaves[0], leaves[1], t, leaves[2] if bias else None)
+    logp.nansum().backward()
+    assert torch.isnan(logp[17]) and torch.isnan(leaves[0].grad[17]).all()
+    assert torch.isnan(leaves[1].grad).any()

@@ -1033,3 +1033,90 @@ def test_tune_names_the_tables_and_rules_as_their_own_modules_do():
                                          "bucket_winner", "merged_entry", "bucket_choices"))):
         for n in names:
             assert getattr(tune, n) is getattr(owner, n), n
+
+
+@pytest.mark.parametrize("bad", [
+    {"winner": "w", "probes": 5}, {"winner": "w", "probes": [1]}, {"winner": "w", "times_us": [1.0]},
+    {"winner": "w", "times_us": {"a": "fast"}}, {"winner": "w", "times_us": {"a": 0}}, {"winner": "w", "choices": [1]},
+    {"winner": ""}, "w"])
+def test_a_malformed_entry_is_left_out_with_one_warning(tables, caplog, bad):
+    """A table entry kgen did not write that way (hand-edited, another tool's) is dropped
+    when read, with one warning naming the file; the table's other entries, dispatch's
+    lookups near it and `kgen tune --show` work; a later record keeps it on disk."""
+    from kgen import cli
+
+    good = tune.key("fused_bias_act", FAKE_DEVICE, "float16", "rows<=8.cols<=64.vec16.y")
+    near = tune.key("fused_bias_act", FAKE_DEVICE, "float16", "rows<=4.cols<=64.vec16.y")
+    odd = "fused_bias_act|G|sm_90|1|float16|rows<=\u00b2.cols<=64"  # a superscript digit: not a number
+    tune.user_path().parent.mkdir(parents=True, exist_ok=True)
+    tune.user_path().write_text(json.dumps({"format": tune.FORMAT, "entries": {
+        good: {"winner": "sm90_a", "times_us": {"sm90_a": 1.0}}, near: bad, odd: {"winner": "x"}}}))
+    with caplog.at_level(logging.WARNING, logger="kgen"):
+        assert set(tune.TABLES.entries()) == {good}
+        assert tune.nearest(near)[0] == good
+        assert cli.main(["tune", "--show"]) == 0
+    assert sum("malformed" in r.getMessage() for r in caplog.records) == 1
+    tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float16", "x"): {"winner": "w"}})
+    assert {near, odd} <= set(json.loads(tune.user_path().read_text())["entries"])
+
+
+@pytest.mark.parametrize("text", ["{", json.dumps({"format": "kgen-tuning-2", "entries": {}}), "[" * 100000])
+def test_record_moves_an_unparseable_table_aside(tables, text):
+    """record() never overwrites a table it cannot parse (a newer format, a torn write): the
+    old file is kept beside the new one, whose entries are the new ones."""
+    path = tune.user_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    k = tune.key("fused_bias_act", FAKE_DEVICE, "float16", "rows<=8.cols<=64.vec16.y")
+    tune.record({k: {"winner": "w"}})
+    aside = list(path.parent.glob("tuning.json.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_text() == text
+    assert list(json.loads(path.read_text())["entries"]) == [k]
+    path.write_text(text)
+    tune.record({k: {"winner": "w"}})  # a second time in the same second: its own name
+    assert len(list(path.parent.glob("tuning.json.unreadable-*"))) == 2
+
+
+def test_record_into_a_directory_raises_and_moves_nothing(tables):
+    path = tune.user_path()
+    path.mkdir(parents=True)
+    with pytest.raises(OSError, match="cannot record into the tuning table"):
+        tune.record({"k|G|sm_90|1|float16|b": {"winner": "w"}})
+    assert path.is_dir() and not list(path.parent.glob("tuning.json.unreadable-*"))
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("TRUE", True), (" on", True), ("yes", True), ("0", False),
+                                      ("false", False), ("Off", False), ("no", False), ("", False)])
+def test_autotune_switch_values(monkeypatch, value, on):
+    monkeypatch.setenv("KGEN_AUTOTUNE", value)
+    assert tune.autotune_enabled() is on
+
+
+@pytest.mark.parametrize("value", ["00", "2", "enable", "of"])
+def test_autotune_switch_typo_is_an_error(monkeypatch, value):
+    from kgen.errors import KgenError
+    from kgen.runtime import dispatch
+
+    monkeypatch.setenv("KGEN_AUTOTUNE", value)
+    with pytest.raises(KgenError, match="KGEN_AUTOTUNE"):
+        tune.autotune_enabled()
+    assert any("KGEN_AUTOTUNE" in p for p in dispatch.env_problems())
+
+
+@pytest.mark.parametrize("text,match", [
+    ("8192x", "expected rowsxcols"), (",", "expected rowsxcols"), ("rows=8192", "missing cols"),
+    ("rows=8192,cols=1024,foo=1", "unknown dimension 'foo'"), ("rows=abc,cols=5", "positive integer"),
+    ("rows=-5,cols=3", "positive integer"), ("0x0", "positive integer"), ("rows=8,cols=8,has_y=2", "a flag")])
+def test_tune_shapes_are_checked_before_any_timing(text, match):
+    from kgen.tune_cli import shapes_arg
+
+    with pytest.raises(ValueError, match=match):
+        shapes_arg(fba, [text])
+
+
+def test_tune_shapes_keep_a_variation_given():
+    from kgen.tune_cli import shapes_arg
+
+    assert shapes_arg(fba, ["rows=8192,cols=1024,has_y=0"]) == [{"rows": 8192, "cols": 1024, "has_y": False}]
+    assert shapes_arg(fba, ["8192x1024"]) == [{"has_y": True, "rows": 8192, "cols": 1024},
+                                              {"has_y": False, "rows": 8192, "cols": 1024}]

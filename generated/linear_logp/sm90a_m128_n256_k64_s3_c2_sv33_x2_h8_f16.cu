@@ -403,6 +403,11 @@ __device__ __forceinline__ void split_slice(int64_t split, int64_t splits, int64
 // NaN). Kernels that fold unscaled values x = z / scale store MASKED_LOGIT / scale.
 constexpr float MASKED_LOGIT = -1.0e30f;
 
+// A column's bias term raised to `floor` (MASKED_LOGIT in the logit's units): a -inf bias
+// masking a column (or a finite one so negative that it scales to -inf) then folds as a column
+// past V does: exp2 gives 0, and 0 in the entropy rather than 0 * -inf = NaN. NaN stays NaN.
+__device__ __forceinline__ float masked_floor(float zb, float floor = MASKED_LOGIT) { return zb < floor ? floor : zb; }
+
 __device__ __forceinline__ float ex2(float x) {
 #ifdef KGEN_FOLD_NO_EXP  // diagnostics only (timing without the special-function unit): wrong sums
   return x * 0.5f;
@@ -894,7 +899,7 @@ __global__ void __launch_bounds__(THREADS, 1) __cluster_dims__(CLUSTER, 1, 1)lin
         for (int j = 0; j < BNC / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float bj = kgen::to_float(bias_tile[b][consumer * BNC + 8 * j + 2 * t + e]);
+            const float bj = kgen::masked_floor(kgen::to_float(bias_tile[b][consumer * BNC + 8 * j + 2 * t + e]), masked);
 #pragma unroll
             for (int m = 0; m < MT; ++m) acc[m][4 * j + e] += bj, acc[m][4 * j + 2 + e] += bj;
           }
@@ -1030,13 +1035,21 @@ linear_logp_combine(const float* __restrict__ part, const int64_t* __restrict__ 
   const float log_s = log2f(s), lse = m + log_s;
   const long long t = target[row];
   const bool valid = t != ignore_index, bad = valid && (t < 0 || t >= V);
+  // Masked columns (bias raised to MASKED_LOGIT: kgen::masked_floor) hold none of the mass: a
+  // target on one has logp -inf, and a row with every column masked (its partials all empty)
+  // has no distribution: NaN logp and entropy. The backward's lse2: NaN on a bad target's row,
+  // -inf on a dead one (the row's gradients NaN or inf, never plausible; a vocab-parallel rank
+  // reads -inf as a slice holding none of the row, dist.py); 0 on an ignored row with every
+  // column masked (its dz is then 0: p = 2^(MASKED_LOGIT - 0) = 0, where its lse is -inf).
+  const bool empty = m < 0.5f * kgen::MASKED_LOGIT, dead = valid && empty;  // a NaN m is not
   const float nan = __int_as_float(0x7fc00000);
-  logp[row] = bad ? nan : (valid ? (zt - lse) * LN2_F : 0.f);
-  lse2[row] = lse;
+  const float lp = zt < 0.5f * kgen::MASKED_LOGIT ? -INFINITY : (zt - lse) * LN2_F;
+  logp[row] = bad || dead ? nan : (valid ? lp : 0.f);
+  lse2[row] = bad ? nan : empty ? (valid ? -INFINITY : 0.f) : lse;
   if (ENTROPY) {
     const float mean = ent / s;
-    entropy[row] = bad ? nan : (valid ? (log_s - mean) * LN2_F : 0.f);
-    ez2[row] = m + mean;
+    entropy[row] = bad || dead ? nan : (valid ? (log_s - mean) * LN2_F : 0.f);
+    ez2[row] = empty ? 0.f : m + mean;  // (0 x NaN in an ignored row's dz otherwise)
   }
 }
 

@@ -143,17 +143,27 @@ def _colterm(b_ptr, cols, col_ok, scale, HAS_BIAS: tl.constexpr):
     """The per-column term of a logit, z = acc * scale + colterm[j]: bias * scale, and
     MASKED_LOGIT past V (masked loads give acc = 0 there), so each logit is one FMA."""
     if HAS_BIAS:
-        colterm = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale
+        colterm = _masked_floor(tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale)
         return tl.where(col_ok, colterm, MASKED_LOGIT)
     return tl.where(col_ok, 0.0, MASKED_LOGIT)
+
+
+@triton.jit
+def _masked_floor(zb):
+    """A column's bias term zb = bias * scale with everything below MASKED_LOGIT (a -inf
+    bias masking a column, or a finite one so negative that it scales to -inf) raised to
+    MASKED_LOGIT: such a column drops out of every sum as a column past V does (p = 0, and 0
+    in the entropy rather than 0 * -inf = NaN). A NaN stays NaN."""
+    return tl.where(zb < MASKED_LOGIT, MASKED_LOGIT, zb)
 
 
 @triton.jit
 def _fold(z, m, s, ent, WITH_ENTROPY: tl.constexpr):
     """One tile of base-2 logits z [rows, cols] folded into the online softmax state of its
     rows: running max m, s = sum of exp2(z - m), ent = sum of exp2(z - m) * (z - m). Every
-    tile has a valid column, so the new max is finite and alpha = exp2(-inf) = 0 on the
-    first tile."""
+    logit of finite inputs is finite (columns past V and masked ones are MASKED_LOGIT:
+    _colterm), so the new max is finite and alpha = exp2(-inf) = 0 on the first tile; a
+    tile of masked columns only leaves a state that the first live tile's alpha = 0 wipes."""
     m_new = tl.maximum(m, tl.max(z, axis=1))
     alpha = tl.exp2(m - m_new)
     zc = z - m_new[:, None]
@@ -289,14 +299,24 @@ def linear_logp_combine_kernel(
     if TARGET_DOT:
         gather = valid & ~bad
         z_t = _target_logit(h_ptr, w_ptr, b_ptr, rows, target, gather, D, scale, HAS_BIAS, BLOCK, BLOCK_D)
+    # Masked columns (logit MASKED_LOGIT: _colterm): a target on one has logp -inf; a row
+    # with every column masked has no distribution, so its logp and entropy are NaN.
+    empty = m < 0.5 * MASKED_LOGIT  # (a NaN m, from NaN inputs, is not)
+    dead = valid & empty
     logp = tl.where(valid, (z_t - lse) * LN2, 0.0)
-    tl.store(logp_ptr + rows, tl.where(bad, float("nan"), logp), mask=ok)
-    tl.store(lse_ptr + rows, lse, mask=ok)
+    logp = tl.where(valid & (z_t < 0.5 * MASKED_LOGIT), NEG_INF, logp)
+    tl.store(logp_ptr + rows, tl.where(bad | dead, float("nan"), logp), mask=ok)
+    # The backward's lse: NaN on a bad target's row and -inf on a dead one (every gradient
+    # of the row NaN or inf, never plausible; a vocab-parallel rank reads -inf as a slice
+    # holding none of the row's mass, dist.py); 0 on an ignored row with every column masked
+    # (its dz is 0: p = 2^(MASKED_LOGIT - 0) = 0, where its own lse may be -inf).
+    lse = tl.where(empty, tl.where(valid, NEG_INF, 0.0), lse)
+    tl.store(lse_ptr + rows, tl.where(bad, float("nan"), lse), mask=ok)
     if WITH_ENTROPY:
         mean = ent / s  # E[z] - m, base 2
         ent = tl.where(valid, (log_s - mean) * LN2, 0.0)
-        tl.store(ent_ptr + rows, tl.where(bad, float("nan"), ent), mask=ok)
-        tl.store(ez_ptr + rows, m + mean, mask=ok)
+        tl.store(ent_ptr + rows, tl.where(bad | dead, float("nan"), ent), mask=ok)
+        tl.store(ez_ptr + rows, tl.where(empty, 0.0, m + mean), mask=ok)
 
 
 @triton.jit
@@ -354,8 +374,12 @@ def _dz_tile(acc, rows, row_ok, cols, col_ok, offs, b_ptr, t_ptr, lse_ptr, ez_pt
     dz[rows, offs] (row stride dz_stride) in dz's dtype and, with WRITE_BPART, the tile's
     column sums to bpart_ptr[offs] (the row tile's row of the bias sums)."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    z = acc * scale
+        # bias * scale raised to MASKED_LOGIT as the forward's (_colterm): p = 0 there and
+        # p * (z - ez) = 0, not 0 * -inf
+        zb = _masked_floor(tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32) * scale)
+        z = acc * scale + zb[None, :]
+    else:
+        z = acc * scale
     ok = row_ok[:, None] & col_ok[None, :]
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     target = tl.load(t_ptr + rows, mask=row_ok, other=ignore_index)

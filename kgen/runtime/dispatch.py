@@ -225,11 +225,15 @@ def forced_backend() -> str | None:
 
 def env_problems() -> list[str]:
     """What is wrong with the dispatch environment variables (for `kgen doctor`)."""
-    try:
-        forced_backend()
-    except KgenError as e:
-        return [str(e)]
-    return []
+    from kgen.runtime import tune
+
+    problems = []
+    for check in (forced_backend, tune.autotune_enabled):
+        try:
+            check()
+        except KgenError as e:
+            problems.append(str(e))
+    return problems
 
 
 def load(variant: spec_mod.Variant) -> loader.Kernel:
@@ -359,7 +363,9 @@ def choose(family: str, device, dtype: str, bucket: str, shape: dict | None = No
     k = tuning_table.key(family, tuning_table.device_key(device.index), dtype, bucket)
     entry = tuning_table.lookup(k)
     winner, why = (entry["winner"], "tuned") if entry else (None, None)
-    if winner is None and shape is not None and tune.autotune_enabled():
+    if winner is None and k in tune._session:  # autotuned earlier, not recorded (read-only cache)
+        winner, why = tune._session[k], "autotuned"
+    elif winner is None and shape is not None and tune.autotune_enabled():
         winner, why = tune.tune_online(family, device, dtype, shape), "autotuned"
         entry = tuning_table.lookup(k)
     if winner is None and (sk := tuning_table.stand_in(k)) and (entry := tuning_table.lookup(sk)):

@@ -252,10 +252,35 @@ def tune_online(family: str, device, dtype: str, shape: dict) -> str | None:
         return None
     with _online_lock:
         res = tune(family, device, dtype, shape)
-        tuning_table.record({res.key: res.entry()})
+        try:
+            tuning_table.record({res.key: res.entry()})
+        except OSError as e:  # a read-only cache: the call still runs its winner, untabled
+            if res.key not in _unrecorded:
+                _unrecorded.add(res.key)
+                log.warning("kgen: KGEN_AUTOTUNE measured %s for %s but could not record it (%s); "
+                            "using it in this process only", res.winner, res.key, e)
+            _session[res.key] = res.winner
+            return res.winner
     log.info("kgen: tuned %s: %s", res.key, res.winner)
     return res.winner
 
 
+_unrecorded: set = set()
+# winners KGEN_AUTOTUNE measured but could not record (this process's stand-in for the table)
+_session: dict[str, str] = {}
+
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
 def autotune_enabled() -> bool:
-    return os.environ.get("KGEN_AUTOTUNE", "0") not in ("", "0")
+    """KGEN_AUTOTUNE as a switch: 1 / true / yes / on, or 0 / false / no / off / unset (any
+    case); anything else is a KgenError (a typo must not turn tuning on, nor silently off)."""
+    raw = os.environ.get("KGEN_AUTOTUNE", "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    from kgen.errors import KgenError
+
+    raise KgenError(f"KGEN_AUTOTUNE={raw!r}: expected 1 / true / yes / on or 0 / false / no / off")

@@ -13,11 +13,13 @@ What an entry holds, and how it is measured: kgen.runtime.tune."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import math
 import os
 import threading
+import time
 from pathlib import Path
 
 from kgen import config
@@ -59,29 +61,114 @@ def pow2_at_least(n: int) -> int:
 # --------------------------------------------------------------------------- tables
 
 
+class UnreadableTable(Exception):
+    """A table file that exists but is not one kgen can read (why: the message); `io`: it
+    could not be read at all (a directory, no permission), not read and found wrong."""
+
+    def __init__(self, why: str, io: bool = False):
+        super().__init__(why)
+        self.io = io
+
+
 def read_table(path: Path) -> dict:
-    """The entries of one table file; {} (with one warning) when absent, corrupt or foreign."""
+    """The entries of one table file; {} (with one warning) when absent, corrupt or foreign.
+    Entries that are not well formed (entry_problem) are dropped, with one warning a file."""
+    try:
+        raw = _read_raw(path)
+    except FileNotFoundError:
+        return {}
+    except UnreadableTable as e:
+        _warn_once(path, str(e))
+        return {}
+    entries, dropped = {}, []
+    for k, v in raw.items():
+        why = entry_problem(k, v)
+        if why is None:
+            entries[k] = v
+        else:
+            dropped.append(f"{k!r}: {why}")
+    if dropped:
+        _warn_once(path, f"{len(dropped)} malformed entr{'y' if len(dropped) == 1 else 'ies'} left out "
+                         f"(first: {dropped[0]})", what="entries of")
+    return entries
+
+
+def _read_raw(path: Path) -> dict:
+    """A table file's entries as stored, raising FileNotFoundError or UnreadableTable
+    instead of warning (record() neither replaces a table it could not read nor drops the
+    entries that read_table leaves out)."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        _warn_once(path, f"cannot read it ({e})")
-        return {}
+        raise
+    except OSError as e:
+        raise UnreadableTable(f"cannot read it ({type(e).__name__}: {e})", io=True) from None
+    except (ValueError, RecursionError) as e:  # (RecursionError: JSON nested past the stack)
+        raise UnreadableTable(f"cannot read it ({type(e).__name__}: {e})") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("entries"), dict):
-        _warn_once(path, f"not a kgen tuning table of format {FORMAT}")
-        return {}
-    return {k: v for k, v in raw["entries"].items()
-            if isinstance(v, dict) and isinstance(v.get("winner"), str)}
+        raise UnreadableTable(f"not a kgen tuning table of format {FORMAT}")
+    return raw["entries"]
+
+
+_TIMES = ("times_us", "gpu_us", "confirm_us", "confirm_gpu_us")
+_CHOICE_TIMES = ("choices_us", "choices_gpu_us", "choices_confirm_us", "choices_confirm_gpu_us")
+
+
+def entry_problem(k, v) -> str | None:
+    """Why table entry `k: v` is not one dispatch and `kgen tune --show` can use, or None: a
+    key of six `|` fields (family, device name, sm_XY, SM count, dtype, bucket with numeric
+    classes in ASCII digits), a winner, and any time fields of the shapes `kgen tune` writes
+    (candidate -> a positive finite float; choices: choice -> option -> one), probes a list
+    of such measurements, shapes of non-negative ints (and the op's flags: bools, strings)."""
+    if not isinstance(k, str) or len(k.split("|")) != 6:
+        return "key is not family|device|sm_XY|SMs|dtype|bucket"
+    for part in k.split("|")[5].split("."):
+        name, sep, value = part.partition("<=")
+        if sep and not (value.isascii() and value.isdigit()):
+            return f"bucket class {part!r} is not a number"
+    if not isinstance(v, dict):
+        return "not an object"
+    if not isinstance(v.get("winner"), str) or not v["winner"]:
+        return "no winner"
+    if "choices" in v and not _str_map(v["choices"]):
+        return "choices is not a map of names"
+    probes = v.get("probes", [])
+    if not isinstance(probes, list):
+        return "probes is not a list"
+    for p in [v, *probes]:
+        if not isinstance(p, dict):
+            return "a probe is not an object"
+        if ("times_us" in p or p is not v) and not (_times(p.get("times_us")) and p["times_us"]):
+            return "times_us not candidate -> positive time"  # (an entry may hold none: a hand-written one)
+        if any(f in p and not _times(p[f]) for f in _TIMES):
+            return "a time field is not candidate -> positive time"
+        if any(f in p and not (isinstance(p[f], dict) and all(isinstance(n, str) and _times(t)
+                                                               for n, t in p[f].items())) for f in _CHOICE_TIMES):
+            return "a choices time field is not choice -> option -> positive time"
+        shape = p.get("shape", {})
+        if not (isinstance(shape, dict) and all(isinstance(n, str) and (type(x) is int and x >= 0 or
+                                                                          type(x) in (bool, str))
+                                                 for n, x in shape.items())):
+            return "shape is not dimension -> size (or flag)"
+    return None
+
+
+def _times(t) -> bool:
+    return isinstance(t, dict) and all(isinstance(n, str) and type(x) in (int, float) and 0 < x < math.inf
+                                       for n, x in t.items())
+
+
+def _str_map(m) -> bool:
+    return isinstance(m, dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in m.items())
 
 
 _warned: set = set()
 
 
-def _warn_once(path: Path, why: str) -> None:
-    if str(path) not in _warned:
-        _warned.add(str(path))
-        log.warning("kgen: ignoring tuning table %s: %s", path, why)
+def _warn_once(path: Path, why: str, what: str = "tuning table") -> None:
+    if (str(path), what) not in _warned:
+        _warned.add((str(path), what))
+        log.warning("kgen: ignoring %s %s: %s", what, path, why)
 
 
 def user_path() -> Path:
@@ -105,11 +192,13 @@ class _Tables:
         self._merged: dict | None = None
 
     def entries(self) -> dict:
-        if self._merged is None:
+        merged = self._merged  # (read once: invalidate() may clear it from another thread)
+        if merged is None:
             with self._lock:
-                if self._merged is None:
-                    self._merged = {**_shipped(), **read_table(user_path())}
-        return self._merged
+                merged = self._merged
+                if merged is None:
+                    merged = self._merged = {**_shipped(), **read_table(user_path())}
+        return merged
 
     def invalidate(self) -> None:
         self._merged = None
@@ -219,11 +308,28 @@ def record(entries: dict, path: Path | None = None, replace: bool = False) -> Pa
     lock = cache.root() / ".locks" / f"tuning-{hashlib.sha256(str(path).encode()).hexdigest()[:16]}"
     path.parent.mkdir(parents=True, exist_ok=True)
     with cache.lock(lock):
-        merged = read_table(path)
+        try:
+            merged = _read_raw(path)
+        except FileNotFoundError:
+            merged = {}
+        except UnreadableTable as e:  # keep what it held: moved aside, never overwritten
+            if e.io:  # (a directory, a file kgen may not read: not kgen's to move)
+                raise OSError(f"cannot record into the tuning table {path}: {e}") from None
+            stamp = f"{path.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}"
+            aside = next(p for n in itertools.count() if not (p := path.with_name(f"{stamp}-{n}")).exists())
+            os.replace(path, aside)  # (under the lock: no other kgen process picks the same name)
+            log.warning("kgen: tuning table %s %s; moved it to %s and started a new one", path,
+                        str(e).replace("cannot read it", "could not be read"), aside)
+            merged = {}
         for k, e in entries.items():
-            merged[k] = e if replace or k not in merged else merged_entry(merged[k], e)
+            old = merged.get(k)
+            merged[k] = e if replace or old is None or entry_problem(k, old) else merged_entry(old, e)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "entries": dict(sorted(merged.items()))}, indent=1) + "\n")
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps({"format": FORMAT, "entries": dict(sorted(merged.items()))}, indent=1) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise OSError(e.errno, f"cannot write the tuning table {path}: {e.strerror}") from None
     TABLES.invalidate()
     return path

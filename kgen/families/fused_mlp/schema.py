@@ -17,7 +17,7 @@ MIN_DOT = 16  # tl.dot's smallest M, N and K
 
 
 def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    return 1 << max(0, n - 1).bit_length()
 
 
 # An exact variant keeps a whole activation tile [BLOCK_M, width] in registers only up to

@@ -37,7 +37,7 @@ def tune_bucket(B: int, widths, precision: str | None = None, **_) -> str:
     """Widths, B rounded up to a power of two, and for float32 the dot precision (TF32 on
     or off: different kernels, and eager's own matmuls change speed with it too)."""
     w = "-".join(map(str, widths_of(widths)))
-    return f"w{w}.B<={1 << max(0, (B - 1).bit_length())}" + (f".{precision}" if precision else "")
+    return f"w{w}.B<={1 << max(0, B - 1).bit_length()}" + (f".{precision}" if precision else "")
 
 
 def bucket_extras(dtype: str) -> dict:
@@ -351,7 +351,7 @@ def untuned_order(variants, shape: dict) -> list:
     """dispatch's hook for widths nothing was tuned for: `variants` (those that take the
     widths, in spec order) to try in turn; none left means the eager composition."""
     widths = widths_of(shape["widths"])
-    B = 1 << max(0, (int(shape["B"]) - 1).bit_length())  # the bucket's (its choice serves all of it)
+    B = 1 << max(0, int(shape["B"]) - 1).bit_length()  # the bucket's (its choice serves all of it)
     by_tile = {"key": lambda v: v.params["block_m"], "reverse": B > UNTUNED_SMALL_TILES_B}
     cuda = [v for v in variants if v.backend == "cuda"]
     exact = sorted((v for v in variants if v.backend == "triton" and v.params["widths"]), **by_tile)

@@ -32,7 +32,7 @@ def check_inputs(hidden, weight, target, bias, temperature, ignore_index) -> Non
         raise TypeError(f"linear_logp: target has dtype {target.dtype}; expected torch.int64 (or int32)")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"linear_logp: temperature must be a float, got {type(temperature).__name__}")
-    if not math.isfinite(temperature) or temperature <= 0:
+    if not 0 < temperature < math.inf:  # (comparisons, not math.isfinite: torch.compile traces them)
         raise ValueError(f"linear_logp: temperature must be finite and > 0, got {temperature}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"linear_logp: ignore_index must be an int, got {type(ignore_index).__name__}")

@@ -69,6 +69,7 @@ from kgen.families.linear_logp.checks import check_inputs
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
 from kgen.families.linear_logp.launch import LN2, LOG2E, forward
 from kgen.families.linear_logp.op import _FORCED, _module, keeps_logits, using
+from kgen.families.linear_logp.reference import _finite_floor
 from kgen.runtime.op import MISSING, define
 
 # ---------------------------------------------------------------------------- layout
@@ -166,7 +167,7 @@ def _reference_partials(hidden, weight, target, bias, temperature: float, with_e
     z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(1, target.long()[:, None]).squeeze(1) - lse
-    ent = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    ent = lse - (torch.softmax(z, dim=-1) * _finite_floor(z)).sum(-1) if with_entropy else None
     return logp, ent, lse * LOG2E
 
 
@@ -213,7 +214,10 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     planes = 3 if with_entropy else 2
     part = torch.empty(planes * N + 1, dtype=torch.float32, device=dev)
     part[:N] = lse2_r
-    zt = torch.where(owned, logp_r * LOG2E + lse2_r, 0.0)
+    # lse2_r = -inf: every column of the slice is masked for that row (a -inf bias); it holds
+    # none of the row's mass, and a target in it has logit -inf
+    empty = lse2_r == float("-inf")
+    zt = torch.where(owned, torch.where(empty, float("-inf"), logp_r * LOG2E + lse2_r), 0.0)
     part[N:2 * N] = torch.where(bad, float("nan"), zt)
     if with_entropy:
         part[2 * N:3 * N] = ent_r
@@ -236,10 +240,18 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     lse2 = m + torch.log2(s)
     zt = every[:, N:2 * N].sum(0)
     logp = torch.where(valid, (zt - lse2) * LN2, 0.0)
+    # The single device's lse2 (combine): NaN on a bad target's row, -inf where every rank's
+    # slice is masked (m = -inf there makes lse2 NaN, and logp with it), 0 on such a row when
+    # it is ignored (its gradients are 0: p = 2^(-1e30 - 0) = 0)
+    empty = m == float("-inf")
+    lse2 = torch.where(empty, torch.where(valid, float("-inf"), 0.0),
+                       torch.where(valid & torch.isnan(zt), float("nan"), lse2))
     if not with_entropy:
         return logp, logp.new_empty(0), lse2, logp.new_empty(0), kept
     share = w / s
-    ent = (share * (every[:, 2 * N:3 * N] - (lse_r - lse2) * LN2)).sum(0)
+    # a rank whose slice is masked for the row adds nothing (share 0, its entropy NaN)
+    term = torch.where(lse_r == float("-inf"), 0.0, share * (every[:, 2 * N:3 * N] - (lse_r - lse2) * LN2))
+    ent = term.sum(0)
     ez2 = lse2 - ent * LOG2E
     ent = torch.where(valid & torch.isnan(zt), float("nan"), torch.where(valid, ent, 0.0))
     return logp, ent, lse2, ez2, kept
@@ -276,7 +288,7 @@ def _reference_backward(hidden, weight, target, bias, lse2, ez2, grad_logp, grad
     z = h @ w.T
     if bias is not None:
         z = z + bias.to(f32)
-    z2 = z * (LOG2E / temperature)
+    z2 = _finite_floor(z * (LOG2E / temperature))  # a masked column: p = 0 and 0 * finite
     p = torch.exp2(z2 - lse2[:, None])
     valid = target != -1
     zero = torch.zeros((), dtype=f32)

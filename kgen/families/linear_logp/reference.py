@@ -10,7 +10,9 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
               ignore_index: int = -100, compute=torch.float32):
     """(logp, entropy) in `compute` precision (float32: the CPU path; float64: the test
     oracle), shaped like hidden.shape[:-1]. Materialises the N x V logits; differentiable
-    through torch autograd."""
+    through torch autograd. As the kernels: a -inf logit (a masked column) holds no mass and
+    adds 0 to the entropy (a target on it: logp -inf); a row whose logits are all -inf, or
+    one with a +inf logit, has NaN logp and entropy; so has a target outside [0, V)."""
     shape = hidden.shape[:-1]
     h = hidden.reshape(-1, hidden.shape[-1]).to(compute)
     logits = h @ weight.to(compute).T
@@ -22,13 +24,21 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
     bad = valid & ((t < 0) | (t >= logits.shape[1]))  # NaN rows, as the kernels give
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, torch.where(valid & ~bad, t, 0)[:, None]).squeeze(1) - lse
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    entropy = lse - (torch.softmax(logits, dim=-1) * _finite_floor(logits)).sum(-1)
     zero, nan = logp.new_zeros(()), logp.new_full((), float("nan"))
+    bad = bad | (valid & (lse == float("inf")))  # the kernels' z - max is inf - inf there
 
     def rows(x):
         return torch.where(bad, nan, torch.where(valid, x, zero)).reshape(shape)
 
     return rows(logp), rows(entropy)
+
+
+def _finite_floor(z):
+    """z with everything below -1e30 (a -inf: a masked column) raised to -1e30, the kernels'
+    MASKED_LOGIT (NaN stays NaN): p * z and p * c * (z - E[z]) are then 0 there, not 0 * -inf
+    (the dtype's lowest finite value would overflow to -inf once scaled)."""
+    return z.clamp_min(-1.0e30)
 
 
 def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, temperature: float,
@@ -44,12 +54,16 @@ def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, te
     z = z / temperature
     p = torch.softmax(z, dim=-1)
     valid = target != ignore_index
+    in_range = (target >= 0) & (target < w.shape[0])
     dz = -p * grad_logp.to(f32)[:, None]
-    rows = (valid & (target >= 0) & (target < w.shape[0])).nonzero().squeeze(1)
+    rows = (valid & in_range).nonzero().squeeze(1)
     dz[rows, target[rows].long()] += grad_logp.to(f32)[rows]
     if grad_entropy is not None:
-        ez = (p * z).sum(-1, keepdim=True)
-        dz -= grad_entropy.to(f32)[:, None] * p * (z - ez)
+        zf = _finite_floor(z)
+        ez = (p * zf).sum(-1, keepdim=True)
+        dz -= grad_entropy.to(f32)[:, None] * p * (zf - ez)
+    # a target outside [0, V): the row's gradients are NaN, as its logp is (the kernels' lse2)
+    dz = torch.where((valid & ~in_range)[:, None], float("nan"), dz)
     dz = torch.where(valid[:, None], dz, torch.zeros((), dtype=f32)) / temperature
     gb = dz.sum(0).to(bias.dtype) if bias is not None else hidden.new_empty(0)
     return (dz @ w).to(hidden.dtype), (dz.T @ h).to(weight.dtype), gb
