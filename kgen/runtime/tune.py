@@ -255,8 +255,7 @@ def tune_online(family: str, device, dtype: str, shape: dict) -> str | None:
         try:
             tuning_table.record({res.key: res.entry()})
         except OSError as e:  # a read-only cache: the call still runs its winner, untabled
-            if res.key not in _unrecorded:
-                _unrecorded.add(res.key)
+            if res.key not in _session:  # (one warning a key)
                 log.warning("kgen: KGEN_AUTOTUNE measured %s for %s but could not record it (%s); "
                             "using it in this process only", res.winner, res.key, e)
             _session[res.key] = res.winner
@@ -265,7 +264,6 @@ def tune_online(family: str, device, dtype: str, shape: dict) -> str | None:
     return res.winner
 
 
-_unrecorded: set = set()
 # winners KGEN_AUTOTUNE measured but could not record (this process's stand-in for the table)
 _session: dict[str, str] = {}
 
