@@ -1120,3 +1120,26 @@ def test_tune_shapes_keep_a_variation_given():
     assert shapes_arg(fba, ["rows=8192,cols=1024,has_y=0"]) == [{"rows": 8192, "cols": 1024, "has_y": False}]
     assert shapes_arg(fba, ["8192x1024"]) == [{"has_y": True, "rows": 8192, "cols": 1024},
                                               {"has_y": False, "rows": 8192, "cols": 1024}]
+
+
+def test_online_winner_that_cannot_be_recorded_serves_the_process_with_one_warning(monkeypatch, caplog):
+    """KGEN_AUTOTUNE where the table cannot be written (a read-only cache): the measured winner
+    is returned and kept for this process (dispatch.choose reads it), with one warning a key,
+    not an exception out of the op call."""
+    key = "fam|dev|sm_90|132|float32|b"
+    res = types.SimpleNamespace(key=key, winner="v_fast", entry=lambda: {"winner": "v_fast"})
+    calls = []
+    monkeypatch.setattr(tune, "tune", lambda *a: calls.append(a) or res)
+
+    def refuse(entries):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(tuning_table, "record", refuse)
+    monkeypatch.setattr(tune, "_session", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (CPU torch)
+    with caplog.at_level(logging.WARNING, logger="kgen"):
+        first = tune.tune_online("fam", None, "float32", {})
+        second = tune.tune_online("fam", None, "float32", {})
+    assert first == second == "v_fast" and len(calls) == 2
+    assert tune._session == {key: "v_fast"}
+    assert sum("could not record" in r.getMessage() for r in caplog.records) == 1
