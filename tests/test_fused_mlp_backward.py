@@ -329,6 +329,47 @@ def test_train_fast_path_takes_it(monkeypatch, need_x):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_first_training_step_gives_the_later_steps_gradients(monkeypatch, fused):
+    """The op's own backward (a signature's first training step, and every step where the
+    training fast path steps aside: torch.compile, autocast, `using`) runs the fast path's
+    backward, train.gradients, on the zs of a forward launched again with `save`: its
+    gradients equal train.Step's bit for bit, through the fused backward (the interpreter
+    here) and through backward_lean. (They used to come from reference.backward's per-layer
+    GEMMs, float32 rounding away from the later steps'.) KGEN_FUSED_MLP_FAST_TRAIN=0 keeps
+    reference.backward."""
+    widths, acts = (7, 13, 6, 3), ("gelu", "sigmoid")
+    x, ws, bs = fm.make_inputs("cpu", torch.float32, 10, widths, bias=[True, False, True])
+    g = torch.randn(10, 3, generator=torch.Generator().manual_seed(5))
+    if fused:
+        monkeypatch.setattr(fb, "DEVICES", ("cuda", "cpu"))
+    calls = []
+    monkeypatch.setattr(train, "gradients", lambda *a, f=train.gradients: calls.append(a[0]) or f(*a))
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
+
+    def general():
+        xl = x.clone().requires_grad_()
+        wl = [w.clone().requires_grad_() for w in ws]
+        bl = [None if b is None else b.clone().requires_grad_() for b in bs]
+        out = ops.fused_mlp(xl, wl, bl, activation=acts[0], last_activation=acts[1])
+        assert type(out.grad_fn).__name__ != "StepBackward"
+        out.backward(g)
+        return [xl.grad, *(w.grad for w in wl), *(b.grad for b in bl if b is not None)]
+
+    first = general()
+    assert len(calls) == 1 and isinstance(calls[0], fb.Plan) == fused
+    entry = _train_entry(monkeypatch, x, ws, bs, acts)
+    later = _step(x, ws, bs, acts, g)
+    assert len(calls) == 2 and isinstance(calls[1], fb.Plan) == fused
+    for a, b in zip(first, later):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(fm.op, "FAST_TRAIN", False)
+    before = general()
+    assert len(calls) == 2  # reference.backward, not train.gradients
+    for a, b in zip(before, later):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_padded_copies_give_the_same_gradients(monkeypatch, dtype):
     """`pad` (a tuned option): x and the chain's weights whose rows are not whole 16-byte

@@ -175,7 +175,8 @@ def test_train_fast_path_empty_batch_and_frozen_layers(monkeypatch):
 def test_gpu_train_fast_path_gradients_and_graph(widths, acts, dtype):
     """On the GPU: after one general-path step the training fast path takes the call (its
     bound `save` launch, no second forward), its output is bit-identical to the general
-    path's and its gradients match; a whole training step captured in a CUDA graph replays
+    path's and its gradients match (bit for bit those of the first step, the general path's
+    backward running the same train.gradients); a whole training step captured in a CUDA graph replays
     the eager fast path's gradients for a new input."""
     from kgen.runtime import triton_launch as tlaunch
 
@@ -196,7 +197,7 @@ def test_gpu_train_fast_path_gradients_and_graph(widths, acts, dtype):
         fm.op.FAST_TRAIN = False
         out_b, before = step()
         fm.op.FAST_TRAIN = True
-        step()  # the general path: its backward remembers the signature
+        _, first = step()  # the general path: its backward remembers the signature
         n = tlaunch.STATS["direct"]
         assert type(m(x).grad_fn).__name__ == "StepBackward"
         forward_launches = tlaunch.STATS["direct"] - n
@@ -210,6 +211,8 @@ def test_gpu_train_fast_path_gradients_and_graph(widths, acts, dtype):
             pads = sum(s != w.shape[1] for s, w in zip(getattr(tri, "WEIGHT_STRIDES", ()), m.weights))
             assert forward_launches == 1 + pads  # one forward launch (after a pad of each padded weight), replayed
         assert torch.equal(out_a, out_b)
+        for a, b in zip(after, first):  # the general path's backward is the fast path's: bit for bit
+            assert torch.equal(a, b)
         for a, b in zip(after, before):
             scale = float(b.abs().max()) or 1.0
             torch.testing.assert_close(a / scale, b / scale, rtol=0, atol=2e-2 if dtype != torch.float32 else 1e-4)

@@ -76,13 +76,12 @@ def test_gpu_second_derivative_raises_naming_the_op(case):
     w = torch.randn(4, 32, device="cuda", requires_grad=True)
     general = torch.autograd.grad(f(x, w).float().sum(), (x, w), allow_unused=True)
     fast = torch.autograd.grad(f(x, w).float().sum(), (x, w), allow_unused=True)
-    # The first call's backward (the op's, per-layer GEMMs) remembers the signature; the later
-    # calls take the training fast path, whose backward (fused_mlp: the fused Triton one) may
-    # sum in another order: float32 rounding apart (torch.testing's float32 tolerance).
+    # The first call's backward (the op's) remembers the signature; the later calls take the
+    # training fast path, whose backward is the op's (fused_mlp: train.gradients): bit for bit.
     for g, h in zip(general, fast):
         assert (g is None) == (h is None)
         if g is not None:
-            torch.testing.assert_close(h, g)
+            assert torch.equal(h, g)
     for _ in range(2):
         _second_derivative_raises(name, f, "cuda")
 

@@ -22,10 +22,12 @@ rows at random, 3-5e-2 in float32, where a grid's programs all ran at once). Wit
 backward needs goes to its own [B, width] buffer instead (the generic kernel's scratch is
 then those buffers).
 
-Backward: the forward is run again with `save` (or the eager composition saves z on the
-reference path), then reference.backward's per-layer GEMMs through PyTorch (deterministic).
-The eager training fast path (train.py) launches the forward with `save` once through
-`direct(..., save=True)` and runs the fused backward (fused_backward.py) on its zs.
+Backward: the op's runs the forward again with `save` (`saved`; the eager composition saves
+z on the reference path), then the training fast path's backward (train.gradients: the fused
+backward, fused_backward.py, or reference.backward_lean) on those zs; `backward` (with
+KGEN_FUSED_MLP_FAST_TRAIN=0, tests) reference.backward's per-layer GEMMs through PyTorch
+(deterministic). The eager training fast path (train.py) launches the forward with `save`
+once through `direct(..., save=True)` and runs train.gradients on its zs.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from kgen.families.fused_mlp.cuda import CudaMLP
-from kgen.families.fused_mlp.reference import backward as torch_backward, backward_lean
+from kgen.families.fused_mlp.reference import backward as torch_backward
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, pad_launch, tf32_weights_launch
 from kgen.runtime import triton_launch
 from kgen.runtime.op import prototype
@@ -239,20 +241,18 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     return launch
 
 
-def backward(mod, grad, x, weights, biases, activation: str, last_activation: str, need_x: bool = True,
-             lean: bool = False):
+def backward(mod, grad, x, weights, biases, activation: str, last_activation: str, need_x: bool = True):
     """(grad_x or None, [grad_w], [grad_b or None]) for 2-D contiguous x and grad: the
-    forward again with `save` (mod None: the eager composition), then the GEMMs
-    (reference.backward, or `lean`: reference.backward_lean)."""
-    if mod is None:
-        _, zs = _eager_save(x, weights, biases, activation, last_activation)
-    else:
-        _, zs = forward(mod, x, weights, biases, activation, last_activation, save=True)
-    if lean:
-        L = len(weights)
-        return backward_lean(grad, x, weights, [b is not None for b in biases], zs, activation, last_activation,
-                             (need_x,) + (True,) * (2 * L), outputs=True)
+    forward again with `save` (mod None: the eager composition), then reference.backward."""
+    zs = saved(mod, x, weights, biases, activation, last_activation)
     return torch_backward(grad, x, weights, biases, zs, activation, last_activation, need_x)
+
+
+def saved(mod, x, weights, biases, activation: str, last_activation: str) -> list:
+    """The zs a forward with `save` keeps (mod None: the eager composition's), 2-D contiguous x."""
+    if mod is None:
+        return _eager_save(x, weights, biases, activation, last_activation)[1]
+    return forward(mod, x, weights, biases, activation, last_activation, save=True)[1]
 
 
 def _eager_save(x, weights, biases, activation, last_activation):

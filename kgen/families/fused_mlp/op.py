@@ -173,24 +173,43 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
         gx, gws = x2.clone(), [torch.zeros_like(w) for w in ws]
         gbs = [None if b is None else torch.zeros_like(b) for b in bl]
     else:
-        gx, gws, gbs = launch.backward(mod, g2.to(x.dtype), x2, ws, _contig(bl), activation, last_activation, need_x,
-                                       lean=FAST_TRAIN)
-        if FAST_PATH and FAST_TRAIN and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
-            _remember_train(mod, x, weights, bl, activation, last_activation)
+        g2, bs = g2.to(x.dtype), _contig(bl)
+        if not FAST_TRAIN:
+            gx, gws, gbs = launch.backward(mod, g2, x2, ws, bs, activation, last_activation, need_x)
+        else:
+            # the training fast path's backward (train.gradients, with the entry's plan where this
+            # call makes or finds one), so that the first step's gradients are the later steps'
+            zs = launch.saved(mod, x2, ws, bs, activation, last_activation)
+            entry = None  # (made after a `save` launch: its launcher binds that binary)
+            if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
+                entry = _remember_train(mod, x, weights, bl, activation, last_activation)
+            acts, has_bias, B = (activation, last_activation), tuple(b is not None for b in bl), x2.shape[0]
+            needs = (need_x, *(True,) * len(ws), *has_bias)
+            if entry is not None:
+                p = entry.fused(x2, ws, B, needs)
+            elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+                p = None  # (backward_lean: a plan's first launches would load its kernels mid-capture)
+            else:
+                p = train.plan_for(x2, widths, B, has_bias, acts, needs)
+            gx, gws, gbs = train.gradients(p, g2, x2, ws, has_bias, zs, acts, needs)
     gx = gx.reshape(x.shape) if need_x else x.new_empty(0)
     return [gx, *gws, *(g for g in gbs if g is not None)]
 
 
 def _remember_train(mod, x, weights, biases, activation, last_activation):
-    """After a general-path backward (its forward with `save` launched, so bound): the
-    training fast path's entry for this call's signature (plain tensors only)."""
+    """In a general-path backward: the training fast path's entry for this call's signature
+    (plain tensors only, not while capturing a CUDA graph; else None), made and kept where
+    there is none yet."""
     if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
-        return
+        return None
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
+        return None
     call = _call(x, weights, biases, activation, last_activation)
-    if not _TRAIN.has(call):
-        _TRAIN.put(call, train.make(mod, x, weights, biases, activation, last_activation))
+    entry = _TRAIN.get(call)
+    if entry is None:
+        entry = train.make(mod, x, weights, biases, activation, last_activation)
+        _TRAIN.put(call, entry)
+    return entry
 
 
 def _backward_fake(grad, x, weights, biases, bias_mask, activation, last_activation, need_x):
@@ -266,8 +285,9 @@ def fused_mlp(x: torch.Tensor, weights, biases=None, *, activation: str = "relu"
     layer's products.
 
     Differentiable in x, every weight and every bias (the backward recomputes the forward,
-    saving each layer's z, then per-layer GEMMs; deterministic; the training fast path below
-    saves the z in the forward instead). On CUDA tensors the variant
+    saving each layer's z, then runs the training fast path's backward below on them, so the
+    first training step of a signature and its later ones give the same gradients bit for
+    bit; deterministic; the training fast path saves the z in the forward instead). On CUDA tensors the variant
     dispatch chose for (widths, B bucket, dtype) runs on the current stream (or the eager
     composition where no variant fits or it won the tuning); CPU tensors run the eager
     composition. Under torch.autocast, x, the weights and biases are cast to its dtype, as

@@ -2,7 +2,8 @@
 kgen.families._activations, shared with fused_bias_act), the eager composition (the op's
 fallback and a tuning candidate), the float64 oracle the tests use,
 and the backward through per-layer GEMMs: `backward` (the general path's, op by op as
-stated) and `backward_lean` (the same math in fewer torch calls: the training fast path's)."""
+stated; with KGEN_FUSED_MLP_FAST_TRAIN=0) and `backward_lean` (the same math in fewer torch
+calls: train.gradients' where the fused backward does not serve)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ kernels failing to build) reference.backward_lean (per layer 4-5 torch calls).
 
 Why: a training step at B <= 16384 is host-bound. The general path (the op through autograd)
 runs check_inputs and the kernel choice, launches the forward, and in the backward launches
-it again with `save` (the op returns only the output) before ~11 torch calls per layer.
+it again with `save` (the op returns only the output) before the same backward (`gradients`).
 This path is taken per exact call signature that the general path has served once (its
 backward remembers it, `remember`), only eagerly: op.fused_mlp steps aside from it under
 torch.compile, autocast, `using` blocks, tensor subclasses and KGEN_FUSED_MLP_FAST_TRAIN=0.
@@ -40,21 +40,15 @@ class Entry:
         self.plans = {}  # (needs, precision) -> fused_backward.Plan, or None: backward_lean
 
     def fused(self, x, ws, B: int, needs):
-        """The fused backward's plan for this call (None: backward_lean serves it: where the
-        tuning table's choice for the bucket, or the default, is "lean"; tuning.backward_choice)."""
-        if not fused_backward.ENABLED or B == 0 or x.device.type not in fused_backward.DEVICES:
-            return None
-        if x.is_cuda and x.device.index != current_device():  # Triton launches on the current device
+        """The fused backward's plan for this call (plan_for), kept per `needs` and precision
+        (where it can apply at all: `applies`, read each call)."""
+        if not applies(x, B):
             return None
         key = (needs, launch.precision(x.dtype))
         p = self.plans.get(key, False)
         if p is False:
             widths = (self.w0, *(w.shape[0] for w in ws))
-            p, choice = None, backward_choice(x.device, x.dtype, widths, B)
-            if choice != "lean":
-                p = fused_backward.plan(widths, x.dtype, x.device, B, self.has_bias, self.acts, needs,
-                                        *fused_option(choice))
-            self.plans[key] = p
+            p = self.plans[key] = plan_for(x, widths, B, self.has_bias, self.acts, needs)
         return p
 
     def forward(self, x, weights, biases):
@@ -75,6 +69,38 @@ class Entry:
         else:
             out, zs = launch.forward(self.mod, x2, ws, bs, *self.acts, save=True)
         return out.reshape(self.out_shape), zs
+
+
+def applies(x, B: int) -> bool:
+    """Whether the fused backward can serve B rows of x: on (KGEN_FUSED_MLP_FUSED_BWD),
+    B > 0, a device in fused_backward.DEVICES, the current one (Triton launches there)."""
+    if not fused_backward.ENABLED or B == 0 or x.device.type not in fused_backward.DEVICES:
+        return False
+    return not x.is_cuda or x.device.index == current_device()
+
+
+def plan_for(x, widths, B: int, has_bias, acts, needs):
+    """The fused backward's plan for B rows of x's dtype and device (None: backward_lean
+    serves the call: where the tuning table's choice for the bucket, or the default, is
+    "lean" (tuning.backward_choice), B = 0, a device not in fused_backward.DEVICES or not the
+    current one, KGEN_FUSED_MLP_FUSED_BWD=0)."""
+    if not applies(x, B):
+        return None
+    choice = backward_choice(x.device, x.dtype, widths, B)
+    if choice == "lean":
+        return None
+    return fused_backward.plan(widths, x.dtype, x.device, B, has_bias, acts, needs, *fused_option(choice))
+
+
+def gradients(p, g, x2, ws, has_bias, zs, acts, needs):
+    """(grad_x or None, [grad_w or None], [grad_b or None]) for 2-D g and x2 and the forward's
+    zs: through plan `p` (plan_for), or backward_lean where p is None or declines. Both the
+    training fast path (Step) and the op's general backward run this, so a signature's first
+    training step (the op's) and its later ones (Step's) give the same gradients bit for bit."""
+    res = p(_contig(g), _contig(x2), [_contig(w) for w in ws], zs) if p is not None else None
+    if res is None:
+        res = backward_lean(g, x2, ws, has_bias, zs, *acts, needs, outputs=True)
+    return res
 
 
 def make(mod, x, weights, biases, activation: str, last_activation: str, go=None) -> Entry:
@@ -127,11 +153,7 @@ class Step(torch.autograd.Function):
             gws = [torch.zeros_like(w) if n else None for w, n in zip(ws, needs[1:1 + L])]
             gbs = [w.new_zeros(w.shape[0]) if n else None for w, n in zip(ws, need_b)]
         else:
-            p = entry.fused(x, ws, B, needs)
-            res = p(_contig(g), _contig(x2), [_contig(w) for w in ws], zs) if p is not None else None
-            if res is None:
-                res = backward_lean(g, x2, ws, entry.has_bias, zs, *entry.acts, needs, outputs=True)
-            gx, gws, gbs = res
+            gx, gws, gbs = gradients(entry.fused(x, ws, B, needs), g, x2, ws, entry.has_bias, zs, entry.acts, needs)
             if gx is not None:
                 gx = gx.reshape(x.shape)
         return (None, gx, *gws, *(gbs[i] for i, on in enumerate(entry.has_bias) if on))
