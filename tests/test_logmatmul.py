@@ -373,6 +373,64 @@ def test_plus_inf_in_x_gives_nan_on_every_path(poison, impl):
         torch.testing.assert_close(out[fin].double(), want, rtol=1e-5, atol=3e-5)
 
 
+@pytest.mark.parametrize("impl,form", [("reference", None)] + [(v, f) for v in TRITON + TRITON_16
+                                                                 for f in ("direct", "chunks", "gemm")])
+def test_plus_inf_in_x_gives_nan_gradients_on_every_path(monkeypatch, impl, form):
+    """The backward of a row with +inf in x: NaN dx at every entry of x but those that are
+    -inf (dx 0, as the docstring says), never a plausible 0 (its maximum m is +inf, so e' is 0
+    at every finite x: the -inf rule alone read them as -inf), through the one-pass kernel
+    writing dx directly, its chunks' partials summed, and the GEMM form; dw NaN where that row's
+    x is finite; the other rows' dx the float64 values. Buffers start as a finite sentinel
+    (not NaN: an unwritten element would pass for a NaN gradient)."""
+    from kgen.families.logmatmul import backward_launch, plans
+
+    monkeypatch.setattr(launch, "_empty", lambda shape, dtype, device: torch.full(shape, 7.0, dtype=dtype,
+                                                                                  device=device))
+    N = 5 if form != "chunks" else 640
+    x, w = numerics.make_inputs(3, N, 64, torch.float32, CPU, holes=False)
+    x[1, 7], x[1, 3] = float("inf"), float("-inf")
+    dtype = torch.float32 if impl == "reference" else getattr(torch, SPEC.variant(impl).dtype)
+    x = x.to(dtype)
+    g = torch.randn(3, N, generator=torch.Generator().manual_seed(7))
+    if impl == "reference":
+        xl = x.clone().requires_grad_()
+        lmm.logmatmul(xl, w).backward(g)
+        dx = xl.grad
+    else:
+        mod = _mod(impl)
+        if form == "chunks":
+            assert plans.bwd_chunks(mod, N, 64, backward_launch.sm_count(CPU))[0] > 1
+        with lmm.using(mod):
+            out = lmm.logmatmul(x, w)
+        dx, dw = backward_launch.backward(mod, x, w, out, g, gemm=form == "gemm")
+        finite = torch.isfinite(x[1].float())
+        assert torch.isnan(dw[:, finite]).all()
+    assert torch.isnan(dx[1, torch.arange(64) != 3]).all() and dx[1, 3] == 0
+    fin = torch.tensor([0, 2])
+    xd = x[fin].double().requires_grad_()
+    torch.logsumexp(xd[:, None, :] + w.double().log()[None], -1).backward(g[fin].double())
+    torch.testing.assert_close(dx[fin].double(), xd.grad, rtol=2e-2 if dtype != torch.float32 else 1e-4, atol=1e-4)
+
+
+def test_cpu_path_checks_the_pattern_values():
+    """On the CPU path, which reads row_ptr and col_idx anyway, a malformed pattern is a
+    ValueError naming the first bad entry, not a plausible wrong result (a negative column
+    wrapping round, a block left out of every row) or an IndexError from inside."""
+    blocks = torch.rand(6, 32, 32, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, 96)  # 3 block columns
+    ptr, cols = torch.tensor([0, 3, 6]), torch.tensor([0, 1, 2, 0, 1, 2])
+    lmm.block_sparse_logmatmul(x, blocks, ptr, cols, 32)  # well-formed
+    bad = [(torch.tensor([1, 3, 6]), cols, "run from 0 to nnz = 6; got 1 .. 6"),
+           (torch.tensor([0, 3, 5]), cols, "run from 0 to nnz = 6; got 0 .. 5"),
+           (torch.tensor([0, 4, 3, 6]), cols, r"nondecreasing; row_ptr\[1\] = 4 > row_ptr\[2\] = 3"),
+           (ptr, torch.tensor([0, 1, 2, 0, 0, 2]), r"col_idx\[4\] = 0 repeats a column of block row 1"),
+           (ptr, torch.tensor([0, 1, -1, 0, 1, 2]), r"col_idx\[2\] = -1 is outside"),
+           (ptr, torch.tensor([0, 1, 2, 0, 1, 3]), r"col_idx\[5\] = 3 is outside \[0, K / block_size = 3\)")]
+    for rp, ci, match in bad:
+        with pytest.raises(ValueError, match=match):
+            lmm.block_sparse_logmatmul(x, blocks, rp, ci, 32)
+
+
 def test_block_size_takes_integers_only():
     """block_size: any integer (numpy's, a 0-d integer tensor), never a float truncated."""
     import numpy as np
@@ -382,7 +440,7 @@ def test_block_size_takes_integers_only():
     want = lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, 32)
     for bs in (np.int64(32), torch.tensor(32)):
         assert torch.equal(lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs), want)
-    for bs in (32.0, 32.7, "32"):
+    for bs in (32.0, 32.7, "32", torch.tensor(32.0)):
         with pytest.raises(TypeError, match="block_size must be an int"):
             lmm.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs)
 

@@ -399,6 +399,34 @@ def test_gpu_cuda_nan_propagates_as_in_pytorch(poison, name):
 
 
 @gpu
+@pytest.mark.parametrize("name", CUDA + list(MMA_FORMS))
+def test_gpu_plus_inf_in_x_gives_nan_gradients(name):
+    """A row with +inf in x through each CUDA form and its backward (the library's where it
+    takes the call: dx written directly with one chunk of N, summed over chunks with many):
+    dx NaN at every entry but the -inf ones (0), never a plausible 0 (the row's m is +inf, so
+    e' is 0 at every finite x); the other rows' dx the float64 values."""
+    mod = _gpu_mod(name)
+    dtype = getattr(torch, _variant(name).dtype)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for N in (5, 2048):
+        gen = torch.Generator(device=dev).manual_seed(N)
+        x = torch.randn(3, 256, device=dev, generator=gen)
+        w = torch.rand(N, 256, device=dev, generator=gen)
+        x[1, 7], x[1, 3] = float("inf"), float("-inf")
+        x = x.to(dtype)
+        g = torch.randn(3, N, device=dev, generator=gen)
+        xl = x.clone().requires_grad_()
+        with lmm.using(mod):
+            lmm.logmatmul(xl, w).backward(g)
+        dx = xl.grad
+        assert torch.isnan(dx[1, torch.arange(256, device=dev) != 3]).all() and dx[1, 3] == 0, (name, N)
+        xd = x[::2].double().requires_grad_()
+        torch.logsumexp(xd[:, None, :] + w.double().log()[None], -1).backward(g[::2].double())
+        torch.testing.assert_close(dx[::2].double(), xd.grad, rtol=2e-2 if dtype != torch.float32 else 1e-4,
+                                   atol=1e-4)
+
+
+@gpu
 @pytest.mark.parametrize("name", ["dispatch"] + CUDA + list(MMA_FORMS))
 def test_gpu_negative_weights_give_the_formula_or_nan(poison, name):
     """Negative weights on every CUDA form (FMA, tensor-core) and dispatch's choice: the

@@ -726,9 +726,15 @@ lmm_bwd_main(const TX* __restrict__ x, const float* __restrict__ w, const float*
 #pragma unroll
     for (int b = 0; b < BB; ++b) {
       if (b < B) {
-        float p[C];  // this chunk's part of dx (0 where e' = 0)
+        float p[C];  // this chunk's part of dx, by the Triton header's _dx_rule: 0 where x is
+                     // -inf, or where e' is 0 and the sum not NaN (no inf x 0); a NaN sum stays
+                     // NaN (+inf in the row: e' is 0 at every finite x, its outputs NaN)
 #pragma unroll
-        for (int v = 0; v < C; ++v) p[v] = e[b][v] == 0.f ? 0.f : e[b][v] * acc[b][v];  // NaN stays NaN
+        for (int v = 0; v < C; ++v) {
+          p[v] = e[b][v] * acc[b][v];
+          if (e[b][v] == 0.f)  // x read again only here (rare): not kept in registers through the loop
+            p[v] = isnan(acc[b][v]) && kgen::to_float(x[(int64_t)b * K + k + v]) != -INFINITY ? acc[b][v] : 0.f;
+        }
         if (direct) {
 #pragma unroll
           for (int v = 0; v < C; ++v) dx[(int64_t)b * K + k + v] = kgen::from_float<TX>(p[v]);

@@ -27,7 +27,7 @@
 # logmatmul_bwd_kernel (B <= BWD_B): program = (k tile, chunk of N); reads its w tile once,
 # writes the dw tile, and keeps the chunk's share of sum_n c' w in registers (e' once per
 # program, c' per BN x BK tile of w: BB x BN exps); logmatmul_dx_kernel sums the chunks
-# in order and multiplies by e' (0 where e' is 0: no inf * 0). Larger B: two GEMMs on e'
+# in order and multiplies by e' (_dx_rule: 0 at x = -inf, no inf * 0). Larger B: two GEMMs on e'
 # and c' (logmatmul_bwd_factors_kernel, launch.py).
 #
 # Block-sparse (bsl_*): the forward per block of a block-CSR weight; its backward takes
@@ -213,10 +213,11 @@ def logmatmul_bwd_stats_kernel(x_ptr, out_ptr, stats_ptr, N, K, BLOCK: tl.conste
 
 
 @triton.jit
-def _e_scaled(x_ptr, m, S, offs_b, offs_k, mask, K):
-    """e'[b, k] = exp(x - m) 2^S: 0 for x = -inf."""
-    xs = tl.load(x_ptr + offs_b[:, None] * K + offs_k[None, :], mask=mask, other=float("-inf")).to(tl.float32)
-    return tl.exp2((xs - m[:, None]) * LOG2E + S[:, None])
+def _dx_rule(xs, e, s):
+    """dx = e' s, but 0 where x is -inf (whatever s) or where e' is 0 and s is not NaN (no
+    inf x 0); a NaN s stays NaN: a row with +inf in x (its m +inf, so e' 0 at every finite x)
+    or with NaN outputs gets NaN, not a plausible 0 (the CPU path's rule)."""
+    return tl.where((xs == float("-inf")) | ((e == 0) & (s == s)), 0.0, e * s)
 
 
 @triton.jit
@@ -237,7 +238,9 @@ def logmatmul_bwd_kernel(x_ptr, w_ptr, out_ptr, g_ptr, stats_ptr, dw_ptr, dxp_pt
     bk = b_ok[:, None] & k_ok[None, :]
     m = tl.load(stats_ptr + 2 * offs_b, mask=b_ok, other=0.0)
     S = tl.load(stats_ptr + 2 * offs_b + 1, mask=b_ok, other=0.0)
-    e = _e_scaled(x_ptr, m, S, offs_b, offs_k, bk, K)
+    x_off = offs_b[:, None] * K + offs_k[None, :]
+    xs = tl.load(x_ptr + x_off, mask=bk, other=float("-inf")).to(tl.float32)
+    e = tl.exp2((xs - m[:, None]) * LOG2E + S[:, None])  # e' = exp(x - m) 2^S: 0 for x = -inf
     dx = tl.zeros([BB, BK], tl.float32)
     n_lo = chunk * n_chunk
     n_hi = tl.minimum(n_lo + n_chunk, N)
@@ -256,14 +259,15 @@ def logmatmul_bwd_kernel(x_ptr, w_ptr, out_ptr, g_ptr, stats_ptr, dw_ptr, dxp_pt
         tl.store(dw_ptr + w_off, dw.to(dw_ptr.dtype.element_ty), mask=ok)
         dx += tl.sum(c[:, :, None] * wt[None, :, :], axis=1)
     if DIRECT:
-        dx = tl.where(e == 0, 0.0, e * dx)  # (x = -inf: 0, whatever dx; a NaN stays NaN)
+        # (x loaded again: not kept in registers through the loop)
+        dx = _dx_rule(tl.load(x_ptr + x_off, mask=bk, other=float("-inf")).to(tl.float32), e, dx)
     tl.store(dxp_ptr + chunk.to(tl.int64) * B * K + offs_b[:, None] * K + offs_k[None, :],
              dx.to(dxp_ptr.dtype.element_ty), mask=bk)
 
 
 @triton.jit
 def logmatmul_dx_kernel(dxp_ptr, x_ptr, stats_ptr, dx_ptr, B, K, parts, BLOCK: tl.constexpr):
-    """dx = e' * (sum over the chunks' partials [parts, B, K], in order); 0 where e' is 0."""
+    """dx = e' * (sum over the chunks' partials [parts, B, K], in order), by _dx_rule."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     total = B * K
     ok = offs < total
@@ -275,7 +279,7 @@ def logmatmul_dx_kernel(dxp_ptr, x_ptr, stats_ptr, dx_ptr, B, K, parts, BLOCK: t
     S = tl.load(stats_ptr + 2 * b + 1, mask=ok, other=0.0)
     xs = tl.load(x_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32)
     e = tl.exp2((xs - m) * LOG2E + S)
-    tl.store(dx_ptr + offs, tl.where(e == 0, 0.0, e * acc).to(dx_ptr.dtype.element_ty), mask=ok)
+    tl.store(dx_ptr + offs, _dx_rule(xs, e, acc).to(dx_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -84,8 +84,9 @@ def _gemm_dw(c, e, w_dtype) -> torch.Tensor:
 
 
 def _dx_step(mod, dxp, x, stats, dx, parts: int) -> tuple:
-    """dx = e' x (the sum of dxp's `parts` partials [parts, B, K], in order); 0 where e' is 0
-    (x = -inf: no inf x 0; a NaN stays NaN). The GEMM form passes c' w as its one part."""
+    """dx = e' x (the sum of dxp's `parts` partials [parts, B, K], in order); 0 where x is
+    -inf, or where e' is 0 and the sum is not NaN (no inf x 0); a NaN sum stays NaN (the
+    template's _dx_rule). The GEMM form passes c' w as its one part."""
     B, K = x.shape
     return (mod.logmatmul_dx_kernel, (cdiv(B * K, REDUCE_BLOCK),), (dxp, x, stats, dx, B, K, parts),
             dict(BLOCK=REDUCE_BLOCK))

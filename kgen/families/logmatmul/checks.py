@@ -38,6 +38,31 @@ def check_dense(x, w, name: str = "logmatmul") -> None:
         raise ValueError(f"{name}: w is on {w.device}, x on {x.device}; both must be on one device")
 
 
+def check_pattern_values(row_ptr, col_idx, K: int, block_size: int) -> None:
+    """The block-CSR pattern's values, where the CPU path reads them anyway: row_ptr from 0
+    to nnz, nondecreasing; col_idx in [0, K / block_size), no repeat within a block row.
+    ValueError naming the first bad entry (a wrapped negative index or a block dropped would
+    otherwise give a plausible wrong result)."""
+    name = "block_sparse_logmatmul"
+    ptr, cols = row_ptr.tolist(), col_idx.tolist()
+    if ptr[0] != 0 or ptr[-1] != len(cols):
+        raise ValueError(f"{name}: row_ptr must run from 0 to nnz = {len(cols)}; got {ptr[0]} .. {ptr[-1]}")
+    for r in range(len(ptr) - 1):
+        if ptr[r] > ptr[r + 1]:
+            raise ValueError(f"{name}: row_ptr must be nondecreasing; row_ptr[{r}] = {ptr[r]} > "
+                             f"row_ptr[{r + 1}] = {ptr[r + 1]}")
+    C = K // block_size
+    for r in range(len(ptr) - 1):
+        seen = set()
+        for j in range(ptr[r], ptr[r + 1]):
+            c = cols[j]
+            if not 0 <= c < C:
+                raise ValueError(f"{name}: col_idx[{j}] = {c} is outside [0, K / block_size = {C})")
+            if c in seen:
+                raise ValueError(f"{name}: col_idx[{j}] = {c} repeats a column of block row {r}")
+            seen.add(c)
+
+
 def check_block_sparse(x, blocks, row_ptr, col_idx, block_size) -> None:
     """blocks [nnz, bs, bs] (float32 or x's dtype), row_ptr [N/bs + 1], col_idx [nnz]
     (int32 or int64), block_size a power of two >= 32 dividing K."""

@@ -9,7 +9,7 @@ import operator
 import torch
 
 from kgen.families.logmatmul import launch as _launch
-from kgen.families.logmatmul.checks import check_block_sparse, check_dense
+from kgen.families.logmatmul.checks import check_block_sparse, check_dense, check_pattern_values
 from kgen.families.logmatmul.backward_launch import backward, backward_direct, bsl_backward
 from kgen.families.logmatmul.launch import CudaForward, block_rows, bsl_forward, forward, triton_direct
 from kgen.families.logmatmul.plans import BWD_B
@@ -290,6 +290,7 @@ def _bsl_impl(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_
     mod = _module(x.device, x.dtype, max(x.shape[0], 1), max(N, 1), max(x.shape[1], 1))
     if mod is None:
         if x.device.type == "cpu":  # block row by block row, as the kernels (reads the pattern's values)
+            check_pattern_values(row_ptr, col_idx, x.shape[1], block_size)
             return block_sparse_reference(x, blocks, row_ptr, col_idx, block_size)
         return reference(x, dense_from_blocks(blocks, row_ptr, col_idx, block_size, x.shape[1])).contiguous()
     return bsl_forward(mod, x.contiguous(), blocks.contiguous(), row_ptr.contiguous(), col_idx.contiguous(),
@@ -346,10 +347,15 @@ def block_sparse_logmatmul(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch
     """logmatmul with w [N, K] stored as block_size x block_size blocks in block-CSR order:
     blocks [nnz, bs, bs], row_ptr [N/bs + 1] (nondecreasing, from 0 to nnz), col_idx [nnz]
     (child block indices in [0, K/bs), no repeats within a block row). The index values are
-    not checked (that would wait on the device); the kernels read only blocks row_ptr
+    checked on the CPU path, which reads them anyway (a ValueError naming the first bad
+    one), not on CUDA (that would wait on the device); the kernels read only blocks row_ptr
     names. Differentiable in x and blocks. Also torch.ops.kgen.block_sparse_logmatmul."""
     if type(block_size) is not int and not isinstance(block_size, bool) and hasattr(block_size, "__index__"):
-        block_size = operator.index(block_size)  # (numpy's or a 0-d integer tensor; never a float's truncation)
+        try:  # (numpy's or a 0-d integer tensor; never a float's truncation)
+            block_size = operator.index(block_size)
+        except TypeError:
+            raise TypeError("block_sparse_logmatmul: block_size must be an int, got "
+                            f"{type(block_size).__name__} {block_size!r}") from None
     return _bsl_op(x, blocks, row_ptr, col_idx, block_size)
 
 
