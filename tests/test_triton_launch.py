@@ -689,3 +689,34 @@ def test_interpreted_bf16_elementwise_ops_compute_on_values(dtype):
     assert torch.equal(relu.nan_to_num(), torch.relu(x).nan_to_num()) and bool(relu[0].isnan())
     assert torch.equal(gt.bool(), x > y)
     assert torch.equal(fma.nan_to_num(), (x * y + x).nan_to_num())
+
+
+@triton.jit
+def _cast_to(src_ptr, dst_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i).to(dst_ptr.dtype.element_ty))
+
+
+@pytest.mark.skipif(not interpret.active(), reason="the interpreter's bf16: only where kernels are interpreted")
+@pytest.mark.parametrize("src", [torch.float32, torch.float16, torch.float64], ids=str)
+def test_interpreted_casts_to_bf16_round_to_nearest_even(src):
+    """Under the interpreter, `.to(tl.bfloat16)` of float32, float16 and float64 rounds to
+    nearest even, as the GPU's cvt.rn and PyTorch's .bfloat16() do (Triton 3.9's interpreter
+    truncates float32's bits: half of random values an ulp toward zero), bitwise; ties, NaN,
+    +-inf, +-0 and values that round up to inf among the inputs."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(256, generator=g, dtype=torch.float64) * 3
+    ties = torch.tensor([1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, -(1 + 2.0 ** -8), 2.0 ** -130 * (1 + 2.0 ** -8)],
+                        dtype=torch.float64)  # halfway between two bf16s: to the even one
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3.3e38, -3.3e38],
+                           dtype=torch.float64)
+    x = torch.cat([ties, special, x]).to(src)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    n = 1 << (x.numel() - 1).bit_length()
+    xp = torch.cat([x, x.new_zeros(n - x.numel())])
+    outp = torch.empty(n, dtype=torch.bfloat16)
+    _cast_to[(1,)](xp, outp, N=n)
+    out = outp[:x.numel()]
+    want = x.float().bfloat16() if src is torch.float64 else x.bfloat16()
+    assert bool(out[4].isnan())  # (the first special value)
+    assert torch.equal(out.nan_to_num(), want.nan_to_num())
