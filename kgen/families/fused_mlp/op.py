@@ -192,6 +192,9 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
             else:
                 p = train.plan_for(x2, widths, B, has_bias, acts, needs)
             gx, gws, gbs = train.gradients(p, g2, x2, ws, has_bias, zs, acts, needs)
+            if p is not None:  # (the plan's gradients are views of one buffer: an op's outputs may not alias)
+                gws = [g.clone() for g in gws]
+                gbs = [None if g is None else g.clone() for g in gbs]
     gx = gx.reshape(x.shape) if need_x else x.new_empty(0)
     return [gx, *gws, *(g for g in gbs if g is not None)]
 
