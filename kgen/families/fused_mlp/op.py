@@ -180,15 +180,18 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
             # the training fast path's backward (train.gradients, with the entry's plan where this
             # call makes or finds one), so that the first step's gradients are the later steps'
             zs = launch.saved(mod, x2, ws, bs, activation, last_activation)
-            entry = None  # (made after a `save` launch: its launcher binds that binary)
-            if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
+            # (an entry is made after a `save` launch: its launcher binds that binary; none while
+            # capturing a CUDA graph, where a new plan's first launches would load its kernels)
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            entry = None
+            if FAST_PATH and x.is_cuda and not capturing and _FORCED.get() is MISSING and type(x) is torch.Tensor:
                 entry = _remember_train(mod, x, weights, bl, activation, last_activation)
             acts, has_bias, B = (activation, last_activation), tuple(b is not None for b in bl), x2.shape[0]
             needs = (need_x, *(True,) * len(ws), *has_bias)
             if entry is not None:
                 p = entry.fused(x2, ws, B, needs)
-            elif x.is_cuda and torch.cuda.is_current_stream_capturing():
-                p = None  # (backward_lean: a plan's first launches would load its kernels mid-capture)
+            elif capturing:
+                p = None  # backward_lean
             else:
                 p = train.plan_for(x2, widths, B, has_bias, acts, needs)
             gx, gws, gbs = train.gradients(p, g2, x2, ws, has_bias, zs, acts, needs)
@@ -200,12 +203,10 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
 
 
 def _remember_train(mod, x, weights, biases, activation, last_activation):
-    """In a general-path backward: the training fast path's entry for this call's signature
-    (plain tensors only, not while capturing a CUDA graph; else None), made and kept where
-    there is none yet."""
+    """In a general-path backward (not while capturing a CUDA graph): the training fast
+    path's entry for this call's signature (plain tensors only; else None), made and kept
+    where there is none yet."""
     if not all(type(t) in _PLAIN for t in (*weights, *(b for b in biases if b is not None))):
-        return None
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return None
     call = _call(x, weights, biases, activation, last_activation)
     entry = _TRAIN.get(call)
