@@ -797,6 +797,28 @@ def test_ignored_rows_are_zero_and_get_no_gradient():
     assert (gh[mask] == 0).all()
 
 
+@pytest.mark.parametrize("entropy", [True, False])
+def test_an_ignored_row_of_nan_hidden_gets_no_gradient(entropy):
+    """A padded position is often both ignored and NaN (a fully masked attention row): its
+    logp and entropy are 0 and it gives grad_bias, grad_hidden and the other rows nothing --
+    on the kernels (dz 0 there, not p * 0 = NaN) as on the CPU path. grad_weight's GEMM still
+    multiplies the row's NaN hidden by its 0s, as torch does (NaN there on every path)."""
+    hidden, weight, target, bias = make_inputs(7, 50, 16)
+    hidden[3, 5] = float("nan")
+    target[3] = -100
+    want = run(None, hidden, weight, target, bias, entropy=entropy)
+    clean = hidden.clone()
+    clean[3] = 0
+    for mod in (None, variant()):
+        logp, ent, gh, gw, gb = run(mod, hidden, weight, target, bias, entropy=entropy)
+        assert logp[3] == 0 and (not entropy or ent[3] == 0), mod
+        assert (gh[3] == 0).all() and torch.isfinite(gh).all() and torch.isfinite(gb).all(), mod
+        _, _, gh_c, _, gb_c = run(mod, clean, weight, target, bias, entropy=entropy)
+        assert torch.equal(gh, gh_c) and torch.equal(gb, gb_c), mod  # the row contributes nothing
+        torch.testing.assert_close(gb, want[4], rtol=2e-5, atol=2e-5)
+        assert torch.isnan(gw).any()
+
+
 def test_empty_batch():
     hidden, weight, target, bias = make_inputs(1, 50, 16)
     logp, ent, gh, gw, gb = run(variant(), hidden[:0], weight, target[:0], bias)

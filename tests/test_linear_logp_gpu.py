@@ -448,6 +448,30 @@ def test_bias_masked_columns_on_every_kernel(monkeypatch, name):
         assert (leaves[1].grad[masked] == 0).all() and (leaves[2].grad[masked] == 0).all()
 
 
+@pytest.mark.parametrize("cuda_dz", ["always", "never"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_an_ignored_row_of_nan_hidden_gets_no_gradient(monkeypatch, bias, cuda_dz):
+    """An ignored row whose hidden state is NaN (a padded position) contributes nothing to
+    grad_hidden or grad_bias through the CUDA dz epilogue and the Triton dz kernel: its dz is
+    0, not p * 0 = NaN. The same call with that row zeroed gives bitwise the same gradients."""
+    monkeypatch.setattr(cuda_variant, "CUDA_DZ", cuda_dz)
+    h, w, b, t = _inputs(300, 50257, 1024, torch.bfloat16, seed=14)
+    t[40] = -100
+    clean = h.clone()
+    clean[40] = 0
+    h[40, 7] = float("nan")
+    grads = []
+    for hid in (h, clean):
+        leaves = [x.clone().requires_grad_() for x in (hid, w, b)]
+        logp, ent = ops.linear_logp(leaves[0], leaves[1], t, leaves[2] if bias else None, return_entropy=True)
+        (logp.sum() + ent.sum()).backward()
+        assert logp[40] == 0 and ent[40] == 0
+        grads.append([leaves[0].grad] + ([leaves[2].grad] if bias else []))
+    assert (grads[0][0][40] == 0).all()
+    for a, e in zip(*grads):
+        assert torch.isfinite(a).all() and torch.equal(a, e)
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_out_of_range_target_gives_nan_gradients(monkeypatch, bias):
     """Dispatch's kernels (no bias: the CUDA dz epilogue at every size on sm_90a): a bad

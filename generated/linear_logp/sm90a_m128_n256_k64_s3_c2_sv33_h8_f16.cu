@@ -727,6 +727,7 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
     }
   // The dz epilogue's per-row coefficients, read once (see DzArgs).
   float lse[MT][2], ezr[MT][2], ca[MT][2], cb[MT][2];
+  bool keep[MT][2];  // a row with a gradient: an ignored one's dz is 0 even where its logits are NaN
   if constexpr (DZ) {
 #pragma unroll
     for (int m = 0; m < MT; ++m)
@@ -736,6 +737,7 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
         const bool in = i < N;
         const int64_t tr = in ? target[i] : dza.ignore_index;
         const bool valid = in && tr != dza.ignore_index;
+        keep[m][r] = valid;
         // A target outside [0, V) matches no column (the forward made that row's lse2 NaN).
         if (tr < 0 || tr >= V) tgt[m][r] = -1;
         lse[m][r] = in ? dza.lse2[i] : 0.f;
@@ -868,7 +870,7 @@ __global__ void __launch_bounds__(THREADS, 1)linear_logp_fwd_sm90a(const __grid_
               const float z = acc[m][4 * j + 2 * r + e] * scale;
               const float p = kgen::ex2(z - lse[m][r]);
               const float coef = ENTROPY ? ca[m][r] + cb[m][r] * (z - ezr[m][r]) : ca[m][r];
-              d[e] = (tc == c + e ? ca[m][r] : 0.f) - p * coef;
+              d[e] = keep[m][r] ? (tc == c + e ? ca[m][r] : 0.f) - p * coef : 0.f;
             }
             if (col0 + c + 1 < vend) {
               T pair[2] = {kgen::from_float<T>(d[0]), kgen::from_float<T>(d[1])};

@@ -396,7 +396,8 @@ def _dz_tile(acc, rows, row_ok, cols, col_ok, offs, b_ptr, t_ptr, lse_ptr, ez_pt
     else:
         coef = ca[:, None]
     hit = (cols[None, :] == target[:, None]) & ok
-    dz = tl.where(hit, ca[:, None], 0.0) - p * coef
+    # an ignored row is 0 even where its logits are NaN (a NaN hidden row: p * 0 is NaN)
+    dz = tl.where(valid[:, None], tl.where(hit, ca[:, None], 0.0) - p * coef, 0.0)
     dz_ptrs = dz_ptr + rows.to(tl.int64)[:, None] * dz_stride + offs[None, :]
     tl.store(dz_ptrs, dz.to(dz_ptr.dtype.element_ty), mask=ok)
     if WRITE_BPART:

@@ -297,7 +297,7 @@ def _reference_backward(hidden, weight, target, bias, lse2, ez2, grad_logp, grad
     if grad_entropy is not None:
         cb = torch.where(valid, grad_entropy.to(f32) * (LN2 / temperature), zero)
         coef = coef + cb[:, None] * (z2 - ez2[:, None])
-    dz = -p * coef
+    dz = torch.where(valid[:, None], -p * coef, zero)  # an ignored row: 0 even where its logits are NaN
     rows = (target >= 0).nonzero().squeeze(1)
     dz[rows, target[rows].long()] += ca[rows]
     gb = dz.sum(0).to(bias.dtype) if bias is not None else hidden.new_empty(0)

@@ -75,7 +75,8 @@ def reference_dz(hidden, weight, target, lse2, ez2, g_logp, g_ent, temperature: 
     `compute` precision, no bias: for vocabulary columns [v0, v1), from the forward's own
     base-2 row statistics lse2 and ez2, dz = ca * (onehot - p) - cb * p * (z - ez2) with
     z = logit * log2(e) / T, p = exp2(z - lse2), ca = g_logp / T and cb = g_ent * ln2 / T
-    (0 on ignored rows; g_logp None: zeros; g_ent and ez2 None: no entropy term)."""
+    (g_logp None: zeros; g_ent and ez2 None: no entropy term); an ignored row's dz is 0, also
+    where its logits are NaN."""
     z = (hidden.to(compute) @ weight[v0:v1].to(compute).T) * (1.4426950408889634 / temperature)
     p = torch.exp2(z - lse2.to(compute)[:, None])
     valid = target != ignore_index
@@ -89,4 +90,4 @@ def reference_dz(hidden, weight, target, lse2, ez2, g_logp, g_ent, temperature: 
         cb = torch.where(valid, g_ent.to(compute) * (0.6931471805599453 / temperature), zero)
         coef = coef + cb[:, None] * (z - ez2.to(compute)[:, None])
     hit = target[:, None] == torch.arange(v0, v1, device=target.device)[None, :]
-    return torch.where(hit, ca[:, None], zero) - p * coef
+    return torch.where(valid[:, None], torch.where(hit, ca[:, None], zero) - p * coef, zero)
