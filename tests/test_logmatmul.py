@@ -329,6 +329,39 @@ def test_block_sparse_matches_dense(poison, impl):
     torch.testing.assert_close(bl.grad.double(), dw_blocks, rtol=0, atol=2e-5 * scale)
 
 
+@pytest.mark.parametrize("impl", ["reference", TRITON[0], TRITON_16[0]])
+def test_a_nan_row_makes_dw_nan_also_where_its_x_is_minus_inf(poison, impl):
+    """A row whose outputs are NaN makes NaN every dw term it meets, also at an entry of x
+    that is -inf (exp(-inf - NaN), as autograd of the expression gives): the CPU path as the
+    kernels; its dx stays 0 there."""
+    x = torch.full((2, 4), float("-inf"))
+    x[0, 1] = float("nan")
+    x[1] = torch.randn(4, generator=torch.Generator().manual_seed(3))
+    w = torch.rand(3, 4, generator=torch.Generator().manual_seed(4))
+    dtype = torch.float32 if impl == "reference" else getattr(torch, SPEC.variant(impl).dtype)
+    xl, wl = x.to(dtype, copy=True).requires_grad_(), w.clone().requires_grad_()
+    with lmm.using(None if impl == "reference" else _mod(impl)):
+        lmm.logmatmul(xl, wl).sum().backward()
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    torch.logsumexp(xr[:, None, :] + wr.log()[None], -1).sum().backward()
+    assert torch.isnan(wl.grad).all() and torch.isnan(wr.grad).all()
+    assert (xl.grad[0, [0, 2, 3]] == 0).all() and torch.isnan(xl.grad[0, 1])
+    # block-sparse: block row 0's child (columns 0-31) holds the NaN, block row 1's does not
+    blocks = torch.rand(2, 32, 32, generator=torch.Generator().manual_seed(5))
+    row_ptr, col_idx = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    x = torch.full((2, 64), float("-inf"))
+    x[0, 3], x[0, 40] = float("nan"), 0.5
+    x[1] = torch.randn(64, generator=torch.Generator().manual_seed(6))
+    xl, bl = x.to(dtype).requires_grad_(), blocks.clone().requires_grad_()
+    with lmm.using(None if impl == "reference" else _mod(impl)):
+        out = lmm.block_sparse_logmatmul(xl, bl, row_ptr, col_idx, 32)
+        out.sum().backward()
+    assert torch.isnan(out[0, :32]).all() and torch.isfinite(out[0, 32:]).all()
+    assert torch.isnan(bl.grad[0]).all() and not torch.isnan(bl.grad[1]).any()
+    assert torch.isnan(xl.grad[0, 3]) and torch.isnan(xl.grad).sum() == 1
+    assert (xl.grad[0][torch.isneginf(x[0])] == 0).all()
+
+
 @pytest.mark.parametrize("impl", ["reference", TRITON[0], TRITON[1]])
 def test_block_sparse_nan_propagates(poison, impl):
     """A NaN in x or in a block gives NaN outputs exactly where a present block's terms meet

@@ -393,10 +393,11 @@ def bsl_bwd_kernel(x_ptr, blocks_ptr, block_row, col_idx, out_ptr, g_ptr, dblock
 
 
 @triton.jit
-def bsl_dx_reduce_kernel(dxp_ptr, perm, col_ptr, dx_ptr, B, K, BS: tl.constexpr, NN: tl.constexpr,
+def bsl_dx_reduce_kernel(dxp_ptr, perm, col_ptr, x_ptr, dx_ptr, B, K, BS: tl.constexpr, NN: tl.constexpr,
                          BLOCK: tl.constexpr):
     """dx[:, c*BS:(c+1)*BS] = sum of the partials of the blocks in column block c, in the
-    order of perm (col_idx sorted stably); 0 for a column block with none."""
+    order of perm (col_idx sorted stably); 0 for a column block with none, and 0 where x is
+    -inf (the dense rule: a NaN output's exp(-inf - NaN) is no term there)."""
     c = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # over [B, BS]
     ok = offs < B * BS
@@ -409,4 +410,6 @@ def bsl_dx_reduce_kernel(dxp_ptr, perm, col_ptr, dx_ptr, B, K, BS: tl.constexpr,
         j = tl.load(perm + jj).to(tl.int64)
         for p in range(0, NN):
             acc += tl.load(dxp_ptr + (j * NN + p) * B * BS + offs, mask=ok, other=0.0)
-    tl.store(dx_ptr + b.to(tl.int64) * K + c.to(tl.int64) * BS + kl, acc.to(dx_ptr.dtype.element_ty), mask=ok)
+    at = b.to(tl.int64) * K + c.to(tl.int64) * BS + kl
+    xs = tl.load(x_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dx_ptr + at, tl.where(xs == float("-inf"), 0.0, acc).to(dx_ptr.dtype.element_ty), mask=ok)

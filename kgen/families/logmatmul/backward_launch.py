@@ -214,6 +214,6 @@ def bsl_backward(mod, x, blocks, row_ptr, col_idx, block_size: int, out, grad):
                          dict(BS=bs, BB=bwd_rows(mod, B), BN=bn, BK=bk, num_warps=mod.BWD_WARPS))
     perm, col_ptr = column_order(col_idx, K // bs)
     triton_launch.launch(mod.bsl_dx_reduce_kernel, (K // bs, cdiv(B * bs, REDUCE_BLOCK)),
-                         (dxp, perm, col_ptr, dx, B, K),
+                         (dxp, perm, col_ptr, x, dx, B, K),
                          dict(BS=bs, NN=nn, BLOCK=REDUCE_BLOCK))
     return dx, dblocks

@@ -41,7 +41,9 @@ def reference_backward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad
       dx[b, k] = sum_n g[b, n] w[n, k] exp(x[b, k] - out[b, n])
       dw[n, k] = sum_b g[b, n] exp(x[b, k] - out[b, n])
     with terms of an output that is -inf left out, and no term at an entry of x that is -inf
-    (its dx is 0); an output that is NaN makes NaN every term it meets, as in the kernels.
+    (its dx is 0); an output that is NaN makes NaN every term it meets, as in the kernels --
+    dw's at x = -inf too (exp(-inf - NaN), as autograd of the expression gives; the kernels'
+    g 2^(m - out) is NaN before it meets e' = 0).
     Materialises [B, N, K]: use on small sizes only (the op's CPU path runs it in blocks of
     rows)."""
     xc, wc, oc, gc = x.to(compute), w.to(compute), out.to(compute), grad.to(compute)
@@ -57,7 +59,7 @@ def reference_backward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad
         e = torch.where(live[b][:, None] & (xc[b] != NEG_INF)[None, :], torch.clamp(e, max=torch.finfo(compute).max),
                         torch.zeros((), dtype=compute))
         ge = gc[b][:, None] * e
-        dw += ge
+        dw += torch.where(torch.isnan(oc[b])[:, None], float("nan"), ge)
         dx[b] = torch.where(xc[b] != NEG_INF, (wc * ge).sum(0), torch.zeros((), dtype=compute))  # not NaN x 0
     return dx.to(x.dtype), dw.to(w.dtype)
 
