@@ -36,6 +36,31 @@ def test_cpu_op_matches_float64(dtype, act):
     _assert_close(xi, ref, SPEC.numerics[dtype], f"{act} in place")
 
 
+def test_in_place_kernel_write_bumps_the_version(monkeypatch):
+    """A kernel writing x in place (behind autograd's back) bumps x's version as torch's
+    in-place ops do: a graph that saved x refuses to backward instead of using the new
+    values. Run here with the kernel path forced and its launch a version-blind write."""
+    op = fba.op
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(op._KERNELS, "lookup", lambda key: "kernel")
+    monkeypatch.setattr(op, "launch", lambda kernel, x, bias, y, alpha, act, out:
+                        out.data.copy_(fba.reference(x, bias, y, alpha, act)))
+    w = torch.randn(3, 4, requires_grad=True)
+    x = torch.randn(3, 4)
+    z = x * w  # saves x for w's gradient
+    v = x._version
+    assert ops.fused_bias_act(x, torch.ones(4), act="relu", inplace=True) is x
+    assert x._version > v
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+    with torch.inference_mode():
+        t = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        ops.fused_bias_act(t, torch.ones(4), inplace=True)
+    with torch.inference_mode():
+        ops.fused_bias_act(t, torch.ones(4), inplace=True)
+
+
 def test_leading_dims_and_no_y():
     x, b = torch.randn(2, 3, 5), torch.randn(5)
     out = ops.fused_bias_act(x, b, act="relu")
@@ -488,3 +513,19 @@ def test_torch_compile_fullgraph_on_gpu():
     b, y = torch.randn(4104, device="cuda", dtype=torch.float16), torch.randn_like(x)
     compiled = torch.compile(f, fullgraph=True)
     torch.testing.assert_close(compiled(x, b, y), f(x, b, y), rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_bumps_the_version():
+    """On the GPU the kernel writes x in place: x's version moves, so autograd refuses a
+    graph that saved the old x (as after x.add_(1)) instead of using the new values."""
+    w = torch.randn(300, 77, device="cuda", requires_grad=True)
+    x = torch.randn(300, 77, device="cuda")
+    z = x * w
+    v = x._version
+    ref = fba.reference(x, torch.ones(77, device="cuda"), None, 1.0, "gelu")
+    assert ops.fused_bias_act(x, torch.ones(77, device="cuda"), act="gelu", inplace=True) is x
+    assert x._version > v
+    torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()

@@ -133,6 +133,9 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     if inplace:
         if _overlaps(x, bias) or (y is not None and _overlaps(x, y)):
             raise ValueError("fused_bias_act: in place, bias and y must not partially overlap x")
+        if x.is_inference() and not torch.is_inference_mode_enabled():  # as torch's own in-place ops
+            raise RuntimeError("fused_bias_act: in place into an inference tensor outside InferenceMode is not "
+                               "allowed (as for torch's in-place ops); clone it first")
         out = x
     else:
         if not x.is_contiguous():
@@ -153,6 +156,10 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
     if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
         return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
     launch(kernel, x, bias, y, alpha, act, out)
+    if inplace:
+        # the kernel wrote x behind autograd's back: bump its version as torch's in-place ops do,
+        # so a graph that saved x refuses to backward through the stale value
+        torch.autograd.graph.increment_version(x)
     if FAST_PATH and not inplace and rows and _keepable(given):
         call = ((act, y is None), given)
         if not _FAST.has(call):
