@@ -553,6 +553,38 @@ def test_from_sequential_refuses_what_it_would_compute_differently():
     torch.testing.assert_close(FusedMLP.from_sequential(seq)(x), seq(x))
 
 
+class _DoubledIdentity(nn.Identity):  # skipped as an Identity, but computes 2x
+    def forward(self, x):
+        return 2 * x
+
+
+class _TripledSequential(nn.Sequential):
+    def forward(self, x):
+        return 3 * super().forward(x)
+
+
+def test_from_sequential_refuses_identity_and_sequential_with_a_forward_of_their_own():
+    """nn.Identity and nn.Sequential are looked through only where they compute what their
+    base does: a subclass with its own forward is a TypeError naming it, nested or at the top."""
+    for seq in (nn.Sequential(nn.Linear(5, 7), _DoubledIdentity(), nn.ReLU(), nn.Linear(7, 2)),
+                nn.Sequential(_TripledSequential(nn.Linear(5, 7), nn.ReLU()), nn.Linear(7, 2)),
+                _TripledSequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))):
+        with pytest.raises(TypeError, match="forward of its own"):
+            FusedMLP.from_sequential(seq)
+
+
+def test_from_sequential_keeps_frozen_layers_frozen():
+    seq = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 2))
+    seq[0].requires_grad_(False)
+    m = FusedMLP.from_sequential(seq)
+    assert [p.requires_grad for p in (*m.weights, *m.biases)] == [False, True, False, True]
+    back = m.to_sequential()
+    assert [p.requires_grad for p in back.parameters()] == [False, False, True, True]
+    x = torch.randn(3, 5)
+    m(x).sum().backward()
+    assert m.weights[0].grad is None and m.weights[1].grad is not None
+
+
 @pytest.mark.parametrize("widths", [4, [4.5, 3], "43", None])
 def test_fused_mlp_module_widths_must_be_ints(widths):
     with pytest.raises(TypeError, match="sequence of ints"):

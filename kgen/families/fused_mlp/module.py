@@ -60,12 +60,14 @@ class FusedMLP(nn.Module):
         most one of nn.ReLU, nn.Sigmoid, nn.GELU(approximate="tanh"), nn.SiLU (nn.Identity
         and nested nn.Sequential are skipped through); every hidden layer's activation must
         be the same. The parameters are copied (dtype and device kept: every layer's must be
-        the same). Anything else is a TypeError or ValueError naming the module: a subclass
-        of nn.Linear that computes something else (its own forward: LoRA, fake quantisation),
+        the same), each keeping its requires_grad (a frozen layer stays frozen). Anything else
+        is a TypeError or ValueError naming the module: a subclass of nn.Linear, nn.Identity or
+        nn.Sequential that computes something else (its own forward: LoRA, fake quantisation),
         and any module with forward hooks (they would not run), included."""
         if not isinstance(seq, nn.Sequential):
             raise TypeError(f"FusedMLP.from_sequential: expected an nn.Sequential, got {type(seq).__name__}")
         _no_hooks(seq, "the Sequential")
+        _own_forward(seq, nn.Sequential, "the Sequential")
         mods = list(_flatten(seq))
         linears, acts = [], []
         for i, m in enumerate(mods):
@@ -113,8 +115,10 @@ class FusedMLP(nn.Module):
         with torch.no_grad():
             for i, lin in enumerate(linears):
                 out.weights[i].copy_(lin.weight)
+                out.weights[i].requires_grad_(lin.weight.requires_grad)  # a frozen layer stays frozen
                 if lin.bias is not None:
                     out.biases[i].copy_(lin.bias)
+                    out.biases[i].requires_grad_(lin.bias.requires_grad)
         return out
 
     def to_sequential(self) -> nn.Sequential:
@@ -125,8 +129,10 @@ class FusedMLP(nn.Module):
             lin = nn.Linear(w.shape[1], w.shape[0], bias=self.biases is not None, dtype=w.dtype, device=w.device)
             with torch.no_grad():
                 lin.weight.copy_(w)
+                lin.weight.requires_grad_(w.requires_grad)
                 if self.biases is not None:
                     lin.bias.copy_(self.biases[i])
+                    lin.bias.requires_grad_(self.biases[i].requires_grad)
             layers.append(lin)
             a = self.last_activation if i == L - 1 else self.activation
             if a != "none":
@@ -146,11 +152,21 @@ def _flatten(seq):
     for m in seq:
         if isinstance(m, nn.Sequential):
             _no_hooks(m, "a nested Sequential")
+            _own_forward(m, nn.Sequential, "a nested Sequential")
             yield from _flatten(m)
         elif isinstance(m, nn.Identity):
             _no_hooks(m, "an nn.Identity")
+            _own_forward(m, nn.Identity, "a module skipped as nn.Identity")
         else:
             yield m
+
+
+def _own_forward(m: nn.Module, base: type, what: str) -> None:
+    """TypeError where `m` (an instance of `base`) has a forward of its own: what it computes
+    would be lost."""
+    if type(m).forward is not base.forward:
+        raise TypeError(f"FusedMLP.from_sequential: {what} is {type(m).__name__}, a subclass of {base.__name__} "
+                        "with a forward of its own, which a FusedMLP would not compute")
 
 
 def _params(plist: nn.ParameterList) -> list:
