@@ -131,6 +131,14 @@ def test_ops_reference_path_cpu_exact_and_batched():
     (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), _ints(3, 4, device="cpu"), torch.ones(2), torch.ones(3),
                              torch.ones(3, dtype=torch.float16), torch.float32),
      TypeError, r"expected torch.float32$"),
+    # None for a tensor: the family's TypeError, not an AttributeError from the fast path's key
+    (lambda: ops.int8_mm(_ints(2, 4, device="cpu"), None), TypeError, "b must be a tensor"),
+    (lambda: ops.int8_mm(None, _ints(3, 4, device="cpu")), TypeError, "a must be a tensor"),
+    (lambda: ops.int8_linear(_ints(2, 4, device="cpu"), None, torch.ones(2), torch.ones(3)),
+     TypeError, "b must be a tensor"),
+    (lambda: ops.w8a16_linear(torch.zeros(2, 32, dtype=torch.bfloat16), None, torch.ones(3)),
+     TypeError, "b must be a tensor"),
+    (lambda: ops.w8a16_linear(None, _ints(3, 32, device="cpu"), torch.ones(3)), TypeError, "x must be a tensor"),
     # the registered ops take 2-D a / x (kgen.ops flattens leading dims), and say so
     (lambda: torch.ops.kgen.int8_mm(_ints(2, 3, 4, device="cpu"), _ints(5, 4, device="cpu")), ValueError, "2-D a"),
     (lambda: torch.ops.kgen.int8_linear(_ints(4, device="cpu"), _ints(5, 4, device="cpu"), torch.ones(1),

@@ -327,9 +327,11 @@ _compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
-def _plain(*ts) -> bool:
-    """The fast path's precondition: eager, no `using` block nor TorchDispatchMode, plain tensors."""
-    return not _compiling() and not _USING and not dispatch_modes() and all(t is None or type(t) is _Tensor for t in ts)
+def _plain(*ts, bias=None) -> bool:
+    """The fast path's precondition: eager, no `using` block nor TorchDispatchMode, plain tensors
+    (bias: also None; anything else, None included, goes to the checks)."""
+    return (not _compiling() and not _USING and not dispatch_modes() and all(type(t) is _Tensor for t in ts)
+            and (bias is None or type(bias) is _Tensor))
 
 
 def _fast_2d(key, a, *rest):
@@ -359,7 +361,7 @@ def int8_linear(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     to out_dtype (bfloat16, float16 or float32), the dequantisation fused into the GEMM's
     epilogue. a int8 [..., K], b int8 [N, K], scale_a float32 (one per row of a), scale_b
     float32 [N], bias [N] (float32 or out_dtype). Also torch.ops.kgen.int8_linear (2-D a)."""
-    if _plain(a, b, scale_a, scale_b, bias) and scale_a is not None and scale_b is not None and a.dim() >= 1:
+    if _plain(a, b, scale_a, scale_b, bias=bias) and a.dim() >= 1:
         key = (MODE_LINEAR, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device, _flat_shape(scale_a, 1),
                _flat_shape(scale_b, 1), scale_a.dtype, scale_b.dtype, scale_a.device, scale_b.device,
                None if bias is None else (_flat_shape(bias, 1), bias.dtype, bias.device), out_dtype)
@@ -381,7 +383,7 @@ def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: 
     dtype, as F.linear's are."""
     if group_size is not None and type(group_size) is not int:
         group_size = checks.group_size_arg(group_size)
-    if (_plain(x, b, scale_b, bias) and scale_b is not None and x.dim() >= 1 and not _any_autocast()
+    if (_plain(x, b, scale_b, bias=bias) and x.dim() >= 1 and not _any_autocast()
             and not ((x.requires_grad or (bias is not None and bias.requires_grad)) and _grad_enabled())):
         key = (MODE_W8A16, _flat_shape(x), x.dtype, b.shape, b.dtype, x.device,
                scale_b.shape if group_size else _flat_shape(scale_b, 1), scale_b.dtype, scale_b.device,
