@@ -66,18 +66,29 @@ def _write_if_different(path: Path, text: str) -> bool:
     return True
 
 
+def _without_shipped(files: dict[str, str], family: str) -> dict[str, str]:
+    """A spec of yours's rendered files less those of variants the family's shipped specs
+    have too: those files are theirs (the same kernel; only the header's spec line differs)."""
+    from kgen import spec as spec_mod
+    from kgen.families import shipped_spec_paths
+
+    theirs = {f"{v.family}/{v.name}" for p in shipped_spec_paths(family) for v in spec_mod.load(p).variants}
+    return {name: text for name, text in files.items() if name.rsplit(".", 1)[0] not in theirs}
+
+
 def _write_generated(spec, spec_file: str, out: Path) -> int:
     """Render a spec into out/<family>/. Where it is one of the family's shipped specs, the
     folder is theirs: files of variants none of them has any more are removed. A spec of
     yours only adds its files (the shipped variants' stay)."""
+    from kgen import spec as spec_mod
     from kgen.families import shipped_spec_paths
 
     files = _render_all([spec])
-    changed = sum(_write_if_different(out / name, text) for name, text in files.items())
     shipped = [p.resolve() for p in shipped_spec_paths(spec.family)]
     if Path(spec_file).resolve() not in shipped:
-        return changed
-    from kgen import spec as spec_mod
+        files = _without_shipped(files, spec.family)
+        return sum(_write_if_different(out / name, text) for name, text in files.items())
+    changed = sum(_write_if_different(out / name, text) for name, text in files.items())
 
     owned = set(files) if len(shipped) == 1 else set(_render_all([spec_mod.load(p) for p in shipped]))
     for stale in (out / spec.family).glob("*"):
@@ -199,9 +210,13 @@ def cmd_diff(args) -> int:
 
     paths = args.specs or [str(p) for p in shipped_specs()]
     specs = [_load(p) for p in paths]
-    fresh = _render_all(specs)
-    out = Path(args.out)
     given = {Path(p).resolve() for p in paths}
+    fresh = {}
+    for p, s in zip(paths, specs):
+        files = _render_all([s])
+        ours = any(Path(p).resolve() == q.resolve() for q in shipped_spec_paths(s.family))
+        fresh.update(files if ours else _without_shipped(files, s.family))
+    out = Path(args.out)
     on_disk = {}
     for s in specs:
         # a family's whole folder where all its shipped specs are diffed (a file none renders

@@ -78,6 +78,41 @@ def test_building_a_user_spec_keeps_the_family_folder(tmp_path):
     assert not (out / "fused_bias_act" / "stale.py").exists()
 
 
+def test_a_user_spec_leaves_the_shipped_variants_files(tmp_path):
+    """A spec of yours that has one of the shipped variants too adds only its other files:
+    the shipped one's stays byte for byte (it was rewritten with the user spec's header),
+    and `kgen diff mine.yaml --check` agrees."""
+    out = tmp_path / "generated"
+    assert _kgen("build", "kgen/specs/fused_bias_act.yaml", "--no-compile", "--out", str(out)).returncode == 0
+    theirs = out / "fused_bias_act" / "triton_c1024_r1_w4_f32.py"
+    before = theirs.read_text()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(USER_SPEC + "  - {backend: triton, block_cols: 1024, rows: 1, num_warps: 4, dtypes: [float32]}\n")
+    r = _kgen("build", str(mine), "--no-compile", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert theirs.read_text() == before and (out / "fused_bias_act" / "triton_c256_r1_w2_f32.py").exists()
+    assert _kgen("diff", str(mine), "--check", "--out", str(out)).returncode == 0
+
+
+def test_a_user_specs_sources_do_not_depend_on_the_cwd(tmp_path, monkeypatch):
+    """The rendered source (the build cache's key) of a spec of yours names it by its file
+    name, whatever directory it is loaded from: no rebuild from another cwd."""
+    from kgen import spec
+    from kgen.render import render
+
+    (tmp_path / "sub").mkdir()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(USER_SPEC)
+    texts = set()
+    for cwd, path in ((tmp_path, "mine.yaml"), (tmp_path / "sub", "../mine.yaml"), (ROOT, str(mine))):
+        monkeypatch.chdir(cwd)
+        texts.add(render(spec.load(path).variants[0]).text)
+    assert len(texts) == 1 and "spec:    mine.yaml\n" in texts.pop()
+    monkeypatch.chdir(tmp_path)  # a shipped spec keeps its package-relative name
+    assert "spec:    kgen/specs/fused_bias_act.yaml\n" in render(
+        spec.load(ROOT / "kgen/specs/fused_bias_act.yaml").variants[0]).text
+
+
 def test_bad_paths_and_values_are_one_line_errors(tmp_path):
     """No traceback for a path that cannot be written, an unknown --arch, a bad KGEN_JOBS, a
     YAML tag the loader does not take, a file that is not UTF-8."""
