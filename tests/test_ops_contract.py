@@ -86,6 +86,37 @@ def test_gpu_second_derivative_raises_naming_the_op(case):
         _second_derivative_raises(name, f, "cuda")
 
 
+def _tangent_refused(name, f, device):
+    import torch.autograd.forward_ad as fwad
+
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 32, device=device), torch.randn(4, 32, device=device)
+    f(x, w)  # (on CUDA: a plain call first, so that a fast path could serve the dual one)
+    f(x, w)
+    with fwad.dual_level():
+        for dual in ((fwad.make_dual(x, torch.ones_like(x)), w), (x, fwad.make_dual(w, torch.ones_like(w)))):
+            if name == "w8a16_linear" and dual[1] is not w:
+                continue  # (its w is only a bias source here: w[0, :4] would keep the tangent)
+            with pytest.raises(NotImplementedError, match=f"kgen::{name} has no forward-mode derivative"):
+                f(*dual)
+        f(x, w)  # plain tensors inside a dual level still run
+
+
+@pytest.mark.parametrize("case", range(len(_cases("cpu"))))
+def test_forward_mode_ad_raises_naming_the_op(case):
+    """A forward-mode tangent (torch.autograd.forward_ad) on any input is refused, not
+    dropped: the kernels' outputs carry none, which would be a silently wrong JVP. The CPU
+    path refuses alike, so that code right on a CPU is not wrong on a GPU."""
+    _tangent_refused(*_cases("cpu")[case], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", range(len(_cases("cpu"))))
+def test_gpu_forward_mode_ad_raises_naming_the_op(case):
+    """The same on CUDA, where the repeated calls would take the eager fast paths."""
+    _tangent_refused(*_cases("cuda")[case], "cuda")
+
+
 def test_registered_ops_under_autocast_compute_as_outside():
     """torch.ops.kgen.* called under torch.autocast: the op's own math (its CPU reference
     here) runs with autocast off, as the Python functions run it, bit for bit; the matmul
