@@ -193,6 +193,23 @@ def cpu_cases(rank, world):
                  ValueError, r"disagree on bias")
     expect_error(lambda: ops.linear_logp(hidden, weight[sl], target, group="world"), TypeError, "ProcessGroup")
 
+    # a group's layout is fixed by its first call: slices of other lengths, each rank's own
+    # length seen before (no rank exchanges again), give NaN on every rank rather than a merge
+    # with stale offsets; checked mode says why
+    g4 = fresh()
+    for lengths4 in ((10, 13, 5), (12, 12, 6), (10, 12, 6)):
+        lengths4 = lengths4[:world]
+        V4 = sum(lengths4)
+        w4 = torch.randn(V4, D, generator=torch.Generator().manual_seed(V4))
+        t4 = torch.arange(6) * 3 % V4
+        s4 = slices(lengths4, rank)
+        got4 = ops.linear_logp(hidden[:6], w4[s4], t4, group=g4)
+        if lengths4[:2] != (10, 12):
+            torch.testing.assert_close(got4, ops.linear_logp(hidden[:6], w4, t4), **F32_TOL)
+    assert torch.isnan(got4).all()
+    expect_error(lambda: ops.linear_logp(hidden[:6], w4[s4], t4, group=g4, check_targets=True), ValueError,
+                 r"slice lengths \[10, 12.*are not the layout \[1[02], 1[23]")
+
     if world == 2:  # torch.compile, once: a few seconds of tracing
         from torch import _dynamo
 

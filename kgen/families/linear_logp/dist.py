@@ -8,7 +8,12 @@ single-device op gives on the whole weight.
 
 The layout: the slices' lengths (with D, dtype, bias and device type, and each rank's
 verdict on its own arguments) are exchanged once per (group, V_r, D, dtype, bias, device
-type) and cached (`_layout`); offsets are their prefix sums.
+type) and cached (`_layout`); offsets are their prefix sums. So a group's layout is fixed by
+its first call: use a new group for other lengths. Each rank's V_r also travels in the
+forward's all-gather, and a call whose lengths are not the cached layout's (every rank's own
+length seen before, so no rank exchanged again) gives NaN outputs and gradients on every
+rank, never a merge with stale offsets (checked mode: ValueError); where only some ranks'
+keys are new, the ranks run different collectives, a mismatch the group's timeout finds.
 
 Forward: the single-device forward runs on the local slice with a local target,
 t - offset where the target falls in the slice and 0 elsewhere (every row valid, so the
@@ -189,7 +194,7 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     vocabulary, the last two (base 2) for the backward, and the slice's kept logits
     [N, V_r] (keep_logits on a kernel path) or [0]; see the module docstring."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
-    offset, V_total, _ = _layout(group_name, hidden, weight, bias)
+    offset, V_total, lengths = _layout(group_name, hidden, weight, bias)
     group = _group(group_name)
     N, D = hidden.shape
     V = weight.shape[0]
@@ -212,7 +217,9 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
             kept = kept_logits(hidden, weight)
 
     planes = 3 if with_entropy else 2
-    part = torch.empty(planes * N + 1, dtype=torch.float32, device=dev)
+    # [lse2_r | z_t | H_r | this rank's V_r as two float32 (exact) | check flag]
+    part = torch.empty(planes * N + 3, dtype=torch.float32, device=dev)
+    part[-3:-1] = _length_pair(V, dev)
     part[:N] = lse2_r
     # lse2_r = -inf: every column of the slice is masked for that row (a -inf bias); it holds
     # none of the row's mass, and a target in it has logit -inf
@@ -230,6 +237,14 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     every = torch.empty(size * part.numel(), dtype=torch.float32, device=_comm_device(dev))
     _all_gather(every, part if part.device == every.device else part.to(every.device), group)
     every = every.to(dev).view(size, -1)
+    # The cached layout is this group's: a call whose slices have other lengths (each rank's
+    # own seen before, so no rank exchanged) would merge with stale offsets. Found on the
+    # device: every output NaN (lse2 too, so the gradients), no host wait; checked mode raises.
+    stale = (every[:, -3:-1] != _expected_lengths(lengths, dev)).any()
+    if check and bool(stale):
+        raise ValueError(f"linear_logp(group={group_name!r}, rank {group.rank()}): the ranks' slice lengths "
+                         f"{_gathered_lengths(every)} are not the layout {list(lengths)} this group's first call "
+                         "fixed; use a new group for a new layout")
     if check and bool(every[:, -1].any()):
         _raise_bad_target(target, every[:, -1], ignore_index, V_total, group_name, group.rank())
 
@@ -246,6 +261,7 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     empty = m == float("-inf")
     lse2 = torch.where(empty, torch.where(valid, float("-inf"), 0.0),
                        torch.where(valid & torch.isnan(zt), float("nan"), lse2))
+    logp, lse2 = torch.where(stale, float("nan"), logp), torch.where(stale, float("nan"), lse2)
     if not with_entropy:
         return logp, logp.new_empty(0), lse2, logp.new_empty(0), kept
     share = w / s
@@ -254,7 +270,36 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     ent = term.sum(0)
     ez2 = lse2 - ent * LOG2E
     ent = torch.where(valid & torch.isnan(zt), float("nan"), torch.where(valid, ent, 0.0))
+    ent = torch.where(stale, float("nan"), ent)
     return logp, ent, lse2, ez2, kept
+
+
+# Slice lengths travel in the forward's float32 gather as (V // 2^24, V % 2^24): both exact.
+_HALF = 1 << 24
+# (lengths, device) -> [size, 2] float32 on the device, made once: a per-call host-to-device
+# copy of a Python list would wait for the stream
+_EXPECTED: dict = {}
+
+
+def _length_pair(V: int, dev) -> torch.Tensor:
+    key = ("V", V, dev)
+    found = _EXPECTED.get(key)
+    if found is None:
+        found = _EXPECTED[key] = torch.tensor([V // _HALF, V % _HALF], dtype=torch.float32, device=dev)
+    return found
+
+
+def _expected_lengths(lengths: tuple, dev) -> torch.Tensor:
+    key = (lengths, dev)
+    found = _EXPECTED.get(key)
+    if found is None:
+        found = _EXPECTED[key] = torch.tensor([[v // _HALF, v % _HALF] for v in lengths], dtype=torch.float32,
+                                              device=dev)
+    return found
+
+
+def _gathered_lengths(every: torch.Tensor) -> list:
+    return [int(hi) * _HALF + int(lo) for hi, lo in every[:, -3:-1].tolist()]
 
 
 def _raise_bad_target(target, flags, ignore_index: int, V_total: int, group_name: str, me: int):
