@@ -44,11 +44,25 @@ def check_name(name: str) -> None:
         raise KgenError(f"new-family: family {name!r} already exists ({origin(name)}); pick another name")
     from kgen import ops
 
-    if name in dir(ops):  # the scaffold's op takes the family's name: torch.ops.kgen.<name> is one op
-        raise KgenError(f"new-family: {name!r} is already an op (kgen.ops.{name}); pick another name")
+    # The scaffold's op takes the family's name, and torch.ops.kgen.<name> is one op: a family
+    # also defines ops that kgen.ops does not show (linear_logp_backward, fused_bias_act_).
+    if name in dir(ops) or name in _kgen_ops():
+        raise KgenError(f"new-family: {name!r} is already an op (torch.ops.kgen.{name}), and the new family's "
+                        "op would take its name; pick another name")
     # kgen's template folders come first in the search path: NAME/cuda.cu.j2 must be the family's
     if (Path(__file__).resolve().parent / "templates" / name).exists():
         raise KgenError(f"new-family: {name!r} is the name of one of kgen's template folders; pick another name")
+
+
+def _kgen_ops() -> set[str]:
+    """The names of the `kgen::` ops registered with PyTorch, overloads folded (kgen.ops is
+    imported first: that registers every family's)."""
+    import torch
+
+    from kgen import ops  # noqa: F401
+
+    return {n.removeprefix("kgen::").split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+            if n.startswith("kgen::")}
 
 
 @functools.cache

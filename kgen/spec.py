@@ -184,22 +184,30 @@ class _LList(list):
     lines: list
 
 
-def _construct(node: yaml.Node, path: str) -> Any:
+def _construct(node: yaml.Node, path: str, inside: frozenset = frozenset()) -> Any:
+    """`inside`: the ids of the collections being built around `node`. An alias resolves to
+    its anchor's node itself, so `variants: &a [*a]` is a node inside itself: without the
+    check it would recurse until Python gives up."""
     line = node.start_mark.line + 1
+    if id(node) in inside:
+        raise SpecError(path, line, "<yaml>", "an alias (*name) refers to a list or mapping that "
+                        "contains it (its &anchor starts here); a spec cannot contain itself")
     if isinstance(node, yaml.MappingNode):
+        inside = inside | {id(node)}
         out = _LDict()
         out.line, out.lines = line, {}
         for knode, vnode in node.value:
-            key = _construct(knode, path)
+            key = _construct(knode, path, inside)
             if not isinstance(key, str):
                 raise SpecError(path, knode.start_mark.line + 1, str(key), "keys must be strings")
             if key in out:
                 raise SpecError(path, knode.start_mark.line + 1, key, "duplicate key")
-            out[key] = _construct(vnode, path)
+            out[key] = _construct(vnode, path, inside)
             out.lines[key] = knode.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
-        out = _LList(_construct(n, path) for n in node.value)
+        inside = inside | {id(node)}
+        out = _LList(_construct(n, path, inside) for n in node.value)
         out.line, out.lines = line, [n.start_mark.line + 1 for n in node.value]
         return out
     return _SCALARS.construct_object(node)
@@ -214,10 +222,14 @@ def _parse_yaml(text: str, path: str) -> Any:
         if getattr(e, "context", None) and ctx is not None:
             what = f"{what} ({e.context} started at line {ctx.line + 1})"
         raise SpecError(path, mark.line + 1 if mark else None, "<yaml>", what) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise SpecError(path, None, "<yaml>", "lists or mappings nested too deeply to read") from None
     if node is None:
         raise SpecError(path, 1, "<file>", "the spec is empty")
     try:
         return _construct(node, path)
+    except RecursionError:
+        raise SpecError(path, None, "<yaml>", "lists or mappings nested too deeply to read") from None
     except yaml.YAMLError as e:  # a tag the loader does not construct (a merge key <<, a custom !tag)
         mark = getattr(e, "problem_mark", None)
         raise SpecError(path, mark.line + 1 if mark else None, "<yaml>",
@@ -342,7 +354,8 @@ def _numerics(doc: _LDict, path: str, dtypes: list[str]) -> dict[str, Tolerance]
     sub = _Errors(path, num, "numerics.")
     for dt, tol in num.items():
         if dt not in dtypes:
-            sub(dt, f"not one of this spec's dtypes ({', '.join(dtypes)})")
+            sub(dt, f"not one of this spec's dtypes ({', '.join(dtypes)}): add it to the top-level dtypes "
+                    "(a variant's dtypes must be among them) or drop this tolerance")
         if not isinstance(tol, _LDict) or set(tol) != {"rtol", "atol"}:
             sub(dt, "expected {rtol: <float>, atol: <float>}")
         tsub = _Errors(path, tol, f"numerics.{dt}.")
@@ -372,6 +385,8 @@ def _expand(entry: _LDict, i: int, family: str, schema: Schema, dtypes: list[str
         if "arch" not in entry:
             raise SpecError(path, entry.line, f"variants[{i}].arch", "required for backend cuda")
         archs = _listify(entry["arch"])
+        if not archs:
+            err("arch", "expected at least one arch")
         for j, a in enumerate(archs):
             if a not in schema.archs:
                 err("arch", f"unknown arch {a!r}; expected one of {', '.join(schema.archs)}", j)
@@ -380,6 +395,12 @@ def _expand(entry: _LDict, i: int, family: str, schema: Schema, dtypes: list[str
             err("arch", "Triton variants take their target at build time (kgen build --arch)")
         archs = [None]
     vdtypes = _dtypes(entry, "dtypes", schema, err) if "dtypes" in entry else dtypes
+    # The spec's dtypes are all its variants': numerics, `kgen tune` and `kgen bench` go by
+    # them, so a variant of another dtype could be built but never verified.
+    for j, dt in enumerate(vdtypes):
+        if dt not in dtypes:
+            err("dtypes", f"dtype {dt!r} is not one of this spec's dtypes ({', '.join(dtypes)}): "
+                          "add it to the spec's top-level dtypes (and its numerics)", j)
 
     axes: list[list[tuple[str, Any]]] = []
     for knob in knobs:

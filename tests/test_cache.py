@@ -119,6 +119,83 @@ def test_partial_entry_without_manifest_is_rebuilt(fresh_cache):
     assert e2.path == e.path and (e2.path / cache.MANIFEST).exists()
 
 
+@pytest.mark.parametrize("manifest", [
+    None, [], "abc", {}, {"files": None}, {"files": []}, {"files": "kernel.py"}, {"files": {}},
+    {"files": {"kernel.py": 5}}, {"files": {"../kernel.py": "0" * 64}},
+    {"files": {"kernel.py": "<hash>"}, "resources": []},
+], ids=repr)
+def test_malformed_manifest_is_corrupt_and_rebuilt(fresh_cache, manifest):
+    """Valid JSON of the wrong shape is as corrupt as garbage: no crash, the entry is rebuilt."""
+    import json
+
+    e = build.triton_source_entry(TRITON_V)
+    good = json.loads((e.path / cache.MANIFEST).read_text())
+    text = json.dumps(manifest).replace("<hash>", good["files"]["kernel.py"])
+    (e.path / cache.MANIFEST).write_text(text)
+    assert cache.lookup(e.path) is None
+    e2 = build.triton_source_entry(TRITON_V)
+    assert e2.path == e.path and json.loads((e2.path / cache.MANIFEST).read_text()) == good
+
+
+def test_manifest_without_the_entry_main_file_is_corrupt(fresh_cache):
+    """An entry is loaded from one file (CUDA: lib.so; Triton: kernel.py; the launcher: its
+    extension module): a manifest that does not list it does not make an entry."""
+    import sysconfig
+
+    launcher = "kgen_launcher" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    for family, name, main in [(CUDA_V.family, CUDA_V.name, build.CUDA_LIB),
+                               (TRITON_V.family, TRITON_V.name, build.TRITON_SOURCE),
+                               (TRITON_V.family, f"{TRITON_V.name}-sm90", build.TRITON_SOURCE),
+                               ("_runtime", "launcher", launcher)]:
+        path = cache.entry_path(family, name, "ab" * 32)
+        cache.lock(path)  # (makes the family folder, as a builder's lock does)
+        staging = cache.new_staging(name)
+        for f in ("kernel.cu", "build.log", "launcher.c", main):
+            (staging / f).write_text(f)
+        facts = {"resources": {}}
+        cache.publish(staging, path, ["kernel.cu", "build.log", "launcher.c"], facts)
+        assert cache.lookup(path) is None, path.name
+        staging = cache.new_staging(name)
+        for f in ("kernel.cu", main):
+            (staging / f).write_text(f)
+        cache.publish(staging, path, ["kernel.cu", main], facts)
+        assert cache.lookup(path) is not None, path.name
+
+
+def test_toolchain_memo_of_the_wrong_shape_is_rewritten(fresh_cache):
+    """toolchain.json that is JSON but not an object (or holds a non-string version) is
+    ignored and rewritten, like one that is not JSON, rather than failing every CUDA build."""
+    import json
+
+    from kgen.runtime import toolchain
+
+    memo = cache.root() / "toolchain.json"
+    for text in ("[]", "null", '"abc"', "7", '{"nvcc|1|2": 5}'):
+        memo.write_text(text)
+        assert toolchain._memo.__wrapped__("nvcc|1|2", lambda: "release 12.8") == "release 12.8"
+        assert json.loads(memo.read_text()) == {"nvcc|1|2": "release 12.8"}
+
+
+def test_clear_removes_corrupt_entries_and_only_the_cache_layout(fresh_cache):
+    """What `info` counts, `clear` removes and reports, manifests or not; what is not of the
+    cache's layout stays (KGEN_CACHE_DIR may be a shared folder)."""
+    variants = [v for v in FBA.variants if v.backend == "triton"][:3]
+    entries = [build.triton_source_entry(v) for v in variants]
+    for e in entries:
+        (e.path / cache.MANIFEST).unlink()
+    (fresh_cache / "tuning.json").write_text("{}")
+    (fresh_cache / "notes.txt").write_text("not kgen's")
+    (fresh_cache / "photos" / "trip-2024").mkdir(parents=True)  # not <name>-<20 hex digits>
+    (fresh_cache / TRITON_V.family / "README").write_text("mine")  # a file in a family folder
+    assert cache.info()["entries"] == len(entries)
+    assert cache.clear() == len(entries)
+    assert cache.info()["entries"] == 0
+    assert not any(e.path.exists() or Path(f"{e.path}.lock").exists() for e in entries)
+    assert sorted(p.relative_to(fresh_cache).as_posix() for p in fresh_cache.rglob("*")) == [
+        "fused_bias_act", "fused_bias_act/README", "notes.txt", "photos", "photos/trip-2024", "tuning.json"]
+    assert cache.clear() == 0
+
+
 RACER = textwrap.dedent("""
     import sys, time
     from kgen import spec

@@ -95,3 +95,13 @@ def test_op_of_the_registered_family_on_cpu(package):
     torch.testing.assert_close(x.grad, torch.full_like(x, 2.0))
     with pytest.raises(ValueError, match="must match"):
         getattr(fam, NAME)(x, torch.randn(7, 5))
+
+
+@pytest.mark.parametrize("name", ["linear_logp_backward", "fused_bias_act_", "logmatmul_backward",
+                                  "fused_mlp_backward", "linear_logp_dist", "int8_mm"])
+def test_refuses_the_name_of_any_registered_kgen_op(tmp_path, name):
+    """A family's op is torch.ops.kgen.<name>; shipped families define ops kgen.ops does not
+    show (backward and in-place ones), and a plugin redefining one breaks that family."""
+    with pytest.raises(KgenError, match=r"already an op \(torch\.ops\.kgen\."):
+        scaffold.create(name, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

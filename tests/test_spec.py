@@ -95,3 +95,52 @@ def test_errors_name_a_file_outside_the_cwd_by_its_whole_path(tmp_path, monkeypa
     bad.write_text(bad.read_text().replace("-256", "256"))
     monkeypatch.chdir(tmp_path)  # (then under the cwd: its relative name)
     assert spec.load(bad).path == "a/mine.yaml"
+
+
+def _error(text: str) -> SpecError:
+    with pytest.raises(SpecError) as ei:
+        spec.parse(text, "inline.yaml")
+    return ei.value
+
+
+def test_an_empty_arch_list_is_an_error_not_zero_variants():
+    e = _error("family: fused_bias_act\nvariants:\n  - backend: cuda\n    arch: []\n"
+               "    threads: 256\n    vec: 4\n    rows: 1\n")
+    assert (e.line, e.key) == (4, "variants[0].arch") and "at least one arch" in e.message
+
+
+def test_a_variant_dtype_must_be_one_of_the_spec_dtypes():
+    """The spec's dtypes are all its variants' (numerics, `kgen tune` and `kgen bench` go by
+    them): a variant of another dtype is refused where it is listed, not left unverifiable."""
+    variants = ("variants:\n"
+                "  - {backend: triton, block_cols: 1024, rows: 1, num_warps: 4, dtypes: [float32, bfloat16]}\n")
+    e = _error("family: fused_bias_act\ndtypes: [float32]\n" + variants)
+    assert (e.line, e.key) == (4, "variants[0].dtypes")
+    assert "'bfloat16' is not one of this spec's dtypes (float32)" in e.message
+    e = _error("family: fused_bias_act\ndtypes: [float32]\n" + variants
+               + "numerics:\n  bfloat16: {rtol: 1e-2, atol: 1e-2}\n")
+    assert e.key == "numerics.bfloat16" and "add it to the top-level dtypes" in e.message
+    # without top-level dtypes the spec's are the family's: numerics for any variant's dtype
+    s = spec.parse("family: fused_bias_act\n" + variants + "numerics:\n  bfloat16: {rtol: 1e-2, atol: 1e-2}\n"
+                   "  float32: {rtol: 1e-5, atol: 1e-5}\n", "inline.yaml")
+    assert {v.dtype for v in s.variants} == set(s.numerics) and set(s.numerics) <= set(s.dtypes)
+
+
+@pytest.mark.parametrize("text", [
+    "family: fused_bias_act\nvariants: &a [*a]\n",
+    "family: fused_bias_act\nvariants: &a\n  - *a\n",
+    "family: fused_bias_act\nvariants: &a\n  - {backend: triton, rows: *a}\n",
+], ids=["flow", "block", "in-a-mapping"])
+def test_a_self_referencing_alias_is_a_spec_error(tmp_path, text):
+    path = tmp_path / "loop.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as ei:
+        spec.load(path)
+    assert ei.value.path == str(path) and ei.value.line == 2 and "contains it" in ei.value.message
+
+
+def test_an_alias_used_twice_is_fine():
+    s = spec.parse("family: fused_bias_act\ndtypes: &d [float32]\nvariants:\n"
+                   "  - {backend: triton, block_cols: 1024, rows: 1, num_warps: 4, dtypes: *d}\n"
+                   "  - {backend: triton, block_cols: 2048, rows: 1, num_warps: 4, dtypes: *d}\n")
+    assert len(s.variants) == 2

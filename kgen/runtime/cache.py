@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,15 +61,62 @@ def entry_path(family: str, name: str, key: str) -> Path:
 
 
 def lookup(path: Path) -> Entry | None:
-    """The entry at `path` if it is complete and every file matches its hash."""
+    """The entry at `path` if it is complete and every file matches its hash.
+
+    A manifest of the wrong shape (no "files" mapping, a name that is not a plain file
+    name, no files at all, or without the file the entry is loaded from) is as corrupt
+    as one that is not JSON: the entry counts as absent and is rebuilt."""
     try:
         manifest = json.loads((path / MANIFEST).read_text())
+        if not _well_formed(manifest, path):
+            return None
         for fname, expected in manifest["files"].items():
             if file_hash(path / fname) != expected:
                 return None
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
     return Entry(path, manifest)
+
+
+def _well_formed(manifest, path: Path) -> bool:
+    if not isinstance(manifest, dict):
+        return False
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return False
+    for fname, expected in files.items():
+        # a name with a separator would hash (and later load) a file outside the entry
+        if not fname or "/" in fname or fname in (".", "..") or not isinstance(expected, str):
+            return False
+    main = _main_file(path)
+    if main is not None and main not in files:
+        return False
+    if _AOT.match(path.name) and "resources" not in manifest:  # build.build_triton reads it
+        return False
+    resources = manifest.get("resources", {})  # read by build.BuildResult.summary
+    return isinstance(resources, dict) and all(
+        isinstance(r, dict) and all(isinstance(r.get(k), int) for k in ("registers", "shared", "local"))
+        for r in resources.values())
+
+
+# An ahead-of-time Triton entry: <variant>-<arch>-<key> (build.build_triton).
+_AOT = re.compile(r"^triton_.*-sm\d+a?-[0-9a-f]{20}$")
+
+
+def _main_file(path: Path) -> str | None:
+    """The file the entry at `path` is loaded from, told by its name: a variant's name
+    starts with its arch (CUDA: build.CUDA_LIB) or with "triton" (build.TRITON_SOURCE, in
+    an ahead-of-time entry too), and `_runtime/launcher-*` is loader.trampoline's extension
+    module. None for a name kgen does not make: then only the hashes are checked."""
+    if path.parent.name == "_runtime":
+        if path.name.startswith("launcher-"):
+            return "kgen_launcher" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+        return None
+    if path.name.startswith("triton_"):
+        return "kernel.py"
+    if re.match(r"sm\d", path.name):
+        return "lib.so"
+    return None
 
 
 def lock(path: Path):
@@ -126,17 +175,29 @@ def discard(staging: Path) -> None:
     shutil.rmtree(staging, ignore_errors=True)
 
 
+# The cache's own layout, <root>/<family>/<name>-<key[:20]>: family folders are named like
+# families (or `_runtime`), entries end in 20 hex digits of their key. `info` counts, and
+# `clear` removes, only what matches, since KGEN_CACHE_DIR may name a folder shared with
+# other files.
+_FAMILY_DIR = re.compile(r"^_?[a-z][a-z0-9_]*$")
+_ENTRY_DIR = re.compile(r"^.+-[0-9a-f]{20}$")
+
+
+def _entries(r: Path) -> list[Path]:
+    """Every entry directory under the root `r`, complete or corrupt."""
+    found = []
+    for fam in sorted(r.iterdir()) if r.is_dir() else ():
+        if fam.is_dir() and not fam.is_symlink() and _FAMILY_DIR.match(fam.name):
+            found += [e for e in sorted(fam.iterdir())
+                      if e.is_dir() and not e.is_symlink() and _ENTRY_DIR.match(e.name)]
+    return found
+
+
 def info() -> dict:
     r = config.cache_dir()
-    entries, size = 0, 0
-    if r.is_dir():
-        for fam in r.iterdir():
-            if fam.is_dir() and not fam.name.startswith("."):
-                for e in fam.iterdir():
-                    if e.is_dir():
-                        entries += 1
-                        size += sum(f.stat().st_size for f in e.rglob("*") if f.is_file())
-    return {"path": str(r), "entries": entries, "bytes": size}
+    entries = _entries(r)
+    size = sum(f.stat().st_size for e in entries for f in e.rglob("*") if f.is_file())
+    return {"path": str(r), "entries": len(entries), "bytes": size}
 
 
 # Files in the cache dir that `clear` keeps: the user's tuning table (measurements, not
@@ -145,26 +206,40 @@ KEPT = ("tuning.json",)
 
 
 def clear() -> int:
-    """Remove every build entry (and the staging, lock and toolchain memo files kgen keeps
-    beside them); returns how many entries there were. The user's tuning table stays, as
-    does anything kgen did not put there (KGEN_CACHE_DIR may name a folder shared with other
-    files): only the family folders of entries (their manifests say so), `.staging`,
-    `.locks` and toolchain.json go."""
+    """Remove every build entry, complete or corrupt, with its lock file (and the staging,
+    lock and toolchain memo files kgen keeps beside them); returns how many entries it
+    removed. The user's tuning table stays, as does anything that is not of the cache's
+    layout (see _ENTRY_DIR): a family folder is removed only once it is empty."""
     r = config.cache_dir()
-    n = info()["entries"]
+    removed = 0
+    for e in _entries(r):
+        _remove(e)
+        Path(f"{e}.lock").unlink(missing_ok=True)
+        removed += 1
     if not r.is_dir():
-        return n
+        return removed
     for p in r.iterdir():
         if p.name in KEPT:
             continue
-        if p.is_dir() and (p.name in (".staging", ".locks") or _holds_entries(p)):
-            shutil.rmtree(p, ignore_errors=True)
+        if p.name in (".staging", ".locks") and p.is_dir() and not p.is_symlink():
+            _remove(p)
         elif p.name == "toolchain.json":
             p.unlink(missing_ok=True)
-    return n
+        elif p.is_dir() and not p.is_symlink() and _FAMILY_DIR.match(p.name):
+            for lk in p.glob("*.lock"):  # a lock whose entry is gone (a build that failed)
+                if _ENTRY_DIR.match(lk.name.removesuffix(".lock")):
+                    lk.unlink(missing_ok=True)
+            try:
+                p.rmdir()
+            except OSError:  # it holds something kgen did not put there
+                pass
+    return removed
 
 
-def _holds_entries(d: Path) -> bool:
-    """A family folder of the cache: it holds an entry (a folder with a manifest), beside
-    the entries' lock files."""
-    return any(e.is_dir() and (e / MANIFEST).is_file() for e in d.iterdir())
+def _remove(d: Path) -> None:
+    """Remove a directory tree; one that a concurrent `clear` removed first is no error,
+    anything else (a file we may not delete) is raised, naming the file."""
+    try:
+        shutil.rmtree(d)
+    except FileNotFoundError:
+        pass

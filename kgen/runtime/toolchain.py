@@ -47,7 +47,9 @@ def _memo(stamp: str, compute) -> str:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
         memo = {}
-    if stamp not in memo:
+    if not isinstance(memo, dict):  # valid JSON of another shape ([], null): as unreadable
+        memo = {}
+    if not isinstance(memo.get(stamp), str):
         memo[stamp] = compute()
         tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(memo, indent=1, sort_keys=True))
