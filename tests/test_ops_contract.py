@@ -86,35 +86,60 @@ def test_gpu_second_derivative_raises_naming_the_op(case):
         _second_derivative_raises(name, f, "cuda")
 
 
-def _tangent_refused(name, f, device):
+def _tangents_checked(name, f, device):
+    """Forward-mode AD through the op's composition: for a tangent v on x (then on w), the
+    output's tangent t satisfies <u, t> = <J^T u, v> for a random u, J^T u from reverse mode
+    (the op's own backward); the registered op (torch.ops.kgen.*) refuses tangents instead,
+    since torch.library would drop them."""
     import torch.autograd.forward_ad as fwad
 
     torch.manual_seed(0)
     x, w = torch.randn(3, 32, device=device), torch.randn(4, 32, device=device)
-    f(x, w)  # (on CUDA: a plain call first, so that a fast path could serve the dual one)
-    f(x, w)
-    with fwad.dual_level():
-        for dual in ((fwad.make_dual(x, torch.ones_like(x)), w), (x, fwad.make_dual(w, torch.ones_like(w)))):
-            if name == "w8a16_linear" and dual[1] is not w:
-                continue  # (its w is only a bias source here: w[0, :4] would keep the tangent)
-            with pytest.raises(NotImplementedError, match=f"kgen::{name} has no forward-mode derivative"):
-                f(*dual)
-        f(x, w)  # plain tensors inside a dual level still run
+    f(x, w)  # (on CUDA: plain calls first, so that a fast path could serve the dual one)
+    plain = f(x, w)
+    registered = "kgen" in f.__code__.co_names  # torch.ops.kgen.<name>(...)
+    for which in (0, 1):
+        v = torch.randn_like((x, w)[which])
+        with fwad.dual_level():
+            args = [x, w]
+            args[which] = fwad.make_dual(args[which], v)
+            if registered:
+                with pytest.raises(NotImplementedError, match=f"kgen::{name} has no forward-mode derivative"):
+                    f(*args)
+                return
+            out = f(*args)
+            t = fwad.unpack_dual(out).tangent
+            # plain tensors inside a dual level still run, and the composition's primal is the
+            # op's output up to float32 summation order (on CUDA a kernel's; bf16: one rounding)
+            tol = 1e-4 if out.dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(fwad.unpack_dual(out).primal, f(x, w), rtol=tol, atol=tol)
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        y = f(*leaves)
+        u = torch.randn_like(y, dtype=torch.float32)
+        (gin,) = torch.autograd.grad(y.float(), leaves[which], u, allow_unused=True)
+        want = float((gin.double() * v.double()).sum()) if gin is not None else 0.0
+        got = float((u.double() * t.double()).sum()) if t is not None else 0.0
+        # float32 (bf16 for w8a16) products summed in another order by the two modes, and the
+        # backward's rounding of its gradient to the input's dtype (bf16: 2^-8 of each term)
+        rel = 2e-2 if name == "w8a16_linear" else 1e-4
+        scale = float((u.double().abs() * (t.double().abs() if t is not None else 0)).sum()) + 1e-6
+        assert abs(got - want) <= rel * max(scale, abs(want)), (which, got, want)
+        assert plain.shape == y.shape
 
 
 @pytest.mark.parametrize("case", range(len(_cases("cpu"))))
-def test_forward_mode_ad_raises_naming_the_op(case):
-    """A forward-mode tangent (torch.autograd.forward_ad) on any input is refused, not
-    dropped: the kernels' outputs carry none, which would be a silently wrong JVP. The CPU
-    path refuses alike, so that code right on a CPU is not wrong on a GPU."""
-    _tangent_refused(*_cases("cpu")[case], "cpu")
+def test_forward_mode_ad_gives_the_compositions_tangent(case):
+    """A forward-mode tangent (torch.autograd.forward_ad) on any input runs the op's PyTorch
+    composition, whose output carries the right tangent; before, the kernels' outputs
+    carried none (a silently wrong JVP), then it was refused."""
+    _tangents_checked(*_cases("cpu")[case], "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", range(len(_cases("cpu"))))
-def test_gpu_forward_mode_ad_raises_naming_the_op(case):
+def test_gpu_forward_mode_ad_gives_the_compositions_tangent(case):
     """The same on CUDA, where the repeated calls would take the eager fast paths."""
-    _tangent_refused(*_cases("cuda")[case], "cuda")
+    _tangents_checked(*_cases("cuda")[case], "cuda")
 
 
 def test_registered_ops_under_autocast_compute_as_outside():
@@ -163,3 +188,22 @@ def test_op_without_a_backward_raises_on_every_path():
         assert scale_a.grad is None
         with torch.no_grad():
             assert not call(scale_a).requires_grad
+
+
+def test_integer_arguments_under_dynamic_compile():
+    """ignore_index, block_size and group_size are SymInts in the ops' schemas: torch.compile
+    with dynamic=True, or a second value of ignore_index (automatic dynamic), passes them as
+    torch.SymInt, which the checks refused with a TypeError."""
+    torch.manual_seed(9)
+    W, h, t = torch.randn(11, 6), torch.randn(4, 6), torch.randint(0, 11, (4,))
+    f = torch.compile(lambda h, t, ii: ops.linear_logp(h, W, t, ignore_index=ii), backend="aot_eager", fullgraph=True)
+    for ii in (-100, 0, int(t[1])):
+        assert torch.equal(f(h, t, ii), ops.linear_logp(h, W, t, ignore_index=ii))
+    blocks, row_ptr, col_idx, x = torch.rand(3, 32, 32), torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1]), torch.randn(3, 64)
+    g = torch.compile(lambda x, bs: ops.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, bs), backend="aot_eager",
+                      fullgraph=True, dynamic=True)
+    assert torch.equal(g(x, 32), ops.block_sparse_logmatmul(x, blocks, row_ptr, col_idx, 32))
+    b8, sg, xb = _int8(6, 32), torch.rand(6, 2) / 100, torch.randn(3, 32).bfloat16()
+    k = torch.compile(lambda x, gs: ops.w8a16_linear(x, b8, sg, None, gs), backend="aot_eager", fullgraph=True,
+                      dynamic=True)
+    assert torch.equal(k(xb, 16), ops.w8a16_linear(xb, b8, sg, None, 16))

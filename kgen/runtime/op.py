@@ -10,7 +10,9 @@ the golden-numerics comparison.
   the function to call. In eager mode it calls `impl` directly — through an
   `autograd.Function` when a gradient is needed — because a torch.library op's first call
   imports torch._dynamo (seconds) and every call pays the dispatcher (~15 us); under
-  torch.compile, or on tensor subclasses (fake, functional), it calls the registered op.
+  torch.compile, or on tensor subclasses (fake, functional), it calls the registered op;
+  under torch.func transforms (vmap, grad, jvp, ...) and forward-mode AD, the family's
+  `composition` (its PyTorch reference, `with_reference`), which they trace through.
 - `Override()`: a per-thread "run this instead of dispatch's choice" (`with
   OVERRIDE.using(impl):`), for tests and benchmarks that pin one variant or the reference.
 - `sm_count(device, off_gpu)`: the device's SM count (cached), for launch plans.
@@ -183,25 +185,49 @@ def stride_align(n: int) -> int:
     return min(16, n & -n) if n else 16
 
 
-def dispatch_modes(_stack=torch._C._len_torch_dispatch_stack, _fwad=_forward_ad) -> bool:
+# Whether a torch.func transform (vmap, grad, jvp, jacrev, ...) is active: its tensors are
+# wrappers without storage that no kernel can take (one C call, ~30 ns).
+_functorch_active = torch._C._are_functorch_transforms_active
+
+
+def dispatch_modes(_stack=torch._C._len_torch_dispatch_stack, _fwad=_forward_ad, _func=_functorch_active) -> bool:
     """Whether the ops' eager fast paths must step aside: a TorchDispatchMode is active (so
     that the mode sees the op as a torch.library call: FlopCounterMode, a tracer, as it would
-    PyTorch's own), or a forward-mode AD level is (torch.autograd.forward_ad.dual_level: the
-    general path refuses dual inputs, `call`). ~50 ns, ~20 more than the C call alone."""
-    return _stack() > 0 or _fwad._current_level >= 0
+    PyTorch's own), a forward-mode AD level is (torch.autograd.forward_ad.dual_level), or a
+    torch.func transform is (those two go to the op's composition: `define`). ~80 ns, ~50
+    more than the first C call alone."""
+    return _stack() > 0 or _fwad._current_level >= 0 or _func()
+
+
+def _has_tangents(args) -> bool:
+    """Whether an argument (in lists too) carries a forward-mode tangent."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            if _has_tangents(a):
+                return True
+        elif isinstance(a, torch.Tensor) and _forward_ad.unpack_dual(a).tangent is not None:
+            return True
+    return False
 
 
 def _refuse_tangents(name: str, args) -> None:
     """NotImplementedError where an argument carries a forward-mode tangent: the kernels (and
     torch.library, which runs them) would return outputs without one, a silently wrong
     directional derivative."""
-    for a in args:
-        if isinstance(a, (list, tuple)):
-            _refuse_tangents(name, a)
-        elif isinstance(a, torch.Tensor) and _forward_ad.unpack_dual(a).tangent is not None:
-            raise NotImplementedError(
-                f"kgen::{name} has no forward-mode derivative (torch.autograd.forward_ad / torch.func.jvp): "
-                "its outputs would carry no tangent; use reverse mode (backward), or the PyTorch expression")
+    if _has_tangents(args):
+        raise NotImplementedError(
+            f"kgen::{name} has no forward-mode derivative (torch.autograd.forward_ad / torch.func.jvp): "
+            "its outputs would carry no tangent; use reverse mode (backward), or the PyTorch expression")
+
+
+def with_reference(impl: Callable, override: "Override") -> Callable:
+    """`impl` run with `override` set to None, the family's PyTorch reference: the op's
+    composition for `define` where a family's implementation takes that path with no kernel."""
+    def composition(*args):
+        with override.using(None):
+            return impl(*args)
+
+    return composition
 
 # Whether torch.autocast is on for any device (one C call; the public form asks per device).
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
@@ -220,10 +246,19 @@ _DEFINED: dict[str, str] = {}
 
 
 def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | None = None,
-           setup_context: Callable | None = None, mutates_args=()) -> Callable:
+           setup_context: Callable | None = None, mutates_args=(), composition: Callable | None = None
+           ) -> Callable:
     """Register `kgen::<name>` and return the function a family exposes (see the module
     doc). `backward(ctx, *grads)` and `setup_context(ctx, inputs, output)` follow
-    `torch.library.register_autograd`; the eager path runs the same two."""
+    `torch.library.register_autograd`; the eager path runs the same two.
+
+    `composition`: the op's math in PyTorch operations, with impl's arguments and outputs
+    and its checks (the family's reference, e.g. `with_reference(impl, override)`). Under a
+    torch.func transform (vmap, grad, vjp, jvp, jacrev, hessian, ...), whose tensors are
+    wrappers no kernel can read, and for inputs carrying a forward-mode tangent
+    (torch.autograd.forward_ad), the function calls it instead of impl: the transform traces
+    through it as through PyTorch's own ops, to any order. An op without one raises
+    NotImplementedError there, naming itself."""
     owner = _DEFINED.setdefault(name, impl.__module__)
     if owner != impl.__module__:  # (torch.library would let the second replace the first, silently)
         raise KgenError(f"kgen::{name} is defined by {owner} already; {impl.__module__} must name its op "
@@ -266,15 +301,27 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
             return grad_path(*args)
         return impl(*args)
 
+    def transformed(args):
+        if composition is None:
+            raise NotImplementedError(
+                f"kgen::{name} does not run under torch.func transforms (vmap, grad, jvp, jacrev, ...) nor on "
+                "inputs with forward-mode tangents: its kernels take plain tensors and it has no PyTorch "
+                "composition to trace through; call it outside the transform (a loop over the batch for vmap)")
+        return composition(*args)
+
     def call(*args):
-        if torch.compiler.is_compiling() or not _plain(args):
+        # (a transform first: torch.compile of a torch.func transform traces the composition
+        # too, where the registered op, which has no rule for it, gave zero tangents)
+        if _functorch_active() or (_forward_ad._current_level >= 0 and _has_tangents(args)):
+            run = transformed
+        elif torch.compiler.is_compiling() or not _plain(args):
             return op(*args)
-        if _forward_ad._current_level >= 0:
-            _refuse_tangents(name, args)
+        else:
+            run = eager
         if _any_autocast():  # the op's own math (kernels, references) is not autocast's to change
             with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
-                return eager(args)
-        return eager(args)
+                return run(args)
+        return run(args)
 
     call.op = op
     call.__name__ = call.__qualname__ = name

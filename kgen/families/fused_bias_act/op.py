@@ -210,9 +210,23 @@ def _backward(ctx, grad):
     return grad_x, grad_bias, grad_y, None, None
 
 
+def _composition(x, bias, y, alpha, act):
+    """The op in PyTorch operations (the CPU path's math), which torch.func transforms and
+    forward-mode AD trace through (kgen.runtime.op.define)."""
+    _check(x, bias, y, alpha, act, False)
+    return reference(x, bias, y, alpha, act).to(x.dtype)
+
+
+def _composition_inplace(x, bias, y, alpha, act):
+    _check(x, bias, y, alpha, act, True)
+    x.copy_(reference(x, bias, y, alpha, act))
+
+
 # torch.ops.kgen.fused_bias_act (differentiable) and torch.ops.kgen.fused_bias_act_ (in place)
-_op = define("fused_bias_act", _op_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
-_op_inplace = define("fused_bias_act_", _op_inplace_impl, fake=_op_inplace_fake, mutates_args=("x",))
+_op = define("fused_bias_act", _op_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context,
+             composition=_composition)
+_op_inplace = define("fused_bias_act_", _op_inplace_impl, fake=_op_inplace_fake, mutates_args=("x",),
+                     composition=_composition_inplace)
 
 
 def _as_float(alpha) -> float:

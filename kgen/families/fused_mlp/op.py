@@ -19,7 +19,7 @@ from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package a
     tune_runner, untuned_order)
 from kgen.runtime.memo import CallMemo
 from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, define, dispatch_modes, error_ratio,
-                             poisoned)
+                             poisoned, with_reference)
 
 KERNELS = Kernels(FAMILY, tune_bucket)
 
@@ -237,7 +237,8 @@ def _backward(ctx, grad):
 
 
 _backward_op = define("fused_mlp_backward", _backward_impl, fake=_backward_fake)
-_op = define("fused_mlp", _forward_impl, fake=_forward_fake, backward=_backward, setup_context=_setup_context)
+_op = define("fused_mlp", _forward_impl, fake=_forward_fake, backward=_backward, setup_context=_setup_context,
+             composition=with_reference(_forward_impl, _FORCED))
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _step = train.Step.apply

@@ -105,7 +105,7 @@ def check_w8a16_linear(x, b, scale_b, bias, group_size) -> tuple[int, int, int]:
     if group_size is None:
         _vector(op, "scale_b", scale_b, N, "one scale per row of b", SCALE_DTYPES, x.device)
     else:
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
+        if isinstance(group_size, bool) or not isinstance(group_size, (int, torch.SymInt)):  # (SymInt: compile)
             raise TypeError(f"{op}: group_size must be an int or None, got {type(group_size).__name__}")
         if group_size <= 0 or group_size % 16 or K % group_size:
             raise ValueError(f"{op}: group_size={group_size} must be a positive multiple of 16 that divides "

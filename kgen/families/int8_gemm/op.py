@@ -12,7 +12,7 @@ import torch
 from kgen.families.int8_gemm import checks, launch, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, with_reference
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
@@ -290,10 +290,18 @@ def _w8a16_backward(ctx, grad):
     return gx, None, None, gbias, None
 
 
-_mm_op = define("int8_mm", _mm_impl, fake=_mm_fake)
-_linear_op = define("int8_linear", _linear_impl, fake=_linear_fake)
+def _w8a16_composition(x, b, scale_b, bias, group_size):
+    """w8a16_linear in PyTorch operations, differentiable (float32 products, as the CPU
+    path): what torch.func transforms and forward-mode AD trace through (kgen.runtime.op.define)."""
+    checks.two_d("w8a16_linear", "x", x)
+    checks.check_w8a16_linear(x, b, scale_b, bias, group_size)
+    return reference.w8a16_linear(x, b, scale_b, bias, group_size)
+
+
+_mm_op = define("int8_mm", _mm_impl, fake=_mm_fake, composition=with_reference(_mm_impl, _FORCED))
+_linear_op = define("int8_linear", _linear_impl, fake=_linear_fake, composition=with_reference(_linear_impl, _FORCED))
 _w8a16_op = define("w8a16_linear", _w8a16_impl, fake=_w8a16_fake, backward=_w8a16_backward,
-                   setup_context=_w8a16_setup)
+                   setup_context=_w8a16_setup, composition=_w8a16_composition)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

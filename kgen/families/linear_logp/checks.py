@@ -34,7 +34,7 @@ def check_inputs(hidden, weight, target, bias, temperature, ignore_index) -> Non
         raise TypeError(f"linear_logp: temperature must be a float, got {type(temperature).__name__}")
     if not 0 < temperature < math.inf:  # (comparisons, not math.isfinite: torch.compile traces them)
         raise ValueError(f"linear_logp: temperature must be finite and > 0, got {temperature}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, (int, torch.SymInt)):  # (SymInt: compile)
         raise TypeError(f"linear_logp: ignore_index must be an int, got {type(ignore_index).__name__}")
     if weight.dim() != 2:
         raise ValueError(f"linear_logp: weight must be 2-D [V, D], got shape {tuple(weight.shape)}")

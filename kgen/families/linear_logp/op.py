@@ -19,7 +19,7 @@ from kgen.families.linear_logp.launch import forward
 from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.families.linear_logp.tuning import TUNE_DIMS, bucket_extras, tune_bucket
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, with_reference
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -202,7 +202,21 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2, _grad_logits)
 # (kgen.runtime.op.define), so the backward, called from either, takes the same path as its
 # forward.
 _bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
-_op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context)
+def _composition(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
+                 keep_logits=False):
+    """The op under torch.func transforms and forward-mode AD (kernel.runtime.op.define): its
+    reference. Checked mode reads target's values on the host, which a batched target under
+    vmap does not have: there it is skipped, as during CUDA graph capture (bad rows NaN)."""
+    if check_targets and _wrapped(target):
+        check_targets = False
+    return _reference_forward(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
+                              keep_logits)
+
+
+_reference_forward = with_reference(_forward_impl, _FORCED)
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context,
+             composition=_composition)
 
 
 # --------------------------------------------------------------------------- the eager fast path
@@ -393,7 +407,7 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     args = (hidden if flat else hidden.reshape(-1, weight.shape[1]), weight, target if flat else target.reshape(-1),
             bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets), keep)
     logp, entropy = _op(*args)[:2]
-    if not _compiling() and FAST and not keep_logits and not _FORCED.open and not _any_autocast():
+    if not _compiling() and FAST and not keep_logits and not _FORCED.open and not _any_autocast() and not dispatch_modes():
         _remember(hidden, weight, target, bias, return_entropy)
     if not flat:
         logp, entropy = logp.reshape(hidden.shape[:-1]), entropy.reshape(hidden.shape[:-1]) if return_entropy else entropy

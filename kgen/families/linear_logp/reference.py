@@ -22,14 +22,20 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
     t = target.reshape(-1).long()
     valid = t != ignore_index
     bad = valid & ((t < 0) | (t >= logits.shape[1]))  # NaN rows, as the kernels give
+    # An ignored row's logits are left out before any reduction, so that its NaN or inf
+    # (a padded position's hidden state) gives no gradient under autograd either: 0 x NaN.
+    logits = torch.where(valid[:, None], logits, logits.new_zeros(()))
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, torch.where(valid & ~bad, t, 0)[:, None]).squeeze(1) - lse
     entropy = lse - (torch.softmax(logits, dim=-1) * _finite_floor(logits)).sum(-1)
-    zero, nan = logp.new_zeros(()), logp.new_full((), float("nan"))
+    zero = logp.new_zeros(())
     bad = bad | (valid & (lse == float("inf")))  # the kernels' z - max is inf - inf there
+    # NaN on a bad row by a product, not a select: its gradients are NaN too under autograd
+    # (as the kernels give them), not the 0 a select would give, which reads as an ignored row
+    poison = torch.where(bad, logp.new_full((), float("nan")), logp.new_ones(()))
 
     def rows(x):
-        return torch.where(bad, nan, torch.where(valid, x, zero)).reshape(shape)
+        return (torch.where(valid, x, zero) * poison).reshape(shape)
 
     return rows(logp), rows(entropy)
 

@@ -67,7 +67,7 @@ def check_block_sparse(x, blocks, row_ptr, col_idx, block_size) -> None:
     """blocks [nnz, bs, bs] (float32 or x's dtype), row_ptr [N/bs + 1], col_idx [nnz]
     (int32 or int64), block_size a power of two >= 32 dividing K."""
     name = "block_sparse_logmatmul"
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, torch.SymInt)):  # (SymInt: compile)
         raise TypeError(f"{name}: block_size must be an int, got {type(block_size).__name__}")
     if block_size < 32 or block_size & (block_size - 1):
         raise ValueError(f"{name}: block_size must be a power of two >= 32, got {block_size}")

@@ -34,6 +34,23 @@ def reference(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.
     return torch.where(dead, torch.full((), NEG_INF, dtype=compute, device=x.device), out)
 
 
+def reference_for_transforms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """reference(x, w) (float32) as torch.func transforms and forward-mode AD differentiate
+    it: the same terms -- an exp that float32 flushes to 0 is 0 here too --, summed and logged
+    in float64. In float32, a node whose terms all lie ~87-104 below the row maximum has a
+    subnormal sum s, and autograd's 1/s overflows: its gradient came out inf and NaN (x =
+    [0, -95, -100], w = [0, 1, 1]: [nan, inf, inf] against the op's [1, 0.993, 0.007])."""
+    x32 = x.float()
+    d = x32 - _shift(x32)
+    alive = torch.exp(d.detach()) != 0  # (a NaN stays alive: NaN in, NaN out)
+    zero = torch.zeros((), dtype=torch.float64, device=x.device)
+    e = torch.where(alive, torch.exp(d.double()), zero)
+    s = e @ w.double().T
+    dead = s == 0
+    out = torch.log(torch.where(dead, torch.ones_like(zero), s)) + _shift(x32).double()
+    return torch.where(dead, torch.full_like(zero, NEG_INF), out).float()
+
+
 def reference_backward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad: torch.Tensor,
                        compute=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) written out, as the kernels compute them (the CPU path's backward: autograd
@@ -67,23 +84,29 @@ def reference_backward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad
 def _block_row(blocks, ptr: list, cols: list, r: int, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(the K indices of block row r's child blocks, its weights [bs, their count x bs])."""
     lo, hi = ptr[r], ptr[r + 1]
-    idx = torch.cat([torch.arange(c * bs, (c + 1) * bs) for c in cols[lo:hi]])
+    idx = torch.cat([torch.arange(c * bs, (c + 1) * bs, device=blocks.device) for c in cols[lo:hi]])
     return idx, blocks[lo:hi].permute(1, 0, 2).reshape(bs, -1)
 
 
 def block_sparse_reference(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch.Tensor, col_idx: torch.Tensor,
-                           block_size: int, compute=torch.float32) -> torch.Tensor:
+                           block_size: int, compute=torch.float32, dense=reference) -> torch.Tensor:
     """out [B, N] of block-CSR weights (block_sparse_logmatmul's layout), block row by block
     row as the kernels compute it: each its own terms only, shifted by the largest x of its
     own child blocks, so a NaN in x reaches only the block rows whose children hold it, and
-    an empty block row is -inf. Reads row_ptr's and col_idx's values: the CPU path."""
+    an empty block row is -inf. Reads row_ptr's and col_idx's values: the CPU path, and on
+    any device the op's composition (`dense=reference_for_transforms`)."""
     bs, ptr, cols = block_size, row_ptr.tolist(), col_idx.tolist()
-    out = torch.full((x.shape[0], (len(ptr) - 1) * bs), NEG_INF, dtype=compute)
-    for r in range(len(ptr) - 1):
-        if ptr[r] < ptr[r + 1]:
-            idx, w = _block_row(blocks, ptr, cols, r, bs)
-            out[:, r * bs:(r + 1) * bs] = reference(x[:, idx], w, compute)
-    return out
+    empty = torch.full((x.shape[0], bs), NEG_INF, dtype=compute, device=x.device)
+    # (block rows joined, not written into a buffer: torch.func.vmap over x cannot write a
+    # batched row into an unbatched buffer)
+    def block_row(r):
+        if not ptr[r] < ptr[r + 1]:
+            return empty
+        idx, w = _block_row(blocks, ptr, cols, r, bs)
+        return dense(x[:, idx], w, compute) if dense is reference else dense(x[:, idx], w)
+
+    parts = [block_row(r) for r in range(len(ptr) - 1)]
+    return torch.cat(parts, dim=1) if parts else empty[:, :0]
 
 
 def block_sparse_reference_backward(x, blocks, row_ptr, col_idx, block_size: int, out, grad,
