@@ -34,10 +34,10 @@ def reference(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.
     return torch.where(dead, torch.full((), NEG_INF, dtype=compute, device=x.device), out)
 
 
-def reference_for_transforms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """reference(x, w) (float32) as torch.func transforms and forward-mode AD differentiate
-    it: the same terms -- an exp that float32 flushes to 0 is 0 here too --, summed and logged
-    in float64. In float32, a node whose terms all lie ~87-104 below the row maximum has a
+def reference_for_transforms(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.Tensor:
+    """reference(x, w) as torch.func transforms and forward-mode AD differentiate it: the
+    float32 terms -- an exp that float32 flushes to 0 is 0 here too --, summed and logged in
+    float64, returned in `compute`. In float32, a node whose terms all lie ~87-104 below the row maximum has a
     subnormal sum s, and autograd's 1/s overflows: its gradient came out inf and NaN (x =
     [0, -95, -100], w = [0, 1, 1]: [nan, inf, inf] against the op's [1, 0.993, 0.007])."""
     x32 = x.float()
@@ -48,7 +48,7 @@ def reference_for_transforms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     s = e @ w.double().T
     dead = s == 0
     out = torch.log(torch.where(dead, torch.ones_like(zero), s)) + _shift(x32).double()
-    return torch.where(dead, torch.full_like(zero, NEG_INF), out).float()
+    return torch.where(dead, torch.full_like(zero, NEG_INF), out).to(compute)
 
 
 def reference_backward(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, grad: torch.Tensor,
@@ -103,7 +103,7 @@ def block_sparse_reference(x: torch.Tensor, blocks: torch.Tensor, row_ptr: torch
         if not ptr[r] < ptr[r + 1]:
             return empty
         idx, w = _block_row(blocks, ptr, cols, r, bs)
-        return dense(x[:, idx], w, compute) if dense is reference else dense(x[:, idx], w)
+        return dense(x[:, idx], w, compute)
 
     parts = [block_row(r) for r in range(len(ptr) - 1)]
     return torch.cat(parts, dim=1) if parts else empty[:, :0]
