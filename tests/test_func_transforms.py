@@ -299,3 +299,33 @@ def test_torch_compile_of_a_transform():
         got = torch.compile(fn, backend="aot_eager")(x)
         assert got is not None and bool(want.abs().sum() > 0)
         torch.testing.assert_close(got, want)
+
+
+def _module_per_sample_gradients(device):
+    """kgen.nn.FusedMLP through torch.func.functional_call: per-sample gradients of every
+    parameter by vmap(grad(...)) against a loop of torch.autograd calls on the module."""
+    from kgen.nn import FusedMLP
+
+    torch.manual_seed(10)
+    net = FusedMLP([13, 40, 7, 1], activation="gelu", last_activation="sigmoid", device=device)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x, y = torch.randn(5, 13, device=device), torch.rand(5, 1, device=device)
+
+    def loss(p, xi, yi):
+        return ((torch.func.functional_call(net, p, (xi[None],)) - yi) ** 2).sum()
+
+    per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    for i in range(x.shape[0]):
+        net.zero_grad()
+        ((net(x[i:i + 1]) - y[i]) ** 2).sum().backward()
+        for k, p in net.named_parameters():
+            torch.testing.assert_close(per[k][i], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_module_per_sample_gradients():
+    _module_per_sample_gradients("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_module_per_sample_gradients():
+    _module_per_sample_gradients("cuda")
