@@ -188,6 +188,8 @@ def stride_align(n: int) -> int:
 # Whether a torch.func transform (vmap, grad, jvp, jacrev, ...) is active: its tensors are
 # wrappers without storage that no kernel can take (one C call, ~30 ns).
 _functorch_active = torch._C._are_functorch_transforms_active
+# Whether a tensor is such a wrapper (a composition that reads values on the host asks).
+functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def dispatch_modes(_stack=torch._C._len_torch_dispatch_stack, _fwad=_forward_ad, _func=_functorch_active) -> bool:

@@ -19,7 +19,7 @@ from kgen.families.linear_logp.launch import forward
 from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.families.linear_logp.tuning import TUNE_DIMS, bucket_extras, tune_bucket
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, with_reference
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, functorch_wrapped, with_reference
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -202,19 +202,20 @@ def _backward(ctx, grad_logp, grad_entropy, _grad_lse2, _grad_ez2, _grad_logits)
 # (kgen.runtime.op.define), so the backward, called from either, takes the same path as its
 # forward.
 _bwd_op = define("linear_logp_backward", _backward_impl, fake=_bwd_op_fake)
+
+
 def _composition(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
                  keep_logits=False):
-    """The op under torch.func transforms and forward-mode AD (kernel.runtime.op.define): its
+    """The op under torch.func transforms and forward-mode AD (kgen.runtime.op.define): its
     reference. Checked mode reads target's values on the host, which a batched target under
     vmap does not have: there it is skipped, as during CUDA graph capture (bad rows NaN)."""
-    if check_targets and _wrapped(target):
+    if check_targets and functorch_wrapped(target):
         check_targets = False
     return _reference_forward(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
                               keep_logits)
 
 
 _reference_forward = with_reference(_forward_impl, _FORCED)
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _op = define("linear_logp", _forward_impl, fake=_op_fake, backward=_backward, setup_context=_setup_context,
              composition=_composition)
 

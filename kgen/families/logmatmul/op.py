@@ -16,7 +16,7 @@ from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import (block_sparse_reference, block_sparse_reference_backward,
                                                 reference, reference_backward, reference_for_transforms)
 from kgen.families.logmatmul.rules import tune_bucket
-from kgen.runtime.op import MISSING, Override, define, dispatch_modes
+from kgen.runtime.op import MISSING, Override, define, dispatch_modes, functorch_wrapped
 
 FAMILY = "logmatmul"
 _FORCED = Override()
@@ -226,6 +226,8 @@ def _backward(ctx, grad):
 
 
 _bwd_op = define("logmatmul_backward", _bwd_impl, fake=_bwd_fake)
+
+
 def _composition(x, w):
     """The op under torch.func transforms and forward-mode AD (kgen.runtime.op.define)."""
     check_dense(x, w)
@@ -345,19 +347,20 @@ def _bsl_backward(ctx, grad):
 
 
 _bsl_bwd_op = define("block_sparse_logmatmul_backward", _bsl_bwd_impl, fake=_bsl_bwd_fake)
+
+
 def _bsl_composition(x, blocks, row_ptr, col_idx, block_size):
     """The op under torch.func transforms and forward-mode AD (kgen.runtime.op.define): block
     row by block row as the kernels (a NaN reaches only its own block rows), on any device.
     The pattern is read on the host, so it cannot be batched."""
     check_block_sparse(x, blocks, row_ptr, col_idx, block_size)
-    if _wrapped(row_ptr) or _wrapped(col_idx):
+    if functorch_wrapped(row_ptr) or functorch_wrapped(col_idx):
         raise ValueError("block_sparse_logmatmul: row_ptr and col_idx cannot be batched under torch.func.vmap "
                          "(the pattern is read on the host); vmap over x or blocks")
     check_pattern_values(row_ptr, col_idx, x.shape[1], block_size)
     return block_sparse_reference(x, blocks, row_ptr, col_idx, block_size, dense=reference_for_transforms)
 
 
-_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _bsl_op = define("block_sparse_logmatmul", _bsl_impl, fake=_bsl_fake, backward=_bsl_backward,
                  setup_context=_bsl_setup, composition=_bsl_composition)
 

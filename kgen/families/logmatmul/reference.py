@@ -37,17 +37,18 @@ def reference(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.
 def reference_for_transforms(x: torch.Tensor, w: torch.Tensor, compute=torch.float32) -> torch.Tensor:
     """reference(x, w) as torch.func transforms and forward-mode AD differentiate it: the
     float32 terms -- an exp that float32 flushes to 0 is 0 here too --, summed and logged in
-    float64, returned in `compute`. In float32, a node whose terms all lie ~87-104 below the row maximum has a
-    subnormal sum s, and autograd's 1/s overflows: its gradient came out inf and NaN (x =
-    [0, -95, -100], w = [0, 1, 1]: [nan, inf, inf] against the op's [1, 0.993, 0.007])."""
+    float64, returned in `compute`. In float32, a node whose terms all lie ~87-104 below the
+    row maximum has a subnormal sum s, and autograd's 1/s overflows: its gradient came out inf
+    and NaN (x = [0, -95, -100], w = [0, 1, 1]: [nan, inf, inf] against the op's [1, 0.993, 0.007])."""
     x32 = x.float()
-    d = x32 - _shift(x32)
+    m = _shift(x32)
+    d = x32 - m
     alive = torch.exp(d.detach()) != 0  # (a NaN stays alive: NaN in, NaN out)
     zero = torch.zeros((), dtype=torch.float64, device=x.device)
     e = torch.where(alive, torch.exp(d.double()), zero)
     s = e @ w.double().T
     dead = s == 0
-    out = torch.log(torch.where(dead, torch.ones_like(zero), s)) + _shift(x32).double()
+    out = torch.log(torch.where(dead, torch.ones_like(zero), s)) + m.double()
     return torch.where(dead, torch.full_like(zero, NEG_INF), out).to(compute)
 
 
