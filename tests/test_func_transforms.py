@@ -136,6 +136,50 @@ def test_gpu_vmap_grad_and_jvp_over_each_op(case):
     _jvp_agrees_with_reverse_mode(c)
 
 
+def _registered(device):
+    """(name, f(x) through torch.ops.kgen.<name>, the same through kgen.ops, x)."""
+    g = torch.Generator().manual_seed(11)
+    r = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
+    b, w, ws = r(77), torch.rand(37, 45, generator=g).to(device), [r(40, 13) / 4, r(3, 40) / 6]
+    return [
+        ("fused_bias_act", lambda x: torch.ops.kgen.fused_bias_act(x, b, None, 1.0, "gelu"),
+         lambda x: ops.fused_bias_act(x, b, act="gelu"), r(5, 77)),
+        ("logmatmul", lambda x: torch.ops.kgen.logmatmul(x, w), lambda x: ops.logmatmul(x, w), r(5, 45)),
+        ("fused_mlp", lambda x: torch.ops.kgen.fused_mlp(x, ws, [], 0, "relu", "silu"),
+         lambda x: ops.fused_mlp(x, ws, None, activation="relu", last_activation="silu"), r(9, 13)),
+    ]
+
+
+def _registered_ops_under_transforms(device):
+    for name, registered, python, x in _registered(device):
+        v = torch.randn_like(x)
+        out, t = jvp(registered, (x,), (v,))
+        want_out, want_t = jvp(python, (x,), (v,))
+        # the same composition on both paths: the same tangent (it was all zeros)
+        assert t.abs().max() > 0, name
+        torch.testing.assert_close(t, want_t, msg=name)
+        _close_to_the_op(out, registered(x))
+        u = torch.randn(out.shape, device=device)
+        got = grad(lambda s: (registered(s) * u).sum())(x)  # (raised setup_context's error)
+        leaf = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad((registered(leaf) * u).sum(), leaf)  # the op's own backward
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(jacrev(registered)(x), jacrev(python)(x), msg=name)
+        torch.testing.assert_close(vmap(registered)(x[None].expand(2, *x.shape)), registered(x).expand(2, *out.shape),
+                                   rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_registered_ops_under_transforms():
+    """torch.ops.kgen.<name> called directly under jvp gave zero tangents silently and under
+    grad raised; now both run the composition, as kgen.ops.<name> does."""
+    _registered_ops_under_transforms("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_registered_ops_under_transforms():
+    _registered_ops_under_transforms("cuda")
+
+
 def _per_sample_gradients(device):
     """vmap(grad(...)): per-sample gradients of a loss through linear_logp and fused_mlp
     against a loop of torch.autograd calls."""

@@ -30,6 +30,7 @@ import contextlib
 import functools
 import math
 import threading
+import warnings
 from typing import Callable
 
 import torch
@@ -311,6 +312,8 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
                 "composition to trace through; call it outside the transform (a loop over the batch for vmap)")
         return composition(*args)
 
+    _transforms_in_front(op, name, transformed)
+
     def call(*args):
         # (a transform first: torch.compile of a torch.func transform traces the composition
         # too, where the registered op, which has no rule for it, gave zero tangents)
@@ -329,6 +332,57 @@ def define(name: str, impl: Callable, *, fake: Callable, backward: Callable | No
     call.__name__ = call.__qualname__ = name
     call.__doc__ = impl.__doc__
     return call
+
+
+def _transforms_in_front(op, name: str, transformed: Callable) -> None:
+    """The registered op's Autograd kernel: torch.library's, behind a check that sends a call
+    under a torch.func transform, or with forward-mode tangents, to `transformed` (the
+    composition). Without it, torch.ops.kgen.<name> under jvp gave zero tangents silently
+    (torch.library's kernel calls the op below autograd when nothing requires grad, and no
+    kernel below it can see the transform, whose level is popped while it runs the op), and
+    under grad raised autograd.Function's setup_context error. Here, at the Autograd key, the
+    transform's level is still current and its tensors are plain dual / grad-tracking ones,
+    so the composition's PyTorch ops carry the tangents and the graph as PyTorch's own do.
+    (torch.library has no public hook for this: its kernel is rebuilt by the function that
+    built it and registered again over it.)"""
+    try:
+        from torch._library.autograd import make_autograd_impl
+
+        library_kernel = make_autograd_impl(op._opoverload, op)
+        lib, op_name = op._lib, op._name
+    except (ImportError, AttributeError, TypeError):  # another torch's internals: keep its kernel
+        return
+    level = torch._C._functorch.maybe_current_level
+
+    def autograd_kernel(keyset, *args, **kwargs):
+        if not kwargs and (level() is not None or (_forward_ad._current_level >= 0 and _has_tangents(args))):
+            if _any_autocast():
+                with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+                    return transformed(args)
+            return transformed(args)
+        return library_kernel(keyset, *args, **kwargs)
+
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": this one is meant to
+        warnings.simplefilter("ignore")
+        try:
+            lib.impl(op_name, autograd_kernel, "Autograd", with_keyset=True, allow_override=True)
+        except (TypeError, RuntimeError):  # a torch without allow_override: its kernel stays
+            return
+
+    def batched(info, in_dims, *args):
+        # vmap reaches the op before autograd: one call a sample, stacked, as PyTorch's fallback
+        # does, which takes no Tensor[] argument (fused_mlp's weights)
+        def sample(i):
+            return [a if dims is None else [t if d is None else t.select(d, i) for t, d in zip(a, dims)]
+                    if isinstance(a, (list, tuple)) else a.select(dims, i) for a, dims in zip(args, in_dims)]
+
+        outs = [op(*sample(i)) for i in range(info.batch_size)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
+        return torch.stack(outs), 0
+
+    if not op._opoverload._schema.is_mutable:
+        op.register_vmap(batched)
 
 
 def _without_autocast(impl: Callable, name: str) -> Callable:
