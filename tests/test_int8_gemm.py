@@ -12,6 +12,7 @@ import torch
 from kgen import ops, spec
 from kgen.families import int8_gemm as ig
 from kgen.families.int8_gemm import launch as ig_launch
+from kgen.families.int8_gemm import reference
 from kgen.families.int8_gemm.golden import w8a16_error_ratio
 from kgen.runtime import build, dispatch, toolchain, tune, tuning_table
 from kgen.runtime.op import error_ratio
@@ -212,6 +213,40 @@ def test_w8a16_gradient_of_x():
     ops.w8a16_linear(x, b, s).float().sum().backward()
     want = (torch.ones(3, 5) @ (b.float() * s[:, None])).to(torch.bfloat16)
     torch.testing.assert_close(x.grad, want)
+
+
+def _scale_gradient(group_size, device):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 48, generator=g).to(torch.bfloat16).to(device)
+    b = torch.randint(-128, 128, (5, 48), generator=g, dtype=torch.int8).to(device)
+    s0 = (torch.rand(5, 3, generator=g) / 100 if group_size else torch.rand(5, generator=g) / 100).to(device)
+    bias = torch.randn(5, generator=g).to(device)
+    ops.w8a16_linear(x, b, s0, bias, group_size=group_size)  # (a plain call: the fast path holds the signature)
+    s = s0.clone().requires_grad_()
+    u = torch.randn(7, 5, generator=g).bfloat16().float().to(device)
+    (ops.w8a16_linear(x, b, s, bias, group_size=group_size).float() * u).sum().backward()
+    s64 = s0.double().requires_grad_()
+    w = reference.dequantized(b, s64, group_size, torch.float64)
+    ((x.double() @ w.t() + bias.double()) * u.double()).sum().backward()
+    assert s.grad is not None and s.grad.shape == s.shape
+    # float32 products of bf16 x and int8 b summed over 7 rows: float32 rounding only
+    torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-5, atol=1e-5 * float(s64.grad.abs().max()))
+
+
+@pytest.mark.parametrize("group_size", [None, 16])
+def test_w8a16_gradient_of_its_scales(group_size):
+    """scale_b with requires_grad gets its gradient (it came back None, silently, while the
+    torch.func composition differentiated it): against float64 autograd of the same math,
+    per channel and per group, through the fast path's signature too (a plain call first)."""
+    _scale_gradient(group_size, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [None, 16])
+def test_gpu_w8a16_gradient_of_its_scales(group_size):
+    """The same on CUDA, where the plain call's fast path holds the signature: a scale that
+    requires grad must take the op's autograd path, not the fast path's bare output."""
+    _scale_gradient(group_size, "cuda")
 
 
 class _FakeGemv:

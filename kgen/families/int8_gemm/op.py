@@ -272,22 +272,28 @@ def _w8a16_fake(x, b, scale_b, bias, group_size):
 
 def _w8a16_setup(ctx, inputs, output):
     x, b, scale_b, bias, group_size = inputs
-    ctx.save_for_backward(b, scale_b)
+    ctx.save_for_backward(b, scale_b, x if scale_b.requires_grad else None)  # (x: scale_b's gradient)
     ctx.group_size, ctx.x_dtype, ctx.has_bias = group_size, x.dtype, bias is not None
     ctx.bias_dtype, ctx.bias_shape = (bias.dtype, bias.shape) if bias is not None else (None, None)
 
 
 def _w8a16_backward(ctx, grad):
-    """d x = grad @ dequantized(b) (float32, rounded to x's dtype); d bias = column sums.
-    The int8 weight and its scales take no gradient."""
-    b, scale_b = ctx.saved_tensors
-    gx = gbias = None
+    """d x = grad @ dequantized(b) (float32, rounded to x's dtype); d bias = column sums;
+    d scale_b[n, g] = sum over group g's columns k of (grad.T @ x)[n, k] * b[n, k] (float32,
+    in scale_b's dtype and shape; one group: per channel). The int8 weight takes no gradient."""
+    b, scale_b, x = ctx.saved_tensors
+    gx = gscale = gbias = None
     if ctx.needs_input_grad[0]:
         w = reference.dequantized(b, scale_b, ctx.group_size, torch.float32)
         gx = (grad.float() @ w).to(ctx.x_dtype)
+    if ctx.needs_input_grad[2]:
+        N, K = b.shape
+        per = (grad.float().t() @ x.float()) * b.float()  # [N, K]: each weight's share of d scale
+        gs = ctx.group_size or K
+        gscale = per.reshape(N, K // gs, gs).sum(-1).to(scale_b.dtype).reshape(scale_b.shape)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         gbias = grad.float().sum(0).to(ctx.bias_dtype).reshape(ctx.bias_shape)  # (a [1, N] bias: its shape)
-    return gx, None, None, gbias, None
+    return gx, None, gscale, gbias, None
 
 
 def _w8a16_composition(x, b, scale_b, bias, group_size):
@@ -386,13 +392,14 @@ def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: 
     """Weight-only int8: x @ (b * scale_b).T + bias in x's dtype (bfloat16 or float16), b
     int8 [N, K] widened in registers (never materialised), float32 accumulation. scale_b:
     [N] per output channel, or [N, K / group_size] per group of K when group_size (a multiple
-    of 16 dividing K) is given; float32 or 16-bit. Differentiable for x and bias. Also
+    of 16 dividing K) is given; float32 or 16-bit. Differentiable for x, scale_b and bias. Also
     torch.ops.kgen.w8a16_linear (2-D x). Under torch.autocast, x and bias are cast to its
     dtype, as F.linear's are."""
     if group_size is not None and type(group_size) is not int:
         group_size = checks.group_size_arg(group_size)
     if (_plain(x, b, scale_b, bias=bias) and x.dim() >= 1 and not _any_autocast()
-            and not ((x.requires_grad or (bias is not None and bias.requires_grad)) and _grad_enabled())):
+            and not ((x.requires_grad or scale_b.requires_grad or (bias is not None and bias.requires_grad))
+                     and _grad_enabled())):
         key = (MODE_W8A16, _flat_shape(x), x.dtype, b.shape, b.dtype, x.device,
                scale_b.shape if group_size else _flat_shape(scale_b, 1), scale_b.dtype, scale_b.device,
                None if bias is None else (_flat_shape(bias, 1), bias.dtype, bias.device), group_size)
