@@ -180,6 +180,56 @@ def test_gpu_registered_ops_under_transforms():
     _registered_ops_under_transforms("cuda")
 
 
+def test_registered_ops_read_plain_arguments_under_grad_and_batch_any_output():
+    """At the Autograd key grad and jvp wrap every argument of a registered op, plain ones too:
+    block_sparse_logmatmul's pattern is still read (it raised "cannot be batched under vmap"),
+    linear_logp's checked mode still checks (its bad target gave a NaN gradient row). vmap stacks Tensor[] outputs (fused_mlp_backward crashed) and takes an
+    empty batch (an IndexError)."""
+    g = torch.Generator().manual_seed(5)
+    blocks, row_ptr, col_idx = torch.rand(3, 32, 32, generator=g), torch.tensor([0, 2, 3]), torch.tensor([0, 1, 1])
+    x = torch.randn(4, 64, generator=g)
+    bsl = lambda t: torch.ops.kgen.block_sparse_logmatmul(t, blocks, row_ptr, col_idx, 32)  # noqa: E731
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(bsl(leaf).sum(), leaf)
+    torch.testing.assert_close(grad(lambda t: bsl(t).sum())(x), want, rtol=1e-5, atol=1e-6)
+    assert jvp(bsl, (x,), (torch.ones_like(x),))[1].isfinite().all()
+    # (a vmapped pattern: the registered op's vmap rule calls it once a sample, each with its own)
+    cols = torch.stack([col_idx, torch.tensor([1, 0, 0])])
+    got = vmap(lambda c: torch.ops.kgen.block_sparse_logmatmul(x, blocks, row_ptr, c, 32))(cols)
+    assert torch.equal(got, torch.stack([torch.ops.kgen.block_sparse_logmatmul(x, blocks, row_ptr, c, 32)
+                                         for c in cols]))
+
+    h, w = torch.randn(5, 16, generator=g), torch.randn(10, 16, generator=g) / 4
+    bad = torch.tensor([1, 99, 2, 3, 4])
+    with pytest.raises(ValueError, match="target holds 99"):
+        grad(lambda t: torch.ops.kgen.linear_logp(t, w, bad, None, 1.0, -100, False, True)[0].sum())(h)
+
+    ws, gr = [torch.randn(40, 13, generator=g) / 4, torch.randn(3, 40, generator=g) / 6], torch.randn(9, 3, generator=g)
+    xs = torch.randn(2, 9, 13, generator=g)
+    backward = lambda a: torch.ops.kgen.fused_mlp_backward(gr, a, ws, [], 0, "relu", "none", True)  # noqa: E731
+    out = vmap(backward)(xs)
+    assert isinstance(out, list)
+    for got, *each in zip(out, backward(xs[0]), backward(xs[1])):
+        assert torch.equal(got, torch.stack(each))
+    empty = vmap(lambda a: torch.ops.kgen.fused_mlp(a, ws, [], 0, "relu", "silu"))(xs[:0])
+    assert empty.shape == (0, 9, 3)
+    outs = vmap(lambda a, t: torch.ops.kgen.linear_logp(a, w, t, None, 1.0, -100, True, False))(
+        torch.randn(0, 5, 16), bad.expand(0, 5))
+    assert [o.shape[0] for o in outs] == [0] * len(outs)
+
+
+def test_registered_in_place_op_refuses_a_gradient():
+    """torch.ops.kgen.fused_bias_act_ on a tensor that requires grad left autograd's graph as it
+    was: backward gave the gradient of the value before the op (all ones here), silently."""
+    x, b = torch.randn(4, 8, requires_grad=True), torch.randn(8)
+    with pytest.raises(RuntimeError, match="fused_bias_act_ writes its input in place and is not differentiable"):
+        torch.ops.kgen.fused_bias_act_(x * 1, b, None, 1.0, "gelu")
+    with torch.no_grad():
+        u = x * 1
+        torch.ops.kgen.fused_bias_act_(u, b, None, 1.0, "gelu")  # (no gradient wanted: runs)
+    torch.testing.assert_close(u, torch.nn.functional.gelu(x + b, approximate="tanh"), rtol=1e-5, atol=1e-6)
+
+
 def _per_sample_gradients(device):
     """vmap(grad(...)): per-sample gradients of a loss through linear_logp and fused_mlp
     against a loop of torch.autograd calls."""

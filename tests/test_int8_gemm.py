@@ -233,6 +233,14 @@ def _scale_gradient(group_size, device):
     torch.testing.assert_close(s.grad.double(), s64.grad, rtol=1e-5, atol=1e-5 * float(s64.grad.abs().max()))
 
 
+def test_w8a16_gradient_of_its_scales_at_k_zero():
+    """K = 0: the forward is the bias; the scales' gradient is zero (it divided by zero)."""
+    x, b = torch.zeros(5, 0, dtype=torch.bfloat16), torch.zeros(6, 0, dtype=torch.int8)
+    s = torch.rand(6, requires_grad=True)
+    ops.w8a16_linear(x, b, s).float().sum().backward()
+    assert torch.equal(s.grad, torch.zeros(6))
+
+
 @pytest.mark.parametrize("group_size", [None, 16])
 def test_w8a16_gradient_of_its_scales(group_size):
     """scale_b with requires_grad gets its gradient (it came back None, silently, while the

@@ -189,8 +189,21 @@ def stride_align(n: int) -> int:
 # Whether a torch.func transform (vmap, grad, jvp, jacrev, ...) is active: its tensors are
 # wrappers without storage that no kernel can take (one C call, ~30 ns).
 _functorch_active = torch._C._are_functorch_transforms_active
-# Whether a tensor is such a wrapper (a composition that reads values on the host asks).
+# Whether a tensor is such a wrapper.
 functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def vmap_batched(t: torch.Tensor, _wrapped=functorch_wrapped, _batched=torch._C._functorch.is_batchedtensor,
+                 _inner=torch._C._functorch.get_unwrapped) -> bool:
+    """Whether `t` is batched by a torch.func.vmap at any level (its values then differ per
+    sample and cannot be read on the host; a composition that reads values asks). A tensor
+    grad or jvp merely wrapped, as they wrap every argument of a registered op at its
+    Autograd key, is not."""
+    while _wrapped(t):
+        if _batched(t):
+            return True
+        t = _inner(t)
+    return False
 
 
 def dispatch_modes(_stack=torch._C._len_torch_dispatch_stack, _fwad=_forward_ad, _func=_functorch_active) -> bool:
@@ -353,13 +366,20 @@ def _transforms_in_front(op, name: str, transformed: Callable) -> None:
     except (ImportError, AttributeError, TypeError):  # another torch's internals: keep its kernel
         return
     level = torch._C._functorch.maybe_current_level
+    schema = op._opoverload._schema
+    schema_args, mutable = schema.arguments, schema.is_mutable
 
     def autograd_kernel(keyset, *args, **kwargs):
         if not kwargs and (level() is not None or (_forward_ad._current_level >= 0 and _has_tangents(args))):
+            # (the dispatcher drops trailing arguments equal to their defaults: put them back)
+            args = (*args, *(a.default_value for a in schema_args[len(args):]))
             if _any_autocast():
                 with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
                     return transformed(args)
             return transformed(args)
+        if mutable and _needs_grad(args):  # (torch.library's kernel left the graph as it was: a wrong gradient)
+            raise RuntimeError(f"kgen::{name} writes its input in place and is not differentiable; use the "
+                               "out-of-place form where a gradient is needed")
         return library_kernel(keyset, *args, **kwargs)
 
     with warnings.catch_warnings():  # "Overriding a previously registered kernel": this one is meant to
@@ -372,14 +392,29 @@ def _transforms_in_front(op, name: str, transformed: Callable) -> None:
     def batched(info, in_dims, *args):
         # vmap reaches the op before autograd: one call a sample, stacked, as PyTorch's fallback
         # does, which takes no Tensor[] argument (fused_mlp's weights)
-        def sample(i):
-            return [a if dims is None else [t if d is None else t.select(d, i) for t, d in zip(a, dims)]
-                    if isinstance(a, (list, tuple)) else a.select(dims, i) for a, dims in zip(args, in_dims)]
+        def each(a, dims, f):  # f(tensor, its batch dim or None) over an argument, lists too
+            if isinstance(a, (list, tuple)):
+                return [each(t, dims if dims is None else d, f) for t, d in zip(a, dims or [None] * len(a))]
+            return f(a, dims) if isinstance(a, torch.Tensor) else a
 
-        outs = [op(*sample(i)) for i in range(info.batch_size)]
-        if isinstance(outs[0], tuple):
-            return tuple(torch.stack(o) for o in zip(*outs)), (0,) * len(outs[0])
-        return torch.stack(outs), 0
+        def stacked(outs):  # the samples' outputs (a tensor, or a tuple / list of them) along dim 0
+            if isinstance(outs[0], (list, tuple)):
+                return type(outs[0])(stacked(list(o)) for o in zip(*outs))
+            return torch.stack(outs)
+
+        if info.batch_size == 0:  # nothing to call: the outputs' shapes from the fake impl, on "meta"
+            meta = [each(a, d, lambda t, b: torch.empty(t.shape[:b] + t.shape[b + 1:] if b is not None else t.shape,
+                                                         dtype=t.dtype, device="meta")) for a, d in zip(args, in_dims)]
+            device = next(t.device for t in torch.utils._pytree.tree_leaves(list(args)) if isinstance(t, torch.Tensor))
+
+            def empty(o):
+                if isinstance(o, (list, tuple)):
+                    return type(o)(empty(t) for t in o)
+                return torch.empty((0, *o.shape), dtype=o.dtype, device=device)
+
+            return empty(op(*meta)), 0
+        return stacked([op(*[each(a, d, lambda t, b: t if b is None else t.select(b, i)) for a, d in zip(args, in_dims)])
+                        for i in range(info.batch_size)]), 0
 
     if not op._opoverload._schema.is_mutable:
         op.register_vmap(batched)

@@ -290,7 +290,8 @@ def _w8a16_backward(ctx, grad):
         N, K = b.shape
         per = (grad.float().t() @ x.float()) * b.float()  # [N, K]: each weight's share of d scale
         gs = ctx.group_size or K
-        gscale = per.reshape(N, K // gs, gs).sum(-1).to(scale_b.dtype).reshape(scale_b.shape)
+        gscale = (per.reshape(N, K // gs, gs).sum(-1) if K else torch.zeros(scale_b.shape, device=b.device)
+                  ).to(scale_b.dtype).reshape(scale_b.shape)
     if ctx.has_bias and ctx.needs_input_grad[3]:
         gbias = grad.float().sum(0).to(ctx.bias_dtype).reshape(ctx.bias_shape)  # (a [1, N] bias: its shape)
     return gx, None, gscale, gbias, None

@@ -19,7 +19,7 @@ from kgen.families.linear_logp.launch import forward
 from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.families.linear_logp.tuning import TUNE_DIMS, bucket_extras, tune_bucket
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, functorch_wrapped, with_reference
+from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, vmap_batched, with_reference
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -209,7 +209,7 @@ def _composition(hidden, weight, target, bias, temperature, ignore_index, with_e
     """The op under torch.func transforms and forward-mode AD (kgen.runtime.op.define): its
     reference. Checked mode reads target's values on the host, which a batched target under
     vmap does not have: there it is skipped, as during CUDA graph capture (bad rows NaN)."""
-    if check_targets and functorch_wrapped(target):
+    if check_targets and vmap_batched(target):
         check_targets = False
     return _reference_forward(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
                               keep_logits)

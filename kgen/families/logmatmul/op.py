@@ -16,7 +16,7 @@ from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import (block_sparse_reference, block_sparse_reference_backward,
                                                 reference, reference_backward, reference_for_transforms)
 from kgen.families.logmatmul.rules import tune_bucket
-from kgen.runtime.op import MISSING, Override, define, dispatch_modes, functorch_wrapped
+from kgen.runtime.op import MISSING, Override, define, dispatch_modes, vmap_batched
 
 FAMILY = "logmatmul"
 _FORCED = Override()
@@ -354,7 +354,7 @@ def _bsl_composition(x, blocks, row_ptr, col_idx, block_size):
     row by block row as the kernels (a NaN reaches only its own block rows), on any device.
     The pattern is read on the host, so it cannot be batched."""
     check_block_sparse(x, blocks, row_ptr, col_idx, block_size)
-    if functorch_wrapped(row_ptr) or functorch_wrapped(col_idx):
+    if vmap_batched(row_ptr) or vmap_batched(col_idx):
         raise ValueError("block_sparse_logmatmul: row_ptr and col_idx cannot be batched under torch.func.vmap "
                          "(the pattern is read on the host); vmap over x or blocks")
     check_pattern_values(row_ptr, col_idx, x.shape[1], block_size)
