@@ -394,8 +394,15 @@ def _transforms_in_front(op, name: str, transformed: Callable) -> None:
         # does, which takes no Tensor[] argument (fused_mlp's weights)
         def each(a, dims, f):  # f(tensor, its batch dim or None) over an argument, lists too
             if isinstance(a, (list, tuple)):
-                return [each(t, dims if dims is None else d, f) for t, d in zip(a, dims or [None] * len(a))]
+                return [each(t, d, f) for t, d in zip(a, dims or [None] * len(a))]
             return f(a, dims) if isinstance(a, torch.Tensor) else a
+
+        def tensors(a):
+            if isinstance(a, (list, tuple)):
+                for t in a:
+                    yield from tensors(t)
+            elif isinstance(a, torch.Tensor):
+                yield a
 
         def stacked(outs):  # the samples' outputs (a tensor, or a tuple / list of them) along dim 0
             if isinstance(outs[0], (list, tuple)):
@@ -405,7 +412,7 @@ def _transforms_in_front(op, name: str, transformed: Callable) -> None:
         if info.batch_size == 0:  # nothing to call: the outputs' shapes from the fake impl, on "meta"
             meta = [each(a, d, lambda t, b: torch.empty(t.shape[:b] + t.shape[b + 1:] if b is not None else t.shape,
                                                          dtype=t.dtype, device="meta")) for a, d in zip(args, in_dims)]
-            device = next(t.device for t in torch.utils._pytree.tree_leaves(list(args)) if isinstance(t, torch.Tensor))
+            device = next(tensors(args)).device
 
             def empty(o):
                 if isinstance(o, (list, tuple)):
@@ -416,7 +423,7 @@ def _transforms_in_front(op, name: str, transformed: Callable) -> None:
         return stacked([op(*[each(a, d, lambda t, b: t if b is None else t.select(b, i)) for a, d in zip(args, in_dims)])
                         for i in range(info.batch_size)]), 0
 
-    if not op._opoverload._schema.is_mutable:
+    if not mutable:
         op.register_vmap(batched)
 
 
