@@ -370,9 +370,10 @@ def _transforms_in_front(op, name: str, transformed: Callable) -> None:
     schema_args, mutable = schema.arguments, schema.is_mutable
 
     def autograd_kernel(keyset, *args, **kwargs):
-        if not kwargs and (level() is not None or (_forward_ad._current_level >= 0 and _has_tangents(args))):
-            # (the dispatcher drops trailing arguments equal to their defaults: put them back)
-            args = (*args, *(a.default_value for a in schema_args[len(args):]))
+        if level() is not None or (_forward_ad._current_level >= 0 and _has_tangents((*args, *kwargs.values()))):
+            # in schema order: keyword-only ones, and trailing ones equal to their defaults (the
+            # dispatcher drops those) put back
+            args = (*args, *(kwargs[a.name] if a.name in kwargs else a.default_value for a in schema_args[len(args):]))
             if _any_autocast():
                 with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
                     return transformed(args)
