@@ -307,6 +307,20 @@ def test_an_op_without_a_composition_says_so_under_a_transform():
     assert torch.equal(vmap(g)(x), x * 2) and calls == ["composition"]
 
 
+def test_a_registered_op_with_keyword_only_arguments_under_jvp():
+    """The registered op's transform path passes keyword-only arguments (and ones left at their
+    defaults) to the composition in schema order: jvp's tangent is the scale given, or the
+    default one."""
+    def impl(x: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+        return x * scale
+
+    define("_test_transform_kwonly", impl, fake=lambda x, *, scale=2.0: torch.empty_like(x),
+           composition=lambda x, scale=2.0: x * scale)
+    x, v = torch.randn(3), torch.ones(3)
+    assert torch.equal(jvp(lambda t: torch.ops.kgen._test_transform_kwonly(t, scale=3.0), (x,), (v,))[1], 3 * v)
+    assert torch.equal(jvp(lambda t: torch.ops.kgen._test_transform_kwonly(t), (x,), (v,))[1], 2 * v)
+
+
 def _special_values(device):
     """The op's rules for special values hold under the transforms as in its normal calls
     (each found broken in the composition by a probe, then fixed)."""
