@@ -432,11 +432,12 @@ def _without_autocast(impl: Callable, name: str) -> Callable:
     """`impl` as the registered op runs it: with torch.autocast off inside, so that a call of
     torch.ops.kgen.<name> under autocast computes as the Python function's does (which turns
     it off around the op: `define`), not with autocast's casts inside its reference math;
-    and refusing forward-mode tangents, which torch.library would drop silently.
-    (`define` reads the schema from `impl` itself.)"""
+    and refusing forward-mode tangents where they still reach it: only on a torch whose
+    internals `_transforms_in_front` could not use (there torch.library's own Autograd kernel
+    stays, which would drop them silently). (`define` reads the schema from `impl` itself.)"""
     @functools.wraps(impl)
     def run(*args, **kwargs):
-        if _forward_ad._current_level >= 0:  # (torch.library would drop the tangents silently)
+        if _forward_ad._current_level >= 0:  # (the fallback above: normally the composition ran instead)
             _refuse_tangents(name, args)
         if _any_autocast():
             with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
