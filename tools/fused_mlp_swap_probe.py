@@ -149,9 +149,12 @@ def _graph_us(fn, n: int = 20) -> float:
 
 
 # (BM rows, BN chunk, KC, warps, stages)
-CONFIGS = {torch.bfloat16: [(16, 64, 128, 4, 2), (16, 32, 128, 4, 3), (32, 64, 128, 4, 2), (64, 64, 128, 4, 2),
-                            (64, 64, 128, 8, 2), (128, 64, 128, 8, 2)],
-           torch.float32: [(16, 32, 128, 4, 2), (64, 32, 128, 4, 2)]}
+CONFIGS = {torch.bfloat16: [(16, 64, 128, 4, 2), (16, 64, 128, 4, 3), (32, 64, 128, 4, 2), (32, 64, 128, 4, 3),
+                            (64, 64, 128, 4, 2), (16, 128, 128, 4, 2), (32, 128, 128, 4, 2), (64, 128, 128, 8, 2),
+                            (128, 64, 128, 8, 2)],
+           # float32: 32-column chunks keep the staged weights under 227 KB of shared memory
+           torch.float32: [(16, 32, 128, 4, 2), (32, 32, 128, 4, 2), (64, 32, 128, 4, 2), (16, 32, 64, 4, 2),
+                           (64, 32, 64, 8, 2), (16, 16, 128, 4, 3)]}
 
 
 def bench() -> None:
@@ -166,7 +169,7 @@ def bench() -> None:
             seq = _sequential(widths, "relu", last, dt)
             fused = FusedMLP.from_sequential(seq)
             ws, bs = [w.detach() for w in fused.weights], [b.detach() for b in fused.biases]
-            for B in (512, 2048, 4096):
+            for B in (128, 512, 2048, 4096):
                 x = torch.randn(B, widths[0], device="cuda", dtype=dt)
                 with torch.no_grad():
                     want = fused(x)
