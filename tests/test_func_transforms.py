@@ -230,6 +230,41 @@ def test_registered_in_place_op_refuses_a_gradient():
     torch.testing.assert_close(u, torch.nn.functional.gelu(x + b, approximate="tanh"), rtol=1e-5, atol=1e-6)
 
 
+def test_registered_in_place_op_under_vmap():
+    """torch.ops.kgen.fused_bias_act_ had no vmap rule ("Batching rule not implemented"), while
+    PyTorch's in-place ops and kgen.ops' inplace form run under vmap: each sample is written in
+    place; an unbatched written tensor with batched other inputs is refused, as PyTorch does."""
+    g = torch.Generator().manual_seed(6)
+    x, b = torch.randn(5, 3, 8, generator=g), torch.randn(5, 8, generator=g)
+
+    def write(x, b):
+        x = x.clone()
+        torch.ops.kgen.fused_bias_act_(x, b, None, 1.0, "gelu")
+        return x
+
+    want = torch.nn.functional.gelu(x + b[:, None], approximate="tanh")
+    torch.testing.assert_close(vmap(write)(x, b), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(vmap(write, in_dims=(0, None))(x, b[0]),
+                               torch.nn.functional.gelu(x + b[0], approximate="tanh"), rtol=1e-5, atol=1e-6)
+    fixed = torch.randn(3, 8, generator=g)
+    with pytest.raises(RuntimeError, match="writes x in place, which is not batched"):
+        vmap(lambda b: torch.ops.kgen.fused_bias_act_(fixed, b, None, 1.0, "relu"))(b)
+
+
+def test_public_ops_under_vmap_over_an_empty_batch():
+    """kgen.ops.linear_logp and fused_mlp raised "cannot reshape tensor of 0 elements into shape
+    [0, -1, 8]" (a reshape(-1, D) under vmap's empty batch); PyTorch's expressions give empty
+    outputs."""
+    g = torch.Generator().manual_seed(7)
+    w, t = torch.randn(11, 8, generator=g), torch.tensor([1, 2, 3])
+    h = torch.randn(0, 3, 8)
+    logp, ent = vmap(lambda a: ops.linear_logp(a, w, t, return_entropy=True))(h)
+    assert logp.shape == ent.shape == (0, 3)
+    assert vmap(lambda a: ops.linear_logp(a, w, t.expand(2, 3)))(h[:, None].expand(0, 2, 3, 8)).shape == (0, 2, 3)
+    w1 = torch.randn(4, 8, generator=g)
+    assert vmap(lambda a: ops.fused_mlp(a, [w1]))(h).shape == (0, 3, 4)
+
+
 def _per_sample_gradients(device):
     """vmap(grad(...)): per-sample gradients of a loss through linear_logp and fused_mlp
     against a loop of torch.autograd calls."""

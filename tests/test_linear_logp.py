@@ -852,6 +852,22 @@ def test_registered_op_and_fake():
     assert [m.shape for m in meta] == [(5,), (5,), (5,), (5,), (5, 11)]
 
 
+def test_registered_op_refuses_leading_batch_dims():
+    """torch.ops.kgen.linear_logp took a 3-D hidden: eager returned logp [2, 3] where its fake
+    impl says [2] (torch.compile failed in an assertion), and the backward failed unpacking
+    hidden's shape. kgen.ops.linear_logp flattens leading dims; the registered op says so."""
+    h, w, t = torch.randn(2, 3, 8), torch.randn(11, 8), torch.randint(0, 11, (2, 3))
+    for hh, tt in ((h, t), (h, t.reshape(6))):
+        with pytest.raises(ValueError, match="hidden must be 2-D .N, D. and target 1-D"):
+            torch.ops.kgen.linear_logp(hh, w, tt, None, 1.0, -100, True, False)
+        with pytest.raises(ValueError, match="hidden must be 2-D"):
+            torch.ops.kgen.linear_logp(hh.to("meta"), w.to("meta"), tt.to("meta"), None, 1.0, -100, True, False)
+    g = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="linear_logp_backward: hidden must be 2-D"):
+        torch.ops.kgen.linear_logp_backward(h, w, t, None, g, g, g, None, 1.0, -100)
+    assert ops.linear_logp(h, w, t).shape == (2, 3)
+
+
 def test_compile_fullgraph_has_no_graph_break():
     x, w, t = torch.randn(6, 16), torch.randn(11, 16), torch.randint(0, 11, (6,))
 

@@ -145,5 +145,19 @@ def install(op, name: str, transformed: Callable) -> None:
         return stacked([op(*[each(a, d, lambda t, b: t if b is None else t.select(b, i)) for a, d in zip(args, in_dims)])
                         for i in range(info.batch_size)]), 0
 
-    if not mutable:
-        op.register_vmap(batched)
+    written = [i for i, a in enumerate(schema_args) if a.alias_info is not None and a.alias_info.is_write]
+
+    def batched_in_place(info, in_dims, *args):
+        # an op writing its inputs (returning nothing): one call a sample on views of the batched
+        # tensors, so that each writes its own sample; as PyTorch's in-place ops, the written
+        # tensor must be batched wherever any input is
+        for i in written:
+            if in_dims[i] is None:
+                raise RuntimeError(f"vmap: kgen::{name} writes {schema_args[i].name} in place, which is not batched "
+                                   "while other inputs are; each sample would write the same tensor (PyTorch's "
+                                   "in-place ops refuse this too): pass a batched tensor, e.g. expand and clone it")
+        for i in range(info.batch_size):
+            op(*[t.select(d, i) if isinstance(t, torch.Tensor) and d is not None else t for t, d in zip(args, in_dims)])
+        return None, None
+
+    op.register_vmap(batched_in_place if mutable else batched)

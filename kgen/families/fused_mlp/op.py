@@ -5,6 +5,7 @@ backward, with fake impls and autograd), the public `fused_mlp`, and the golden 
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -86,7 +87,7 @@ def _per_layer(biases, bias_mask: int, L: int) -> list:
 
 
 def _flat(x, widths):
-    x2 = x.reshape(-1, widths[0])
+    x2 = x.reshape(math.prod(x.shape[:-1]), widths[0])  # (not -1: ambiguous under vmap over an empty batch)
     return x2 if x2.is_contiguous() else x2.contiguous()
 
 

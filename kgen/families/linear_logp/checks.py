@@ -56,6 +56,15 @@ def check_inputs(hidden, weight, target, bias, temperature, ignore_index) -> Non
                              "all tensors must be on one device")
 
 
+def check_flat(hidden, target, op: str = "linear_logp") -> None:
+    """The registered ops (torch.ops.kgen.linear_logp and its backward) take 2-D hidden and 1-D
+    target, as their fake impls say; kgen.ops.linear_logp flattens leading dims before them."""
+    if hidden.dim() != 2 or target.dim() != 1:
+        raise ValueError(f"torch.ops.kgen.{op}: hidden must be 2-D [N, D] and target 1-D [N], got "
+                         f"{tuple(hidden.shape)} and {tuple(target.shape)} (kgen.ops.linear_logp takes leading "
+                         "batch dims and flattens them)")
+
+
 def check_target_range(target: torch.Tensor, V: int, ignore_index: int, kernels=None) -> Callable[[], None]:
     """Queues the check that target is in [0, V) or == ignore_index and returns the function
     that waits for it and raises ValueError if it failed. Call that function after queueing

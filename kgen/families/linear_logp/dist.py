@@ -63,6 +63,7 @@ checks run at trace time, on each rank alone.
 from __future__ import annotations
 
 import contextlib
+import math
 import struct
 from typing import Optional
 
@@ -70,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from kgen.families.linear_logp.backward_launch import backward
-from kgen.families.linear_logp.checks import check_inputs
+from kgen.families.linear_logp.checks import check_flat, check_inputs
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
 from kgen.families.linear_logp.launch import LN2, LOG2E, forward
 from kgen.families.linear_logp.op import _FORCED, _module, keeps_logits, using
@@ -194,6 +195,7 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     vocabulary, the last two (base 2) for the backward, and the slice's kept logits
     [N, V_r] (keep_logits on a kernel path) or [0]; see the module docstring."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    check_flat(hidden, target, "linear_logp_dist")
     offset, V_total, lengths = _layout(group_name, hidden, weight, bias)
     group = _group(group_name)
     N, D = hidden.shape
@@ -317,6 +319,7 @@ def _raise_bad_target(target, flags, ignore_index: int, V_total: int, group_name
 def _forward_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets, group_name,
                   keep_logits=False):
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    check_flat(hidden, target, "linear_logp_dist")
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
     new = lambda *n: hidden.new_empty(n, dtype=torch.float32)  # noqa: E731
     return new(N), new(n_ent), new(N), new(n_ent), new(N, weight.shape[0]) if keep_logits else new(0)
@@ -445,7 +448,7 @@ def linear_logp_group(hidden, weight, target, bias, temperature, ignore_index, r
     shape = hidden.shape[:-1]
     # (linear_logp asked for the logits only where a gradient will be; here: where they pay)
     keep_logits = keep_logits and keeps_logits(hidden, weight)
-    logp, entropy = _op(hidden.reshape(-1, D), weight, target.reshape(-1), bias, float(temperature),
+    logp, entropy = _op(hidden.reshape(math.prod(shape), D), weight, target.reshape(math.prod(shape)), bias, float(temperature),
                         int(ignore_index), bool(return_entropy), bool(check_targets), group.group_name,
                         bool(keep_logits))[:2]
     logp = logp.reshape(shape)

@@ -12,7 +12,7 @@ import torch
 
 from kgen.families.linear_logp import fast
 from kgen.families.linear_logp.backward_launch import backward
-from kgen.families.linear_logp.checks import check_inputs, check_target_range
+from kgen.families.linear_logp.checks import check_flat, check_inputs, check_target_range
 from kgen.families.linear_logp.cuda_variant import CudaForward
 from kgen.families.linear_logp.kept import backward_kept, forward_kept, kept_logits
 from kgen.families.linear_logp.launch import forward
@@ -101,6 +101,7 @@ def _forward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tens
     hidden @ weight.T with keep_logits on a kernel path, else [0]). `check_targets`: raise
     ValueError for a target outside [0, V) (a host wait); otherwise such rows come out NaN."""
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    check_flat(hidden, target)
     mod = _module(hidden.device, hidden.dtype, (hidden.shape[0], hidden.shape[1], weight.shape[0]))
     target = target.contiguous()
     checked = (check_target_range(target, weight.shape[0], ignore_index,
@@ -133,6 +134,7 @@ def _unchecked() -> None:
 def _op_fake(hidden, weight, target, bias, temperature, ignore_index, with_entropy, check_targets,
              keep_logits=False):
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
+    check_flat(hidden, target)
     N, n_ent = hidden.shape[0], hidden.shape[0] if with_entropy else 0
     new = lambda *n: hidden.new_empty(n, dtype=torch.float32)  # noqa: E731
     return new(N), new(n_ent), new(N), new(n_ent), new(N, weight.shape[0]) if keep_logits else new(0)
@@ -148,6 +150,7 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
     forward leaves lse2 and ez2 zero, which a kernel backward would take for the row
     statistics (gradients off by orders of magnitude, float32 at N = 5, V >= 100000 on an
     H200 before this)."""
+    check_flat(hidden, target, "linear_logp_backward")
     N, D = hidden.shape
     ran_reference = N > 0 and _module(hidden.device, hidden.dtype, (N, D, weight.shape[0])) is None
     mod = None if ran_reference else _module(hidden.device, hidden.dtype)
@@ -165,6 +168,7 @@ def _backward_impl(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Ten
 
 def _bwd_op_fake(hidden, weight, target, bias, lse2, ez2, grad_logp, grad_entropy, temperature, ignore_index,
                  logits=None):
+    check_flat(hidden, target, "linear_logp_backward")
     return (torch.empty_like(hidden), torch.empty_like(weight),
             torch.empty_like(bias) if bias is not None else hidden.new_empty(0))
 
@@ -405,7 +409,8 @@ def linear_logp(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     check_inputs(hidden, weight, target, bias, temperature, ignore_index)
     keep = keep and keeps_logits(hidden, weight)
     flat = hidden.dim() == 2 and target.dim() == 1  # the common case: no reshapes (host time)
-    args = (hidden if flat else hidden.reshape(-1, weight.shape[1]), weight, target if flat else target.reshape(-1),
+    n = math.prod(hidden.shape[:-1])  # (not -1: ambiguous under vmap over an empty batch)
+    args = (hidden if flat else hidden.reshape(n, weight.shape[1]), weight, target if flat else target.reshape(n),
             bias, float(temperature), int(ignore_index), bool(return_entropy), checked_mode(check_targets), keep)
     logp, entropy = _op(*args)[:2]
     if not _compiling() and FAST and not keep_logits and not _FORCED.open and not _any_autocast() and not dispatch_modes():

@@ -3,6 +3,7 @@ tests' float64 oracle."""
 
 from __future__ import annotations
 
+import math
 import torch
 
 
@@ -14,12 +15,13 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
     adds 0 to the entropy (a target on it: logp -inf); a row whose logits are all -inf, or
     one with a +inf logit, has NaN logp and entropy; so has a target outside [0, V)."""
     shape = hidden.shape[:-1]
-    h = hidden.reshape(-1, hidden.shape[-1]).to(compute)
+    # (sizes, not -1: under vmap over an empty batch -1 is ambiguous)
+    h = hidden.reshape(math.prod(shape), hidden.shape[-1]).to(compute)
     logits = h @ weight.to(compute).T
     if bias is not None:
         logits = logits + bias.to(compute)
     logits = logits / temperature
-    t = target.reshape(-1).long()
+    t = target.reshape(math.prod(target.shape)).long()
     valid = t != ignore_index
     bad = valid & ((t < 0) | (t >= logits.shape[1]))  # NaN rows, as the kernels give
     # An ignored row's logits are left out before any reduction, so that its NaN or inf
