@@ -88,7 +88,12 @@ def render(variant: Variant) -> Rendered:
     family = module_of(variant.family)
     ext = _EXT[variant.backend]
     name = family.TEMPLATES[variant.backend]
-    if isinstance(name, dict):  # per-arch templates of one backend
+    if isinstance(name, dict):  # per-arch templates of one backend (spec.load checks the arch has one)
+        if variant.arch not in name:
+            from kgen.errors import KgenError
+
+            raise KgenError(f"{variant.qualname}: family {variant.family} has no {variant.backend} template for "
+                            f"{variant.arch} (its TEMPLATES cover {', '.join(name)})")
         name = name[variant.arch]
     template = environment().get_template(name)
     context = {"header": header(variant, ext), "v": variant, **family.template_context(variant)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,13 +243,17 @@ def _parse_yaml(text: str, path: str) -> Any:
 def display_path(path: str | Path) -> str:
     """A machine-independent name for a spec: package-relative for shipped specs,
     cwd-relative when under the cwd, else the bare file name (no absolute paths)."""
-    p = Path(path).absolute()
+    # `..` taken out (tools/../kgen/specs/x.yaml is kgen/specs/x.yaml: the name goes into every
+    # rendered header, so into the cache key), then symlinks resolved where that alone does not
+    # place it under the package or the cwd
+    p = Path(os.path.normpath(Path(path).absolute()))
     pkg_root = Path(__file__).absolute().parent.parent
-    for base in (pkg_root, Path.cwd()):
-        try:
-            return p.relative_to(base).as_posix()
-        except ValueError:
-            pass
+    for q, bases in ((p, (pkg_root, Path.cwd())), (p.resolve(), (pkg_root.resolve(), Path.cwd().resolve()))):
+        for base in bases:
+            try:
+                return q.relative_to(base).as_posix()
+            except ValueError:
+                pass
     return p.name
 
 
@@ -367,6 +372,15 @@ def _numerics(doc: _LDict, path: str, dtypes: list[str]) -> dict[str, Tolerance]
     return out
 
 
+def _cuda_templates(family: str) -> dict | None:
+    """The family's per-arch CUDA templates ({arch: name}), or None where one template serves
+    every arch (or the family has no CUDA backend)."""
+    from kgen.families import module_of
+
+    name = getattr(module_of(family), "TEMPLATES", {}).get("cuda")
+    return name if isinstance(name, dict) else None
+
+
 def _expand(entry: _LDict, i: int, family: str, schema: Schema, dtypes: list[str], path: str):
     err = _Errors(path, entry, f"variants[{i}].")
     if "backend" not in entry:
@@ -387,9 +401,13 @@ def _expand(entry: _LDict, i: int, family: str, schema: Schema, dtypes: list[str
         archs = _listify(entry["arch"])
         if not archs:
             err("arch", "expected at least one arch")
+        per_arch = _cuda_templates(family)
         for j, a in enumerate(archs):
             if a not in schema.archs:
                 err("arch", f"unknown arch {a!r}; expected one of {', '.join(schema.archs)}", j)
+            if per_arch is not None and a not in per_arch:
+                err("arch", f"family {family} has no CUDA template for {a} (its TEMPLATES['cuda'] covers "
+                            f"{', '.join(per_arch)})", j)
     else:
         if "arch" in entry:
             err("arch", "Triton variants take their target at build time (kgen build --arch)")

@@ -7,6 +7,8 @@ variants need a GPU of a matching arch and are reported as skipped.
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console
 from rich.table import Table
 
@@ -38,6 +40,10 @@ def verify(spec, variants) -> int:
     capability = torch.cuda.get_device_capability() if gpu else None
     device = torch.device("cuda" if gpu else "cpu")
     family = module_of(spec.family)
+    if getattr(family, "golden", None) is None:  # (optional: docs/families.md)
+        print(f"kgen verify: family {spec.family} defines no golden(kernel, device, dtype, tol), so there is "
+              "nothing to verify its variants with (docs/families.md)", file=sys.stderr)
+        return 1
     table = Table(title=f"kgen verify {spec.path} on {torch.cuda.get_device_name() if gpu else 'CPU (Triton interpreter)'}")
     for col in ("variant", "cases", "worst err/tol", "status"):
         table.add_column(col)

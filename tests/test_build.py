@@ -62,6 +62,18 @@ def test_no_ahead_of_time_build_while_interpreting(monkeypatch, tmp_path):
     assert ("triton.language" in _sys.modules) == triton_loaded
 
 
+@pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("ON", True), ("y", True), ("0", False),
+                                       ("", False), ("false", False), ("off", False), ("no", False)])
+def test_triton_interpret_reads_as_triton_reads_it(monkeypatch, value, on):
+    """TRITON_INTERPRET=false (off, no) is off to Triton; kgen took any value but "" and "0"
+    for on: `kgen build` skipped every Triton build, and loading a variant set the variable to
+    1, so the process's Triton kernels ran interpreted (on a GPU: on the CPU, silently)."""
+    from kgen.runtime import interpret
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpret.active() is on
+
+
 @needs_nvcc
 @pytest.mark.parametrize("name", [v.name for v in FBA.variants if v.backend == "cuda"])
 def test_cuda_variant_compiles_with_16_byte_accesses(fba_builds, name):

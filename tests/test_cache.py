@@ -196,6 +196,26 @@ def test_clear_removes_corrupt_entries_and_only_the_cache_layout(fresh_cache):
     assert cache.clear() == 0
 
 
+def test_clear_leaves_a_build_in_progress_its_staging_dir(fresh_cache):
+    """`kgen cache clear` removed .staging while another process built into it: that build
+    reported most of its variants as failed compiles of a source that no longer existed. A
+    staging dir left from an interrupted build (older than any build takes) still goes."""
+    import os
+    import time
+
+    live = cache.new_staging("live")
+    (live / "kernel.cu").write_text("//")
+    old = cache.new_staging("old")
+    (old / "kernel.cu").write_text("//")
+    then = time.time() - cache.STALE_STAGING_S - 60
+    os.utime(old, (then, then))
+    cache.clear()
+    assert (live / "kernel.cu").is_file() and not old.exists()
+    cache.discard(live)
+    cache.clear()
+    assert not (fresh_cache / ".staging").exists()
+
+
 RACER = textwrap.dedent("""
     import sys, time
     from kgen import spec

@@ -311,6 +311,50 @@ def test_an_installed_family_builds_verifies_and_lists(tmp_path):
     assert "2 variants verified, 0 failed" in r.stdout
 
 
+def test_a_family_without_its_optional_hooks_builds_and_says_what_verify_needs(tmp_path):
+    """docs/families.md lists triton_aot and golden as optional: `kgen build` raised an
+    AttributeError from its cache key, `kgen verify` another, both as tracebacks."""
+    spec_path = _write_plugin(tmp_path / "site", "plug_min")
+    module = tmp_path / "site" / "plug_min.py"
+    text = module.read_text()
+    module.write_text(text[:text.index("def triton_aot(")])
+    _entry_point(tmp_path / "site", "plug_min", "plug_min")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+           "KGEN_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TRITON_INTERPRET", None)
+    run = lambda *a, **kw: subprocess.run([sys.executable, "-m", "kgen.cli", *a], env={**env, **kw},  # noqa: E731
+                                          capture_output=True, text=True, cwd=tmp_path)
+    r = run("build", str(spec_path), "--out", str(tmp_path / "gen"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "gen" / "plug_min" / "triton_b128_f32.py").is_file()
+    assert "2 triton variants not compiled: family plug_min defines no triton_aot" in r.stderr
+    r = run("verify", str(spec_path), TRITON_INTERPRET="1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "family plug_min defines no golden" in r.stderr
+
+
+def test_a_cuda_arch_without_its_template_is_a_spec_error(tmp_path, monkeypatch):
+    """A family whose CUDA templates are per arch ({"sm_90": ...}) took a spec asking for
+    sm_80 and failed later with a bare KeyError ("kgen: sm_80", no file, line or key)."""
+    _write_plugin(tmp_path, "plug_arch")
+    module = tmp_path / "plug_arch.py"
+    module.write_text(module.read_text().replace(
+        'knobs={"triton": (Knob("block", "b", lo=32, hi=4096, pow2=True),)}',
+        'knobs={"triton": (Knob("block", "b", lo=32, hi=4096, pow2=True),), "cuda": ()}').replace(
+        'TEMPLATES = {"triton": "plug_arch/triton.py.j2"}',
+        'TEMPLATES = {"triton": "plug_arch/triton.py.j2", "cuda": {"sm_90": "plug_arch/cuda.cu.j2"}}'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        kgen.register_family("plug_arch")
+        spec = "family: plug_arch\nvariants:\n  - backend: cuda\n    arch: [sm_90, sm_80]\nnumerics:\n  float32: {rtol: 1.0e-6, atol: 0.0}\n"
+        with pytest.raises(SpecError, match=r"variants\[0\]\.arch.*no CUDA template for sm_80 .*covers sm_90") as e:
+            spec_mod.parse(spec, "arch.yaml")
+        assert e.value.line == 4
+        assert [v.arch for v in spec_mod.parse(spec.replace(", sm_80", ""), "arch.yaml").variants] == ["sm_90"]
+    finally:
+        _forget("plug_arch")
+
+
 def test_a_broken_plugin_is_one_clear_error_and_the_shipped_families_still_work(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
@@ -337,6 +381,27 @@ def test_a_broken_plugin_is_one_clear_error_and_the_shipped_families_still_work(
     r = subprocess.run([sys.executable, "-m", "kgen.cli", "list"], env=env, capture_output=True, text=True)
     assert r.returncode == 1 and "fused_bias_act  (kgen.families.fused_bias_act" in r.stdout
     assert "plug_broken" in r.stderr and "cutlass_magic" in r.stderr
+
+    # A user spec of the broken family on KGEN_SPEC_PATH: its family's load error (a KgenError,
+    # not a SpecError) escaped dispatch's spec reading, so every family's dispatch raised it
+    # and `kgen list` printed no family at all.
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "theirs.yaml").write_text("family: plug_broken\ndtypes: [float32]\nvariants:\n  - backend: triton\n")
+    (specs / "mine.yaml").write_text(MY_FBA)
+    env["KGEN_SPEC_PATH"] = str(specs)
+    code = textwrap.dedent("""
+        from kgen.runtime import dispatch
+        names = [v.name for v in dispatch.family_variants("fused_bias_act")]
+        print("variants", len(names), "mine" if names[-1] == "%s" else names[-1])
+    """ % MINE)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "mine" in r.stdout.split("variants")[1]
+    assert "theirs.yaml skipped" in r.stderr and "cutlass_magic" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kgen.cli", "list"], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "fused_bias_act  (kgen.families.fused_bias_act" in r.stdout
+    assert "theirs.yaml skipped" in r.stderr
 
 
 # --------------------------------------------------------------------------- GPU

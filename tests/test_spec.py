@@ -97,6 +97,18 @@ def test_errors_name_a_file_outside_the_cwd_by_its_whole_path(tmp_path, monkeypa
     assert spec.load(bad).path == "a/mine.yaml"
 
 
+def test_a_path_through_dot_dot_names_the_spec_as_its_plain_path(monkeypatch):
+    """kgen build ../kgen/specs/x.yaml from a subfolder rendered "spec: tools/../kgen/specs/..."
+    into every header: every generated file changed, `kgen diff --check` failed, and every
+    variant got a second cache key (a full rebuild)."""
+    root = Path(spec.__file__).resolve().parent.parent
+    monkeypatch.chdir(root / "tools")
+    shipped = spec.load(root / "kgen" / "specs" / "fused_bias_act.yaml")
+    for p in ("../kgen/specs/fused_bias_act.yaml", root / "tools" / ".." / "kgen" / "specs" / "fused_bias_act.yaml"):
+        assert spec.display_path(p) == "kgen/specs/fused_bias_act.yaml"
+        assert spec.load(p).path == shipped.path
+
+
 def _error(text: str) -> SpecError:
     with pytest.raises(SpecError) as ei:
         spec.parse(text, "inline.yaml")

@@ -1038,6 +1038,7 @@ def test_tune_names_the_tables_and_rules_as_their_own_modules_do():
 @pytest.mark.parametrize("bad", [
     {"winner": "w", "probes": 5}, {"winner": "w", "probes": [1]}, {"winner": "w", "times_us": [1.0]},
     {"winner": "w", "times_us": {"a": "fast"}}, {"winner": "w", "times_us": {"a": 0}}, {"winner": "w", "choices": [1]},
+    {"winner": "w", "times_us": {"a": 10**400}},  # (below math.inf as an int; `--show` overflowed on it)
     {"winner": ""}, "w"])
 def test_a_malformed_entry_is_left_out_with_one_warning(tables, caplog, bad):
     """A table entry kgen did not write that way (hand-edited, another tool's) is dropped

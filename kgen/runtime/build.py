@@ -73,7 +73,8 @@ def _aot_fingerprint(family: str) -> str:
     not from the rendered text, so a change there must not be served from the cache."""
     from kgen.families import module_of
 
-    path = inspect.getsourcefile(module_of(family).triton_aot)
+    hook = getattr(module_of(family), "triton_aot", None)  # (optional: build_triton skips without it)
+    path = inspect.getsourcefile(hook) if hook is not None else None
     return sha(Path(path).read_text()) if path else ""
 
 
@@ -254,6 +255,13 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
     entry = cache.lookup(cache.entry_path(variant.family, name, key))
     if entry:
         return BuildResult(variant, "cached", entry, target=arch)
+    from kgen.families import module_of
+
+    if getattr(module_of(variant.family), "triton_aot", None) is None:
+        err = ToolchainError(f"family {variant.family} defines no triton_aot (optional: docs/families.md), so "
+                             "there is nothing to compile ahead of time; its Triton kernels compile at their first "
+                             "call")
+        return BuildResult(variant, "skipped", error=err, target=arch)
     if interpret.active():  # and before importing Triton: see kgen/runtime/interpret.py
         err = ToolchainError("Triton ahead-of-time builds need a process without TRITON_INTERPRET=1 "
                              "(see kgen/runtime/interpret.py); run `kgen build` on its own")
@@ -261,8 +269,6 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from kgen.families import module_of
 
     t0 = time.perf_counter()
     made = []  # make() runs only when no racing builder published the entry first

@@ -16,6 +16,7 @@ import re
 import shutil
 import sysconfig
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,9 +206,14 @@ def info() -> dict:
 KEPT = ("tuning.json",)
 
 
+# a staging dir untouched this long (seconds) is an interrupted build's: `clear` removes it
+STALE_STAGING_S = 3600
+
+
 def clear() -> int:
-    """Remove every build entry, complete or corrupt, with its lock file (and the staging,
-    lock and toolchain memo files kgen keeps beside them); returns how many entries it
+    """Remove every build entry, complete or corrupt, with its lock file (and the lock and
+    toolchain memo files kgen keeps beside them, and staging dirs of builds interrupted over
+    STALE_STAGING_S ago: a younger one may be a build in progress); returns how many entries it
     removed. The user's tuning table stays, as does anything that is not of the cache's
     layout (see _ENTRY_DIR): a family folder is removed only once it is empty."""
     r = config.cache_dir()
@@ -221,7 +227,21 @@ def clear() -> int:
     for p in r.iterdir():
         if p.name in KEPT:
             continue
-        if p.name in (".staging", ".locks") and p.is_dir() and not p.is_symlink():
+        if p.name == ".staging" and p.is_dir() and not p.is_symlink():
+            # a build in progress (another process) writes its staging dir: only those left
+            # longer than any build takes, by one that was interrupted, go
+            for d in p.iterdir():
+                try:
+                    stale = time.time() - d.stat().st_mtime > STALE_STAGING_S
+                except OSError:  # (gone meanwhile: published or discarded)
+                    continue
+                if stale:
+                    _remove(d) if d.is_dir() and not d.is_symlink() else d.unlink(missing_ok=True)
+            try:
+                p.rmdir()
+            except OSError:  # builds in progress
+                pass
+        elif p.name == ".locks" and p.is_dir() and not p.is_symlink():
             _remove(p)
         elif p.name == "toolchain.json":
             p.unlink(missing_ok=True)

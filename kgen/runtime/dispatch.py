@@ -93,7 +93,7 @@ def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
     for f in files:
         try:
             specs.append(spec_mod.load(f))
-        except SpecError as e:
+        except KgenError as e:  # (SpecError, or its family failing to load: a plugin that does not import)
             if str(f) not in _warned_broken:
                 _warned_broken.add(str(f))
                 log.warning("kgen: user spec %s skipped: %s", f, e)
@@ -103,14 +103,14 @@ def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
 _warned_broken: set[str] = set()
 
 
-def broken_user_specs() -> list[tuple[Path, SpecError]]:
+def broken_user_specs() -> list[tuple[Path, KgenError]]:
     """The user's spec files (spec_files) that do not load, each with its error: what `kgen
     list` and `kgen doctor` report (dispatch skips them, warning once)."""
     broken = []
     for f in spec_files():
         try:
             spec_mod.load(f)
-        except SpecError as e:
+        except KgenError as e:
             _warned_broken.add(str(f))
             broken.append((f, e))
     return broken

@@ -23,8 +23,13 @@ from __future__ import annotations
 import os
 
 
+# TRITON_INTERPRET values Triton reads as on (triton.knobs' boolean parse, case-insensitive);
+# anything else, "false" / "off" / "no" included, is off there and so here
+_ON = ("1", "true", "yes", "on", "y")
+
+
 def active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in _ON
 
 
 def enable() -> None:

@@ -153,8 +153,13 @@ def entry_problem(k, v) -> str | None:
     return None
 
 
+# a recorded time above this (µs: 30 years) is no measurement; it also bounds an integer one, which
+# compares below math.inf at any size and then overflows a float division (10**400)
+MAX_US = 1e15
+
+
 def _times(t) -> bool:
-    return isinstance(t, dict) and all(isinstance(n, str) and type(x) in (int, float) and 0 < x < math.inf
+    return isinstance(t, dict) and all(isinstance(n, str) and type(x) in (int, float) and 0 < x < MAX_US
                                        for n, x in t.items())
 
 
