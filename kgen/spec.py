@@ -59,11 +59,11 @@ class Knob:
                     return problem
             return None
         if self.kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-            return f"expected an integer, got {type(value).__name__} {value!r}"
+            return f"expected an integer, got {_yaml_kind(value)} {value!r}"
         if self.kind is bool and not isinstance(value, bool):
             return f"expected true or false, got {value!r}"
         if self.kind is str and not isinstance(value, str):
-            return f"expected a string, got {type(value).__name__} {value!r}"
+            return f"expected a string, got {_yaml_kind(value)} {value!r}"
         if self.choices is not None and value not in self.choices:
             return f"{value!r} is not one of {', '.join(map(str, self.choices))}"
         if self.lo is not None and value < self.lo:
@@ -171,6 +171,15 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+$"),
     list("-+0123456789."))
+
+
+def _yaml_kind(value: Any) -> str:
+    """What a YAML value is, in YAML's words (not the parser's classes: _LList, _LDict)."""
+    for t, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
+                    (list, "a list"), (dict, "a mapping")):
+        if isinstance(value, t):
+            return name
+    return "null" if value is None else type(value).__name__
 
 
 class _LDict(dict):
