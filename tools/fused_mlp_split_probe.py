@@ -222,9 +222,8 @@ def _graph_us(fn, n: int = 20) -> float:
 
 
 # (BM rows, BN chunk, S splits, warps, stages)
-CONFIGS = [(16, 64, 1, 4, 2), (16, 64, 2, 4, 2), (16, 64, 4, 4, 2), (16, 64, 8, 4, 2), (16, 32, 8, 4, 2),
-           (32, 64, 1, 4, 2), (32, 64, 2, 4, 2), (32, 64, 4, 4, 2), (32, 64, 8, 4, 2), (64, 64, 2, 4, 2),
-           (64, 64, 4, 4, 2), (64, 64, 8, 8, 2), (64, 32, 16, 4, 2)]
+CONFIGS = [(16, 64, 1, 4, 2), (16, 64, 2, 4, 2), (16, 64, 4, 4, 2), (16, 64, 8, 4, 2), (32, 64, 1, 4, 2),
+           (32, 64, 2, 4, 2), (32, 64, 4, 4, 2), (64, 64, 4, 4, 2), (64, 64, 8, 8, 2)]
 
 
 def bench() -> None:
@@ -238,7 +237,7 @@ def bench() -> None:
         seq = _sequential(widths, "relu", last, dt)
         fused = FusedMLP.from_sequential(seq)
         ws, bs = [w.detach() for w in fused.weights], [b.detach() for b in fused.biases]
-        for B in (128, 512, 2048, 4096):
+        for B in (2048, 512, 128, 4096):  # (the bar's B first: the device's time is short)
             x = torch.randn(B, widths[0], device="cuda", dtype=dt)
             with torch.no_grad():
                 want = fused(x)
