@@ -60,3 +60,12 @@ def test_launcher_row_names_the_compiler_or_why_not(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ctypes: CC='/nonexistent/kgen-cc' is not a compiler found on PATH" in " ".join(r.stdout.split())
     assert list((tmp_path / "c2").iterdir()) == []
+
+
+def test_a_variant_name_no_family_has_is_a_problem(tmp_path):
+    """KGEN_VARIANT with a typo raised only on a GPU, and only in the op of its family; doctor,
+    which reported KGEN_BACKEND's and KGEN_AUTOTUNE's bad values, said nothing of it."""
+    r = _doctor(cache=tmp_path, KGEN_VARIANT="triton_c1024_r1_w4_f33")
+    assert r.returncode == 1 and "KGEN_VARIANT=triton_c1024_r1_w4_f33 names no variant of any family" in r.stdout
+    r = _doctor(cache=tmp_path, KGEN_VARIANT="triton_c1024_r1_w4_f32")
+    assert r.returncode == 0 and "names no variant" not in r.stdout, r.stdout

@@ -233,6 +233,18 @@ def env_problems() -> list[str]:
             check()
         except KgenError as e:
             problems.append(str(e))
+    forced = os.environ.get("KGEN_VARIANT")
+    if forced:  # (an op raises only when its own family's dispatch runs: on a GPU)
+        from kgen.families import FAMILY_NAMES
+
+        names = set()
+        for family in FAMILY_NAMES():
+            try:
+                names.update(v.name for v in family_variants(family))
+            except KgenError:  # (a family that does not load: reported on its own)
+                pass
+        if forced not in names:
+            problems.append(f"KGEN_VARIANT={forced} names no variant of any family (kgen list shows them)")
     return problems
 
 
