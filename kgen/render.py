@@ -95,9 +95,20 @@ def render(variant: Variant) -> Rendered:
             raise KgenError(f"{variant.qualname}: family {variant.family} has no {variant.backend} template for "
                             f"{variant.arch} (its TEMPLATES cover {', '.join(name)})")
         name = name[variant.arch]
-    template = environment().get_template(name)
     context = {"header": header(variant, ext), "v": variant, **family.template_context(variant)}
-    text = template.render(context)
+    try:
+        text = environment().get_template(name).render(context)
+    except jinja2.TemplateError as e:  # (a family's own template: one line naming it, not a traceback)
+        from kgen.errors import KgenError
+
+        where, line = getattr(e, "filename", None) or name, getattr(e, "lineno", None)
+        tb = e.__traceback__  # (an error while rendering: jinja2 puts the template's frames in it)
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.endswith(".j2"):
+                where, line = tb.tb_frame.f_code.co_filename, tb.tb_lineno
+            tb = tb.tb_next
+        at = f"{where}:{line}" if line else where
+        raise KgenError(f"{variant.qualname}: template {at}: {type(e).__name__}: {e.message or e}") from None
     if not text.endswith("\n"):
         text += "\n"
     return Rendered(variant, f"{variant.family}/{variant.name}{ext}", text)

@@ -333,6 +333,22 @@ def test_a_family_without_its_optional_hooks_builds_and_says_what_verify_needs(t
     assert "family plug_min defines no golden" in r.stderr
 
 
+def test_a_template_error_in_a_users_family_is_one_line_naming_the_template(tmp_path, monkeypatch):
+    """An undefined name in a family's template came out of `kgen build` as a jinja2 traceback."""
+    spec_path = _write_plugin(tmp_path, "plug_tpl")
+    tpl = tmp_path / "plug_tpl_templates" / "plug_tpl" / "triton.py.j2"
+    tpl.write_text(tpl.read_text().replace("BLOCK = {{ block }}", "BLOCK = {{ blok }}"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        kgen.register_family("plug_tpl")
+        v = spec_mod.load(spec_path).variants[0]
+        with pytest.raises(KgenError, match=r"plug_tpl/triton.py.j2:5: UndefinedError: 'blok' is undefined") as e:
+            render(v)
+        assert e.value.__cause__ is None and e.value.__suppress_context__
+    finally:
+        _forget("plug_tpl")
+
+
 def test_a_cuda_arch_without_its_template_is_a_spec_error(tmp_path, monkeypatch):
     """A family whose CUDA templates are per arch ({"sm_90": ...}) took a spec asking for
     sm_80 and failed later with a bare KeyError ("kgen: sm_80", no file, line or key)."""
