@@ -292,14 +292,20 @@ def test_a_module_missing_the_contract_is_refused_by_name():
     assert "half_done" not in families.FAMILY_NAMES()
 
 
-def test_an_installed_family_builds_verifies_and_lists(tmp_path):
-    spec_path = _write_plugin(tmp_path / "site", "plug_ep")
-    _entry_point(tmp_path / "site", "plug_ep", "plug_ep")
+def _cli(tmp_path: Path):
+    """`kgen ...` in a fresh process with tmp_path/site's installed families and its own cache,
+    TRITON_INTERPRET unset but where a call sets it: run(*args, **env) -> CompletedProcess."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
            "KGEN_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("TRITON_INTERPRET", None)
-    run = lambda *a, **kw: subprocess.run([sys.executable, "-m", "kgen.cli", *a], env={**env, **kw},  # noqa: E731
-                                          capture_output=True, text=True, cwd=tmp_path)
+    return lambda *a, **kw: subprocess.run([sys.executable, "-m", "kgen.cli", *a], env={**env, **kw},
+                                           capture_output=True, text=True, cwd=tmp_path)
+
+
+def test_an_installed_family_builds_verifies_and_lists(tmp_path):
+    spec_path = _write_plugin(tmp_path / "site", "plug_ep")
+    _entry_point(tmp_path / "site", "plug_ep", "plug_ep")
+    run = _cli(tmp_path)
     r = run("list")
     assert r.returncode == 0, r.stderr
     assert "plug_ep  (entry point plug_ep = plug_ep, 2 variants)" in r.stdout
@@ -319,11 +325,7 @@ def test_a_family_without_its_optional_hooks_builds_and_says_what_verify_needs(t
     text = module.read_text()
     module.write_text(text[:text.index("def triton_aot(")])
     _entry_point(tmp_path / "site", "plug_min", "plug_min")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
-           "KGEN_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("TRITON_INTERPRET", None)
-    run = lambda *a, **kw: subprocess.run([sys.executable, "-m", "kgen.cli", *a], env={**env, **kw},  # noqa: E731
-                                          capture_output=True, text=True, cwd=tmp_path)
+    run = _cli(tmp_path)
     r = run("build", str(spec_path), "--out", str(tmp_path / "gen"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert (tmp_path / "gen" / "plug_min" / "triton_b128_f32.py").is_file()

@@ -28,14 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _act(z, code: tl.constexpr):
-    if code == 1:
-        z = tl.maximum(z, 0.0)
-    elif code == 2:
-        z = 1.0 / (1.0 + tl.exp(-z))
-    return z
+# (the swap probe beside this file: the chain's activation, its rounding reference, the timing)
+from fused_mlp_swap_probe import DTS, MLPS, _act, _graph_us, _p2, reference
 
 
 @triton.jit
@@ -134,14 +128,6 @@ def _finish(acc1, rows, rmask, n1, out_ptr, b1, w2, b2, w3, b3, N1: tl.constexpr
         tl.store(out_ptr + rows[:, None] * N3 + n3[None, :], z, mask=rmask[:, None] & (n3[None, :] < N3))
 
 
-DTS = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-MLPS = (("top", (367, 512, 256, 1), "sigmoid", 2), ("bottom", (13, 512, 256, 64, 16), "relu", 1))
-
-
-def _p2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
-
-
 class Chain:
     """One MLP's weights as the kernel reads them (W0 with rows padded to 8 elements), with the
     partial sums' scratch and the row tiles' counters (zero; the finishing program resets its
@@ -178,16 +164,6 @@ class Chain:
         return out
 
 
-def reference(x, ws, bs, last):
-    """Eager's roundings: z = F.linear in float32 rounded to x's dtype, act(z) rounded again."""
-    h = x
-    for i, (w, b) in enumerate(zip(ws, bs)):
-        z = torch.nn.functional.linear(h.float(), w.float(), b.float()).to(x.dtype).float()
-        a = last if i == len(ws) - 1 else 1
-        h = (torch.relu(z) if a == 1 else torch.sigmoid(z) if a == 2 else z).to(x.dtype)
-    return h
-
-
 def check() -> None:
     for name, widths, _, code in MLPS:
         torch.manual_seed(0)
@@ -202,23 +178,6 @@ def check() -> None:
             print(f"{name} {'-'.join(map(str, widths))} float16 S={S}: max |split - eager| = {err:.3g}, "
                   f"second launch identical: {torch.equal(outs[0], outs[1])}, counters zero: "
                   f"{int(chain.count.abs().sum()) == 0}")
-
-
-def _graph_us(fn, n: int = 20) -> float:
-    from kgen.benchmarks.fused_mlp import _graphed
-
-    replay = _graphed(lambda: [fn() for _ in range(n)])
-    replay()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        replay()
-        e1.record()
-        torch.cuda.synchronize()
-        best = min(best, e0.elapsed_time(e1) * 1e3 / n)
-    return best
 
 
 # (BM rows, BN chunk, S splits, warps, stages)
