@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 # (the swap probe beside this file: the chain's activation, its rounding reference, the timing)
-from fused_mlp_swap_probe import DTS, MLPS, _act, _graph_us, _p2, reference
+from fused_mlp_swap_probe import DTS, MLPS, _act, _graph_us, _p2, check_inputs, reference
 
 
 @triton.jit
@@ -166,10 +166,7 @@ class Chain:
 
 def check() -> None:
     for name, widths, _, code in MLPS:
-        torch.manual_seed(0)
-        ws = [(torch.randn(widths[i + 1], widths[i]) / widths[i] ** 0.5).half() for i in range(len(widths) - 1)]
-        bs = [(torch.randn(widths[i + 1]) * 0.1).half() for i in range(len(widths) - 1)]
-        x = torch.randn(37, widths[0]).half()  # 37 rows: not a multiple of BM
+        ws, bs, x = check_inputs(widths)
         want = reference(x, ws, bs, code).float()
         for S in (1, 2, 4):
             chain = Chain(ws, bs, code, 37, S=S)

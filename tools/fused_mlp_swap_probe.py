@@ -121,12 +121,18 @@ def reference(x, ws, bs, last):
     return h
 
 
+def check_inputs(widths):
+    """(weights, biases, x) in float16 for `--check` (the interpreter on this CPU): 37 rows, not a
+    multiple of any row tile."""
+    torch.manual_seed(0)
+    ws = [(torch.randn(widths[i + 1], widths[i]) / widths[i] ** 0.5).half() for i in range(len(widths) - 1)]
+    bs = [(torch.randn(widths[i + 1]) * 0.1).half() for i in range(len(widths) - 1)]
+    return ws, bs, torch.randn(37, widths[0]).half()
+
+
 def check() -> None:
     for name, widths, _, code in MLPS:
-        torch.manual_seed(0)
-        ws = [(torch.randn(widths[i + 1], widths[i]) / widths[i] ** 0.5).half() for i in range(len(widths) - 1)]
-        bs = [(torch.randn(widths[i + 1]) * 0.1).half() for i in range(len(widths) - 1)]
-        x = torch.randn(37, widths[0]).half()  # 37 rows: not a multiple of BM
+        ws, bs, x = check_inputs(widths)
         err = float((run(x, ws, bs, code).float() - reference(x, ws, bs, code).float()).abs().max())
         print(f"{name} {'-'.join(map(str, widths))} float16: max |swap - eager| = {err:.3g}")
 

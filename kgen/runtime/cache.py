@@ -235,8 +235,10 @@ def clear() -> int:
                     stale = time.time() - d.stat().st_mtime > STALE_STAGING_S
                 except OSError:  # (gone meanwhile: published or discarded)
                     continue
-                if stale:
-                    _remove(d) if d.is_dir() and not d.is_symlink() else d.unlink(missing_ok=True)
+                if stale and d.is_dir() and not d.is_symlink():
+                    _remove(d)
+                elif stale:
+                    d.unlink(missing_ok=True)
             try:
                 p.rmdir()
             except OSError:  # builds in progress

@@ -38,8 +38,9 @@ import torch.autograd.forward_ad as _forward_ad
 
 from kgen.errors import KgenError
 from kgen.runtime import transforms
-# (families import dispatch_modes and vmap_batched from here)
-from kgen.runtime.transforms import _functorch_active, _has_tangents, _refuse_tangents, dispatch_modes, vmap_batched  # noqa: F401
+# (families import _any_autocast, dispatch_modes and vmap_batched from here)
+from kgen.runtime.transforms import (_any_autocast, _functorch_active, _has_tangents, _needs_grad,  # noqa: F401
+                                     _refuse_tangents, dispatch_modes, vmap_batched)
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -168,17 +169,6 @@ def _plain(args) -> bool:
     return True
 
 
-def _needs_grad(args) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.requires_grad:
-            return True
-        if isinstance(a, (list, tuple)) and _needs_grad(a):
-            return True
-    return False
-
-
 def stride_align(n: int) -> int:
     """The largest power of two up to 16 dividing n (16 for n = 0). A Triton kernel whose rows are
     n elements apart takes it as a constexpr A and writes `n = n // A * A` (the same value):
@@ -197,10 +187,6 @@ def with_reference(impl: Callable, override: "Override") -> Callable:
             return impl(*args)
 
     return composition
-
-# Whether torch.autocast is on for any device (one C call; the public form asks per device).
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
-    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
 
 
 def _has_tensor_lists(op) -> bool:

@@ -45,6 +45,22 @@ def dispatch_modes(_stack=torch._C._len_torch_dispatch_stack, _fwad=_forward_ad,
     return _stack() > 0 or _fwad._current_level >= 0 or _func()
 
 
+# Whether torch.autocast is on for any device (one C call; the public form asks per device).
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu"))
+
+
+def _needs_grad(args) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            return True
+        if isinstance(a, (list, tuple)) and _needs_grad(a):
+            return True
+    return False
+
+
 def _has_tangents(args) -> bool:
     """Whether an argument (in lists too) carries a forward-mode tangent."""
     for a in args:
@@ -77,8 +93,6 @@ def install(op, name: str, transformed: Callable) -> None:
     so the composition's PyTorch ops carry the tangents and the graph as PyTorch's own do.
     (torch.library has no public hook for this: its kernel is rebuilt by the function that
     built it and registered again over it.)"""
-    from kgen.runtime.op import _any_autocast, _needs_grad  # (op imports this module)
-
     try:
         from torch._library.autograd import make_autograd_impl
 
