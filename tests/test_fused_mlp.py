@@ -113,11 +113,11 @@ PLAN_CASES = {
 }
 
 
-def _user_variant(widths, dtype="float32"):
+def _user_variant(widths, dtype="float32", split=1):
     from kgen import spec
 
     s = spec.parse(f"family: fused_mlp\nvariants:\n  - backend: triton\n    widths: {list(widths)}\n"
-                   f"    block_m: 16\n    block_k: 64\n    num_warps: 4\n    dtypes: [{dtype}]\n")
+                   f"    block_m: 16\n    block_k: 64\n    num_warps: 4\n    dtypes: [{dtype}]\n    split: {split}\n")
     (v,) = s.variants
     return v
 
@@ -170,6 +170,66 @@ def test_exact_plans_golden(widths, tf32):
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert len(res) == 15 and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+
+
+# (widths, dtype, split): layer 0's 64-column chunks shared unevenly (300 columns: 5 chunks, the
+# last one masked, over 3 programs: 1, 2, 2), and the chain after the split through a scratch
+# layer and a one-wide last layer; the DLRM top MLP as shipped
+SPLIT_CASES = [((13, 300, 100, 600, 3), "float32", 3), ((40, 200, 48, 1), "bfloat16", 4),
+               ((367, 512, 256, 1), "float16", 8)]
+
+
+@pytest.mark.parametrize("widths,dtype,split", SPLIT_CASES, ids=lambda c: str(c).replace(", ", "-"))
+def test_split_variants_golden_and_reproducible(widths, dtype, split):
+    """A split variant (layer 0's columns over `split` programs a row tile, the last to arrive
+    summing their float32 partials of layer 1 in order) against float64 (every activation pair,
+    biases on and off, B 1, 3, 129, poisoned outputs); launched twice the same bits, its row
+    tiles' counters back at zero after each launch, and with `save` the same output and every
+    layer's z within one rounding of the unsplit variant's."""
+    v, whole = _user_variant(widths, dtype, split), _user_variant(widths, dtype)
+    mod = dispatch.load(v).module
+    assert mod.SPLITS["fused_mlp_fwd_kernel"] == split
+    if widths[0] != 367:  # (the shipped top MLP: its golden run is the GPU test's; here one B)
+        res = fm.golden(dispatch.load(v), "cpu", dtype, TOL[dtype])
+        assert len(res) == 15 and all(r <= 1 for _, r in res), [c for c in res if c[1] > 1]
+    t = getattr(torch, dtype)
+    x, ws, bs = fm.make_inputs("cpu", t, 37, widths)
+    outs = []
+    for _ in range(2):
+        out, zs, launches, _, counters = fm.launch._plan(mod, x, ws, bs, "relu", "sigmoid", True, None)
+        assert launches[-1][1] == (3, split)  # (37 rows: 3 row tiles of 16)
+        out.fill_(float("nan"))
+        for launch in launches:
+            fm.launch.triton_launch.launch(*launch)
+        assert counters.shape == (3,) and not counters.any()
+        outs.append((out, zs))
+    (a, za), (b, zb) = outs
+    assert torch.equal(a, b) and all(torch.equal(p, q) for p, q in zip(za, zb) if p is not None)
+    ref, zr = fm.launch.forward(dispatch.load(whole).module, x, ws, bs, "relu", "sigmoid", save=True)
+    ulp = {"float32": 2.0 ** -20, "bfloat16": 2.0 ** -7, "float16": 2.0 ** -10}[dtype]  # one rounding, relative
+    for got, want in zip([a, *za], [ref, *zr]):
+        if want is not None:  # (partials summed in another order than one accumulator's: a z may round apart)
+            assert ((got.float() - want.float()).abs() <= ulp * want.float().abs().clamp_min(1.0)).all()
+
+
+def test_split_knob_errors():
+    """`split` applies to exact variants whose layer 0 streams into layer 1's accumulator in
+    at least `split` column chunks: a clear spec error otherwise."""
+    from kgen import spec
+    from kgen.errors import KgenError
+
+    def parse(body):
+        return spec.parse("family: fused_mlp\nvariants:\n  - backend: triton\n    block_m: 16\n    block_k: 64\n"
+                          f"    num_warps: 4\n{body}")
+
+    with pytest.raises(KgenError, match="split.*exact variants"):
+        parse("    max_width: 256\n    split: 2\n")
+    with pytest.raises(KgenError, match="split 2 needs layer 0 .13 -> 300. streamed.*to scratch"):
+        parse("    widths: [13, 300, 290, 270, 5]\n    split: 2\n")
+    with pytest.raises(KgenError, match="split 4 needs .* at least 4 column chunks; it has 3 column chunk"):
+        parse("    widths: [20, 150, 30]\n    split: 4\n")
+    assert [v.name for v in parse("    widths: [20, 150, 30]\n    split: 3\n    dtypes: [bfloat16]\n").variants] == [
+        "triton_20x150x30_m16_k64_w4_sp3_bf16"]
 
 
 @pytest.mark.parametrize("kind", ["exact", "generic"])
@@ -1003,12 +1063,26 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
     assert small[0].startswith("sm90_") and not any("mw4096" in n for n in small)
     # a CUDA cluster variant (mma.sync or WGMMA) last
     assert sorted(small) == sorted(large) and large[-1].startswith("sm90")
-    tiles = [int(n.split("_m")[1].split("_")[0]) for n in large if n.startswith("triton_")]
+    def tile(n):
+        return int(n.split("_m")[1].split("_")[0])
+
+    # the row tiles largest first at many rows, the split variants last (B x split partials)
+    whole = [n for n in large if n.startswith("triton_") and "_sp" not in n]
+    tiles = [tile(n) for n in whole]
     assert tiles == sorted(tiles, reverse=True) and len(tiles) >= 2
+    triton = [n for n in large if n.startswith("triton_")]
+    assert triton[:len(whole)] == whole and all("_sp" in n for n in triton[len(whole):])
     mid = [n for n in _untuned(top, 2048) if n.startswith("triton_")]
     assert sorted(mid) == sorted(n for n in large if n.startswith("triton_"))
-    assert [int(n.split("_m")[1].split("_")[0]) for n in mid] == sorted(tiles)  # ties: spec order
-    assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m16_k64_w4_f32", "triton_367x512x256x1_m64_k64_w8_f32"]
+    # at 2048 rows the split variants of at most 2 programs an SM first, most programs a row tile
+    # first (the H100's probe: m32 split 4 17.1 us, split 2 18.0, the unsplit m16 21.1)
+    assert mid[:2] == ["triton_367x512x256x1_m32_k64_w4_sp4_bf16", "triton_367x512x256x1_m32_k64_w4_sp2_bf16"]
+    assert [tile(n) for n in mid if "_sp" not in n] == sorted(tiles)  # ties: spec order
+    assert _untuned(top, 128)[3:5] == ["triton_367x512x256x1_m16_k64_w4_sp8_bf16",
+                                       "triton_367x512x256x1_m16_k64_w4_sp4_bf16"]  # (after the clusters)
+    # float32's split variant: 512 programs at 2048 rows, last
+    assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m16_k64_w4_f32", "triton_367x512x256x1_m64_k64_w8_f32",
+                                              "triton_367x512x256x1_m16_k64_w4_sp4_f32"]
 
 
 def test_untuned_float32_takes_large_generic_tiles_at_many_rows():
@@ -1246,6 +1320,43 @@ def test_gpu_graph_replay():
         x.copy_(torch.randn_like(x))
         g.replay()
         torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_split_counters_per_stream_and_in_graphs():
+    """A split variant's row-tile counters: the current stream's own buffer, back at zero after
+    every launch; another stream's launches, running beside them, use another buffer and give
+    the same bits; a CUDA graph captures a zeroed buffer of its own (its replays agree too)."""
+    from kgen.families.fused_mlp import launch
+
+    mod = dispatch.load(SPEC.variant("triton_367x512x256x1_m16_k64_w4_sp4_bf16")).module
+    x, ws, bs = fm.make_inputs("cuda", torch.bfloat16, 1000, (367, 512, 256, 1))
+    ref = fm.eager(x.double(), [w.double() for w in ws], [b.double() for b in bs], "relu", "sigmoid")[0]
+    want = launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0]
+    torch.testing.assert_close(want.double(), ref, rtol=TOL["bfloat16"].rtol, atol=TOL["bfloat16"].atol)
+    run = fm.op.runner(mod, x, ws, bs, "relu", "sigmoid")  # the eager fast path (its replay takes the counters)
+    assert torch.equal(run(), want) and torch.equal(run(), want)
+    mine = launch.split_counters(x.device, 63)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs, theirs = [], []
+    with torch.cuda.stream(side):
+        theirs = launch.split_counters(x.device, 63)
+    for _ in range(20):  # (both streams' launches queued at once: they overlap on the GPU)
+        outs.append(launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0])
+        with torch.cuda.stream(side):
+            outs.append(launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0])
+    torch.cuda.synchronize()
+    assert theirs.data_ptr() != mine.data_ptr() and not mine.any() and not theirs.any()
+    assert all(torch.equal(o, want) for o in outs)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0]
+    for _ in range(3):
+        g.replay()
+        outs.append(launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0])
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want) and all(torch.equal(o, want) for o in outs) and not mine.any()
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@
 # variant: fused_mlp/triton_13x512x256x64x16_m32_k64_w8_f16
 # backend: triton
 # dtype:   float16
-# knobs:   widths=(13, 512, 256, 64, 16), max_width=0, block_m=32, block_k=64, block_n=0, num_warps=8, num_stages=2, align=1
+# knobs:   widths=(13, 512, 256, 64, 16), max_width=0, block_m=32, block_k=64, block_n=0, num_warps=8, num_stages=2, align=1, split=1
 #
 # fused_mlp: out = act_L(... act(x @ W0.T + b0) ... @ W(L-1).T + b(L-1)) in one launch.
 # The host side (checks, scratch, autograd) is the package kgen/families/fused_mlp/.
@@ -80,6 +80,10 @@ SCRATCH_WIDTH = 0
 # is read from a zero-padded copy pad_rows_kernel makes each call (launch._scratch;
 # its grid and constexprs: schema.pad_launch)
 WEIGHT_STRIDES = [13, 512, 256, 64]
+# each forward kernel's programs per row tile (the `split` knob; 1: one) and the width of the
+# float32 partial its split programs exchange (launch._plan, launch.split_counters)
+SPLITS = {"fused_mlp_fwd_kernel": 1}
+PARTIAL_WIDTH = {"fused_mlp_fwd_kernel": 0}
 
 
 @triton.jit

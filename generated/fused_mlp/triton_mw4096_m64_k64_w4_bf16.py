@@ -3,7 +3,7 @@
 # variant: fused_mlp/triton_mw4096_m64_k64_w4_bf16
 # backend: triton
 # dtype:   bfloat16
-# knobs:   widths=(), max_width=4096, block_m=64, block_k=64, block_n=0, num_warps=4, num_stages=2, align=1
+# knobs:   widths=(), max_width=4096, block_m=64, block_k=64, block_n=0, num_warps=4, num_stages=2, align=1, split=1
 #
 # fused_mlp: out = act_L(... act(x @ W0.T + b0) ... @ W(L-1).T + b(L-1)) in one launch.
 # The host side (checks, scratch, autograd) is the package kgen/families/fused_mlp/.

@@ -65,7 +65,7 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
         if not save and mod.takes(x, weights, biases):
             return mod.run(x, weights, biases, activation, last_activation, out), []
         mod = mod.triton
-    out, zs, launches, _ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
+    out, zs, launches, *_ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
     for launch in launches:
         triton_launch.launch(*launch)
     return out, zs
@@ -91,13 +91,20 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     else:
         zs = []
     if B == 0:
-        return out, zs, [], None
+        return out, zs, [], None, None
     args = [x, out]
     prec = precision(x.dtype)
     tf32 = x.dtype == torch.float32 and prec == "tf32"
+    name = "fused_mlp_fwd_kernel"
+    if prec == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
+        name = "fused_mlp_fwd_kernel_x3"
+    split = getattr(mod, "SPLITS", {}).get(name, 1)
+    tiles = -(-B // mod.BLOCK_M)
+    partial = tiles * split * mod.BLOCK_M * mod.PARTIAL_WIDTH[name] * 4 // x.element_size() if split > 1 else 0
     if mod.EXACT:
         zbuf = zs if save else [None] * L
-        scratch, weights, launches = _scratch(mod, x, weights, 2 * mod.SCRATCH_WIDTH, mod.WEIGHT_STRIDES, tf32)
+        scratch, weights, launches = _scratch(mod, x, weights, 2 * mod.SCRATCH_WIDTH, mod.WEIGHT_STRIDES, tf32,
+                                              partial)
         if mod.SCRATCH_WIDTH:  # layers too wide for registers that feed a layer as wide
             rows = B * mod.SCRATCH_WIDTH
             args += [scratch[:rows], scratch[rows: 2 * rows]]
@@ -128,26 +135,31 @@ def _plan(mod, x, weights, biases, activation, last_activation, save, out):
     else:
         kw.update({f"D{i}": (widths[i] if i <= L else 1) for i in range(MAX_LAYERS + 1)})
         kw.update(NUM_LAYERS=L, BLOCK_K=mod.BLOCK_K, NUM_STAGES=mod.NUM_STAGES)
-    kernel = mod.fused_mlp_fwd_kernel
-    if kw["PRECISION"] == "tf32x3" and hasattr(mod, "fused_mlp_fwd_kernel_x3"):  # float32, TF32 off
-        kernel = mod.fused_mlp_fwd_kernel_x3
-    launches.append((kernel, grid(B, mod), args, kw))
-    return out, zs, launches, scratch
+    counters = None
+    if split > 1:  # the partials after the hidden rows, as float32; the row tiles' counters
+        at = _up(2 * mod.SCRATCH_WIDTH * B)
+        counters = split_counters(x.device, tiles)
+        args[-5:-5] = [scratch[at: at + partial].view(torch.float32), counters]
+    launches.append((getattr(mod, name), (tiles, split) if split > 1 else grid(B, mod), args, kw))
+    return out, zs, launches, scratch, counters
 
 
-def _scratch(mod, x, weights, rows: int, strides, tf32: bool):
+def _up(n: int) -> int:
+    """n elements rounded up to 64: a scratch region's start, 16-byte aligned in any dtype."""
+    return -(-n // 64) * 64
+
+
+def _scratch(mod, x, weights, rows: int, strides, tf32: bool, partial: int = 0):
     """(the scratch or None, the weights as the kernel reads them, the launches that make
-    them): one allocation with `rows` x B hidden elements first and after them, each 16-byte
-    aligned, a copy of every weight the kernel reads from one -- with `tf32` all of them,
+    them): one allocation with `rows` x B hidden elements first, then `partial` elements (a
+    split kernel's float32 partials, launch._plan), and after them, each 16-byte aligned, a
+    copy of every weight the kernel reads from one -- with `tf32` all of them,
     TF32-rounded at their `strides`, written by one tf32_weights launch; else those an exact
     kernel reads at a wider stride than their width, zero-padded, one pad_rows launch each."""
-    def up(n):  # to 64 elements: 16-byte aligned in any dtype
-        return -(-n // 64) * 64
-
     copies = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, strides)) if tf32 or w.shape[1] != s]
-    at = [up(rows * x.shape[0])]
+    at = [_up(_up(rows * x.shape[0]) + partial)]
     for _, n, s in copies:
-        at.append(at[-1] + up(n * s))
+        at.append(at[-1] + _up(n * s))
     scratch = torch.empty(at[-1], dtype=x.dtype, device=x.device) if at[-1] else None
     src, weights, launches = weights, list(weights), []
     for (i, n, s), a in zip(copies, at):
@@ -164,6 +176,32 @@ def _scratch(mod, x, weights, rows: int, strides, tf32: bool):
             grid_, constexprs, opts = pad_launch(n, src[i].shape[1], s)
             launches.append((mod.pad_rows_kernel, grid_, [src[i], weights[i]], {**constexprs, **opts}))
     return scratch, weights, launches
+
+
+# Each CUDA stream's row-tile counters for the split kernels, keyed (device index, stream):
+# zero between launches (the program that finishes a row tile sets its counter back to 0), so a
+# call needs no memset. One buffer a stream: launches on one stream run in order, never two
+# at once on the same counters; those of different streams have different buffers.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+# (the C calls themselves: torch.cuda.current_stream builds a Stream object, a few us of a
+# fast call's host time on an H100 host)
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (lambda i: torch.cuda.current_stream(i).cuda_stream)
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """`tiles` int32 counters at zero for a split forward on the current stream: the stream's
+    own (grown when too few; the old buffer is freed stream-ordered, after the launches that
+    use it), or during CUDA graph capture a new zeroed buffer of the graph's (its memset is a
+    node of the graph: every replay starts from zero, whatever runs beside it)."""
+    if device.type != "cuda" or _capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    key = (device.index, _raw_stream(device.index))
+    c = _COUNTERS.get(key)
+    if c is None or c.numel() < tiles:
+        c = _COUNTERS[key] = torch.zeros(max(tiles, 1024, 2 * (c.numel() if c is not None else 0)),
+                                         dtype=torch.int32, device=device)
+    return c
 
 
 def hidden_regions(widths) -> tuple[list[tuple[int, int]], int]:
@@ -209,16 +247,18 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     if x.device.index != triton_launch.current_device():
         return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
     x2 = x.reshape(B, widths[0])
-    out, zs, launches, scratch = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
+    out, zs, launches, scratch, counters = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
     z_on = [z is not None for z in zs]
     rep = triton_launch.replay(launches, (x2, out, *weights, *present, *(z for z in zs if z is not None),
-                                           *((scratch,) if scratch is not None else ())))
+                                           *((scratch,) if scratch is not None else ()),
+                                           *((counters,) if counters is not None else ())))
     if rep is None:
         return None
     shape, dtype, device = (*x.shape[:-1], widths[-1]), x.dtype, x.device
     proto = prototype(shape, dtype, device)  # outputs: empty_like of it
     z_protos = [prototype(z.shape, z.dtype, z.device) if z is not None else None for z in zs]
     s_numel = scratch.numel() if scratch is not None else 0
+    tiles = -(-B // mod.BLOCK_M) if counters is not None else 0  # (a split kernel's row tiles)
     empty_like, empty, data_ptr, go = torch.empty_like, torch.empty, torch.Tensor.data_ptr, rep.go
     present_at = [i for i, b in enumerate(biases) if b is not None]
     every = len(present_at) == len(biases)
@@ -234,6 +274,8 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
             more = [z for z in zs if z is not None]
         if s_numel:  # (held until launched: freed after, stream-ordered, as the general path's)
             more = [*more, empty(s_numel, dtype=dtype, device=device)]
+        if tiles:  # a split kernel: the current stream's counters
+            more = [*more, split_counters(device, tiles)]
         if not go(x.data_ptr(), out.data_ptr(), *map(data_ptr, weights), *map(data_ptr, bs), *map(data_ptr, more)):
             return None
         return (out, zs) if save else out

@@ -171,9 +171,11 @@ def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = RE
     return steps
 
 
-def kernels(widths: tuple[int, ...], block_k: int, dtype: str, align: bool = True, block_n: int = 0) -> list[dict]:
+def kernels(widths: tuple[int, ...], block_k: int, dtype: str, align: bool = True, block_n: int = 0,
+            split: int = 1) -> list[dict]:
     """An exact variant's kernels: the one every call uses, and for float32 the one calls
-    with TF32 off use ("tf32x3", see REG_MAX)."""
+    with TF32 off use ("tf32x3", see REG_MAX). Each with its `split` (`splits`: `split`
+    where its plan can take it, else 1) and, split, layer 0's column chunks (`chunks`)."""
     out = [{"name": "fused_mlp_fwd_kernel", "steps": plan(widths, block_k, ITEMSIZE[dtype], align=align,
                                                           block_n=block_n)}]
     if dtype == "float32":
@@ -182,7 +184,22 @@ def kernels(widths: tuple[int, ...], block_k: int, dtype: str, align: bool = Tru
                     "steps": plan(widths, x3, ITEMSIZE[dtype], X3_REG_MAX, align, min(block_n or x3, x3))})
     for k in out:
         k["scratch"] = max([s["N"] for s in k["steps"] if s.get("sink") == "scratch"], default=0)
+        k["split"] = splits(k["steps"], split)
+        k["chunks"] = -(-k["steps"][0]["N"] // k["steps"][0]["bn"]) if k["split"] > 1 else 1
+        k["partial"] = k["steps"][0]["jp"] if k["split"] > 1 else 0  # the partial's width
     return out
+
+
+def splits(steps: list[dict], split: int) -> int:
+    """How many programs share a row tile in a kernel of `steps` with the `split` knob: split
+    where layer 0 is streamed from x into layer 1's register accumulator ("chunked", sink
+    "absorb": the programs split layer 0's column chunks, each holding a partial of layer 1)
+    in at least `split` chunks, else 1."""
+    s = steps[0]
+    if split > 1 and s["kind"] == "chunked" and s["src"] == "x" and s["sink"] == "absorb" \
+            and -(-s["N"] // s["bn"]) >= split:
+        return split
+    return 1
 
 
 def _round(n: int, m: int) -> int:
@@ -204,8 +221,19 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
             problems.append(("max_width", "max_width bounds a generic variant; an exact one (widths) has none"))
     elif not mw:
         problems.append(("max_width", "a generic variant (no widths) needs max_width, its bound on every width"))
+    if widths and k["split"] > 1 and 2 <= len(widths) <= MAX_LAYERS + 1:
+        try:
+            steps = plan(widths, k["block_k"], ITEMSIZE[dtype], align=bool(k["align"]), block_n=k["block_n"])
+        except ValueError:  # (the plan's own error, raised where the variant renders)
+            steps = None
+        if steps and splits(steps, k["split"]) == 1:
+            s = steps[0]
+            why = (f"{-(-s['N'] // s['bn'])} column chunk(s) of {s['bn']}" if s["sink"] == "absorb" else
+                   f"its plan does not stream layer 0 into layer 1's accumulator ({s['kind']}, to {s.get('sink')})")
+            problems.append(("split", f"split {k['split']} needs layer 0 ({widths[0]} -> {widths[1]}) streamed "
+                                      f"into layer 1 in at least {k['split']} column chunks; it has {why}"))
     if not widths:
-        for knob, default in (("block_n", 0), ("align", 1)):
+        for knob, default in (("block_n", 0), ("align", 1), ("split", 1)):
             if k[knob] != default:
                 problems.append((knob, "applies to exact variants (widths) only: a generic one reads every weight "
                                        "in place, block_k columns a step"))
@@ -230,6 +258,10 @@ SCHEMA = Schema(
             # exact variants: read each weight at a 16-byte row stride (1: the op passes a
             # zero-padded copy of a weight whose rows are not whole vectors; 0: in place)
             Knob("align", "a", lo=0, hi=1, default=1),
+            # exact variants: programs per row tile, each running 1/split of layer 0's columns
+            # (streamed into layer 1) on a float32 partial of layer 1 that the last of them
+            # sums in a fixed order (templates/fused_mlp/triton.py.j2; launch._plan, launch.split_counters)
+            Knob("split", "sp", lo=1, hi=16, default=1),
         ),
         "cuda": (
             Knob("widths", "", kind=tuple, lo=1, hi=MAX_WIDTH),  # exact widths, required
@@ -260,7 +292,7 @@ def template_context(variant) -> dict:
                 **cuda_plan(tuple(p["widths"]), p["cluster"], p["block_m"], p["warps"], ITEMSIZE[variant.dtype])}
     widths = tuple(p["widths"])
     align = bool(p["align"])
-    ks = kernels(widths, p["block_k"], variant.dtype, align, p["block_n"]) if widths else []
+    ks = kernels(widths, p["block_k"], variant.dtype, align, p["block_n"], p["split"]) if widths else []
     return {"dtype": variant.dtype, "activations": ACTIVATIONS, "exact": bool(widths), "widths": widths,
             "weight_strides": weight_strides(widths, ITEMSIZE[variant.dtype], align) if widths else (),
             "kernels": ks, "scratch_width": max([k["scratch"] for k in ks], default=0),
@@ -321,7 +353,12 @@ def triton_aot(variant, mod) -> list:
     out = []
     for fn, prec in fns:
         c = dict(const, PRECISION=prec)
-        out.append((fn, dict(sig, **{k: "constexpr" for k in c}), c, opts))
+        s = dict(sig)
+        if exact and mod.SPLITS[fn.__name__] > 1:  # a split kernel's partials and counters (launch._plan)
+            s = {**{k: v for k, v in sig.items() if v.startswith("*")},
+                 "part_ptr": "*fp32", "count_ptr": "*i32",
+                 **{k: v for k, v in sig.items() if not v.startswith("*")}}
+        out.append((fn, dict(s, **{k: "constexpr" for k in c}), c, opts))
     if variant.dtype == "float32":  # TF32 on: every weight's rounded copy, launched first (launch._plan)
         _, c, tf32_opts = tf32_weights_launch(widths, exact)
         tf32_sig = {f"{p}{i}_ptr": f"*{t}" for i in range(n_slots) for p in ("w", "d")}

@@ -347,6 +347,21 @@ def _large_tiles_first(dtype: str, B: int, widths, shape: dict) -> bool:
     return dots == "16-bit" and max(widths) > UNTUNED_WIDE_16BIT
 
 
+def _split_first(exact: list, B: int) -> list:
+    """`exact` with the split variants (the `split` knob) whose B rows make at most
+    UNTUNED_SLOTS_PER_SM programs an SM first, most programs a row tile first (the least of
+    W0 and W1 each program streams: what a program's time follows at small B), then the
+    most programs; the other split variants last (past that many programs a row tile's
+    partials only add traffic; H100, the split probe, BENCHMARKS.md seventy-eighth session)."""
+    def programs(v):
+        return _cdiv(B, v.params["block_m"]) * v.params["split"]
+
+    split = [v for v in exact if v.params["split"] > 1]
+    first = sorted((v for v in split if programs(v) <= UNTUNED_SLOTS_PER_SM * _sms()),
+                   key=lambda v: (-v.params["split"], -programs(v)))
+    return first + [v for v in exact if v.params["split"] == 1] + [v for v in split if v not in first]
+
+
 def untuned_order(variants, shape: dict) -> list:
     """dispatch's hook for widths nothing was tuned for: `variants` (those that take the
     widths, in spec order) to try in turn; none left means the eager composition."""
@@ -355,6 +370,7 @@ def untuned_order(variants, shape: dict) -> list:
     by_tile = {"key": lambda v: v.params["block_m"], "reverse": B > UNTUNED_SMALL_TILES_B}
     cuda = [v for v in variants if v.backend == "cuda"]
     exact = sorted((v for v in variants if v.backend == "triton" and v.params["widths"]), **by_tile)
+    exact = _split_first(exact, B)
     generic = sorted((v for v in variants if v.backend == "triton" and not v.params["widths"]),
                      key=lambda v: v.params["block_m"])
     if generic and _large_tiles_first(generic[0].dtype, B, widths, shape):
