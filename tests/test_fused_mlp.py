@@ -212,6 +212,43 @@ def test_split_variants_golden_and_reproducible(widths, dtype, split):
             assert ((got.float() - want.float()).abs() <= ulp * want.float().abs().clamp_min(1.0)).all()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_row_padded_weight_read_in_place_whatever_its_padding(dtype):
+    """A weight the exact kernel reads at a wider row stride (DLRM top's 367-wide W0: 368),
+    given already laid out at that stride, is read in place -- no pad launch -- with the same
+    bits as the contiguous one padded by the op; NaN in its padding changes nothing (the
+    kernel's masks stop at the width). Float32 with TF32 on copies every weight (rounded)
+    anyway. Any other layout is copied to a contiguous one first."""
+    from kgen.families.fused_mlp import launch
+
+    t = getattr(torch, dtype)
+    name = "triton_367x512x256x1_m16_k64_w4_sp4_" + ("bf16" if dtype == "bfloat16" else "f32")
+    mod = dispatch.load(SPEC.variant(name)).module
+    x, ws, bs = fm.make_inputs("cpu", t, 19, (367, 512, 256, 1))
+    store = torch.full((512, 368), float("nan"), dtype=t)
+    store[:, :367] = ws[0]
+    padded = [store[:, :367], *ws[1:]]
+    assert launch.readable(mod, x, padded)[0] is padded[0]
+    _, _, launches, _, _ = launch._plan(mod, x, padded, bs, "relu", "sigmoid", False, None)
+    assert [fn.__name__ for fn, *_ in launches] == [  # (TF32 off on the CPU: float32's "tf32x3" kernel)
+        "fused_mlp_fwd_kernel" + ("_x3" if dtype == "float32" else "")]
+    got = launch.forward(mod, x, padded, bs, "relu", "sigmoid")[0]
+    want = launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0]
+    assert torch.equal(got, want) and not got.isnan().any()
+    if dtype == "float32":  # TF32 on: every weight goes to a rounded copy, read from a contiguous one
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            assert launch.readable(mod, x, padded)[0].is_contiguous()
+            assert torch.equal(launch.forward(mod, x, padded, bs, "relu", "sigmoid")[0],
+                               launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0])
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+    strided = ws[0].t().contiguous().t()  # column-major: copied, then padded by the op
+    assert launch.readable(mod, x, [strided, *ws[1:]])[0].is_contiguous()
+    assert torch.equal(launch.forward(mod, x, [strided, *ws[1:]], bs, "relu", "sigmoid")[0], want)
+
+
 def test_split_knob_errors():
     """`split` applies to exact variants whose layer 0 streams into layer 1's accumulator in
     at least `split` column chunks: a clear spec error otherwise."""
@@ -1357,6 +1394,29 @@ def test_gpu_split_counters_per_stream_and_in_graphs():
         outs.append(launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0])
     torch.cuda.synchronize()
     assert torch.equal(captured, want) and all(torch.equal(o, want) for o in outs) and not mine.any()
+
+
+@pytest.mark.gpu
+def test_gpu_row_padded_weights_read_in_place():
+    """A row-padded W0 (DLRM top, bf16, launch.row_padded: rows 368 apart) goes to an exact
+    Triton kernel as it is: one launch a call, through the fast path too (no pad), the same
+    bits as contiguous weights; a CUDA variant copies it to a contiguous one."""
+    from kgen.families.fused_mlp import launch
+
+    x, ws, bs = fm.make_inputs("cuda", torch.bfloat16, 1000, (367, 512, 256, 1))
+    padded = [launch.row_padded(ws[0], 368), *ws[1:]]
+    assert padded[0].stride() == (368, 1)
+    for name in ("triton_367x512x256x1_m32_k64_w4_sp2_bf16", "triton_367x512x256x1_m16_k64_w4_bf16",
+                 "sm90_367x512x256x1_c8_m16_w16_bf16"):
+        mod = fm.implementation(dispatch.load(SPEC.variant(name)), (367, 512, 256, 1))
+        if name.startswith("triton"):
+            _, _, launches, _, _ = launch._plan(mod, x, padded, bs, "relu", "sigmoid", False, None)
+            assert len(launches) == 1
+        with torch.no_grad():
+            want = launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0]
+            assert torch.equal(launch.forward(mod, x, padded, bs, "relu", "sigmoid")[0], want)
+            run = fm.op.runner(mod, x, padded, bs, "relu", "sigmoid")
+            assert torch.equal(run(), want) and torch.equal(run(), want)
 
 
 @pytest.mark.gpu

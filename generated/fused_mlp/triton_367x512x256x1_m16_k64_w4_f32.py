@@ -181,7 +181,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
         for k0 in tl.range(0, 367, 64):
             kc0 = k0 + tl.arange(0, 64)
             a0 = tl.load(x_ptr + rows[:, None] * 367 + kc0[None, :], mask=rmask[:, None] & (kc0[None, :] < 367), other=0.0)
-            w0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0[:, None], mask=(kc0[:, None] < 368), other=0.0)
+            w0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0[:, None], mask=(kc0[:, None] < 367), other=0.0)
             acc0 = tl.dot(tf32_operand(a0, PRECISION), w0, acc0, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc0 += tl.load(b0_ptr + nc0).to(tl.float32)[None, :]
@@ -246,7 +246,7 @@ def fused_mlp_fwd_kernel_x3(x_ptr, out_ptr, s0_ptr, s1_ptr,
         for k0 in tl.range(0, 367, 32):
             kc0 = k0 + tl.arange(0, 32)
             a0 = tl.load(x_ptr + rows[:, None] * 367 + kc0[None, :], mask=rmask[:, None] & (kc0[None, :] < 367), other=0.0)
-            w0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0[:, None], mask=(kc0[:, None] < 368), other=0.0)
+            w0 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0[:, None], mask=(kc0[:, None] < 367), other=0.0)
             acc0 = tl.dot(tf32_operand(a0, PRECISION), w0, acc0, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc0 += tl.load(b0_ptr + nc0).to(tl.float32)[None, :]

@@ -150,7 +150,7 @@ def fused_mlp_fwd_kernel(x_ptr, out_ptr, s0_ptr, s1_ptr,
         acc0 = tl.dot(a0_3, w0_3, acc0, input_precision=PRECISION)
         w0_4 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_4[:, None])
         acc0 = tl.dot(a0_4, w0_4, acc0, input_precision=PRECISION)
-        w0_5 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_5[:, None], mask=(kc0_5[:, None] < 368), other=0.0)
+        w0_5 = tl.load(w0_ptr + nc0[None, :] * 368 + kc0_5[:, None], mask=(kc0_5[:, None] < 367), other=0.0)
         acc0 = tl.dot(a0_5, w0_5, acc0, input_precision=PRECISION)
         if (bias_mask >> 0) & 1:
             acc0 += tl.load(b0_ptr + nc0).to(tl.float32)[None, :]

@@ -62,13 +62,47 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
     kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
     if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
+        weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
         if not save and mod.takes(x, weights, biases):
             return mod.run(x, weights, biases, activation, last_activation, out), []
         mod = mod.triton
+    weights = readable(mod, x, weights)
     out, zs, launches, *_ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
     for launch in launches:
         triton_launch.launch(*launch)
     return out, zs
+
+
+def in_place(mod, x, w, i: int) -> bool:
+    """Whether the kernel of `mod` reads weight `i` as the caller holds it, row-padded: an
+    exact variant reading it at a wider row stride than its width (WEIGHT_STRIDES), `w` laid
+    out at that stride (rows whole 16-byte vectors apart: `row_padded`), 16-byte aligned, and
+    no TF32-rounded copy made of it (float32 with TF32 on copies every weight). The kernel's
+    masks stop at the width: the padding is never read, whatever it holds. A caller keeping
+    such a weight so saves the pad launch a call (~3 us of GPU time at the DLRM top MLP's
+    small batches, H100: BENCHMARKS.md, seventy-eighth session); the CUDA variants read
+    contiguous weights (`forward` copies it for them)."""
+    s = mod.WEIGHT_STRIDES[i] if mod.EXACT else 0
+    return (s != w.shape[1] and w.stride() == (s, 1) and not w.data_ptr() & 15
+            and not (x.dtype == torch.float32 and precision(x.dtype) == "tf32"))
+
+
+def row_padded(w: torch.Tensor, stride: int) -> torch.Tensor:
+    """`w` [n, k] as a view of zeroed [n, stride] storage (itself where `stride` is its width
+    or its rows already are that far apart): a weight the exact kernels read at a wider row
+    stride (schema.weight_strides) laid out so that they read it in place (`in_place`)."""
+    if stride == w.shape[1] or w.stride() == (stride, 1):
+        return w
+    store = torch.zeros(w.shape[0], stride, dtype=w.dtype, device=w.device)
+    with torch.no_grad():
+        store[:, :w.shape[1]].copy_(w)
+    return store[:, :w.shape[1]]
+
+
+def readable(mod, x, weights) -> list:
+    """`weights` as `_plan` takes them: each contiguous, or row-padded where the kernel reads
+    it in place (`in_place`); any other layout copied to a contiguous one."""
+    return [w if w.is_contiguous() or in_place(mod, x, w, i) else w.contiguous() for i, w in enumerate(weights)]
 
 
 def _plan(mod, x, weights, biases, activation, last_activation, save, out):
@@ -156,7 +190,8 @@ def _scratch(mod, x, weights, rows: int, strides, tf32: bool, partial: int = 0):
     copy of every weight the kernel reads from one -- with `tf32` all of them,
     TF32-rounded at their `strides`, written by one tf32_weights launch; else those an exact
     kernel reads at a wider stride than their width, zero-padded, one pad_rows launch each."""
-    copies = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, strides)) if tf32 or w.shape[1] != s]
+    copies = [(i, w.shape[0], s) for i, (w, s) in enumerate(zip(weights, strides))
+              if tf32 or (w.shape[1] != s and w.stride(0) != s)]  # (a row-padded one read in place: readable)
     at = [_up(_up(rows * x.shape[0]) + partial)]
     for _, n, s in copies:
         at.append(at[-1] + _up(n * s))
@@ -242,7 +277,9 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     B = x.numel() // widths[0] if widths[0] else 0
     present = [b for b in biases if b is not None]
-    if B == 0 or any(not t.is_contiguous() for t in (x, *weights, *present)):
+    if B == 0 or any(not t.is_contiguous() for t in (x, *present)):
+        return None
+    if any(not (w.is_contiguous() or in_place(mod, x, w, i)) for i, w in enumerate(weights)):
         return None
     if x.device.index != triton_launch.current_device():
         return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
@@ -265,7 +302,7 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
 
     # (each pointer read once, by a C-level map, handed to the replay as arguments: this closure
     # is most of a fast call's Python)
-    def launch(x, weights, biases):  # (the caller's memo matched this call's strides: contiguous)
+    def launch(x, weights, biases):  # (the caller's memo matched this call's strides: these ones)
         out = empty_like(proto)
         bs = biases if every else [biases[i] for i in present_at]
         zs, more = None, ()

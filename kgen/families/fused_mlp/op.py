@@ -106,7 +106,7 @@ def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     if mod is None:
         out = eager(x2, weights, bl, activation, last_activation)[0]
     else:
-        out = launch.forward(mod, x2, _contig(weights), _contig(bl), activation, last_activation)[0]
+        out = launch.forward(mod, x2, weights, _contig(bl), activation, last_activation)[0]  # (weights: readable)
     if FAST_PATH and x.is_cuda and _FORCED.get() is MISSING and type(x) is torch.Tensor:
         _remember(mod, x, weights, bl, activation, last_activation, widths)
     return out.reshape(*x.shape[:-1], widths[-1])

@@ -126,10 +126,11 @@ def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = RE
       fits a register tile, so the wide hidden layer never exists whole, as attention's
       P @ V), or to a scratch row tile the next layer reads back (anything wider).
 
-    A step's weight W_i is read at row stride `ws` (weight_strides), its padding columns
-    zero: a weight tile's K mask then runs to `ws`, not K, and is only there where a K chunk
-    runs past `ws` (`wk_masked`; per unrolled chunk `wmasked`; an absorbed W_j: `jws`,
-    `jk_masked`). The activations' own masks stay at K (their padding is zero too)."""
+    A step's weight W_i is read at row stride `ws` (weight_strides); a weight tile's K mask
+    runs to K, where a K chunk runs past it (`wk_masked`; per unrolled chunk `wmasked`; an
+    absorbed W_j: `jws`, `jk_masked`), so the padding columns are never read and may hold
+    anything: the op's zero-padded copy, or a caller's row-padded weight read in place
+    (launch.in_place). The activations' masks are at K too."""
     L, P = len(widths) - 1, [padded(w) for w in widths]
     WS = weight_strides(widths, itemsize, align)
     steps, src, i = [], "x", 0
@@ -138,20 +139,20 @@ def plan(widths: tuple[int, ...], block_k: int, itemsize: int, reg_max: int = RE
         base = {"i": i, "K": K, "N": N, "kp": P[i], "np": P[i + 1], "src": src, "last": i == L - 1,
                 "ws": WS[i]}
         if src == "reg" and P[i + 1] <= reg_max and P[i] * P[i + 1] * itemsize <= WEIGHT_TILE_BYTES:
-            steps.append(dict(base, kind="whole", n_masked=N != P[i + 1], wk_masked=P[i] > WS[i]))
+            steps.append(dict(base, kind="whole", n_masked=N != P[i + 1], wk_masked=P[i] > K))
             i += 1
             continue
         bn, bk = min(block_n or block_k, P[i + 1]), min(block_k, P[i])
-        kc = [dict(c, wmasked=c["start"] + c["size"] > WS[i]) for c in chunks(K, bk)]
+        kc = [dict(c, wmasked=c["start"] + c["size"] > K) for c in chunks(K, bk)]
         # a memory input's K chunks unrolled and loaded once, or a K loop (a register input: one dot)
         unroll = src != "reg" and len(kc) <= K_UNROLL_MAX and P[i] * itemsize <= HOIST_BYTES
         k_end = P[i] if src == "reg" else _round(K, bk)  # where the K loop's last chunk ends
         step = dict(base, kind="chunked", bn=bn, bk=bk, n_masked=N % bn != 0, k_masked=K % bk != 0,
-                    wk_masked=k_end > WS[i], k_chunks=kc, unroll=unroll,
+                    wk_masked=k_end > K, k_chunks=kc, unroll=unroll,
                     sink="out" if i == L - 1 else "scratch")
         if i < L - 1 and P[i + 2] <= reg_max and bn * P[i + 2] * itemsize <= WEIGHT_TILE_BYTES:
             step.update(sink="absorb", j=i + 1, jN=widths[i + 2], jp=P[i + 2], j_last=i + 1 == L - 1,
-                        j_masked=widths[i + 2] != P[i + 2], jws=WS[i + 1], jk_masked=_round(N, bn) > WS[i + 1])
+                        j_masked=widths[i + 2] != P[i + 2], jws=WS[i + 1], jk_masked=_round(N, bn) > N)
         if src == "reg" and P[i] * bn * itemsize > WEIGHT_TILE_BYTES:
             raise ValueError(f"layer {i} ({K} -> {N}): a {P[i]} x {bn} weight tile is too large; "
                              "use a smaller block_n (or block_k)")
