@@ -186,7 +186,7 @@ def kernels(widths: tuple[int, ...], block_k: int, dtype: str, align: bool = Tru
     for k in out:
         k["scratch"] = max([s["N"] for s in k["steps"] if s.get("sink") == "scratch"], default=0)
         k["split"] = splits(k["steps"], split)
-        k["chunks"] = -(-k["steps"][0]["N"] // k["steps"][0]["bn"]) if k["split"] > 1 else 1
+        k["chunks"] = chunk_count(k["steps"][0]) if k["split"] > 1 else 1
         k["partial"] = k["steps"][0]["jp"] if k["split"] > 1 else 0  # the partial's width
     return out
 
@@ -197,10 +197,14 @@ def splits(steps: list[dict], split: int) -> int:
     "absorb": the programs split layer 0's column chunks, each holding a partial of layer 1)
     in at least `split` chunks, else 1."""
     s = steps[0]
-    if split > 1 and s["kind"] == "chunked" and s["src"] == "x" and s["sink"] == "absorb" \
-            and -(-s["N"] // s["bn"]) >= split:
+    if split > 1 and s["kind"] == "chunked" and s["src"] == "x" and s["sink"] == "absorb" and chunk_count(s) >= split:
         return split
     return 1
+
+
+def chunk_count(step: dict) -> int:
+    """How many column chunks of `bn` a chunked step's N columns make."""
+    return -(-step["N"] // step["bn"])
 
 
 def _round(n: int, m: int) -> int:
@@ -229,7 +233,7 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
             steps = None
         if steps and splits(steps, k["split"]) == 1:
             s = steps[0]
-            why = (f"{-(-s['N'] // s['bn'])} column chunk(s) of {s['bn']}" if s["sink"] == "absorb" else
+            why = (f"{chunk_count(s)} column chunk(s) of {s['bn']}" if s["sink"] == "absorb" else
                    f"its plan does not stream layer 0 into layer 1's accumulator ({s['kind']}, to {s.get('sink')})")
             problems.append(("split", f"split {k['split']} needs layer 0 ({widths[0]} -> {widths[1]}) streamed "
                                       f"into layer 1 in at least {k['split']} column chunks; it has {why}"))
