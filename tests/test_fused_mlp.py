@@ -566,6 +566,56 @@ def test_fused_mlp_module_matches_sequential_and_round_trip():
     torch.testing.assert_close(m2(x), y2.detach())
 
 
+def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict():
+    """pad_weights=True: the DLRM top MLP's W0 (367 wide, the one weight the exact kernels
+    read at a wider stride) in row-padded storage, rows 368 apart, its shape and values
+    nn.Linear's; the others dense. Kept through .to() (a dtype of another itemsize too) and
+    load_state_dict; its state_dict loads into nn.Linear; outputs and gradients equal the
+    dense module's, the gradients dense (what optimizers and DDP expect). Off by default."""
+    torch.manual_seed(0)
+    dense = FusedMLP([367, 512, 256, 1], last_activation="sigmoid")
+    padded = FusedMLP([367, 512, 256, 1], last_activation="sigmoid", pad_weights=True)
+    assert all(w.is_contiguous() for w in dense.weights) and "pad_weights" not in repr(dense)
+    assert "pad_weights=True" in repr(padded)
+    padded.load_state_dict(dense.state_dict())
+    w0 = padded.weights[0]
+    assert w0.shape == (512, 367) and w0.stride() == (368, 1) and isinstance(w0, nn.Parameter)
+    assert all(w.is_contiguous() for w in list(padded.weights)[1:])
+    assert torch.equal(w0, dense.weights[0])
+    for t in (torch.bfloat16, torch.float64, torch.float32):
+        padded.to(t)
+        dense.to(t)
+        assert padded.weights[0] is w0 and w0.dtype == t and w0.stride() == (368, 1)
+        assert torch.equal(w0, dense.weights[0])
+    lin = nn.Linear(367, 512)
+    lin.load_state_dict({"weight": padded.state_dict()["weights.0"], "bias": padded.state_dict()["biases.0"]})
+    assert torch.equal(lin.weight, w0)
+    x = torch.randn(5, 367)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = padded(xa), dense(xb)
+    assert torch.equal(ya, yb)
+    ya.sum().backward()
+    yb.sum().backward()
+    assert torch.equal(xa.grad, xb.grad) and w0.grad.is_contiguous()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(padded.parameters(), dense.parameters()))
+    m = FusedMLP.from_sequential(padded.to_sequential(), pad_weights=True)
+    assert m.weights[0].stride() == (368, 1) and torch.equal(m.weights[0], w0)
+    assert FusedMLP([13, 512, 256, 64, 16], pad_weights=True).weights[0].is_contiguous()  # 13 KB: not padded
+
+
+def test_cuda_variant_row_stride():
+    """cuda.row_stride: the row stride a CUDA variant reads a weight at: its width where
+    contiguous, a row-padded one's own (16-byte multiple), else None (copied first)."""
+    from kgen.families.fused_mlp import launch
+    from kgen.families.fused_mlp.cuda import row_stride
+
+    w = torch.randn(512, 367, dtype=torch.bfloat16)
+    assert row_stride(w) == 367 and row_stride(launch.row_padded(w, 368)) == 368
+    assert row_stride(torch.empty(512, 370, dtype=torch.bfloat16)[:, :367]) is None  # rows 740 bytes apart
+    assert row_stride(w.t().contiguous().t()) is None
+    assert row_stride(torch.empty(1, 9, dtype=torch.bfloat16)[:, :5]) == 5  # one row: contiguous
+
+
 def test_fused_mlp_module_no_bias_and_dtype():
     m = FusedMLP([5, 6, 3], activation="relu", bias=False, dtype=torch.bfloat16)
     assert m.biases is None and m.weights[0].dtype == torch.bfloat16
@@ -951,8 +1001,9 @@ def test_cuda_plan_and_checks():
 @pytest.mark.parametrize("bias", [True, False, [False, True, True]], ids=["every", "none", "some"])
 def test_cuda_direct_arguments(monkeypatch, bias):
     """The CUDA cluster variant's fast launcher passes the C launcher's arguments in the order
-    launch.cuh.j2 reads them (device, stream, B, bias mask, activations, x, out, the weights,
-    the present biases) with this call's pointers and a new output each call, and returns None
+    launch.cuh.j2 reads them (device, stream, B, bias mask, activations, the weights' row
+    strides, x, out, the weights, the present biases) with this call's pointers and a new
+    output each call (a row-padded weight: its own row stride), and returns None
     where the launcher answers MISALIGNED; another error code raises. (A fake launcher: the
     kernel itself runs in the GPU tests.)"""
     from types import SimpleNamespace
@@ -976,18 +1027,20 @@ def test_cuda_direct_arguments(monkeypatch, bias):
     impl = cuda.CudaMLP(kernel, None)
     x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 6, widths, bias=bias)
     x = x.reshape(2, 3, widths[0])
+    ws[1] = fm.launch.row_padded(ws[1], 48)  # rows 48 apart (96 bytes)
     f = impl.direct(x, ws, bs, "gelu", "sigmoid")
     present = [b for b in bs if b is not None]
     mask = sum(1 << i for i, b in enumerate(bs) if b is not None)
     for _ in range(2):  # a second call: its own output
-        x2, ws2, bs2 = x.clone(), [w.clone() for w in ws], [b.clone() if b is not None else None for b in bs]
+        x2, bs2 = x.clone(), [b.clone() if b is not None else None for b in bs]
+        ws2 = [w.clone() if i != 1 else fm.launch.row_padded(w.clone(), 48) for i, w in enumerate(ws)]
         out = f(x2, ws2, bs2)
         assert out.shape == (2, 3, widths[-1]) and out.dtype == torch.bfloat16
         ptr, args = calls[-1]
         assert ptr == 1234 and args == (
-            None, 77, 6, mask, ACT_CODE["gelu"], ACT_CODE["sigmoid"], x2.data_ptr(), out.data_ptr(),
+            None, 77, 6, mask, ACT_CODE["gelu"], ACT_CODE["sigmoid"], 13, 48, 24, x2.data_ptr(), out.data_ptr(),
             *(w.data_ptr() for w in ws2), *(b.data_ptr() for b in bs2 if b is not None))
-        assert len(args) == 8 + len(ws) + len(present)
+        assert len(args) == 8 + 2 * len(ws) + len(present)
     answer[0] = cuda.MISALIGNED
     assert f(x, ws, bs) is None
     answer[0] = 700
@@ -1305,6 +1358,19 @@ def test_gpu_cuda_variant(name):
     f = launch.direct(impl, x, ws, bs, *acts)
     assert f is not None and torch.equal(f(x, ws, bs), got)
     assert f(xu, ws, bs) is None  # unaligned: the general path
+    # every weight row-padded (rows whole 16-byte vectors apart, NaN in the padding): read in
+    # place (cp.async, a row's last vector cut at the width), the same bits, fast path too
+    pw = []
+    for w in ws:
+        store = torch.full((w.shape[0], -(-w.shape[1] // 8) * 8 + 8), float("nan"), dtype=dtype, device="cuda")
+        store[:, :w.shape[1]] = w
+        pw.append(store[:, :w.shape[1]])
+    k0 = ws[0].shape[1]
+    odd = torch.empty(ws[0].shape[0], next(s for s in range(k0 + 1, k0 + 9) if s % 8), dtype=dtype, device="cuda")
+    assert impl.takes(x, pw, bs) and not impl.takes(x, [odd[:, :k0], *pw[1:]], bs)  # rows not 16 bytes apart
+    assert torch.equal(launch.forward(impl, x, pw, bs, *acts)[0], got)
+    fp = launch.direct(impl, x, pw, bs, *acts)
+    assert fp is not None and torch.equal(fp(x, pw, bs), got)
     # the C launcher checks every pointer: a weight or a bias off by one element launches nothing
     wu = torch.empty(ws[1].numel() + 1, dtype=dtype, device="cuda")[1:].view(ws[1].shape).copy_(ws[1])
     assert f(x, [ws[0], wu, *ws[2:]], bs) is None
@@ -1400,18 +1466,20 @@ def test_gpu_split_counters_per_stream_and_in_graphs():
 def test_gpu_row_padded_weights_read_in_place():
     """A row-padded W0 (DLRM top, bf16, launch.row_padded: rows 368 apart) goes to an exact
     Triton kernel as it is: one launch a call, through the fast path too (no pad), the same
-    bits as contiguous weights; a CUDA variant copies it to a contiguous one."""
+    bits as contiguous weights; a CUDA variant reads it in place too (cuda.row_stride)."""
     from kgen.families.fused_mlp import launch
 
     x, ws, bs = fm.make_inputs("cuda", torch.bfloat16, 1000, (367, 512, 256, 1))
     padded = [launch.row_padded(ws[0], 368), *ws[1:]]
     assert padded[0].stride() == (368, 1)
     for name in ("triton_367x512x256x1_m32_k64_w4_sp2_bf16", "triton_367x512x256x1_m16_k64_w4_bf16",
-                 "sm90_367x512x256x1_c8_m16_w16_bf16"):
+                 "sm90_367x512x256x1_c8_m16_w16_bf16", "sm90a_367x512x256x1_c8_m64_w4_bf16"):
         mod = fm.implementation(dispatch.load(SPEC.variant(name)), (367, 512, 256, 1))
         if name.startswith("triton"):
             _, _, launches, _, _ = launch._plan(mod, x, padded, bs, "relu", "sigmoid", False, None)
             assert len(launches) == 1
+        else:
+            assert mod.takes(x, padded, bs)
         with torch.no_grad():
             want = launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0]
             assert torch.equal(launch.forward(mod, x, padded, bs, "relu", "sigmoid")[0], want)

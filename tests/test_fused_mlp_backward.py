@@ -157,6 +157,34 @@ def test_plan_skips_what_is_not_needed():
                    (False, False, True)) is None  # only the bias of a layer with none
 
 
+def test_row_padded_weight_read_in_place_by_the_chain():
+    """With `pad`, a weight the dz chain reads from a zero-padded copy (a 367-wide W0 of
+    70 KB: rows 368 apart) given already laid out at that stride (launch.row_padded, NaN in
+    its padding) is read as it is: no pad launch for it, the same gradients bit for bit.
+    train.gradients passes such a weight through; a contiguous one is padded as before."""
+    from kgen.families.fused_mlp import launch
+
+    widths, B, acts = (367, 96, 3), 5, ("relu", "sigmoid")
+    x, ws, bs, zs, g = _case(widths, B, acts, torch.float32)
+    hb, needs = (True, True), (True,) * 5
+    p = fb.plan(widths, torch.float32, torch.device("cpu"), B, hb, acts, needs, pad=True)
+    assert [e[0] for e in p.pads] == ["x", 0] and p.ws[0] == 368
+    store = torch.full((96, 368), float("nan"))
+    store[:, :367] = ws[0]
+    padded = store[:, :367]
+    assert p.reads_in_place(0, padded) and not p.reads_in_place(0, ws[0]) and not p.reads_in_place(1, ws[1])
+    assert not p.reads_in_place(0, launch.row_padded(ws[0], 376))  # another stride: copied contiguous
+    kw = dict(scratch=torch.empty(p.dz_numel), flat=torch.empty(p.E), ws=None, gx=torch.empty(B, 367))
+    pads = lambda weights: sum(k is fb.fused_mlp_bwd_pad_kernel for k, *_ in p.launches(g, x, weights, zs, **kw))
+    assert pads(ws) == 2 and pads([padded, ws[1]]) == 1
+    want = p(g, x, ws, zs)
+    got = fb.plan(widths, torch.float32, torch.device("cpu"), B, hb, acts, needs, pad=True)(g, x, [padded, ws[1]], zs)
+    flat = lambda r: [r[0], *r[1], *r[2]]
+    assert all(torch.equal(a, b) for a, b in zip(flat(got), flat(want)))
+    again = train.gradients(p, g, x, [padded, ws[1]], hb, zs, acts, needs)
+    assert all(torch.equal(a, b) for a, b in zip(flat(again), flat(want)))
+
+
 def test_split_over_rows_and_determinism(monkeypatch):
     """With the split over B forced (S > 1: float32 partials, then the ordered sum), the
     gradients still match; two runs are bitwise equal, with and without the split."""
@@ -575,6 +603,49 @@ def test_gpu_every_chain_tile_at_widths_that_broke_128_rows(widths, dtype):
         gx, gws, _ = p(g, x, ws, zs)
         worst, at = tuning.disagreement((gx, gws, []), (lx, lws, []), dtype)  # (the tuner's own check)
         assert worst <= 1.0, (chain, widths, worst, at)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["fused", "fused_pad"])
+def test_gpu_pad_weights_training_step_same_bits(monkeypatch, backward):
+    """kgen.nn.FusedMLP(pad_weights=True) at DLRM top's widths, bf16: its training steps (the
+    general path's, then the fast path's) give bitwise the gradients and outputs of the dense
+    module with the same parameters; with `fused_pad` the chain reads the row-padded W0 in
+    place (no pad launch)."""
+    monkeypatch.setattr(fm.op, "_TRAIN", CallMemo())
+    monkeypatch.setattr(train, "backward_choice", lambda *a: backward)
+    torch.manual_seed(0)
+    widths, acts = DLRM[0]
+    dense = FusedMLP(widths, *acts, dtype=torch.bfloat16, device="cuda")
+    padded = FusedMLP(widths, *acts, dtype=torch.bfloat16, device="cuda", pad_weights=True)
+    padded.load_state_dict(dense.state_dict())
+    assert padded.weights[0].stride() == (368, 1)
+    x = torch.randn(1000, widths[0], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(1000, 1, device="cuda", dtype=torch.bfloat16)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        out = m(x)
+        out.backward(g)
+        return [out.detach(), x.grad.clone(), *(p.grad.clone() for p in m.parameters())]
+
+    for _ in range(3):
+        for a, b in zip(step(dense), step(padded)):
+            assert torch.equal(a, b)
+    entry = fm.op._TRAIN.get(fm.op._call(x, list(padded.weights), list(padded.biases), *acts))
+    (p,) = entry.plans.values()
+    assert p.reads_in_place(0, padded.weights[0]) == (backward == "fused_pad")
+    # one plan called with W0 dense (its launches recorded for replay), then row-padded, then
+    # dense again: a replay recorded for one layout never runs on the other
+    x2, ws = x.detach(), [w.detach() for w in dense.weights]
+    zs = fm.launch.saved(fm.module_for(x.device, x.dtype, widths, 1000), x2, ws, list(dense.biases), *acts)
+    p = fb.plan(widths, torch.bfloat16, x.device, 1000, (True,) * 3, acts, (True,) * 7,
+                pad=backward == "fused_pad")
+    flat = lambda r: [r[0], *r[1], *r[2]]
+    want = [t.clone() for t in flat(p(g, x2, ws, zs))]
+    for weights in ([padded.weights[0].detach(), *ws[1:]], ws, [padded.weights[0].detach(), *ws[1:]]):
+        assert all(torch.equal(a, b) for a, b in zip(flat(p(g, x2, weights, zs)), want))
 
 
 @pytest.mark.gpu

@@ -373,6 +373,7 @@ struct Params {
   T* out;
   const T* w[LAYERS];
   const T* b[LAYERS];
+  int ldw[LAYERS];  // each weight's row stride in elements: its width, or a multiple of 8 (row-padded)
   int B;
   int bias_mask;
   int act;
@@ -399,6 +400,13 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
 
 __device__ __forceinline__ void st_shared_16(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// cp.async of the first `bytes` (0 to 16) of a 16-byte vector, the rest of the 16 zero-filled:
+// the last vector of a row whose width is not whole vectors, read from a row-padded weight
+// (its padding never read, whatever it holds).
+__device__ __forceinline__ void cp_async_16_head(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ uint32_t bits(T v) {
@@ -463,22 +471,25 @@ __device__ __forceinline__ uint4 place8(const Raw& r, int shift, int valid) {
 // time would wait a full memory latency per chunk.
 constexpr int LOAD_BATCH = 8;
 
-// This CTA's slice of layer I's weights: rows [rank * PER * 8, +PER * 8) of w [N, K], each
-// row's kp columns, zero past N rows and K columns, into shared memory at `dst` (row stride
-// SA elements). Rows of whole 16-byte vectors: cp.async (committed by the caller).
+// This CTA's slice of layer I's weights: rows [rank * PER * 8, +PER * 8) of w [N, K] (rows
+// `ld` elements apart), each row's kp columns, zero past N rows and K columns, into shared
+// memory at `dst` (row stride SA elements). Rows starting on 16-byte boundaries (K, or the
+// row-padded stride `ld`, a multiple of 8): cp.async (committed by the caller), a row's last
+// vector cut at K where K is not whole vectors.
 template <int K, int N, int KP, int SA, int PER>
-__device__ __forceinline__ void load_weights_async(const T* __restrict__ w, uint32_t dst, int rank) {
+__device__ __forceinline__ void load_weights_async(const T* __restrict__ w, int ld, uint32_t dst, int rank) {
   constexpr int CPR = KP / 8, ROWS = PER * 8, TOTAL = ROWS * CPR;
   const int n0 = rank * ROWS;
   for (int idx = threadIdx.x; idx < TOTAL; idx += THREADS) {
     const int r = idx / CPR, c = idx % CPR, n = n0 + r;
     const bool valid = n < N && c * 8 < K;
-    kgen::cp_async_16(dst + uint32_t(r * SA + c * 8) * 2u, valid ? w + (size_t)n * K + c * 8 : w, valid);
+    const int bytes = !valid ? 0 : (K % 8 == 0 || c * 8 + 8 <= K) ? 16 : 2 * (K - c * 8);
+    cp_async_16_head(dst + uint32_t(r * SA + c * 8) * 2u, valid ? w + (size_t)n * ld + c * 8 : w, bytes);
   }
 }
 
-// The same for rows that are not whole vectors: the slice is one contiguous run of w, read as
-// aligned vectors and placed row by row (fetch8 / place8).
+// The same for rows that are not whole vectors, contiguous (`ld` == K): the slice is one
+// contiguous run of w, read as aligned vectors and placed row by row (fetch8 / place8).
 template <int K, int N, int KP, int SA, int PER>
 __device__ __forceinline__ void load_weights_span(const T* __restrict__ w, uint32_t dst, int rank) {
   constexpr int CPR = KP / 8, ROWS = PER * 8, TOTAL = ROWS * CPR;
@@ -690,10 +701,12 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
   // waited on once this CTA's own loads are in (its latency hidden behind them).
   kgen::cluster_arrive_relaxed();
   // Every load of the prologue in flight at once: the weight slices of whole-vector rows
-  // (cp.async), x's first row tile (where it is carried ahead), the biases, then the other
-  // weight slices.
-  load_weights_async<512, 256, 512, 520, 4>(p.w[1], base + 48128u, rank);
-  load_weights_async<256, 1, 256, 264, 1>(p.w[2], base + 81408u, rank);
+  // (cp.async: K whole vectors, or the weight row-padded), x's first row tile (where it is
+  // carried ahead), the biases, then the other weight slices.
+  if (p.ldw[0] != 367)  // row-padded to whole vectors
+    load_weights_async<367, 512, 368, 376, 8>(p.w[0], p.ldw[0], base + 0u, rank);
+  load_weights_async<512, 256, 512, 520, 4>(p.w[1], p.ldw[1], base + 48128u, rank);
+  load_weights_async<256, 1, 256, 264, 1>(p.w[2], p.ldw[2], base + 81408u, rank);
   kgen::cp_async_commit();
   Raw xv[X_VECTORS];
   if (X_PREFETCH)
@@ -704,7 +717,8 @@ __global__ void __launch_bounds__(THREADS, CTAS_PER_SM) fused_mlp_cluster(const 
   fetch_bias<256, 4>(bias1, (p.bias_mask >> 1) & 1 ? p.b[1] : nullptr, rank);
   unsigned short bias2[bias_regs<1>()];
   fetch_bias<1, 1>(bias2, (p.bias_mask >> 2) & 1 ? p.b[2] : nullptr, rank);
-  load_weights_span<367, 512, 368, 376, 8>(p.w[0], base + 0u, rank);
+  if (p.ldw[0] == 367)
+    load_weights_span<367, 512, 368, 376, 8>(p.w[0], base + 0u, rank);
   store_bias<8>(bias0, reinterpret_cast<float*>(smem + 85632));
   store_bias<4>(bias1, reinterpret_cast<float*>(smem + 85888));
   store_bias<1>(bias2, reinterpret_cast<float*>(smem + 86016));
@@ -794,13 +808,16 @@ cudaError_t setup(int device) {
 }  // namespace
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
-// checked the shapes (x [B, 367], weights and biases of these widths, contiguous) and
-// B >= 1; the launcher checks the pointers' 16-byte alignment (its vector loads) and returns
-// KGEN_MISALIGNED without launching where one is not, so that the eager fast path reads each
+// checked the shapes (x [B, 367], weights and biases of these widths; x and the
+// biases contiguous, each weight's rows ldw_i >= its width apart) and B >= 1; the launcher
+// checks the pointers' 16-byte alignment (its vector loads) and the row strides (a weight's
+// width, or a multiple of 8: rows on 16-byte boundaries) and returns KGEN_MISALIGNED without
+// launching where one is not, so that the eager fast path reads each
 // pointer once. It launches on the caller's stream, as a persistent grid of at most the
 // clusters the device holds at once.
-//   ints: device, stream, B, bias_mask, act, last_act, x, out, w_0 .. w_{L-1}, then the
-//         biases present (bit i of bias_mask: layer i has one), in layer order
+//   ints: device, stream, B, bias_mask, act, last_act, ldw_0 .. ldw_{L-1} (each weight's row
+//         stride in elements), x, out, w_0 .. w_{L-1}, then the biases present (bit i of
+//         bias_mask: layer i has one), in layer order
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
@@ -810,14 +827,19 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   p.bias_mask = (int)ints[3];
   p.act = (int)ints[4];
   p.last_act = (int)ints[5];
-  p.x = reinterpret_cast<const T*>(ints[6]);
-  p.out = reinterpret_cast<T*>(ints[7]);
-  unsigned long long ptrs = (unsigned long long)ints[6] | (unsigned long long)ints[7];
-  const long long* next = ints + 8 + LAYERS;  // the present biases
+  constexpr long long K[LAYERS] = {367, 512, 256};
+  const long long* ld = ints + 6;
+  const long long* ptr = ld + LAYERS;  // x, out, the weights, the present biases
+  p.x = reinterpret_cast<const T*>(ptr[0]);
+  p.out = reinterpret_cast<T*>(ptr[1]);
+  unsigned long long ptrs = (unsigned long long)ptr[0] | (unsigned long long)ptr[1];
+  const long long* next = ptr + 2 + LAYERS;  // the present biases
   for (int i = 0; i < LAYERS; ++i) {
-    p.w[i] = reinterpret_cast<const T*>(ints[8 + i]);
+    if (ld[i] < K[i] || ld[i] > (1 << 30)) return (int)cudaErrorInvalidValue;
+    p.ldw[i] = (int)ld[i];
+    p.w[i] = reinterpret_cast<const T*>(ptr[2 + i]);
     p.b[i] = (p.bias_mask >> i & 1) ? reinterpret_cast<const T*>(*next++) : nullptr;
-    ptrs |= (unsigned long long)ints[8 + i] | (unsigned long long)p.b[i];
+    ptrs |= (unsigned long long)ptr[2 + i] | (unsigned long long)p.b[i] | (ld[i] == K[i] ? 0ull : 2ull * ld[i]);
   }
   if (ptrs & 15) return KGEN_MISALIGNED;
   if (p.B < 1) return (int)cudaErrorInvalidValue;

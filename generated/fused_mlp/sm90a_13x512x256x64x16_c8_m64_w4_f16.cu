@@ -585,6 +585,7 @@ struct Params {
   T* out;
   const T* w[LAYERS];
   const T* b[LAYERS];
+  int ldw[LAYERS];  // each weight's row stride in elements: its width, or a multiple of 8 (row-padded)
   int B;
   int bias_mask;
   int act;
@@ -601,6 +602,13 @@ __device__ __forceinline__ uint4 ld_shared_16(uint32_t addr) {
 
 __device__ __forceinline__ void st_shared_16(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+
+// cp.async of the first `bytes` (0 to 16) of a 16-byte vector, the rest of the 16 zero-filled:
+// the last vector of a row whose width is not whole vectors, read from a row-padded weight
+// (its padding never read, whatever it holds).
+__device__ __forceinline__ void cp_async_16_head(uint32_t dst, const void* src, int bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ uint32_t bits(T v) {
@@ -688,10 +696,12 @@ __device__ __forceinline__ void bulk_to_peer(uint32_t dst, uint32_t src, uint32_
                ::"r"(dst), "r"(src), "r"(bytes), "r"(bar) : "memory");
 }
 
-// Rows [row0, row0 + R) of a row-major [rows, K] matrix, columns [0, KP), into the tile at
-// `dst` (zeros past `rows` and K). Rows of whole 16-byte vectors (ALIGNED): cp.async (the
-// caller commits and waits); else the run of memory is read as aligned vectors and placed
-// chunk by chunk (fetch8 / place8), LOAD_BATCH chunks a thread in flight at once. A warp takes
+// Rows [row0, row0 + R) of a row-major [rows, K] matrix (rows `ld` elements apart), columns
+// [0, KP), into the tile at `dst` (zeros past `rows` and K). Rows starting on 16-byte
+// boundaries (ALIGNED: K whole vectors, or a row-padded weight's `ld` a multiple of 8):
+// cp.async (the caller commits and waits), a row's last vector cut at K; else (contiguous, `ld`
+// == K) the run of memory is read as aligned vectors and placed chunk by chunk (fetch8 /
+// place8), LOAD_BATCH chunks a thread in flight at once. A warp takes
 // 8 rows x 4 consecutive 8-element chunks: 64 contiguous bytes of each row in global memory,
 // and 4 runs of 128 contiguous bytes in the tile (the fewest shared-memory wavefronts).
 template <int KP>
@@ -702,7 +712,8 @@ __device__ __forceinline__ void chunk_of(int idx, int& r, int& c) {
 }
 
 template <int K, int KP, int R, bool ALIGNED>
-__device__ __forceinline__ void load_tile(const T* __restrict__ src, long long rows, long long row0, uint32_t dst) {
+__device__ __forceinline__ void load_tile(const T* __restrict__ src, long long ld, long long rows, long long row0,
+                                          uint32_t dst) {
   constexpr int CPR = KP / 8, TOTAL = R * CPR;
   if constexpr (ALIGNED) {
     for (int idx = threadIdx.x; idx < TOTAL; idx += THREADS) {
@@ -710,7 +721,8 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ src, long long r
       chunk_of<KP>(idx, r, c);
       const long long row = row0 + r;
       const bool valid = row < rows && c * 8 < K;
-      kgen::cp_async_16(dst + at<R>(r, c * 8), valid ? src + row * K + c * 8 : src, valid);
+      const int bytes = !valid ? 0 : (K % 8 == 0 || c * 8 + 8 <= K) ? 16 : 2 * (K - c * 8);
+      cp_async_16_head(dst + at<R>(r, c * 8), valid ? src + row * ld + c * 8 : src, bytes);
     }
   } else {
     constexpr int EACH = (TOTAL + THREADS - 1) / THREADS, BATCH = EACH < LOAD_BATCH ? EACH : LOAD_BATCH;
@@ -846,20 +858,23 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_wgmma(const __grid_const
   // on once this CTA's own loads are in.
   kgen::cluster_arrive_relaxed();
   pdl_wait();  // the kernel before on the stream may have written x, the weights or the biases
-  // Layer 0's operands first (cp.async group 0 where aligned), then the later layers' weights
-  // (group 1: waited on before layer 1, in flight while layer 0 runs), then whatever is read as
-  // unaligned vectors (synchronous) and the biases.
+  // Layer 0's operands first (cp.async group 0 where aligned; a weight row-padded to whole
+  // vectors counts as aligned), then the later layers' weights (group 1: waited on before layer
+  // 1, in flight while layer 0 runs), then whatever is read as unaligned vectors (synchronous)
+  // and the biases.
+  if (rank < 8 && p.ldw[0] != 13)
+    load_tile<13, 16, 64, true>(p.w[0], p.ldw[0], 512, (long long)rank * 64, base + 38400u);
   kgen::cp_async_commit();
   if (rank < 8)
-    load_tile<512, 512, 32, true>(p.w[1], 256, (long long)rank * 32, base + 5632u);
+    load_tile<512, 512, 32, true>(p.w[1], p.ldw[1], 256, (long long)rank * 32, base + 5632u);
   if (rank < 8)
-    load_tile<256, 256, 8, true>(p.w[2], 64, (long long)rank * 8, base + 1536u);
+    load_tile<256, 256, 8, true>(p.w[2], p.ldw[2], 64, (long long)rank * 8, base + 1536u);
   if (rank < 2)
-    load_tile<64, 64, 8, true>(p.w[3], 16, (long long)rank * 8, base + 512u);
+    load_tile<64, 64, 8, true>(p.w[3], p.ldw[3], 16, (long long)rank * 8, base + 512u);
   kgen::cp_async_commit();
-  load_tile<13, 16, BLOCK_M, false>(p.x, p.B, (long long)tile * BLOCK_M, base + 40448u);
-  if (rank < 8)
-    load_tile<13, 16, 64, false>(p.w[0], 512, (long long)rank * 64, base + 38400u);
+  load_tile<13, 16, BLOCK_M, false>(p.x, 13, p.B, (long long)tile * BLOCK_M, base + 40448u);
+  if (rank < 8 && p.ldw[0] == 13)
+    load_tile<13, 16, 64, false>(p.w[0], 13, 512, (long long)rank * 64, base + 38400u);
   if (rank < 8)
     load_bias<512, 64>((p.bias_mask >> 0) & 1 ? p.b[0] : nullptr, rank,
                                     reinterpret_cast<float*>(smem + 0));
@@ -995,12 +1010,15 @@ cudaError_t setup(int device) {
 }  // namespace
 
 // The launcher, called through kgen's trampoline (kgen/runtime/launcher.c). The caller has
-// checked the shapes (x [B, 13], weights and biases of these widths, contiguous) and
-// B >= 1; the launcher checks the pointers' 16-byte alignment (its vector loads) and returns
-// KGEN_MISALIGNED without launching where one is not, so that the eager fast path reads each
+// checked the shapes (x [B, 13], weights and biases of these widths; x and the
+// biases contiguous, each weight's rows ldw_i >= its width apart) and B >= 1; the launcher
+// checks the pointers' 16-byte alignment (its vector loads) and the row strides (a weight's
+// width, or a multiple of 8: rows on 16-byte boundaries) and returns KGEN_MISALIGNED without
+// launching where one is not, so that the eager fast path reads each
 // pointer once. It launches on the caller's stream, one cluster a row tile.
-//   ints: device, stream, B, bias_mask, act, last_act, x, out, w_0 .. w_{L-1}, then the
-//         biases present (bit i of bias_mask: layer i has one), in layer order
+//   ints: device, stream, B, bias_mask, act, last_act, ldw_0 .. ldw_{L-1} (each weight's row
+//         stride in elements), x, out, w_0 .. w_{L-1}, then the biases present (bit i of
+//         bias_mask: layer i has one), in layer order
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
@@ -1010,14 +1028,19 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   p.bias_mask = (int)ints[3];
   p.act = (int)ints[4];
   p.last_act = (int)ints[5];
-  p.x = reinterpret_cast<const T*>(ints[6]);
-  p.out = reinterpret_cast<T*>(ints[7]);
-  unsigned long long ptrs = (unsigned long long)ints[6] | (unsigned long long)ints[7];
-  const long long* next = ints + 8 + LAYERS;  // the present biases
+  constexpr long long K[LAYERS] = {13, 512, 256, 64};
+  const long long* ld = ints + 6;
+  const long long* ptr = ld + LAYERS;  // x, out, the weights, the present biases
+  p.x = reinterpret_cast<const T*>(ptr[0]);
+  p.out = reinterpret_cast<T*>(ptr[1]);
+  unsigned long long ptrs = (unsigned long long)ptr[0] | (unsigned long long)ptr[1];
+  const long long* next = ptr + 2 + LAYERS;  // the present biases
   for (int i = 0; i < LAYERS; ++i) {
-    p.w[i] = reinterpret_cast<const T*>(ints[8 + i]);
+    if (ld[i] < K[i] || ld[i] > (1 << 30)) return (int)cudaErrorInvalidValue;
+    p.ldw[i] = (int)ld[i];
+    p.w[i] = reinterpret_cast<const T*>(ptr[2 + i]);
     p.b[i] = (p.bias_mask >> i & 1) ? reinterpret_cast<const T*>(*next++) : nullptr;
-    ptrs |= (unsigned long long)ints[8 + i] | (unsigned long long)p.b[i];
+    ptrs |= (unsigned long long)ptr[2 + i] | (unsigned long long)p.b[i] | (ld[i] == K[i] ? 0ull : 2ull * ld[i]);
   }
   if (ptrs & 15) return KGEN_MISALIGNED;
   if (p.B < 1) return (int)cudaErrorInvalidValue;

@@ -16,6 +16,18 @@ from kgen.runtime.streams import current_raw_stream
 MISALIGNED = -1  # the C launcher's answer for a pointer not 16-byte aligned (launch.cuh.j2): nothing ran
 
 
+def row_stride(w: torch.Tensor):
+    """The row stride (elements) at which the CUDA variants read weight `w` [N, K]: K where
+    it is contiguous, its own where its rows are laid out further apart on 16-byte
+    boundaries (row-padded: launch.row_padded; the padding never read), else None (the
+    caller copies it contiguous)."""
+    k = w.shape[1]
+    if w.is_contiguous():
+        return k
+    s = w.stride(0)
+    return s if w.stride(1) == 1 and s > k and not (s * w.element_size()) & 15 else None
+
+
 class CudaMLP:
     """A loaded CUDA variant (`kernel`) with its Triton companion's module (`triton`)."""
 
@@ -27,14 +39,19 @@ class CudaMLP:
 
     def takes(self, x: torch.Tensor, weights, biases) -> bool:
         """Whether the kernel runs this call: x [B, w0] of its dtype and widths, B >= 1,
-        x, the weights and biases contiguous and 16-byte aligned (its vector loads)."""
+        x and the biases contiguous, each weight contiguous or row-padded (`row_stride`), all
+        16-byte aligned (its vector loads)."""
         if x.dtype != self.dtype or x.shape[0] < 1 or (x.shape[1], *(w.shape[0] for w in weights)) != self.widths:
             return False
         ptrs = 0
-        for t in (x, *weights, *(b for b in biases if b is not None)):
+        for t in (x, *(b for b in biases if b is not None)):
             if t.dtype != self.dtype or not t.is_contiguous():
                 return False
             ptrs |= t.data_ptr()
+        for w in weights:
+            if w.dtype != self.dtype or row_stride(w) is None:
+                return False
+            ptrs |= w.data_ptr()
         return not ptrs & 15
 
     def max_clusters(self, device_index: int) -> int:
@@ -53,8 +70,8 @@ class CudaMLP:
     def _args(self, x, out, weights, biases, activation, last_activation):
         mask = sum(1 << i for i, b in enumerate(biases) if b is not None)
         return [x.device.index, current_raw_stream(x.device.index), x.shape[0], mask, ACT_CODE[activation],
-                ACT_CODE[last_activation], x.data_ptr(), out.data_ptr(), *(w.data_ptr() for w in weights),
-                *(b.data_ptr() for b in biases if b is not None)]
+                ACT_CODE[last_activation], *map(row_stride, weights), x.data_ptr(), out.data_ptr(),
+                *(w.data_ptr() for w in weights), *(b.data_ptr() for b in biases if b is not None)]
 
     def run(self, x, weights, biases, activation: str, last_activation: str, out=None) -> torch.Tensor:
         """The forward into `out` (or a new [B, wL] tensor); the caller checked `takes`."""
@@ -82,7 +99,7 @@ class CudaMLP:
         raw, ptr, fail = k.raw, k.ptr, k.fail
         present = [i for i, b in enumerate(biases) if b is not None]
         mask = sum(1 << i for i in present)
-        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation])
+        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation], *map(row_stride, weights))
         proto = prototype((*x.shape[:-1], self.widths[-1]), x.dtype, x.device)
         empty_like, data_ptr = torch.empty_like, torch.Tensor.data_ptr
 

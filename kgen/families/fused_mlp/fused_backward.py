@@ -224,14 +224,31 @@ class Plan:
         self.sum_kw = dict(BLOCK=SUM_BLOCK, num_warps=4)
         self.sum_ints = [self.S, self.E]
         self.replay = None  # triton_launch's replay of the launches, after the first call
+        self.layout = None  # which weights that replay reads in place (`in_place_of`)
         self.state = "new"  # "ok" once launched; "failed": its kernels did not build here
         self.need_w, self.need_b, self.lowest = need_w, need_b, lowest
+
+    def reads_in_place(self, i: int, w) -> bool:
+        """Whether the chain reads weight `i` as given: a weight it reads from a zero-padded
+        copy (`pads`) already laid out at that row stride (launch.row_padded; the padding
+        never read), 16-byte aligned. Every other weight is read contiguous."""
+        st = self.ws[i]
+        return st != w.shape[1] and any(e[0] == i for e in self.pads) and w.stride() == (st, 1) \
+            and not w.data_ptr() & 15
+
+    def in_place_of(self, weights) -> tuple:
+        """The weights a call's launches read in place (`launches`: a pad entry's weight
+        given at its stride), which the launches replayed for it must have been recorded with."""
+        return tuple(e[0] for e in self.pads if e[0] != "x" and weights[e[0]].stride() == (e[3], 1))
 
     def __call__(self, grad, x, weights, zs):
         """(grad_x or None, [grad_w or None], [grad_b or None]), or None where the kernels
         did not build on this machine (the first call warns; the caller falls back)."""
         if self.state == "failed":
             return None
+        # each weight contiguous, but one the chain reads in place row-padded (`reads_in_place`)
+        weights = [w if w.is_contiguous() or self.reads_in_place(i, w) else w.contiguous()
+                   for i, w in enumerate(weights)]
         B, dt, dev = self.B, self.dtype, self.device
         gx = _empty((B, self.widths[0]), dtype=dt, device=dev) if self.need_x else None
         scratch = _empty(self.dz_numel, dtype=dt, device=dev)
@@ -240,8 +257,9 @@ class Plan:
         # the tensors whose addresses change from call to call (the launches take views of them)
         slots = [grad, x, *weights, *(z for z in zs if z is not None), scratch, flat]
         slots += [t for t in (ws, gx) if t is not None]
-        r = self.replay
-        if r is None or not r([t.data_ptr() for t in slots]):
+        layout = self.in_place_of(weights)
+        r = self.replay if layout == self.layout or self.replay is None else False  # (False: another layout)
+        if not r or not r([t.data_ptr() for t in slots]):
             launches = self.launches(grad, x, weights, zs, scratch, flat, ws, gx)
             try:
                 for launch in launches:
@@ -255,7 +273,7 @@ class Plan:
                 return None
             self.state = "ok"
             if r is None:  # later calls replay the binaries (None where Triton's own path must run)
-                self.replay = triton_launch.replay(launches, slots)
+                self.replay, self.layout = triton_launch.replay(launches, slots), layout
         return gx, *self.views(flat)
 
     def launches(self, grad, x, weights, zs, scratch, flat, ws, gx) -> list:
@@ -274,6 +292,9 @@ class Plan:
         out, xp = [], x
         for what, rows, k, st, at in self.pads:  # the zero-padded copies first
             src = x if what == "x" else weights[what]
+            if what != "x" and src.stride() == (st, 1):  # row-padded already (`reads_in_place`)
+                w[what] = src
+                continue
             dst = scratch[at:at + rows * st]
             if what == "x":
                 xp = dst
@@ -340,7 +361,8 @@ def plan(widths, dtype, device, B, has_bias, acts, needs, chain=None, pad=False)
 
 def backward(grad, x, weights, has_bias, zs, activation: str, last_activation: str, needs):
     """reference.backward_lean's gradients through the fused kernels (2-D contiguous grad
-    and x, contiguous weights, the zs the forward saved): a Plan built for this call. The
+    and x, weights (Plan.__call__ copies those it does not read in place), the zs the
+    forward saved): a Plan built for this call. The
     training fast path keeps its plans (train.py); this is for tests and benchmarks."""
     widths = (x.shape[1], *(w.shape[0] for w in weights))
     p = plan(widths, x.dtype, x.device, x.shape[0], has_bias, (activation, last_activation), needs)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from kgen.families.fused_mlp.cuda import CudaMLP
+from kgen.families.fused_mlp.cuda import CudaMLP, row_stride
 from kgen.families.fused_mlp.reference import backward as torch_backward
 from kgen.families.fused_mlp.schema import ACT_CODE, MAX_LAYERS, pad_launch, tf32_weights_launch
 from kgen.runtime import triton_launch
@@ -56,13 +56,15 @@ def grid(B: int, mod) -> tuple[int]:
 
 def forward(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False, out=None):
     """Run one variant's forward (`mod`: its rendered module) on checked, contiguous 2-D x
-    [B, w0] and contiguous weights; returns (out [B, wL], zs), zs what the backward needs
-    when `save` (None where it needs none), else []: each layer's pre-activation z, but a
+    [B, w0] and weights (a row-padded one read in place where the kernel can: `in_place`,
+    cuda.row_stride; any other layout copied contiguous); returns (out [B, wL], zs), zs what
+    the backward needs when `save` (None where it needs none), else []: each layer's
+    pre-activation z, but a
     ReLU layer's output relu(z), as reference.eager keeps them. `out`: a
     given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
     kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
     if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
-        weights = [w if w.is_contiguous() else w.contiguous() for w in weights]
+        weights = [w if row_stride(w) is not None else w.contiguous() for w in weights]
         if not save and mod.takes(x, weights, biases):
             return mod.run(x, weights, biases, activation, last_activation, out), []
         mod = mod.triton
@@ -80,8 +82,8 @@ def in_place(mod, x, w, i: int) -> bool:
     no TF32-rounded copy made of it (float32 with TF32 on copies every weight). The kernel's
     masks stop at the width: the padding is never read, whatever it holds. A caller keeping
     such a weight so saves the pad launch a call (~3 us of GPU time at the DLRM top MLP's
-    small batches, H100: BENCHMARKS.md, seventy-eighth session); the CUDA variants read
-    contiguous weights (`forward` copies it for them)."""
+    small batches, H100: BENCHMARKS.md, seventy-eighth session); the CUDA variants read it
+    in place too (cuda.row_stride)."""
     s = mod.WEIGHT_STRIDES[i] if mod.EXACT else 0
     return (s != w.shape[1] and w.stride() == (s, 1) and not w.data_ptr() & 15
             and not (x.dtype == torch.float32 and precision(x.dtype) == "tf32"))

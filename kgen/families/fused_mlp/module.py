@@ -7,8 +7,9 @@ import operator
 import torch
 from torch import nn
 
+from kgen.families.fused_mlp.launch import row_padded
 from kgen.families.fused_mlp.op import fused_mlp
-from kgen.families.fused_mlp.schema import ACTIVATIONS, MAX_LAYERS, MAX_WIDTH
+from kgen.families.fused_mlp.schema import ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, weight_strides
 
 # activation module type -> fused_mlp's name (GELU only in its tanh form: checked below)
 _ACT_MODULES = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU: "silu"}
@@ -19,10 +20,20 @@ class FusedMLP(nn.Module):
     """Linear layers `widths[0] -> widths[1] -> ... -> widths[-1]` with `activation` after
     every layer but the last and `last_activation` after the last, run as one fused_mlp
     call. Parameters `weights[i]` `[w(i+1), w(i)]` and `biases[i]` (nn.Linear's layout and
-    initialisation); `bias=False` leaves them out."""
+    initialisation); `bias=False` leaves them out.
+
+    `pad_weights=True` lays out each weight that fused_mlp's exact kernels read at a wider row
+    stride (a weight of 64 KB or more whose rows are not whole 16-byte vectors: the DLRM top
+    MLP's 367-wide W0; schema.weight_strides) in row-padded storage: the same shape and values,
+    rows 16-byte aligned (a view of [N, stride] storage; the padding is never read). The
+    kernels then read it in place, where they would copy it into a padded scratch each call
+    (one launch, ~3 us of GPU time on an H100: BENCHMARKS.md). Kept through `.to()`,
+    `.half()`, `.cuda()`. Such a parameter is not dense: optimizers with `fused=True` refuse
+    it (their kernels need dense tensors; the default foreach ones take it), which is why it
+    is not the default."""
 
     def __init__(self, widths, activation: str = "relu", last_activation: str = "none", *, bias: bool = True,
-                 dtype=None, device=None):
+                 dtype=None, device=None, pad_weights: bool = False):
         super().__init__()
         try:
             widths = tuple(operator.index(w) for w in widths)
@@ -37,6 +48,7 @@ class FusedMLP(nn.Module):
             if a not in ACTIVATIONS:
                 raise ValueError(f"FusedMLP: unknown {name} {a!r}; expected one of {', '.join(ACTIVATIONS)}")
         self.widths, self.activation, self.last_activation = widths, activation, last_activation
+        self.pad_weights = bool(pad_weights)
         self.weights = nn.ParameterList()
         self.biases = nn.ParameterList() if bias else None
         for i in range(len(widths) - 1):
@@ -44,6 +56,28 @@ class FusedMLP(nn.Module):
             self.weights.append(lin.weight)
             if bias:
                 self.biases.append(lin.bias)
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """With pad_weights, each weight the exact kernels read at a wider row stride moved
+        to row-padded storage (launch.row_padded; the Parameter objects kept, as `.to()` keeps
+        them); a weight already laid out so, or any without pad_weights, left as it is."""
+        if not self.pad_weights:
+            return
+        ws = _params(self.weights)
+        if not ws or not all(w.is_floating_point() for w in ws):
+            return
+        strides = weight_strides(self.widths, ws[0].element_size())
+        with torch.no_grad():
+            for w, s in zip(ws, strides):
+                if s != w.shape[1] and w.stride() != (s, 1):
+                    w.data = row_padded(w.data, s)
+
+    def _apply(self, fn, *args, **kwargs):
+        # (.to(), .half(), .cuda() make dense copies: padded again after)
+        out = super()._apply(fn, *args, **kwargs)
+        self._lay_out()
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         biases = _params(self.biases) if self.biases is not None else None
@@ -52,10 +86,11 @@ class FusedMLP(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"widths={list(self.widths)}, activation={self.activation!r}, "
-                f"last_activation={self.last_activation!r}, bias={self.biases is not None}")
+                f"last_activation={self.last_activation!r}, bias={self.biases is not None}"
+                + (", pad_weights=True" if self.pad_weights else ""))
 
     @classmethod
-    def from_sequential(cls, seq: nn.Sequential) -> "FusedMLP":
+    def from_sequential(cls, seq: nn.Sequential, *, pad_weights: bool = False) -> "FusedMLP":
         """The same network from an nn.Sequential of nn.Linear layers, each followed by at
         most one of nn.ReLU, nn.Sigmoid, nn.GELU(approximate="tanh"), nn.SiLU (nn.Identity
         and nested nn.Sequential are skipped through); every hidden layer's activation must
@@ -111,7 +146,7 @@ class FusedMLP(nn.Module):
                                      f"the first {w.dtype} on {w.device}; fused_mlp takes one dtype and device")
         widths = [linears[0].in_features] + [lin.out_features for lin in linears]
         out = cls(widths, hidden.pop() if hidden else "none", acts[-1], bias=bias.pop(), dtype=w.dtype,
-                  device=w.device)
+                  device=w.device, pad_weights=pad_weights)
         with torch.no_grad():
             for i, lin in enumerate(linears):
                 out.weights[i].copy_(lin.weight)

@@ -169,7 +169,7 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     x2, g2 = _flat(x, widths), _flat(grad, widths[-1:])
     mod = module_for(x.device, x.dtype, widths, x2.shape[0])
-    ws = _contig(weights)
+    ws = list(weights)  # (as given: train.gradients copies those its kernels do not read in place)
     if x2.shape[0] == 0:
         gx, gws = x2.clone(), [torch.zeros_like(w) for w in ws]
         gbs = [None if b is None else torch.zeros_like(b) for b in bl]

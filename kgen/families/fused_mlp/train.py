@@ -97,7 +97,7 @@ def gradients(p, g, x2, ws, has_bias, zs, acts, needs):
     zs: through plan `p` (plan_for), or backward_lean where p is None or declines. Both the
     training fast path (Step) and the op's general backward run this, so a signature's first
     training step (the op's) and its later ones (Step's) give the same gradients bit for bit."""
-    res = p(_contig(g), _contig(x2), [_contig(w) for w in ws], zs) if p is not None else None
+    res = p(_contig(g), _contig(x2), ws, zs) if p is not None else None  # (the plan copies weights as needed)
     if res is None:
         res = backward_lean(g, x2, ws, has_bias, zs, *acts, needs, outputs=True)
     return res
