@@ -601,6 +601,15 @@ def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict():
     m = FusedMLP.from_sequential(padded.to_sequential(), pad_weights=True)
     assert m.weights[0].stride() == (368, 1) and torch.equal(m.weights[0], w0)
     assert FusedMLP([13, 512, 256, 64, 16], pad_weights=True).weights[0].is_contiguous()  # 13 KB: not padded
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(padded.weights, "0", Double())
+    padded.to(torch.float64)  # a parametrized weight is left as it is
+    assert torch.equal(padded.weights[0], 2 * padded.weights.parametrizations["0"].original)
 
 
 def test_cuda_variant_row_stride():

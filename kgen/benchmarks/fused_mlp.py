@@ -1,8 +1,8 @@
 """fused_mlp benchmark (issue 22's table): DLRM's top (367-512-256-1, ReLU, ReLU, sigmoid)
 and bottom (13-512-256-64-16, ReLU after each) MLPs at B in {128, 2048, 16384, 65536}, bf16
 and float32 (TF32 on), GPU time per call in us of: the floor, eager nn.Sequential, eager in
-a CUDA graph, torch.compile, kgen (dispatch's choice, called eagerly and in a CUDA graph),
-and each kgen variant that takes the widths (as the op runs it when called again: its bound
+a CUDA graph, torch.compile, kgen (dispatch's choice, called eagerly and in a CUDA graph;
+and the same with FusedMLP(pad_weights=True), the inference layout), and each kgen variant that takes the widths (as the op runs it when called again: its bound
 fast path, op.runner); the same for a training step (forward + backward for the input,
 weights and biases), also as its kernels' own GPU time ("... kernels": where the host issues
 a step slower than the GPU runs it, the wall time hides what the kernels do). The floor is
@@ -102,6 +102,7 @@ def run(spec=None, quick: bool = False, compile_: bool = True) -> dict:
         for mlp, (widths, act, last) in MLPS.items():
             seq = _sequential(widths, act, last, dtype)
             fused = FusedMLP.from_sequential(seq)
+            padded = FusedMLP.from_sequential(seq, pad_weights=True)  # (the inference layout: no pad launch)
             wname = "-".join(map(str, widths))
             variants = [v for v in dispatch.runnable("fused_mlp", dname, torch.device("cuda"))
                         if fm.variant_fits(v, {"widths": widths})]
@@ -120,6 +121,8 @@ def run(spec=None, quick: bool = False, compile_: bool = True) -> dict:
                         impls["torch.compile"] = lambda: comp(x)
                     impls["kgen"] = lambda: fused(x)
                     impls["kgen graph"] = _graphed(lambda: fused(x))
+                    impls["kgen pad_weights"] = lambda: padded(x)
+                    impls["kgen pad_weights graph"] = _graphed(lambda: padded(x))
                     for v in variants:  # each as the op runs it for a repeated call (its bound fast path)
                         mod = fm.implementation(dispatch.load(v), widths)  # CUDA: with its Triton companion
                         impls[v.name.removeprefix("triton_")] = fm.op.runner(mod, x, list(fused.weights),

@@ -62,14 +62,14 @@ class FusedMLP(nn.Module):
         """With pad_weights, each weight the exact kernels read at a wider row stride moved
         to row-padded storage (launch.row_padded; the Parameter objects kept, as `.to()` keeps
         them); a weight already laid out so, or any without pad_weights, left as it is."""
-        if not self.pad_weights:
+        if not getattr(self, "pad_weights", False):  # (a FusedMLP pickled before it had one)
             return
-        ws = _params(self.weights)
-        if not ws or not all(w.is_floating_point() for w in ws):
-            return
-        strides = weight_strides(self.widths, ws[0].element_size())
+        held = self.weights._parameters  # (a parametrized weight is not here: left alone)
         with torch.no_grad():
-            for w, s in zip(ws, strides):
+            for i, w in enumerate(_params(self.weights)):
+                if held.get(str(i)) is not w or not w.is_floating_point() or w.dim() != 2:
+                    continue
+                s = weight_strides(self.widths, w.element_size())[i]
                 if s != w.shape[1] and w.stride() != (s, 1):
                     w.data = row_padded(w.data, s)
 
