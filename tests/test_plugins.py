@@ -153,6 +153,30 @@ def test_kgen_backend_must_be_a_backend(clean, monkeypatch):
     assert why == "forced" and kernel.variant.backend == "triton"
 
 
+@pytest.mark.parametrize("var,value", [("KGEN_BACKEND", "trition"), ("KGEN_AUTOTUNE", "enable")])
+def test_dispatch_env_typo_fails_on_cpu_tensors_too(clean, monkeypatch, var, value):
+    """A bad KGEN_BACKEND or KGEN_AUTOTUNE is an error from every family's op on CPU tensors
+    as well (they choose no variant, so dispatch never read it there), not only once a CUDA
+    tensor reaches dispatch; the same call runs once the value is fixed."""
+    import kgen.ops as ops
+
+    x = torch.randn(3, 8)
+    calls = {
+        "fused_bias_act": lambda: ops.fused_bias_act(x, torch.randn(8)),
+        "fused_mlp": lambda: ops.fused_mlp(x, [torch.randn(5, 8)], [None]),
+        "linear_logp": lambda: ops.linear_logp(x, torch.randn(11, 8), torch.tensor([1, 2, 3])),
+        "logmatmul": lambda: ops.logmatmul(x, torch.rand(4, 8)),
+        "int8_mm": lambda: ops.int8_mm(torch.ones(3, 8, dtype=torch.int8), torch.ones(5, 8, dtype=torch.int8)),
+    }
+    monkeypatch.setenv(var, value)
+    for name, call in calls.items():
+        with pytest.raises(KgenError, match=var):
+            call()
+    monkeypatch.setenv(var, "triton" if var == "KGEN_BACKEND" else "0")
+    for call in calls.values():
+        call()
+
+
 def test_kgen_variant_pins_its_own_family_only(clean, monkeypatch):
     """KGEN_VARIANT names one family's variant: that family's calls are forced, the other
     families' are not (one op can be pinned in a model calling several); a name no family

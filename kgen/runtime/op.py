@@ -126,6 +126,25 @@ class Override:
                 self._local.impl = saved
 
 
+_ENV_SEEN: list = [None]  # the (KGEN_BACKEND, KGEN_AUTOTUNE) values check_dispatch_env last accepted
+
+
+def check_dispatch_env() -> None:
+    """KgenError where KGEN_BACKEND or KGEN_AUTOTUNE holds a value dispatch refuses. The
+    families' off-GPU paths (CPU tensors: no variant chosen) call it, so a typo fails on
+    every device, not only once a CUDA tensor reaches dispatch. Read each call (two
+    environment lookups), checked again only when the values change."""
+    import os
+
+    raw = (os.environ.get("KGEN_BACKEND"), os.environ.get("KGEN_AUTOTUNE"))
+    if raw != _ENV_SEEN[0]:
+        from kgen.runtime import dispatch, tune
+
+        dispatch.forced_backend()
+        tune.autotune_enabled()
+        _ENV_SEEN[0] = raw
+
+
 class Kernels:
     """The loaded variant per (device, dtype, bucket) for one family. `bucket(**shape)` is
     the family's tune_bucket. `get` is the simple form; a family whose calls are short can
@@ -149,6 +168,7 @@ class Kernels:
 
     def get(self, device: torch.device, dtype: torch.dtype, **shape):
         if device.type != "cuda":
+            check_dispatch_env()
             return None
         key = (device.index, dtype, self.bucket(**shape))
         kernel = self._cache.get(key, MISSING)

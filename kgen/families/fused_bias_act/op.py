@@ -13,7 +13,7 @@ from kgen.families.fused_bias_act.launcher import bound, launch
 from kgen.families.fused_bias_act.reference import _dact, _preact, reference
 from kgen.families.fused_bias_act.schema import TORCH_DTYPES
 from kgen.runtime.memo import CallMemo
-from kgen.runtime.op import MISSING, Kernels, define, dispatch_modes
+from kgen.runtime.op import MISSING, Kernels, define, dispatch_modes, check_dispatch_env
 
 # The eager fast path (`fused_bias_act`): per exact call signature (act, y or not, and the
 # tensors' type, shape, strides, dtype, device and requires_grad: kgen.runtime.memo) the
@@ -154,6 +154,8 @@ def _forward(x, bias, y, alpha: float, act: str, inplace: bool):
         if kernel is MISSING:
             kernel = _kernel(x.device, x.dtype, rows, cols, y is not None)
     if kernel is None:  # CPU tensors, or no GPU variant could be built: the reference
+        if dev < 0:
+            check_dispatch_env()
         return out.copy_(reference(x, bias, y, alpha, act)) if x.numel() else out
     launch(kernel, x, bias, y, alpha, act, out)
     if inplace:

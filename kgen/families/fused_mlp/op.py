@@ -19,8 +19,8 @@ from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package a
     bucket_extras, eager_us, generic_us, implementation, make_inputs, runner, tune_bucket, tune_choices, tune_inputs,
     tune_runner, untuned_order)
 from kgen.runtime.memo import CallMemo
-from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, define, dispatch_modes, error_ratio,
-                             poisoned, with_reference)
+from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, check_dispatch_env, define, dispatch_modes,
+                             error_ratio, poisoned, with_reference)
 
 KERNELS = Kernels(FAMILY, tune_bucket)
 
@@ -52,6 +52,7 @@ def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
     if forced is not MISSING:
         return forced
     if device.type != "cuda":
+        check_dispatch_env()  # (a typo in KGEN_BACKEND / KGEN_AUTOTUNE fails here too)
         return None
     extras = bucket_extras(str(dtype).removeprefix("torch."))  # the bucket's process state, as the tuner's
     key = (device.index, dtype, widths, B.bit_length(), *extras.values())

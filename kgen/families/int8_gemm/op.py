@@ -12,7 +12,8 @@ import torch
 from kgen.families.int8_gemm import checks, launch, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, with_reference
+from kgen.runtime.op import (MISSING, Override, _any_autocast, autocast, define, dispatch_modes, with_reference,
+                             check_dispatch_env)
 
 FAMILY = "int8_gemm"
 _FORCED = Override()
@@ -64,6 +65,7 @@ def _impl(device: torch.device, dtype: torch.dtype, M: int, N: int, K: int, grou
     if forced is not MISSING:
         return forced
     if device.type != "cuda":
+        check_dispatch_env()  # (a typo in KGEN_BACKEND / KGEN_AUTOTUNE fails here too)
         return None
     return _memo(device, dtype, M, N, K, grouped, False)
 

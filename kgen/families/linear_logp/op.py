@@ -19,7 +19,8 @@ from kgen.families.linear_logp.launch import forward
 from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.families.linear_logp.tuning import TUNE_DIMS, bucket_extras, tune_bucket
-from kgen.runtime.op import MISSING, Override, _any_autocast, autocast, define, dispatch_modes, vmap_batched, with_reference
+from kgen.runtime.op import (MISSING, Override, _any_autocast, autocast, define, dispatch_modes, vmap_batched, with_reference,
+                             check_dispatch_env)
 
 # --------------------------------------------------------------------------- kernel choice
 
@@ -56,6 +57,7 @@ def _module(device: torch.device, dtype: torch.dtype, shape: Optional[tuple[int,
     if forced is not MISSING:
         return forced
     if device.type != "cuda":
+        check_dispatch_env()  # (a typo in KGEN_BACKEND / KGEN_AUTOTUNE fails here too)
         return None
     if shape is None:
         key = (device.index, dtype)

@@ -16,7 +16,7 @@ from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import (block_sparse_reference, block_sparse_reference_backward,
                                                 reference, reference_backward, reference_for_transforms)
 from kgen.families.logmatmul.rules import tune_bucket
-from kgen.runtime.op import MISSING, Override, define, dispatch_modes, vmap_batched
+from kgen.runtime.op import MISSING, Override, define, dispatch_modes, vmap_batched, check_dispatch_env
 
 FAMILY = "logmatmul"
 _FORCED = Override()
@@ -58,6 +58,7 @@ def _module(device: torch.device, dtype: torch.dtype, B: int, N: int, K: int):
     if forced is not MISSING:
         return forced
     if device.type != "cuda":
+        check_dispatch_env()  # (a typo in KGEN_BACKEND / KGEN_AUTOTUNE fails here too)
         return None
     exact = (device.index, dtype, B, N, K)  # small calls repeat shapes: one lookup, no bucket arithmetic
     mod = _BY_SHAPE.get(exact, MISSING)
