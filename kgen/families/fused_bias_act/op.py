@@ -13,7 +13,7 @@ from kgen.families.fused_bias_act.launcher import bound, launch
 from kgen.families.fused_bias_act.reference import _dact, _preact, reference
 from kgen.families.fused_bias_act.schema import TORCH_DTYPES
 from kgen.runtime.memo import CallMemo
-from kgen.runtime.op import MISSING, Kernels, define, dispatch_modes, check_dispatch_env
+from kgen.runtime.op import MISSING, Kernels, check_dispatch_env, define, dispatch_modes
 
 # The eager fast path (`fused_bias_act`): per exact call signature (act, y or not, and the
 # tensors' type, shape, strides, dtype, device and requires_grad: kgen.runtime.memo) the

@@ -69,7 +69,7 @@ class FusedMLP(nn.Module):
             for i, w in enumerate(_params(self.weights)):
                 if held.get(str(i)) is not w or not w.is_floating_point() or w.dim() != 2:
                     continue
-                s = weight_strides(self.widths, w.element_size())[i]
+                s = weight_strides(self.widths, w.element_size())[i]  # (per weight: its own itemsize)
                 if s != w.shape[1] and w.stride() != (s, 1):
                     w.data = row_padded(w.data, s)
 

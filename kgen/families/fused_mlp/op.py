@@ -19,8 +19,8 @@ from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package a
     bucket_extras, eager_us, generic_us, implementation, make_inputs, runner, tune_bucket, tune_choices, tune_inputs,
     tune_runner, untuned_order)
 from kgen.runtime.memo import CallMemo
-from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, check_dispatch_env, define, dispatch_modes,
-                             error_ratio, poisoned, with_reference)
+from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, check_dispatch_env, define,
+                             dispatch_modes, error_ratio, poisoned, with_reference)
 
 KERNELS = Kernels(FAMILY, tune_bucket)
 

@@ -12,8 +12,8 @@ import torch
 from kgen.families.int8_gemm import checks, launch, plans, reference
 from kgen.families.int8_gemm.launch import Impl, gemm
 from kgen.families.int8_gemm.plans import MODE_LINEAR, MODE_MM, MODE_W8A16
-from kgen.runtime.op import (MISSING, Override, _any_autocast, autocast, define, dispatch_modes, with_reference,
-                             check_dispatch_env)
+from kgen.runtime.op import (MISSING, Override, _any_autocast, autocast, check_dispatch_env, define, dispatch_modes,
+                             with_reference)
 
 FAMILY = "int8_gemm"
 _FORCED = Override()

@@ -19,8 +19,8 @@ from kgen.families.linear_logp.launch import forward
 from kgen.families.linear_logp.plans import _precision
 from kgen.families.linear_logp.reference import reference, reference_backward
 from kgen.families.linear_logp.tuning import TUNE_DIMS, bucket_extras, tune_bucket
-from kgen.runtime.op import (MISSING, Override, _any_autocast, autocast, define, dispatch_modes, vmap_batched, with_reference,
-                             check_dispatch_env)
+from kgen.runtime.op import (MISSING, Override, _any_autocast, autocast, check_dispatch_env, define, dispatch_modes,
+                             vmap_batched, with_reference)
 
 # --------------------------------------------------------------------------- kernel choice
 

@@ -16,7 +16,7 @@ from kgen.families.logmatmul.plans import BWD_B
 from kgen.families.logmatmul.reference import (block_sparse_reference, block_sparse_reference_backward,
                                                 reference, reference_backward, reference_for_transforms)
 from kgen.families.logmatmul.rules import tune_bucket
-from kgen.runtime.op import MISSING, Override, define, dispatch_modes, vmap_batched, check_dispatch_env
+from kgen.runtime.op import MISSING, Override, check_dispatch_env, define, dispatch_modes, vmap_batched
 
 FAMILY = "logmatmul"
 _FORCED = Override()
