@@ -600,6 +600,11 @@ def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(padded.parameters(), dense.parameters()))
     m = FusedMLP.from_sequential(padded.to_sequential(), pad_weights=True)
     assert m.weights[0].stride() == (368, 1) and torch.equal(m.weights[0], w0)
+    import copy
+    import pickle
+
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert c.weights[0].stride() == (368, 1) and torch.equal(c.weights[0], w0) and c.pad_weights
     assert FusedMLP([13, 512, 256, 64, 16], pad_weights=True).weights[0].is_contiguous()  # 13 KB: not padded
     from torch.nn.utils import parametrize
 

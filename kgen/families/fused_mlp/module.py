@@ -28,7 +28,7 @@ class FusedMLP(nn.Module):
     rows 16-byte aligned (a view of [N, stride] storage; the padding is never read). The
     kernels then read it in place, where they would copy it into a padded scratch each call
     (one launch, ~3 us of GPU time on an H100: BENCHMARKS.md). Kept through `.to()`,
-    `.half()`, `.cuda()`. Such a parameter is not dense: optimizers with `fused=True` refuse
+    `.half()`, `.cuda()`, `copy.deepcopy` and pickling. Such a parameter is not dense: optimizers with `fused=True` refuse
     it (their kernels need dense tensors; the default foreach ones take it), which is why it
     is not the default."""
 
@@ -78,6 +78,11 @@ class FusedMLP(nn.Module):
         out = super()._apply(fn, *args, **kwargs)
         self._lay_out()
         return out
+
+    def __setstate__(self, state):
+        # (copy.deepcopy and pickle: a Parameter's copy is dense)
+        super().__setstate__(state)
+        self._lay_out()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         biases = _params(self.biases) if self.biases is not None else None
