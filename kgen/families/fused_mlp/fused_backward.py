@@ -224,7 +224,7 @@ class Plan:
         self.sum_kw = dict(BLOCK=SUM_BLOCK, num_warps=4)
         self.sum_ints = [self.S, self.E]
         self.replay = None  # triton_launch's replay of the launches, after the first call
-        self.layout = None  # which weights that replay reads in place (`in_place_of`)
+        self.layout = None  # which weights that replay read in place (row-padded, `reads_in_place`)
         self.state = "new"  # "ok" once launched; "failed": its kernels did not build here
         self.need_w, self.need_b, self.lowest = need_w, need_b, lowest
 
@@ -235,11 +235,6 @@ class Plan:
         st = self.ws[i]
         return st != w.shape[1] and any(e[0] == i for e in self.pads) and w.stride() == (st, 1) \
             and not w.data_ptr() & 15
-
-    def in_place_of(self, weights) -> tuple:
-        """The weights a call's launches read in place (`launches`: a pad entry's weight
-        given at its stride), which the launches replayed for it must have been recorded with."""
-        return tuple(e[0] for e in self.pads if e[0] != "x" and weights[e[0]].stride() == (e[3], 1))
 
     def __call__(self, grad, x, weights, zs):
         """(grad_x or None, [grad_w or None], [grad_b or None]), or None where the kernels
@@ -257,7 +252,9 @@ class Plan:
         # the tensors whose addresses change from call to call (the launches take views of them)
         slots = [grad, x, *weights, *(z for z in zs if z is not None), scratch, flat]
         slots += [t for t in (ws, gx) if t is not None]
-        layout = self.in_place_of(weights)
+        # (the weights read in place are the ones left non-contiguous: a replay runs only on the
+        # layout it was recorded with)
+        layout = tuple(i for i, w in enumerate(weights) if not w.is_contiguous())
         r = self.replay if layout == self.layout or self.replay is None else False  # (False: another layout)
         if not r or not r([t.data_ptr() for t in slots]):
             launches = self.launches(grad, x, weights, zs, scratch, flat, ws, gx)

@@ -59,10 +59,9 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     [B, w0] and weights (a row-padded one read in place where the kernel can: `in_place`,
     cuda.row_stride; any other layout copied contiguous); returns (out [B, wL], zs), zs what
     the backward needs when `save` (None where it needs none), else []: each layer's
-    pre-activation z, but a
-    ReLU layer's output relu(z), as reference.eager keeps them. `out`: a
-    given [B, wL] output buffer (golden passes a poisoned one). The launch goes through
-    kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
+    pre-activation z, but a ReLU layer's output relu(z), as reference.eager keeps them.
+    `out`: a given [B, wL] output buffer (golden passes a poisoned one). The launch goes
+    through kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
     if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
         weights = [w if row_stride(w) is not None else w.contiguous() for w in weights]
         if not save and mod.takes(x, weights, biases):
