@@ -1502,6 +1502,36 @@ def test_gpu_row_padded_weights_read_in_place():
 
 
 @pytest.mark.gpu
+def test_gpu_row_padded_weight_under_tf32_keeps_the_fast_path(monkeypatch):
+    """Float32 with TF32 on copies every weight rounded (the copy kernel reads them dense), so
+    a row-padded W0 is not read in place there: the fast path copies it contiguous each call
+    (it used to give the call to the general path: ~100 us of host time a call). Same bits as
+    the dense weights, call after call, through launch.direct and FusedMLP(pad_weights=True)."""
+    from kgen.families.fused_mlp import launch
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    widths = (367, 512, 256, 1)
+    x, ws, bs = fm.make_inputs("cuda", torch.float32, 300, widths)
+    padded = [launch.row_padded(ws[0], 368), *ws[1:]]
+    mod = fm.implementation(dispatch.load(SPEC.variant("triton_367x512x256x1_m16_k64_w4_f32")), widths)
+    assert not launch.in_place(mod, x, padded[0], 0)
+    with torch.no_grad():
+        want = launch.forward(mod, x, ws, bs, "relu", "sigmoid")[0]
+        assert torch.equal(launch.forward(mod, x, padded, bs, "relu", "sigmoid")[0], want)
+        fast = launch.direct(mod, x, padded, bs, "relu", "sigmoid")
+        assert fast is not None
+        padded[0].mul_(0.5)  # the copy is made each call: an in-place change is seen
+        want = launch.forward(mod, x, [padded[0].contiguous(), *ws[1:]], bs, "relu", "sigmoid")[0]
+        assert torch.equal(fast(x, padded, bs), want) and torch.equal(fast(x, padded, bs), want)
+        dense = FusedMLP(widths, last_activation="sigmoid", device="cuda")
+        pw = FusedMLP(widths, last_activation="sigmoid", device="cuda", pad_weights=True)
+        pw.load_state_dict(dense.state_dict())
+        assert pw.weights[0].stride() == (368, 1)
+        want = dense(x)
+        assert all(torch.equal(pw(x), want) for _ in range(3))
+
+
+@pytest.mark.gpu
 def test_gpu_compile_dlrm_forward_backward():
     class DLRMish(nn.Module):
         def __init__(self):

@@ -265,9 +265,11 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     `forward(save=True)` returns them, 2-D), or None where this call must take the general
     path (an input not 16-byte aligned, or the replay declines: hooks, another device, ...).
     `f` takes only calls whose tensors have the strides of this one's (the fast paths' memo
-    compares them: kgen.runtime.memo). None where the signature has no fast form: B = 0, `x`, the
-    weights or biases given here not contiguous or not 16-byte aligned or aliased (a later
-    call makes it), or no binary yet (`forward` launched it first, with the same `save`).
+    compares them: kgen.runtime.memo). None where the signature has no fast form: B = 0, `x` or
+    the biases given here not contiguous, an input not 16-byte aligned or aliased (a later
+    call makes it), or no binary yet (`forward` launched it first, with the same `save`). A
+    weight the kernel cannot read in its layout is copied contiguous each call, as `forward`
+    copies it.
     What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launches:
     the weight pads, if any, then the forward): the same kernels, grids and arguments, only
     the output, z and scratch buffers new."""
@@ -280,10 +282,15 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     present = [b for b in biases if b is not None]
     if B == 0 or any(not t.is_contiguous() for t in (x, *present)):
         return None
-    if any(not (w.is_contiguous() or in_place(mod, x, w, i)) for i, w in enumerate(weights)):
-        return None
     if x.device.index != triton_launch.current_device():
         return None  # Triton launches on the current device (the caller checked x is a CUDA tensor)
+    # weights the kernels cannot read as given (e.g. a row-padded one under TF32, which copies
+    # every weight rounded: its copy kernel reads them dense): copied contiguous each call, as
+    # `forward` does (one copy launch; without this such a call took the general path, ~100 us of
+    # host time: float32 FusedMLP(pad_weights=True) with TF32 on, H100, eightieth session)
+    copy_at = [i for i, w in enumerate(weights) if not (w.is_contiguous() or in_place(mod, x, w, i))]
+    if copy_at:
+        weights = [w.contiguous() if i in copy_at else w for i, w in enumerate(weights)]
     x2 = x.reshape(B, widths[0])
     out, zs, launches, scratch, counters = _plan(mod, x2, weights, biases, activation, last_activation, save, None)
     z_on = [z is not None for z in zs]
@@ -304,6 +311,8 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     # (each pointer read once, by a C-level map, handed to the replay as arguments: this closure
     # is most of a fast call's Python)
     def launch(x, weights, biases):  # (the caller's memo matched this call's strides: these ones)
+        if copy_at:  # (freed after the launch, stream-ordered)
+            weights = [w.contiguous() if i in copy_at else w for i, w in enumerate(weights)]
         out = empty_like(proto)
         bs = biases if every else [biases[i] for i in present_at]
         zs, more = None, ()
