@@ -442,6 +442,16 @@ def test_torch_compile_of_a_transform():
         got = torch.compile(fn, backend="aot_eager")(x)
         assert got is not None and bool(want.abs().sum() > 0)
         torch.testing.assert_close(got, want)
+    # ops whose composition pins the reference (op.with_reference: Override.using, which used
+    # to `del` a threading.local attribute: Dynamo raised InternalTorchDynamoError)
+    ws, bs = [torch.randn(7, 6) / 3, torch.randn(3, 7) / 3], [torch.randn(7), None]
+    g = lambda t: ops.fused_mlp(t, ws, bs, activation="silu")  # noqa: E731
+    w8, s8 = torch.randint(-128, 128, (5, 6), dtype=torch.int8), torch.rand(5) / 100
+    h = lambda t: ops.w8a16_linear(t, w8, s8)  # noqa: E731
+    for fn, t in ((vmap(g), x), (lambda t: grad(lambda s: g(s).sum())(t), x), (vmap(h), x.bfloat16())):
+        want = fn(t)
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(t)
+        torch.testing.assert_close(got, want)
 
 
 def _module_per_sample_gradients(device):

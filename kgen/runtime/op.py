@@ -120,10 +120,10 @@ class Override:
             yield
         finally:
             self.open.pop()
-            if saved is MISSING:
-                del self._local.impl
-            else:
-                self._local.impl = saved
+            # (restored by assignment, MISSING included: Dynamo cannot trace a `del` of a
+            # threading.local attribute, and torch.compile of a torch.func transform traces
+            # the families' compositions through here)
+            self._local.impl = saved
 
 
 _ENV_SEEN: list = [None]  # the (KGEN_BACKEND, KGEN_AUTOTUNE) values check_dispatch_env last accepted
