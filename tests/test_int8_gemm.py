@@ -995,3 +995,46 @@ def test_gemv_graph_replay_and_dispatch(monkeypatch):
     monkeypatch.delenv("KGEN_AUTOTUNE", raising=False)
     impl, _ = ig.op._choose(DEV, torch.int8, 3, 777, 512, False)
     assert impl is not None and impl.gemv, impl and impl.name
+
+
+def test_fast_path_keys_hold_b_device_and_int8_linear_grad(monkeypatch):
+    """The eager fast paths as a GPU process fills them (dispatch emulated on the CPU: a Triton
+    variant under the interpreter): a later call whose b is on another device gets the general
+    path's ValueError (the keys lacked b's device: the launch took a foreign pointer), and an
+    int8_linear call whose scales or bias need a gradient is not served detached (its
+    registered op has no backward: autograd's error at backward, as on the general path)."""
+    from kgen.families.int8_gemm import op as iop
+
+    i8 = ig.implementation(_kernel(next(n for n in TRITON if SPEC.variant(n).dtype == "int8")))
+    bf = ig.implementation(_kernel(next(n for n in TRITON if SPEC.variant(n).dtype == "bfloat16")))
+    monkeypatch.setattr(iop, "_impl", lambda device, dtype, M, N, K, grouped: i8 if dtype == torch.int8 else bf)
+    monkeypatch.setattr(iop, "_FAST", {})
+    g = torch.Generator().manual_seed(3)
+    a = torch.randint(-128, 128, (3, 32), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (5, 32), dtype=torch.int8, generator=g)
+    sa, sb, x = torch.rand(3, generator=g), torch.rand(5, generator=g), torch.randn(3, 32, generator=g).bfloat16()
+    calls = (lambda b: ops.int8_mm(a, b), lambda b: ops.int8_linear(a, b, sa, sb), lambda b: ops.w8a16_linear(x, b, sb))
+    for f in calls:
+        f(b)  # (the signature kept)
+    assert len(iop._FAST) == 3
+    for f in calls:
+        with pytest.raises(ValueError, match="meta"):
+            f(b.to("meta"))
+    s = sa.clone().requires_grad_()
+    out = ops.int8_linear(a, b, s, sb, out_dtype=torch.float32)
+    assert out.requires_grad
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.sum().backward()
+
+
+def test_w8a16_second_derivative_in_x_fails_loudly():
+    """A second derivative of w8a16_linear in x (frozen scales): the op's 'no second
+    derivative' error, not a silent None (x was saved only when scale_b needed a gradient, so
+    the error node never saw it)."""
+    g = torch.Generator().manual_seed(5)
+    b = torch.randint(-128, 128, (6, 32), dtype=torch.int8, generator=g)
+    x = torch.randn(4, 32, generator=g).half().requires_grad_()
+    out = ops.w8a16_linear(x, b, torch.rand(6, generator=g) / 127)
+    gx, = torch.autograd.grad(out.float().pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(gx.float().sum(), x, allow_unused=True)

@@ -215,7 +215,7 @@ def _mm_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     impl = _impl(a.device, torch.int8, M, N, K, False) if M and N and K else None
     if impl is None:
         return reference.int8_mm(a, b)
-    _remember((MODE_MM, a.shape, a.dtype, b.shape, b.dtype, a.device), impl, MODE_MM, M, N, K, torch.int32,
+    _remember((MODE_MM, a.shape, a.dtype, b.shape, b.dtype, a.device, b.device), impl, MODE_MM, M, N, K, torch.int32,
               None, None, None, a.device)
     return gemm(impl, MODE_MM, a, b, torch.empty(M, N, dtype=torch.int32, device=a.device))
 
@@ -274,7 +274,9 @@ def _w8a16_fake(x, b, scale_b, bias, group_size):
 
 def _w8a16_setup(ctx, inputs, output):
     x, b, scale_b, bias, group_size = inputs
-    ctx.save_for_backward(b, scale_b, x if scale_b.requires_grad else None)  # (x: scale_b's gradient)
+    # x: scale_b's gradient needs it; saved too where x needs a gradient, so that a second
+    # derivative reaches op.once_differentiable's error node (not a silent None)
+    ctx.save_for_backward(b, scale_b, x if scale_b.requires_grad or x.requires_grad else None)
     ctx.group_size, ctx.x_dtype, ctx.has_bias = group_size, x.dtype, bias is not None
     ctx.bias_dtype, ctx.bias_shape = (bias.dtype, bias.shape) if bias is not None else (None, None)
 
@@ -329,13 +331,13 @@ def _flat_shape(t: torch.Tensor, dims: int = 2) -> torch.Size:
 # Keys of the fast path: everything the checks and the launch plan read (shapes, dtypes,
 # devices, bias and group size); a / x 2-D as the impls see it.
 def _linear_key(a, b, scale_a, scale_b, bias, out_dtype):
-    return (MODE_LINEAR, a.shape, a.dtype, b.shape, b.dtype, a.device, scale_a.shape, scale_b.shape, scale_a.dtype,
+    return (MODE_LINEAR, a.shape, a.dtype, b.shape, b.dtype, a.device, b.device, scale_a.shape, scale_b.shape, scale_a.dtype,
             scale_b.dtype, scale_a.device, scale_b.device,
             None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype)
 
 
 def _w8a16_key(x, b, scale_b, bias, group_size):
-    return (MODE_W8A16, x.shape, x.dtype, b.shape, b.dtype, x.device, scale_b.shape, scale_b.dtype, scale_b.device,
+    return (MODE_W8A16, x.shape, x.dtype, b.shape, b.dtype, x.device, b.device, scale_b.shape, scale_b.dtype, scale_b.device,
             None if bias is None else (bias.shape, bias.dtype, bias.device), group_size)
 
 
@@ -365,7 +367,7 @@ def int8_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     int32 [..., N], equal to the int64 product (K <= 131071 so that it fits). Any M >= 1,
     unlike torch._int_mm (M > 16). Also torch.ops.kgen.int8_mm (2-D a)."""
     if _plain(a, b) and a.dim() >= 1:
-        out = _fast_2d((MODE_MM, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device), a, b, None, None, None)
+        out = _fast_2d((MODE_MM, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device, b.device), a, b, None, None, None)
         if out is not None:
             return out
     checks.check_int8_mm(a, b)
@@ -378,8 +380,10 @@ def int8_linear(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     to out_dtype (bfloat16, float16 or float32), the dequantisation fused into the GEMM's
     epilogue. a int8 [..., K], b int8 [N, K], scale_a float32 (one per row of a), scale_b
     float32 [N], bias [N] (float32 or out_dtype). Also torch.ops.kgen.int8_linear (2-D a)."""
-    if _plain(a, b, scale_a, scale_b, bias=bias) and a.dim() >= 1:
-        key = (MODE_LINEAR, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device, _flat_shape(scale_a, 1),
+    if (_plain(a, b, scale_a, scale_b, bias=bias) and a.dim() >= 1
+            and not ((scale_a.requires_grad or scale_b.requires_grad or (bias is not None and bias.requires_grad))
+                     and _grad_enabled())):
+        key = (MODE_LINEAR, _flat_shape(a), a.dtype, b.shape, b.dtype, a.device, b.device, _flat_shape(scale_a, 1),
                _flat_shape(scale_b, 1), scale_a.dtype, scale_b.dtype, scale_a.device, scale_b.device,
                None if bias is None else (_flat_shape(bias, 1), bias.dtype, bias.device), out_dtype)
         out = _fast_2d(key, a, b, scale_a, scale_b, bias)
@@ -403,7 +407,7 @@ def w8a16_linear(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: 
     if (_plain(x, b, scale_b, bias=bias) and x.dim() >= 1 and not _any_autocast()
             and not ((x.requires_grad or scale_b.requires_grad or (bias is not None and bias.requires_grad))
                      and _grad_enabled())):
-        key = (MODE_W8A16, _flat_shape(x), x.dtype, b.shape, b.dtype, x.device,
+        key = (MODE_W8A16, _flat_shape(x), x.dtype, b.shape, b.dtype, x.device, b.device,
                scale_b.shape if group_size else _flat_shape(scale_b, 1), scale_b.dtype, scale_b.device,
                None if bias is None else (_flat_shape(bias, 1), bias.dtype, bias.device), group_size)
         out = _fast_2d(key, x, b, None, scale_b, bias)
