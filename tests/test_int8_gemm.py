@@ -312,7 +312,7 @@ def test_fast_path_launches_what_the_general_path_does(monkeypatch, mode):
         general = dict(mode=ig.MODE_MM)
         fast = ig_launch.direct(impl, ig.MODE_MM, M, N, K, torch.int32, None, None, None, a.device)
         run = lambda a, **kw: ops.int8_mm(a, b)  # noqa: E731
-        key = (ig.MODE_MM, a.shape, a.dtype, b.shape, b.dtype, a.device)
+        key = (ig.MODE_MM, a.shape, a.dtype, b.shape, b.dtype, a.device, b.device)
         args, out_dtype = (None, None, None), torch.int32
     ig.gemm(impl, general.pop("mode"), a, b, torch.empty(M, N, dtype=out_dtype), **general)
     out = fast(a, b, *args)
@@ -1038,3 +1038,16 @@ def test_w8a16_second_derivative_in_x_fails_loudly():
     gx, = torch.autograd.grad(out.float().pow(2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="second derivative"):
         torch.autograd.grad(gx.float().sum(), x, allow_unused=True)
+
+
+def test_grouped_w8a16_reference_scales_each_group_after_its_product():
+    """Per-group W8A16 on the CPU path: each group's product scaled after the dot, as the
+    kernels and w8a16_pytorch do. A huge finite scale over a zero dot gives 0 (the dequantised
+    weight overflowed: NaN), as the per-channel form of the same math does."""
+    x = torch.tensor([[1.0, 1.0] + [0.0] * 14]).bfloat16()
+    b = torch.zeros(1, 16, dtype=torch.int8)
+    b[0, 0], b[0, 1] = 127, -127
+    s = torch.tensor([1e37])
+    assert ops.w8a16_linear(x, b, s).item() == 0.0
+    assert ops.w8a16_linear(x, b, s.view(1, 1), group_size=16).item() == 0.0
+    assert reference.w8a16_pytorch(x, b, s.view(1, 1), None, 16).item() == 0.0

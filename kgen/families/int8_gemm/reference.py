@@ -54,8 +54,13 @@ def w8a16_linear(x, b, scale_b, bias=None, group_size=None, compute=torch.float3
     returned in float64), else rounded to x's dtype."""
     if group_size is None:  # scale after the product, as the kernels do
         c = (x.to(compute) @ b.to(compute).t()) * scale_b.reshape(1, -1).to(compute)
-    else:
-        c = x.to(compute) @ dequantized(b, scale_b, group_size, compute).t()
+    else:  # each group's product, then its scale (as the kernels): a dequantised weight
+        # overflows or makes 0 * inf = NaN where the kernels' sum is finite
+        xc, bc, sc = x.to(compute), b.to(compute), scale_b.to(compute)
+        c = xc.new_zeros(x.shape[0], b.shape[0])
+        for g in range(b.shape[1] // group_size):
+            k = slice(g * group_size, (g + 1) * group_size)
+            c = c + (xc[:, k] @ bc[:, k].t()) * sc[:, g].reshape(1, -1)
     if bias is not None:
         c = c + bias.to(compute)
     return c if compute == torch.float64 else c.to(x.dtype)
