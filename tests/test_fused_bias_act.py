@@ -529,3 +529,24 @@ def test_gpu_in_place_bumps_the_version():
     torch.testing.assert_close(x, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.sum().backward()
+
+
+def test_in_place_takes_disjoint_views_empty_and_meta_tensors():
+    """inplace=True: y and x as disjoint halves of one buffer (x.chunk / split), empty tensors
+    and meta tensors are not overlaps (all were refused: one storage pointer, or a null one);
+    a y that does overlap x partially still is refused."""
+    from kgen import ops
+
+    torch.manual_seed(0)
+    b = torch.randn(8)
+    buf = torch.randn(6, 8)
+    x, y = buf[:3], buf[3:]
+    want = x + y + b
+    got = ops.fused_bias_act(x, b, y, act="none", inplace=True)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:3], want)
+    assert ops.fused_bias_act(torch.empty(3, 0), torch.empty(0), inplace=True).shape == (3, 0)
+    assert ops.fused_bias_act(torch.empty(4, 8, device="meta"), torch.empty(8, device="meta"),
+                              inplace=True).shape == (4, 8)
+    with pytest.raises(ValueError, match="overlap"):
+        ops.fused_bias_act(buf[:3], b, buf[2:5], inplace=True)

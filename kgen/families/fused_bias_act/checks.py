@@ -60,7 +60,20 @@ def _explain(x, bias, y, alpha, act, inplace: bool) -> None:
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when b shares memory with a without being exactly a (unsafe to read while a is written)."""
+    """True when b shares memory with a without being exactly a (unsafe to read while a is
+    written): their byte ranges in one storage intersect. Empty and meta tensors hold no
+    memory (their storages' pointers are all 0); disjoint views of one buffer (x.chunk(2),
+    split rows) do not overlap, as PyTorch's own in-place ops judge them."""
+    if a.numel() == 0 or b.numel() == 0 or a.is_meta or b.is_meta:
+        return False
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    return not (b.data_ptr() == a.data_ptr() and b.shape == a.shape and b.stride() == a.stride())
+    if b.data_ptr() == a.data_ptr() and b.shape == a.shape and b.stride() == a.stride():
+        return False
+
+    def span(t):  # [first, last] byte the view reaches
+        last = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) * t.element_size()
+        return t.data_ptr(), t.data_ptr() + last + t.element_size() - 1
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 <= b1 and b0 <= a1
