@@ -77,8 +77,9 @@ def check_target_range(target: torch.Tensor, V: int, ignore_index: int, kernels=
     memory with target only inside [0, V), so a bad value gives a wrong row, never a bad
     access, and the error is raised before any row is returned. Skipped during CUDA graph
     capture, where a host wait is illegal."""
-    def out_of_range() -> torch.Tensor:
-        return ((target < 0) | (target >= V)) & (target != ignore_index)
+    def out_of_range() -> torch.Tensor:  # (in int64, as the kernels and the reference compare)
+        t = target.long()
+        return ((t < 0) | (t >= V)) & (t != ignore_index)
 
     n = target.numel()
     if n == 0 or (target.is_cuda and torch.cuda.is_current_stream_capturing()):
