@@ -1045,7 +1045,9 @@ linear_logp_combine(const float* __restrict__ part, const int64_t* __restrict__ 
   // column masked (its dz is then 0: p = 2^(MASKED_LOGIT - 0) = 0, where its lse is -inf).
   const bool empty = m < 0.5f * kgen::MASKED_LOGIT, dead = valid && empty;  // a NaN m is not
   const float nan = __int_as_float(0x7fc00000);
-  const float lp = zt < 0.5f * kgen::MASKED_LOGIT ? -INFINITY : (zt - lse) * LN2_F;
+  // (a target on a masked column: -inf, but not where lse is NaN, a +inf or NaN logit in the
+  // row: the NaN stands, as log_softmax's)
+  const float lp = zt < 0.5f * kgen::MASKED_LOGIT && !isnan(lse) ? -INFINITY : (zt - lse) * LN2_F;
   logp[row] = bad || dead ? nan : (valid ? lp : 0.f);
   lse2[row] = bad ? nan : empty ? (valid ? -INFINITY : 0.f) : lse;
   if (ENTROPY) {

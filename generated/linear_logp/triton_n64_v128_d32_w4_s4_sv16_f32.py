@@ -304,7 +304,8 @@ def linear_logp_combine_kernel(
     empty = m < 0.5 * MASKED_LOGIT  # (a NaN m, from NaN inputs, is not)
     dead = valid & empty
     logp = tl.where(valid, (z_t - lse) * LN2, 0.0)
-    logp = tl.where(valid & (z_t < 0.5 * MASKED_LOGIT), NEG_INF, logp)
+    # (not where lse is NaN, a +inf or NaN logit in the row: the NaN stands, as log_softmax's)
+    logp = tl.where(valid & (z_t < 0.5 * MASKED_LOGIT) & (lse == lse), NEG_INF, logp)
     tl.store(logp_ptr + rows, tl.where(bad | dead, float("nan"), logp), mask=ok)
     # The backward's lse: NaN on a bad target's row and -inf on a dead one (every gradient
     # of the row NaN or inf, never plausible; a vocab-parallel rank reads -inf as a slice
