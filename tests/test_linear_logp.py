@@ -1284,3 +1284,85 @@ def test_gemv_knob_rules():
                 hidden_stages=0, ring=0)
     assert [p for p, _ in _check_variant("cuda", "sm_80", "bfloat16", tile)] == ["stages"]
     assert [p for p, _ in _check_variant("cuda", "sm_80", "bfloat16", {**tile, "stages": 4, "ring": 2})] == ["ring"]
+
+
+def test_cpu_path_precision_with_a_large_common_logit_offset():
+    """The CPU path shifts each row by its maximum before the differences: logp, entropy and
+    the gradients stay within the float32 tolerance of a float64 oracle on the same float32
+    logits when every logit carries an offset of 1e3-1e5 (unshifted: logp 4.7e-4 and entropy
+    9.8e-4 off at 1e4). Tolerance 2e-5: a few float32 roundings of O(1)-O(10) values."""
+    import importlib
+
+    ref = importlib.import_module("kgen.families.linear_logp.reference")
+    torch.manual_seed(0)
+    N, D, V = 8, 16, 50
+    h, w, t = torch.randn(N, D), torch.randn(V, D) * 0.5, torch.randint(0, V, (N,))
+    for off in (1e3, 1e4, 1e5):
+        b = torch.randn(V) + off
+        z = (h @ w.T + b).double()  # float32 inputs, float64 math
+        lp = torch.log_softmax(z, -1)
+        logp, ent = ops.linear_logp(h, w, t, b, return_entropy=True)
+        assert (logp.double() - lp.gather(1, t[:, None]).squeeze(1)).abs().max() < 2e-5, off
+        assert (ent.double() - (-(lp.exp() * lp).sum(-1))).abs().max() < 2e-5, off
+        g_lp, g_ent = torch.randn(N), torch.randn(N)
+        gh, _, _ = ref.reference_backward(h, w, t, b, g_lp, g_ent, 1.0, -100)
+        zd = z.clone().requires_grad_()  # (the float32 logits: their own rounding at 1e4 is not the op's)
+        lpd = torch.log_softmax(zd, -1)
+        ((lpd.gather(1, t[:, None]).squeeze(1) * g_lp.double()).sum()
+         + (-(lpd.exp() * lpd).sum(-1) * g_ent.double()).sum()).backward()
+        want = zd.grad @ w.double()
+        assert (gh.double() - want).abs().max() < 2e-5 * max(1.0, float(want.abs().max())), off
+
+
+def test_cpu_outputs_are_not_views_and_take_in_place_edits():
+    """logp and entropy from the CPU path are tensors of their own (they were views of one
+    buffer: an in-place edit raised autograd's 'output of a function that returns multiple
+    views' error), for a flat and a batched target."""
+    torch.manual_seed(1)
+    w = torch.randn(11, 8)
+    for shape in ((4,), (2, 3)):
+        h = torch.randn(*shape, 8, requires_grad=True)
+        t = torch.randint(0, 11, shape)
+        logp, ent = ops.linear_logp(h, w, t, return_entropy=True)
+        assert len(shape) > 1 or not (logp._is_view() or ent._is_view())  # (batched: views of the op's own)
+        logp.mul_(0.5)
+        ent[..., 0] = 0
+        (logp.sum() + ent.sum()).backward()
+        assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+def test_int32_targets_with_an_ignore_index_beyond_int32():
+    """Targets and ignore_index are compared in int64 on every CPU step: an int32 target and
+    an ignore_index no int32 holds (2**32 + 5 wraps to 5 in an int32 comparison) agree between
+    the forward (row counted) and the backward (it got no gradient), and the checked mode sees
+    a -1 that ignore_index 2**32 - 1 does not match."""
+    torch.manual_seed(0)
+    w = torch.randn(40, 16) * 0.5
+    h = torch.randn(4, 16, requires_grad=True)
+    t = torch.tensor([5, 6, 7, 8], dtype=torch.int32)
+    logp = ops.linear_logp(h, w, t, ignore_index=2**32 + 5)
+    logp.sum().backward()
+    assert torch.isfinite(logp).all() and bool((h.grad.abs().sum(1) > 0).all())
+    with pytest.raises(ValueError):
+        ops.linear_logp(h.detach(), w, torch.tensor([-1, 6, 7, 8], dtype=torch.int32), ignore_index=2**32 - 1,
+                        check_targets=True)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_row_whose_logits_overflow_has_nan_logp(impl):
+    """A row with a +inf logit (float32 logits overflowing) has NaN logp and entropy, as
+    log_softmax gives, on the kernels too: the Triton combine's "target on a masked column:
+    -inf" rule used to overwrite that NaN where the target's own logit was merely very
+    negative. The other rows are untouched."""
+    mod = variant() if impl == "triton" else None
+    torch.manual_seed(0)
+    w = torch.randn(40, 16) * 0.5
+    h = torch.randn(4, 16)
+    h[0] *= 1e38
+    h[3] *= 1e38
+    t = torch.tensor([1, 2, -100, 3])
+    z = (h @ w.T).double()
+    assert torch.isinf(z[0]).any() and torch.isinf(z[3]).any()
+    logp, ent = call(mod, h, w, t, None, return_entropy=True)
+    assert torch.isnan(logp[[0, 3]]).all() and torch.isnan(ent[[0, 3]]).all(), logp
+    assert torch.isfinite(logp[1]) and logp[2] == 0
