@@ -566,12 +566,16 @@ def test_fused_mlp_module_matches_sequential_and_round_trip():
     torch.testing.assert_close(m2(x), y2.detach())
 
 
-def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict():
+def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict(monkeypatch):
     """pad_weights=True: the DLRM top MLP's W0 (367 wide, the one weight the exact kernels
     read at a wider stride) in row-padded storage, rows 368 apart, its shape and values
     nn.Linear's; the others dense. Kept through .to() (a dtype of another itemsize too) and
     load_state_dict; its state_dict loads into nn.Linear; outputs and gradients equal the
-    dense module's, the gradients dense (what optimizers and DDP expect). Off by default."""
+    dense module's, the gradients dense (what optimizers and DDP expect). Off by default.
+    (The layout is made on CUDA only: "cpu" added to PAD_DEVICES runs its bookkeeping here.)"""
+    from kgen.families.fused_mlp import module as fm_module
+
+    monkeypatch.setattr(fm_module, "PAD_DEVICES", ("cuda", "cpu"))
     torch.manual_seed(0)
     dense = FusedMLP([367, 512, 256, 1], last_activation="sigmoid")
     padded = FusedMLP([367, 512, 256, 1], last_activation="sigmoid", pad_weights=True)
@@ -615,6 +619,64 @@ def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict():
     parametrize.register_parametrization(padded.weights, "0", Double())
     padded.to(torch.float64)  # a parametrized weight is left as it is
     assert torch.equal(padded.weights[0], 2 * padded.weights.parametrizations["0"].original)
+
+
+def test_pad_weights_is_dense_on_the_cpu_and_fused_optimizers_step_it_right():
+    """pad_weights=True lays weights out on CUDA only: a CPU module keeps them dense (PyTorch's
+    CPU fused optimizer kernels take a padded weight as flat memory: Adam(fused=True) moved
+    511 of W0's 512 rows wrongly, no error), and .cpu() of a padded module is dense again.
+    Adam / AdamW / SGD with fused=True then step it as they step the dense module."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 367)
+    src = FusedMLP([367, 512, 256, 1], last_activation="sigmoid")
+    for opt in (lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+                lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9, fused=True)):
+        pp = FusedMLP([367, 512, 256, 1], last_activation="sigmoid", pad_weights=True)
+        dd = FusedMLP([367, 512, 256, 1], last_activation="sigmoid")
+        assert pp.weights[0].is_contiguous()
+        for m in (pp, dd):
+            m.load_state_dict(src.state_dict())
+            o = opt(m.parameters())
+            for _ in range(2):
+                o.zero_grad()
+                m(x).sum().backward()
+                o.step()
+        assert all(torch.equal(a, b) for a, b in zip(pp.parameters(), dd.parameters()))
+
+
+def test_module_reads_its_lists_in_index_order_and_runs_their_pre_hooks():
+    """FusedMLP reads weights and biases in the lists' index order whatever their dicts' order
+    (a parametrization removed with leave_parametrized=True registers "0" again at the end:
+    W1 ran as layer 0, a wrong output and no error), and runs the lists' forward pre-hooks
+    (torch.nn.utils.prune recomputes a pruned weight in one: the forward used a stale one)."""
+    from torch.nn.utils import parametrize, prune
+
+    torch.manual_seed(2)
+    x = torch.randn(4, 6)
+
+    def expected(m):
+        w, b = list(m.weights), list(m.biases)
+        return torch.relu(x @ w[0].T + b[0]) @ w[1].T + b[1]
+
+    class Half(nn.Module):
+        def forward(self, w):
+            return 0.5 * w
+
+    m = FusedMLP([6, 9, 3])
+    parametrize.register_parametrization(m.weights, "0", Half())
+    parametrize.remove_parametrizations(m.weights, "0", leave_parametrized=True)
+    assert list(m.weights._parameters) == ["1", "0"]
+    torch.testing.assert_close(m(x), expected(m))
+    m = FusedMLP([6, 9, 3])
+    prune.l1_unstructured(m.weights, name="0", amount=0.5)
+    torch.testing.assert_close(m(x), expected(m))
+    with torch.no_grad():
+        m.weights.get_parameter("0_orig").mul_(3)  # the pruned weight follows its original
+    want = torch.relu(x @ (m.weights.get_parameter("0_orig") * m.weights.get_buffer("0_mask")).T
+                      + m.biases[0]) @ m.weights[1].T + m.biases[1]
+    torch.testing.assert_close(m(x), want)
+    m(x).sum().backward()
+    assert m.weights.get_parameter("0_orig").grad is not None
 
 
 def test_cuda_variant_row_stride():
@@ -722,6 +784,12 @@ def test_from_sequential_refuses_what_it_would_compute_differently():
     seq = nn.Sequential(_Renamed(3, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(5, 3)
     torch.testing.assert_close(FusedMLP.from_sequential(seq)(x), seq(x))
+    shared = nn.Linear(4, 4)  # one layer twice, and tied weights: copies would untie them
+    tied = nn.Linear(4, 4)
+    tied.weight = shared.weight
+    for seq in (nn.Sequential(shared, nn.ReLU(), shared), nn.Sequential(shared, nn.ReLU(), tied)):
+        with pytest.raises(ValueError, match="shared"):
+            FusedMLP.from_sequential(seq)
 
 
 class _DoubledIdentity(nn.Identity):  # skipped as an Identity, but computes 2x
@@ -813,6 +881,9 @@ def test_opcheck_fake_and_compile():
     (lambda x, w, b: ops.fused_mlp(x, [], []), ValueError, "layers"),
     (lambda x, w, b: ops.fused_mlp(x, [torch.randn(4097, 5)], None), ValueError, "width"),
     (lambda x, w, b: ops.fused_mlp(x.sum(), w, b), ValueError, "dimension"),
+    (lambda x, w, b: ops.fused_mlp(x, [w[0].to_sparse(), w[1]], b), TypeError, "weights\\[0\\] has layout"),
+    (lambda x, w, b: ops.fused_mlp(x, [w[0], w[1].to_sparse_csr()], [None, None]), TypeError, "layout"),
+    (lambda x, w, b: ops.fused_mlp(x.to_sparse(), w, b), TypeError, "x has layout"),
 ])
 def test_bad_inputs(call, err, match):
     x, ws, bs = fm.make_inputs("cpu", torch.float32, 3, (5, 7, 2))

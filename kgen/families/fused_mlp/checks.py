@@ -31,6 +31,10 @@ def check_inputs(x, weights, biases, activation, last_activation) -> tuple[int, 
     for name, a in (("activation", activation), ("last_activation", last_activation)):
         if not isinstance(a, str) or a not in ACT_CODE:
             raise ValueError(f"fused_mlp: unknown {name} {a!r}; expected one of {', '.join(ACTIVATIONS)}")
+    for name, t in (("x", x), *((f"weights[{i}]", w) for i, w in enumerate(weights)),
+                    *((f"biases[{i}]", b) for i, b in enumerate(biases) if b is not None)):
+        if t.layout != torch.strided:  # (sparse: the kernels read strided memory; eager failed deep inside)
+            raise TypeError(f"fused_mlp: {name} has layout {t.layout}; dense (torch.strided) tensors are supported")
     widths = [x.shape[-1]]
     dt, dev = x.dtype, x.device
     for i, (w, b) in enumerate(zip(weights, biases)):

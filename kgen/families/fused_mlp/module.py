@@ -16,6 +16,11 @@ _ACT_MODULES = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU
 _ACT_BUILDERS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid, "gelu": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU}
 
 
+# The devices pad_weights lays weights out on: where the kernels run (tests add "cpu" to
+# exercise the layout's bookkeeping without a GPU).
+PAD_DEVICES = ("cuda",)
+
+
 class FusedMLP(nn.Module):
     """Linear layers `widths[0] -> widths[1] -> ... -> widths[-1]` with `activation` after
     every layer but the last and `last_activation` after the last, run as one fused_mlp
@@ -27,10 +32,12 @@ class FusedMLP(nn.Module):
     MLP's 367-wide W0; schema.weight_strides) in row-padded storage: the same shape and values,
     rows 16-byte aligned (a view of [N, stride] storage; the padding is never read). The
     kernels then read it in place, where they would copy it into a padded scratch each call
-    (one launch, ~3 us of GPU time on an H100: BENCHMARKS.md). Kept through `.to()`,
-    `.half()`, `.cuda()`, `copy.deepcopy` and pickling. Such a parameter is not dense: optimizers with `fused=True` refuse
-    it (their kernels need dense tensors; the default foreach ones take it), which is why it
-    is not the default."""
+    (one launch, ~3 us of GPU time on an H100: BENCHMARKS.md). On CUDA devices only (a CPU
+    module runs PyTorch's composition, which gains nothing); kept through `.to()`, `.half()`,
+    `.cuda()` (and dropped by `.cpu()`), `copy.deepcopy` and pickling. Such a parameter is not
+    dense: CUDA optimizers with `fused=True` refuse it (their kernels need dense tensors; the
+    default foreach ones take it; the CPU fused kernels do not check, and updated a padded
+    weight wrongly), which is why it is not the default."""
 
     def __init__(self, widths, activation: str = "relu", last_activation: str = "none", *, bias: bool = True,
                  dtype=None, device=None, pad_weights: bool = False):
@@ -67,7 +74,8 @@ class FusedMLP(nn.Module):
         held = self.weights._parameters  # (a parametrized weight is not here: left alone)
         with torch.no_grad():
             for i, w in enumerate(_params(self.weights)):
-                if held.get(str(i)) is not w or not w.is_floating_point() or w.dim() != 2:
+                if (held.get(str(i)) is not w or not w.is_floating_point() or w.dim() != 2
+                        or w.device.type not in PAD_DEVICES):
                     continue
                 s = weight_strides(self.widths, w.element_size())[i]  # (per weight: its own itemsize)
                 if s != w.shape[1] and w.stride() != (s, 1):
@@ -85,6 +93,10 @@ class FusedMLP(nn.Module):
         self._lay_out()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lists = (self.weights,) if self.biases is None else (self.weights, self.biases)
+        for plist in lists:  # (the lists are never called: their pre-hooks, e.g. torch.nn.utils.prune's
+            if plist._forward_pre_hooks:  # or the old weight_norm's, which recompute a weight, run here)
+                _run_pre_hooks(plist)
         biases = _params(self.biases) if self.biases is not None else None
         return fused_mlp(x, _params(self.weights), biases, activation=self.activation,
                          last_activation=self.last_activation)
@@ -132,6 +144,10 @@ class FusedMLP(nn.Module):
                                 "nn.ReLU, nn.Sigmoid, nn.GELU(approximate='tanh'), nn.SiLU, nn.Identity")
         if not linears:
             raise ValueError("FusedMLP.from_sequential: the Sequential has no nn.Linear")
+        params = [p for lin in linears for p in (lin.weight, lin.bias) if p is not None]
+        if len({id(p) for p in params}) != len(params):  # (copies would untie them: another model once trained)
+            raise ValueError("FusedMLP.from_sequential: a parameter is shared between layers (the same nn.Linear "
+                             "twice, or tied weights); FusedMLP holds each layer's own parameters")
         hidden = set(acts[:-1])
         if len(hidden) > 1:
             raise ValueError(f"FusedMLP.from_sequential: hidden layers use different activations {acts[:-1]}; "
@@ -217,6 +233,24 @@ def _params(plist: nn.ParameterList) -> list:
     BENCHMARKS.md, thirty-fifth session). Where the dict does not hold them all (a
     parametrization or weight_norm moved one out), the list's own iteration."""
     d = plist._parameters
-    if len(d) == len(plist):
+    n = len(plist)
+    if len(d) == n and tuple(d) == (_INDEX_KEYS.get(n) or _INDEX_KEYS.setdefault(n, tuple(map(str, range(n))))):
         return list(d.values())
     return list(plist)
+
+
+# "0", "1", ...: the keys a ParameterList's dict holds in index order. A parameter removed and
+# registered again (torch.nn.utils.parametrize.remove_parametrizations(leave_parametrized=True))
+# goes to the dict's end, and prune renames one "0_orig": the dict's order is then not the
+# list's (W1 ran as layer 0: a wrong output, no error), so `_params` checks the keys.
+_INDEX_KEYS: dict[int, tuple[str, ...]] = {}
+
+
+def _run_pre_hooks(plist: nn.ParameterList) -> None:
+    """A ParameterList's forward pre-hooks, as calling it would run them (with or without
+    kwargs; what they return is dropped: the list takes no inputs)."""
+    for key, hook in list(plist._forward_pre_hooks.items()):
+        if key in plist._forward_pre_hooks_with_kwargs:
+            hook(plist, (), {})
+        else:
+            hook(plist, ())
