@@ -242,6 +242,32 @@ def _linear_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
     return gemm(impl, MODE_LINEAR, a, b, out, scale_a, scale_b, bias)
 
 
+def _linear_setup(ctx, inputs, output):
+    a, b, scale_a, scale_b, bias, out_dtype = inputs
+    ctx.save_for_backward(a, b, scale_a, scale_b)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype, ctx.bias_shape = (bias.dtype, bias.shape) if bias is not None else (None, None)
+
+
+def _linear_backward(ctx, grad):
+    """d scale_a[m] = sum_n g[m, n] C[m, n] scale_b[n], d scale_b[n] = sum_m g[m, n] C[m, n]
+    scale_a[m], d bias = column sums of g, with C = a @ b.T (int32, recomputed by int8_mm's
+    impl, exact; in float32 for the products); float32 sums in each input's dtype and shape.
+    a and b are int8: no gradient."""
+    a, b, scale_a, scale_b = ctx.saved_tensors
+    g = grad.float()
+    gsa = gsb = gbias = None
+    if ctx.needs_input_grad[2] or ctx.needs_input_grad[3]:
+        gc = g * _mm_impl(a, b).float()
+        if ctx.needs_input_grad[2]:
+            gsa = (gc * scale_b.float().reshape(1, -1)).sum(1).to(scale_a.dtype).reshape(scale_a.shape)
+        if ctx.needs_input_grad[3]:
+            gsb = (gc * scale_a.float().reshape(-1, 1)).sum(0).to(scale_b.dtype).reshape(scale_b.shape)
+    if ctx.has_bias and ctx.needs_input_grad[4]:
+        gbias = g.sum(0).to(ctx.bias_dtype).reshape(ctx.bias_shape)
+    return None, None, gsa, gsb, gbias, None
+
+
 def _linear_fake(a, b, scale_a, scale_b, bias, out_dtype):
     checks.two_d("int8_linear", "a", a)
     M, N, _ = checks.check_int8_linear(a, b, scale_a, scale_b, bias, out_dtype)
@@ -310,7 +336,8 @@ def _w8a16_composition(x, b, scale_b, bias, group_size):
 
 
 _mm_op = define("int8_mm", _mm_impl, fake=_mm_fake, composition=with_reference(_mm_impl, _FORCED))
-_linear_op = define("int8_linear", _linear_impl, fake=_linear_fake, composition=with_reference(_linear_impl, _FORCED))
+_linear_op = define("int8_linear", _linear_impl, fake=_linear_fake, backward=_linear_backward,
+                    setup_context=_linear_setup, composition=with_reference(_linear_impl, _FORCED))
 _w8a16_op = define("w8a16_linear", _w8a16_impl, fake=_w8a16_fake, backward=_w8a16_backward,
                    setup_context=_w8a16_setup, composition=_w8a16_composition)
 
@@ -379,7 +406,8 @@ def int8_linear(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b
     """W8A8: (a @ b.T) * scale_a[:, None] * scale_b[None, :] + bias in float32, rounded once
     to out_dtype (bfloat16, float16 or float32), the dequantisation fused into the GEMM's
     epilogue. a int8 [..., K], b int8 [N, K], scale_a float32 (one per row of a), scale_b
-    float32 [N], bias [N] (float32 or out_dtype). Also torch.ops.kgen.int8_linear (2-D a)."""
+    float32 [N], bias [N] (float32 or out_dtype). Differentiable for scale_a, scale_b and
+    bias (a and b are integers). Also torch.ops.kgen.int8_linear (2-D a)."""
     if (_plain(a, b, scale_a, scale_b, bias=bias) and a.dim() >= 1
             and not ((scale_a.requires_grad or scale_b.requires_grad or (bias is not None and bias.requires_grad))
                      and _grad_enabled())):
