@@ -1878,3 +1878,16 @@ def test_gpu_fast_path_bit_identical_graph_and_compile(widths, acts, dtype, tf32
         fm.op.FAST_PATH = True
         tlaunch.set_enabled(True)
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+
+
+def test_module_reset_parameters_initialises_as_nn_linear():
+    """FusedMLP.reset_parameters (meta-device construction, then to_empty, then
+    reset_parameters: the deferred-initialisation recipe): each layer drawn as nn.Linear
+    draws its own from the same generator state."""
+    m = FusedMLP([13, 40, 7], device="meta").to_empty(device="cpu")
+    torch.manual_seed(4)
+    m.reset_parameters()
+    torch.manual_seed(4)
+    lins = [nn.Linear(13, 40), nn.Linear(40, 7)]
+    for i, lin in enumerate(lins):
+        assert torch.equal(m.weights[i], lin.weight) and torch.equal(m.biases[i], lin.bias)

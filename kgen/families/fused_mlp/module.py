@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -64,6 +65,17 @@ class FusedMLP(nn.Module):
             if bias:
                 self.biases.append(lin.bias)
         self._lay_out()
+
+    def reset_parameters(self) -> None:
+        """Every layer initialised as nn.Linear initialises its own (weight Kaiming-uniform
+        with a = sqrt(5), bias uniform in +-1/sqrt(fan_in)): what meta-device construction
+        followed by `to_empty` and FSDP-style deferred initialisation call."""
+        with torch.no_grad():
+            for i, w in enumerate(_params(self.weights)):
+                nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+                if self.biases is not None:
+                    bound = 1 / math.sqrt(w.shape[1]) if w.shape[1] > 0 else 0
+                    nn.init.uniform_(_params(self.biases)[i], -bound, bound)
 
     def _lay_out(self) -> None:
         """With pad_weights, each weight the exact kernels read at a wider row stride moved
