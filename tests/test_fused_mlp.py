@@ -610,6 +610,7 @@ def test_fused_mlp_module_pad_weights_layout_survives_to_and_state_dict(monkeypa
     for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         assert c.weights[0].stride() == (368, 1) and torch.equal(c.weights[0], w0) and c.pad_weights
     assert FusedMLP([13, 512, 256, 64, 16], pad_weights=True).weights[0].is_contiguous()  # 13 KB: not padded
+    assert FusedMLP([1001, 64, 1], pad_weights=True).weights[0].is_contiguous()  # no exact variant: not padded
     from torch.nn.utils import parametrize
 
     class Double(nn.Module):

@@ -30,7 +30,8 @@ class FusedMLP(nn.Module):
 
     `pad_weights=True` lays out each weight that fused_mlp's exact kernels read at a wider row
     stride (a weight of 64 KB or more whose rows are not whole 16-byte vectors: the DLRM top
-    MLP's 367-wide W0; schema.weight_strides) in row-padded storage: the same shape and values,
+    MLP's 367-wide W0; schema.weight_strides), where a spec has a variant for exactly these
+    widths (the generic kernels would copy it dense each call), in row-padded storage: the same shape and values,
     rows 16-byte aligned (a view of [N, stride] storage; the padding is never read). The
     kernels then read it in place, where they would copy it into a padded scratch each call
     (one launch, ~3 us of GPU time on an H100: BENCHMARKS.md). On CUDA devices only (a CPU
@@ -82,6 +83,8 @@ class FusedMLP(nn.Module):
         to row-padded storage (launch.row_padded; the Parameter objects kept, as `.to()` keeps
         them); a weight already laid out so, or any without pad_weights, left as it is."""
         if not getattr(self, "pad_weights", False):  # (a FusedMLP pickled before it had one)
+            return
+        if not _has_exact_variant(self.widths):  # (the generic kernels copy a padded weight dense each call)
             return
         held = self.weights._parameters  # (a parametrized weight is not here: left alone)
         with torch.no_grad():
@@ -256,6 +259,15 @@ def _params(plist: nn.ParameterList) -> list:
 # goes to the dict's end, and prune renames one "0_orig": the dict's order is then not the
 # list's (W1 ran as layer 0: a wrong output, no error), so `_params` checks the keys.
 _INDEX_KEYS: dict[int, tuple[str, ...]] = {}
+
+
+def _has_exact_variant(widths: tuple[int, ...]) -> bool:
+    """Whether a fused_mlp spec (shipped or the user's) has a variant built for exactly these
+    widths: only those read a row-padded weight in place."""
+    from kgen.runtime import dispatch
+
+    return any(v.params.get("widths") and tuple(v.params["widths"]) == tuple(widths)
+               for v in dispatch.family_variants("fused_mlp"))
 
 
 def _run_pre_hooks(plist: nn.ParameterList) -> None:
