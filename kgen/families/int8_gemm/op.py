@@ -244,7 +244,8 @@ def _linear_impl(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_
 
 def _linear_setup(ctx, inputs, output):
     a, b, scale_a, scale_b, bias, out_dtype = inputs
-    ctx.save_for_backward(a, b, scale_a, scale_b)
+    product = scale_a.requires_grad or scale_b.requires_grad  # (a and b: only for the scales' gradients)
+    ctx.save_for_backward(a if product else None, b if product else None, scale_a, scale_b)
     ctx.has_bias = bias is not None
     ctx.bias_dtype, ctx.bias_shape = (bias.dtype, bias.shape) if bias is not None else (None, None)
 
@@ -358,14 +359,14 @@ def _flat_shape(t: torch.Tensor, dims: int = 2) -> torch.Size:
 # Keys of the fast path: everything the checks and the launch plan read (shapes, dtypes,
 # devices, bias and group size); a / x 2-D as the impls see it.
 def _linear_key(a, b, scale_a, scale_b, bias, out_dtype):
-    return (MODE_LINEAR, a.shape, a.dtype, b.shape, b.dtype, a.device, b.device, scale_a.shape, scale_b.shape, scale_a.dtype,
-            scale_b.dtype, scale_a.device, scale_b.device,
+    return (MODE_LINEAR, a.shape, a.dtype, b.shape, b.dtype, a.device, b.device, scale_a.shape, scale_b.shape,
+            scale_a.dtype, scale_b.dtype, scale_a.device, scale_b.device,
             None if bias is None else (bias.shape, bias.dtype, bias.device), out_dtype)
 
 
 def _w8a16_key(x, b, scale_b, bias, group_size):
-    return (MODE_W8A16, x.shape, x.dtype, b.shape, b.dtype, x.device, b.device, scale_b.shape, scale_b.dtype, scale_b.device,
-            None if bias is None else (bias.shape, bias.dtype, bias.device), group_size)
+    return (MODE_W8A16, x.shape, x.dtype, b.shape, b.dtype, x.device, b.device, scale_b.shape, scale_b.dtype,
+            scale_b.device, None if bias is None else (bias.shape, bias.dtype, bias.device), group_size)
 
 
 _Tensor = torch.Tensor
