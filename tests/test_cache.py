@@ -281,3 +281,107 @@ def test_warm_cache_second_process_runs_no_compiler(fresh_cache, counting_nvcc):
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.stdout.strip() == "cached", r.stderr
     assert len(log.read_text().splitlines()) == n  # not even `nvcc --version`
+
+
+def test_clear_leaves_locks_that_a_process_holds(fresh_cache, tmp_path):
+    """`kgen cache clear` removed lock files live processes held (a build's, the tuning
+    table's): the next process then created and took a new lock of the same name while the
+    first still held its own. A held lock stays; a free one goes."""
+    import subprocess
+    import sys
+    import textwrap
+
+    held_path, free_path = fresh_cache / "fused_bias_act" / "x-0123456789abcdef0123", fresh_cache / ".locks" / "t"
+    (fresh_cache / ".locks").mkdir(parents=True)
+    free_path.write_text("")
+    code = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from kgen.runtime import cache
+        held = cache.lock(Path({str(held_path)!r}))
+        held.acquire()
+        print("locked", flush=True)
+        sys.stdin.readline()
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cache.clear()
+        assert Path(f"{held_path}.lock").exists() and not free_path.exists()
+        from filelock import Timeout
+
+        with pytest.raises(Timeout):
+            cache.lock(held_path).acquire(timeout=0.2)
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)
+    cache.clear()
+    assert not Path(f"{held_path}.lock").exists()
+
+
+def test_a_cache_that_cannot_be_used_is_a_clear_error(tmp_path, monkeypatch):
+    """KGEN_CACHE_DIR naming a file: a KgenError naming the directory (a bare FileExistsError
+    came out of an op's dispatch before)."""
+    from kgen.errors import KgenError
+
+    f = tmp_path / "afile"
+    f.write_text("")
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(f))
+    with pytest.raises(KgenError, match="not a directory"):
+        cache.root()
+
+
+def test_toolchain_memo_is_best_effort_and_thread_safe(fresh_cache, monkeypatch):
+    """toolchain.json is a memo: where it cannot be written (read-only cache, disk full) the
+    value is still returned (an OSError escaped into the op before); threads writing it at
+    once leave it valid JSON holding both stamps (a pid-named temp file was shared: corrupt
+    files and FileNotFoundError)."""
+    import json
+    import tempfile
+    import threading
+
+    from kgen.runtime import toolchain
+
+    memo = toolchain._memo.__wrapped__
+    real = tempfile.mkstemp
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert memo("nvcc|a|1", lambda: "release A") == "release A"
+    monkeypatch.setattr(tempfile, "mkstemp", real)
+    errors = []
+
+    def run(i):
+        try:
+            for j in range(20):
+                assert memo(f"s{i}|{j}", lambda: f"v{i}{j}") == f"v{i}{j}"
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    data = json.loads((cache.root() / "toolchain.json").read_text())
+    assert all(data[f"s{i}|{j}"] == f"v{i}{j}" for i in range(2) for j in range(20))
+
+
+def test_a_variant_whose_cache_cannot_be_written_is_unavailable_not_a_crash(fresh_cache, monkeypatch):
+    """An OSError from building or locking (a read-only or full cache) is the variant's
+    KgenError, naming the cache: dispatch's fallbacks (the next variant, the family's
+    reference) then apply, where the OSError escaped into the op."""
+    from kgen.errors import KgenError
+    from kgen.runtime import dispatch
+
+    def refuse(*a, **k):
+        raise PermissionError(13, "Permission denied", str(fresh_cache / "fused_bias_act"))
+
+    monkeypatch.setattr(build, "triton_source_entry", refuse)
+    with pytest.raises(KgenError, match="cannot be used: Permission denied"):
+        dispatch.load(TRITON_V)
+    assert dispatch._first_loadable([TRITON_V]) is None

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kgen import config
+from kgen.errors import KgenError
 
 MANIFEST = "manifest.json"
 
@@ -29,8 +30,15 @@ def root() -> Path:
     """The cache root, created 0700 on first use (never at import)."""
     d = config.cache_dir()
     if not d.is_dir():
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
+        if d.exists():
+            raise KgenError(f"kgen's cache directory {d} (KGEN_CACHE_DIR, or the platform's user cache dir) "
+                            "is not a directory")
+        try:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
+        except OSError as e:
+            raise KgenError(f"kgen's cache directory {d} (KGEN_CACHE_DIR, or the platform's user cache dir) "
+                            f"cannot be created: {e.strerror or e}") from None
     return d
 
 
@@ -210,17 +218,35 @@ KEPT = ("tuning.json",)
 STALE_STAGING_S = 3600
 
 
+def _unlink_unheld_lock(path: Path) -> None:
+    """Remove a lock file no process holds: taken without waiting and removed while held. One
+    a process holds stays: removing it let a second process create and take a new lock of the
+    same name while the first still held its own (two builders, or two tuners merging the
+    table, at once)."""
+    from filelock import FileLock, Timeout
+
+    lk = FileLock(str(path))
+    try:
+        lk.acquire(timeout=0)
+    except (Timeout, RuntimeError):  # (RuntimeError: this process holds it through another FileLock)
+        return
+    try:
+        path.unlink(missing_ok=True)
+    finally:
+        lk.release()
+
+
 def clear() -> int:
     """Remove every build entry, complete or corrupt, with its lock file (and the lock and
-    toolchain memo files kgen keeps beside them, and staging dirs of builds interrupted over
-    STALE_STAGING_S ago: a younger one may be a build in progress); returns how many entries it
-    removed. The user's tuning table stays, as does anything that is not of the cache's
+    toolchain memo files kgen keeps beside them, each lock only where no process holds it,
+    and staging dirs of builds interrupted over STALE_STAGING_S ago: a younger one may be a
+    build in progress); returns how many entries it removed. The user's tuning table stays, as does anything that is not of the cache's
     layout (see _ENTRY_DIR): a family folder is removed only once it is empty."""
     r = config.cache_dir()
     removed = 0
     for e in _entries(r):
         _remove(e)
-        Path(f"{e}.lock").unlink(missing_ok=True)
+        _unlink_unheld_lock(Path(f"{e}.lock"))
         removed += 1
     if not r.is_dir():
         return removed
@@ -244,13 +270,19 @@ def clear() -> int:
             except OSError:  # builds in progress
                 pass
         elif p.name == ".locks" and p.is_dir() and not p.is_symlink():
-            _remove(p)
+            for lk in p.iterdir():
+                if lk.is_file() and not lk.is_symlink():
+                    _unlink_unheld_lock(lk)
+            try:
+                p.rmdir()
+            except OSError:  # a lock some process holds
+                pass
         elif p.name == "toolchain.json":
             p.unlink(missing_ok=True)
         elif p.is_dir() and not p.is_symlink() and _FAMILY_DIR.match(p.name):
             for lk in p.glob("*.lock"):  # a lock whose entry is gone (a build that failed)
                 if _ENTRY_DIR.match(lk.name.removesuffix(".lock")):
-                    lk.unlink(missing_ok=True)
+                    _unlink_unheld_lock(lk)
             try:
                 p.rmdir()
             except OSError:  # it holds something kgen did not put there

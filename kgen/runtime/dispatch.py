@@ -249,13 +249,19 @@ def env_problems() -> list[str]:
 
 
 def load(variant: spec_mod.Variant) -> loader.Kernel:
-    """Build (or find in the cache) and load one variant. Raises KgenError on failure."""
-    if variant.backend == "cuda":
-        (result,) = build.build_cuda([variant])
-        if result.error:
-            raise result.error
-        return loader.load_cuda(variant, result.entry)
-    return loader.load_triton(variant, build.triton_source_entry(variant))
+    """Build (or find in the cache) and load one variant. Raises KgenError on failure, also
+    where the cache cannot be written (read-only, full: the OSError's words), so that the
+    callers' fallbacks (the next variant, the family's reference) apply."""
+    try:
+        if variant.backend == "cuda":
+            (result,) = build.build_cuda([variant])
+            if result.error:
+                raise result.error
+            return loader.load_cuda(variant, result.entry)
+        return loader.load_triton(variant, build.triton_source_entry(variant))
+    except OSError as e:
+        raise KgenError(f"{variant.qualname}: the cache at {config.cache_dir()} cannot be used: "
+                        f"{e.strerror or e}{f' ({e.filename})' if e.filename else ''}") from e
 
 
 def prebuild(variants) -> dict[str, Exception]:

@@ -8,6 +8,8 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 
 from kgen import config
@@ -38,23 +40,38 @@ def tool_version(path: str) -> str:
     return _memo(stamp, lambda: _run_version(path))
 
 
+_MEMO_LOCK = threading.Lock()
+
+
 @functools.cache
 def _memo(stamp: str, compute) -> str:
+    """compute() for `stamp`, remembered in the cache's toolchain.json. The file is a memo, not
+    a requirement: a cache that cannot be written (read-only, full) only costs the recompute.
+    Threads take turns (each read-modify-write whole); processes publish by atomic replace of
+    a temporary file of their own."""
     from kgen.runtime.cache import root
 
-    memo_file = root() / "toolchain.json"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    if not isinstance(memo, dict):  # valid JSON of another shape ([], null): as unreadable
-        memo = {}
-    if not isinstance(memo.get(stamp), str):
-        memo[stamp] = compute()
-        tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo, indent=1, sort_keys=True))
-        os.replace(tmp, memo_file)
-    return memo[stamp]
+    with _MEMO_LOCK:
+        memo_file = root() / "toolchain.json"
+        try:
+            memo = json.loads(memo_file.read_text())
+        except (OSError, ValueError):
+            memo = {}
+        if not isinstance(memo, dict):  # valid JSON of another shape ([], null): as unreadable
+            memo = {}
+        if not isinstance(memo.get(stamp), str):
+            memo[stamp] = compute()
+            try:
+                fd, tmp = tempfile.mkstemp(dir=memo_file.parent, prefix="toolchain.", suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(memo, indent=1, sort_keys=True))
+                os.replace(tmp, memo_file)
+            except OSError:
+                try:
+                    os.unlink(tmp)
+                except (OSError, UnboundLocalError):
+                    pass
+        return memo[stamp]
 
 
 def _run_version(path: str) -> str:
