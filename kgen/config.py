@@ -57,7 +57,15 @@ def pin_triton_defaults() -> None:
 
 
 def code_env(backend: str) -> dict[str, str]:
-    return {k: os.environ[k] for k in CODE_AFFECTING_ENV[backend] if k in os.environ}
+    """The code-affecting variables a build's cache key holds. KGEN_NVCC_FLAGS as the flags it
+    gives (split on whitespace; none: left out), so that an empty or re-spaced value finds the
+    same entry (each rebuilt an identical binary)."""
+    env = {k: os.environ[k] for k in CODE_AFFECTING_ENV[backend] if k in os.environ}
+    if "KGEN_NVCC_FLAGS" in env:
+        flags = " ".join(env.pop("KGEN_NVCC_FLAGS").split())
+        if flags:
+            env["KGEN_NVCC_FLAGS"] = flags
+    return env
 
 
 def log_topics() -> set[str]:

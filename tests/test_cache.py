@@ -385,3 +385,19 @@ def test_a_variant_whose_cache_cannot_be_written_is_unavailable_not_a_crash(fres
     with pytest.raises(KgenError, match="cannot be used: Permission denied"):
         dispatch.load(TRITON_V)
     assert dispatch._first_loadable([TRITON_V]) is None
+
+
+def test_empty_or_respaced_nvcc_flags_share_the_cache_key(monkeypatch):
+    """KGEN_NVCC_FLAGS set but empty, or with other spacing, gives the nvcc command it gives
+    unset or spaced once: the same CUDA cache key (each used to rebuild an identical binary)."""
+    from kgen import config
+
+    monkeypatch.delenv("KGEN_NVCC_FLAGS", raising=False)
+    unset = config.code_env("cuda")
+    for v in ("", "   "):
+        monkeypatch.setenv("KGEN_NVCC_FLAGS", v)
+        assert config.code_env("cuda") == unset
+    monkeypatch.setenv("KGEN_NVCC_FLAGS", " -lineinfo   -Xptxas=-v ")
+    spaced = config.code_env("cuda")
+    monkeypatch.setenv("KGEN_NVCC_FLAGS", "-lineinfo -Xptxas=-v")
+    assert config.code_env("cuda") == spaced != unset
