@@ -588,6 +588,11 @@ def test_a_family_vetoes_its_own_buckets_winner_at_a_shape_it_fails(tables, monk
     assert kernel.name == rule.name != wide.name
     assert why == f"untuned rule (the tuned winner {wide.name} vetoed for the shape)"
     assert not dispatch.holds_for_bucket(why)
+    # a hand-written probe without the family's dimensions: not readable by the rule, left
+    # out of what it sees (a KeyError escaped into the op); the entry's own shape still vetoes
+    bare = {**entry, "probes": [{"shape": {"rows": 128, "cols": 1024}, "times_us": entry["times_us"]}]}
+    tune.record({tune.key("logmatmul", FAKE_DEVICE, "float32", bucket): bare}, replace=True)
+    assert choose(138, 535, 779)[0].name == rule.name
     # measured at an odd K too: the table knows, the winner stays
     odd = {**entry, "shape": {"B": 200, "N": 600, "K": 777}}
     tune.record({tune.key("logmatmul", FAKE_DEVICE, "float32", bucket): {**entry, "probes": [odd]}}, replace=True)
@@ -1039,6 +1044,9 @@ def test_tune_names_the_tables_and_rules_as_their_own_modules_do():
     {"winner": "w", "probes": 5}, {"winner": "w", "probes": [1]}, {"winner": "w", "times_us": [1.0]},
     {"winner": "w", "times_us": {"a": "fast"}}, {"winner": "w", "times_us": {"a": 0}}, {"winner": "w", "choices": [1]},
     {"winner": "w", "times_us": {"a": 10**400}},  # (below math.inf as an int; `--show` overflowed on it)
+    # (record() merging into these raised ValueError: a probe sharing no candidate, an empty choice)
+    {"winner": "a", "times_us": {"a": 1.0}, "probes": [{"shape": {"rows": 5}, "times_us": {"b": 1.0}}]},
+    {"winner": "a", "times_us": {"a": 1.0}, "choices_us": {"bwd": {}}},
     {"winner": ""}, "w"])
 def test_a_malformed_entry_is_left_out_with_one_warning(tables, caplog, bad):
     """A table entry kgen did not write that way (hand-edited, another tool's) is dropped
@@ -1059,6 +1067,8 @@ def test_a_malformed_entry_is_left_out_with_one_warning(tables, caplog, bad):
     assert sum("malformed" in r.getMessage() for r in caplog.records) == 1
     tune.record({tune.key("fused_bias_act", FAKE_DEVICE, "float16", "x"): {"winner": "w"}})
     assert {near, odd} <= set(json.loads(tune.user_path().read_text())["entries"])
+    tune.record({near: {"winner": "a", "shape": {"rows": 7}, "times_us": {"a": 2.0}}})  # (into its bucket)
+    assert tune.TABLES.entries()[near]["winner"] == "a"
 
 
 @pytest.mark.parametrize("text", ["{", json.dumps({"format": "kgen-tuning-2", "entries": {}}), "[" * 100000])

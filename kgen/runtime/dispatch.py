@@ -440,7 +440,9 @@ def _tuned_ok(family: str, device, dtype: str, shape: dict | None, entry: dict) 
     hook = getattr(module_of(family), "tuned_transfers", None)
     if hook is None or shape is None:
         return True
-    shapes = [p["shape"] for p in tuning_rules.probes(entry) if p.get("shape")]
+    # (probe shapes without every dimension the call has: a hand-written entry's, which the
+    # family's rule cannot compare; the rule sees only those it can read)
+    shapes = [p["shape"] for p in tuning_rules.probes(entry) if p.get("shape") and set(shape) <= set(p["shape"])]
     return bool(hook(shape, shapes, _runnable_named(family, dtype, device, entry["winner"])))
 
 

@@ -142,7 +142,7 @@ def entry_problem(k, v) -> str | None:
             return "times_us not candidate -> positive time"  # (an entry may hold none: a hand-written one)
         if any(f in p and not _times(p[f]) for f in _TIMES):
             return "a time field is not candidate -> positive time"
-        if any(f in p and not (isinstance(p[f], dict) and all(isinstance(n, str) and _times(t)
+        if any(f in p and not (isinstance(p[f], dict) and all(isinstance(n, str) and _times(t) and t
                                                                for n, t in p[f].items())) for f in _CHOICE_TIMES):
             return "a choices time field is not choice -> option -> positive time"
         shape = p.get("shape", {})
@@ -150,6 +150,9 @@ def entry_problem(k, v) -> str | None:
                                                                           type(x) in (bool, str))
                                                  for n, x in shape.items())):
             return "shape is not dimension -> size (or flag)"
+    timed = [set(p["times_us"]) for p in [v, *probes] if "times_us" in p]
+    if len(timed) > 1 and not set.intersection(*timed):  # (merging a new measurement compares them)
+        return "no candidate was timed at every probe"
     return None
 
 
