@@ -110,7 +110,13 @@ def cmd_build(args) -> int:
     spec = _load(args.spec)
     variants = _select(spec, args.variants)
     if args.arch:
-        variants = [v for v in variants if v.backend == "triton" or v.arch == args.arch]
+        kept = [v for v in variants if v.backend == "triton" or v.arch == args.arch]
+        if args.variants and len(kept) < len(variants):  # (named, then dropped: an empty table said nothing)
+            names = ", ".join(v.name for v in variants if v not in kept)
+            print(f"kgen: --arch {args.arch} leaves out {names} (another arch's CUDA variants)", file=sys.stderr)
+            if not kept:
+                return 2
+        variants = kept
     out = Path(args.out)
     changed = _write_generated(spec, args.spec, out)
     console = _console()
@@ -255,8 +261,14 @@ def cmd_bench(args) -> int:
 
 
 def cmd_cache(args) -> int:
+    from kgen import config
     from kgen.runtime import cache
 
+    d = config.cache_dir()
+    if d.exists() and not d.is_dir():  # (info and clear read it: "0 entries" hid the problem)
+        print(f"kgen: the cache directory {d} (KGEN_CACHE_DIR, or the platform's user cache dir) is not a "
+              "directory", file=sys.stderr)
+        return 1
     if args.action == "info":
         i = cache.info()
         print(f"{i['path']}: {i['entries']} entries, {i['bytes'] / 2**20:.1f} MiB")

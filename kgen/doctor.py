@@ -16,6 +16,8 @@ from pathlib import Path
 
 import kgen
 from kgen import config
+from kgen.errors import KgenError
+from kgen.runtime import toolchain
 
 # What `--require` can ask for, and what "missing" means for each.
 REQUIREMENTS = {
@@ -24,7 +26,7 @@ REQUIREMENTS = {
     "cuda": "a CUDA variant of a shipped spec that builds and runs here (nvcc and a GPU of its arch)",
     "triton": "Triton and a GPU to run its compiled kernels on (the CPU interpreter does not count)",
 }
-MIN_NVCC = (12, 4)  # the oldest CUDA the CUDA templates are built and tested with (README)
+MIN_NVCC = toolchain.MIN_NVCC
 
 
 def _version(module: str) -> str | None:
@@ -97,6 +99,8 @@ def _cache() -> tuple[str, bool]:
             pass
     except OSError as e:
         return f"{d}: NOT WRITABLE ({e.strerror or e}); set KGEN_CACHE_DIR to a writable directory", False
+    except KgenError as e:  # (cache.root: not a directory, or not creatable)
+        return f"{d}: NOT WRITABLE ({str(e).rsplit(': ', 1)[-1]}); set KGEN_CACHE_DIR to a writable directory", False
     i = cache.info()
     return f"{d}: {i['entries']} entries, {i['bytes'] / 2**20:.1f} MiB, writable", True
 

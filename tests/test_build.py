@@ -212,6 +212,12 @@ def test_prebuild_leaves_each_cuda_variant_cached_for_its_load(monkeypatch, tmp_
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
     from kgen.errors import ToolchainError
 
-    monkeypatch.setenv("KGEN_NVCC", "/nonexistent/nvcc")
+    monkeypatch.setenv("KGEN_NVCC", "/nonexistent/nvcc")  # named: that one is missing
+    with pytest.raises(ToolchainError, match="KGEN_NVCC=/nonexistent/nvcc names no executable nvcc"):
+        toolchain.nvcc()
+    monkeypatch.delenv("KGEN_NVCC")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setenv("CUDA_HOME", "/nonexistent")
+    monkeypatch.setattr(toolchain.config, "nvcc_path", lambda: None)
     with pytest.raises(ToolchainError, match="CUDA_HOME or KGEN_NVCC"):
         toolchain.nvcc()

@@ -128,6 +128,12 @@ def test_bad_paths_and_values_are_one_line_errors(tmp_path):
             (("build", str(mine), "--arch", "sm_12"), {}, "invalid choice"),
             (("list", str(merge)), {}, "merge.yaml:3: <yaml>"),
             (("list", str(binary)), {}, "not UTF-8"),
+            # a cache "directory" that is a file: info and clear said "0 entries" and exited 0
+            (("cache", "info"), {"KGEN_CACHE_DIR": str(tmp_path / "afile")}, "is not a directory"),
+            (("cache", "clear"), {"KGEN_CACHE_DIR": str(tmp_path / "afile")}, "is not a directory"),
+            # a variant named, then left out by --arch: an empty table and exit 0 said nothing
+            (("build", "kgen/specs/fused_bias_act.yaml", "--no-compile", "--out", str(tmp_path / "g"),
+              "--variants", "sm80_t256_v4_r1_oflat_f32", "--arch", "sm_90"), {}, "leaves out sm80_t256_v4_r1_oflat_f32"),
     ):
         r = _kgen(*args, env=env)
         assert r.returncode != 0 and want in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
@@ -150,3 +156,23 @@ def test_kgen_jobs_must_be_a_positive_integer(monkeypatch):
 def test_python_dash_m_kgen():
     r = subprocess.run([sys.executable, "-m", "kgen", "--help"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "new-family" in r.stdout
+
+
+def test_an_old_or_missing_named_nvcc_is_a_clear_reason(tmp_path, monkeypatch):
+    """A CUDA toolkit older than 12.4 is refused for builds (CUDA variants skipped with the
+    reason; they were built, though the README says not), and KGEN_NVCC naming nothing says
+    so (the message told the user to set KGEN_NVCC)."""
+    import pytest
+
+    from kgen.errors import ToolchainError
+    from kgen.runtime import toolchain
+
+    monkeypatch.setenv("KGEN_CACHE_DIR", str(tmp_path / "c"))
+    old = tmp_path / "nvcc"
+    old.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 11.8, V11.8.89'\n")
+    old.chmod(0o755)
+    with pytest.raises(ToolchainError, match="CUDA 11.8; kgen's CUDA templates need 12.4"):
+        toolchain.require_release(str(old))
+    monkeypatch.setenv("KGEN_NVCC", str(tmp_path / "nowhere" / "nvcc"))
+    with pytest.raises(ToolchainError, match="KGEN_NVCC=.*nowhere/nvcc names no executable nvcc"):
+        toolchain.nvcc()

@@ -12,6 +12,7 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import inspect
+import io
 import os
 import re
 import shlex
@@ -111,13 +112,14 @@ def _ninja_escape_path(p: Path) -> str:
 def _locked(paths: list[Path]):
     """Hold the locks of several entries, taken in sorted order so builders never deadlock."""
     with contextlib.ExitStack() as stack:
-        for p in sorted(paths):
+        for p in sorted(set(paths)):  # (a variant named twice: one lock, not a self-deadlock)
             stack.enter_context(cache.lock(p))
         yield
 
 
 def build_cuda(variants: list[Variant], on_progress: Callable[[str], None] | None = None) -> list[BuildResult]:
     nvcc = toolchain.nvcc()
+    toolchain.require_release(nvcc)
     results: dict[str, BuildResult] = {}
     todo = []
     for v in variants:
@@ -282,8 +284,11 @@ def build_triton(variant: Variant, arch: str) -> BuildResult:
             mod = _import_file(src, f"kgen_aot_{staging.name.replace('-', '_')}")
             seen: dict[str, int] = {}  # a kernel compiled in two forms: the second is <name>.1
             for fn, sig, consts, opts, *divisible in module_of(variant.family).triton_aot(variant, mod):
-                compiled = triton.compile(ASTSource(fn, sig, consts, _divisibility(fn, sig, *divisible)),
-                                          target=GPUTarget("cuda", cc, 32), options=opts)
+                # (Triton print()s the whole PTX when ptxas fails: ~3,500 lines on `kgen build`'s
+                # stdout before its table; the error itself names the cause)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    compiled = triton.compile(ASTSource(fn, sig, consts, _divisibility(fn, sig, *divisible)),
+                                              target=GPUTarget("cuda", cc, 32), options=opts)
                 n = seen[fn.__name__] = seen.get(fn.__name__, -1) + 1
                 tag = f"{fn.__name__}.{n}" if n else fn.__name__
                 cubin = f"{tag}.cubin"

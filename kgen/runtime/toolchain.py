@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from kgen import config
-from kgen.errors import ToolchainError
+from kgen.errors import KgenError, ToolchainError
 
 _NVCC_HELP = (
     "nvcc (the CUDA compiler) was not found. Install the CUDA toolkit (12.4 or newer) and put "
@@ -22,11 +22,30 @@ _NVCC_HELP = (
 )
 
 
+# the oldest CUDA the CUDA templates are built and tested with (README; `kgen doctor` says so too)
+MIN_NVCC = (12, 4)
+
+
 def nvcc() -> str:
     path = config.nvcc_path()
     if not path or not shutil.which(path):
+        named = os.environ.get("KGEN_NVCC")
+        if named:  # (the user named one: say that one is missing, not "set KGEN_NVCC")
+            raise ToolchainError(f"KGEN_NVCC={named} names no executable nvcc. Point it at the CUDA toolkit's "
+                                 "bin/nvcc (12.4 or newer), or unset it to search PATH and CUDA_HOME.")
         raise ToolchainError(_NVCC_HELP)
     return str(Path(shutil.which(path)).resolve())
+
+
+def require_release(nvcc_path: str) -> None:
+    """ToolchainError where `nvcc_path` is older than MIN_NVCC (its `--version`, memoised):
+    its CUDA variants are then skipped with that reason, as without nvcc (they used to be
+    built with it, against the README's promise)."""
+    release = nvcc_release(tool_version(nvcc_path))
+    if release < MIN_NVCC:
+        raise ToolchainError(f"{nvcc_path} is CUDA {release[0]}.{release[1]}; kgen's CUDA templates need "
+                             f"{MIN_NVCC[0]}.{MIN_NVCC[1]} or newer. Triton variants and the PyTorch reference "
+                             "work without it.")
 
 
 def tool_version(path: str) -> str:
@@ -52,7 +71,10 @@ def _memo(stamp: str, compute) -> str:
     from kgen.runtime.cache import root
 
     with _MEMO_LOCK:
-        memo_file = root() / "toolchain.json"
+        try:
+            memo_file = root() / "toolchain.json"
+        except KgenError:  # (no usable cache dir: `kgen doctor` reports that; the value stands)
+            return compute()
         try:
             memo = json.loads(memo_file.read_text())
         except (OSError, ValueError):
