@@ -316,6 +316,30 @@ def test_a_module_missing_the_contract_is_refused_by_name():
     assert "half_done" not in families.FAMILY_NAMES()
 
 
+@pytest.mark.parametrize("schema,match", [
+    ("{'dtypes': ('float32',)}", "is a dict, not a kgen.spec.Schema"),
+    ("Schema(dtypes=('float64',), knobs={'triton': ()})", "dtypes \\['float64'\\] must be some of"),
+    ("Schema(dtypes=('float32',), knobs={'rocm': ()})", "knobs must map some of the backends"),
+    ("Schema(dtypes=('float32',), knobs={'triton': (Knob('arch', 'a'),)})", "knob 'arch' .* own key"),
+])
+def test_a_malformed_schema_is_refused_by_name(schema, match, clean, monkeypatch):
+    """A family module whose SCHEMA kgen cannot use (not a Schema, a dtype kgen has no name for,
+    a backend it does not build, a knob named as a variant's own key) is refused when registered,
+    naming it; a user spec of such a family is skipped, and the shipped families still list
+    (a float64 dtype raised KeyError in every family's listing, `kgen list` exited 1)."""
+    mod = types.ModuleType("plug_bad_schema")
+    exec(f"from kgen.spec import Schema, Knob\nSCHEMA = {schema}\nTEMPLATES = None\n"
+         "def template_context(variant):\n    return {}\n", mod.__dict__)
+    with pytest.raises(KgenError, match=r"plug_bad_schema.*SCHEMA " + match):
+        kgen.register_family(mod)
+    assert "plug_bad_schema" not in families.FAMILY_NAMES()
+    (clean / "bad.yaml").write_text("family: plug_bad_schema\nvariants: [{backend: triton}]\n")
+    monkeypatch.setenv("KGEN_SPEC_PATH", str(clean))
+    dispatch._warned_broken.clear()
+    assert dispatch.family_variants("fused_bias_act")
+    assert [f.name for f, _ in dispatch.broken_user_specs()] == ["bad.yaml"]
+
+
 def _cli(tmp_path: Path):
     """`kgen ...` in a fresh process with tmp_path/site's installed families and its own cache,
     TRITON_INTERPRET unset but where a call sets it: run(*args, **env) -> CompletedProcess."""

@@ -24,6 +24,7 @@ import importlib
 import logging
 import pkgutil
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -80,11 +81,39 @@ def origin(family: str) -> str:
     return "nowhere"
 
 
+# knob names a family's SCHEMA may not use: a spec variant's own keys
+_RESERVED_KNOBS = ("backend", "arch", "dtypes", "dtype")
+
+
 def _check_contract(family: str, mod: ModuleType) -> None:
     missing = [a for a in REQUIRED if not hasattr(mod, a)]
     if missing:
         raise KgenError(f"kernel family {family!r} ({origin(family)}) misses {', '.join(missing)}; "
                         f"docs/families.md lists what a family module provides")
+    from kgen import spec
+
+    problem = _schema_problem(mod.SCHEMA, spec)
+    if problem:  # (a malformed one used to fail later, inside every spec listing: all families' ops)
+        raise KgenError(f"kernel family {family!r} ({origin(family)}): its SCHEMA {problem}; "
+                        "docs/families.md describes kgen.spec.Schema")
+
+
+def _schema_problem(schema, spec) -> str | None:
+    """What is wrong with a family module's SCHEMA, or None."""
+    if not isinstance(schema, spec.Schema):
+        return f"is a {type(schema).__name__}, not a kgen.spec.Schema"
+    bad = [d for d in schema.dtypes if d not in spec.DTYPES]
+    if not schema.dtypes or bad:
+        return f"dtypes {list(schema.dtypes)} must be some of {', '.join(spec.DTYPES)}"
+    if not isinstance(schema.knobs, Mapping) or not schema.knobs or any(b not in spec.BACKENDS for b in schema.knobs):
+        return f"knobs must map some of the backends {', '.join(spec.BACKENDS)} to their knobs"
+    for backend, knobs in schema.knobs.items():
+        if not all(isinstance(k, spec.Knob) for k in knobs):
+            return f"knobs[{backend!r}] must be kgen.spec.Knob objects"
+        clash = [k.name for k in knobs if k.name in _RESERVED_KNOBS]
+        if clash:
+            return f"knob {clash[0]!r} ({backend}) takes the name of a spec variant's own key"
+    return None
 
 
 def module_of(family: str) -> ModuleType:

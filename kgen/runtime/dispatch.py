@@ -92,7 +92,7 @@ def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
     specs = []
     for f in files:
         try:
-            specs.append(spec_mod.load(f))
+            specs.append(_load_user_spec(f))
         except KgenError as e:  # (SpecError, or its family failing to load: a plugin that does not import)
             if str(f) not in _warned_broken:
                 _warned_broken.add(str(f))
@@ -103,13 +103,25 @@ def _user_specs(files: tuple[Path, ...]) -> tuple[spec_mod.Spec, ...]:
 _warned_broken: set[str] = set()
 
 
+def _load_user_spec(f: Path) -> spec_mod.Spec:
+    """spec_mod.load(f), any failure a KgenError naming the file: a user's spec (or the plugin
+    family it is for) failing in a way kgen did not foresee must not break the shipped
+    families' listing and dispatch (a malformed plugin SCHEMA raised a KeyError there)."""
+    try:
+        return spec_mod.load(f)
+    except KgenError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a user's spec or plugin raises is that spec's
+        raise KgenError(f"{f}: {type(e).__name__}: {e}") from e
+
+
 def broken_user_specs() -> list[tuple[Path, KgenError]]:
     """The user's spec files (spec_files) that do not load, each with its error: what `kgen
     list` and `kgen doctor` report (dispatch skips them, warning once)."""
     broken = []
     for f in spec_files():
         try:
-            spec_mod.load(f)
+            _load_user_spec(f)
         except KgenError as e:
             _warned_broken.add(str(f))
             broken.append((f, e))
