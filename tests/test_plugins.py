@@ -153,11 +153,13 @@ def test_kgen_backend_must_be_a_backend(clean, monkeypatch):
     assert why == "forced" and kernel.variant.backend == "triton"
 
 
-@pytest.mark.parametrize("var,value", [("KGEN_BACKEND", "trition"), ("KGEN_AUTOTUNE", "enable")])
+@pytest.mark.parametrize("var,value", [("KGEN_BACKEND", "trition"), ("KGEN_AUTOTUNE", "enable"),
+                                       ("KGEN_VARIANT", "triton_no_such_variant")])
 def test_dispatch_env_typo_fails_on_cpu_tensors_too(clean, monkeypatch, var, value):
-    """A bad KGEN_BACKEND or KGEN_AUTOTUNE is an error from every family's op on CPU tensors
-    as well (they choose no variant, so dispatch never read it there), not only once a CUDA
-    tensor reaches dispatch; the same call runs once the value is fixed."""
+    """A bad KGEN_BACKEND or KGEN_AUTOTUNE, or a KGEN_VARIANT no family has, is an error from
+    every family's op on CPU tensors as well (they choose no variant, so dispatch never read
+    it there), not only once a CUDA tensor reaches dispatch; the same call runs once the
+    value is fixed."""
     import kgen.ops as ops
 
     x = torch.randn(3, 8)
@@ -172,7 +174,8 @@ def test_dispatch_env_typo_fails_on_cpu_tensors_too(clean, monkeypatch, var, val
     for name, call in calls.items():
         with pytest.raises(KgenError, match=var):
             call()
-    monkeypatch.setenv(var, "triton" if var == "KGEN_BACKEND" else "0")
+    fixed = {"KGEN_BACKEND": "triton", "KGEN_AUTOTUNE": "0", "KGEN_VARIANT": "triton_c1024_r1_w4_f32"}[var]
+    monkeypatch.setenv(var, fixed)
     for call in calls.values():
         call()
 

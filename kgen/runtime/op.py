@@ -130,18 +130,23 @@ _ENV_SEEN: list = [None]  # the (KGEN_BACKEND, KGEN_AUTOTUNE) values check_dispa
 
 
 def check_dispatch_env() -> None:
-    """KgenError where KGEN_BACKEND or KGEN_AUTOTUNE holds a value dispatch refuses. The
-    families' off-GPU paths (CPU tensors: no variant chosen) call it, so a typo fails on
-    every device, not only once a CUDA tensor reaches dispatch. Read each call (two
-    environment lookups), checked again only when the values change."""
+    """KgenError where KGEN_BACKEND or KGEN_AUTOTUNE holds a value dispatch refuses, or
+    KGEN_VARIANT names no variant of any family. The families' off-GPU paths (CPU tensors: no
+    variant chosen) call it, so a typo fails on every device, not only once a CUDA tensor
+    reaches dispatch. Read each call (three environment lookups), checked again only when the
+    values change (a KGEN_VARIANT reads every family's specs, once)."""
     import os
 
-    raw = (os.environ.get("KGEN_BACKEND"), os.environ.get("KGEN_AUTOTUNE"))
+    raw = (os.environ.get("KGEN_BACKEND"), os.environ.get("KGEN_AUTOTUNE"), os.environ.get("KGEN_VARIANT"))
     if raw != _ENV_SEEN[0]:
         from kgen.runtime import dispatch, tune
 
         dispatch.forced_backend()
         tune.autotune_enabled()
+        if raw[2]:
+            unknown = [p for p in dispatch.env_problems() if p.startswith("KGEN_VARIANT")]
+            if unknown:
+                raise KgenError(unknown[0])
         _ENV_SEEN[0] = raw
 
 
