@@ -32,10 +32,17 @@ def _load(path: str):
     return spec.load(path)
 
 
-def _select(spec, names: list[str] | None):
+def _select(spec, names: list[str] | None, given: str):
+    """The variants `names` picks (a name given twice: once), or KeyError naming the spec as
+    the user gave it (`given`: a shipped spec's package-relative name is not a path from
+    wherever the user runs kgen)."""
     if not names:
         return list(spec.variants)
-    return [spec.variant(n) for n in dict.fromkeys(names)]  # (a name given twice: once)
+    known = {v.name: v for v in spec.variants}
+    for n in names:
+        if n not in known:
+            raise KeyError(f"{given} has no variant {n!r}; `kgen list {given}` lists them")
+    return [known[n] for n in dict.fromkeys(names)]
 
 
 # --------------------------------------------------------------------------- render helpers
@@ -108,7 +115,7 @@ def cmd_build(args) -> int:
     from kgen.runtime import build as build_mod
 
     spec = _load(args.spec)
-    variants = _select(spec, args.variants)
+    variants = _select(spec, args.variants, args.spec)
     if args.arch:
         kept = [v for v in variants if v.backend == "triton" or v.arch == args.arch]
         if args.variants and len(kept) < len(variants):  # (named, then dropped: an empty table said nothing)
@@ -250,7 +257,7 @@ def cmd_verify(args) -> int:
     from kgen.verify import verify
 
     spec = _load(args.spec)
-    return verify(spec, _select(spec, args.variants))
+    return verify(spec, _select(spec, args.variants, args.spec))
 
 
 def cmd_bench(args) -> int:

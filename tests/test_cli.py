@@ -176,3 +176,13 @@ def test_an_old_or_missing_named_nvcc_is_a_clear_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("KGEN_NVCC", str(tmp_path / "nowhere" / "nvcc"))
     with pytest.raises(ToolchainError, match="KGEN_NVCC=.*nowhere/nvcc names no executable nvcc"):
         toolchain.nvcc()
+
+
+def test_an_unknown_variant_names_the_spec_as_given(tmp_path):
+    """`--variants` naming no variant: the hint's `kgen list` command is the path the user
+    gave, which works from where they ran it (a shipped spec's package-relative name did not)."""
+    spec_path = str(ROOT / "kgen/specs/fused_bias_act.yaml")
+    r = subprocess.run([sys.executable, "-m", "kgen.cli", "build", spec_path, "--no-compile", "--out",
+                        str(tmp_path / "g"), "--variants", "bogus"], capture_output=True, text=True, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode != 0 and f"`kgen list {spec_path}` lists them" in r.stderr, r.stderr
