@@ -273,8 +273,7 @@ def cmd_cache(args) -> int:
 
     d = config.cache_dir()
     if d.exists() and not d.is_dir():  # (info and clear read it: "0 entries" hid the problem)
-        print(f"kgen: the cache directory {d} (KGEN_CACHE_DIR, or the platform's user cache dir) is not a "
-              "directory", file=sys.stderr)
+        print(f"kgen: {cache.CacheDirError(d, 'is not a directory')}", file=sys.stderr)
         return 1
     if args.action == "info":
         i = cache.info()

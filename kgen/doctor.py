@@ -16,7 +16,6 @@ from pathlib import Path
 
 import kgen
 from kgen import config
-from kgen.errors import KgenError
 from kgen.runtime import toolchain
 
 # What `--require` can ask for, and what "missing" means for each.
@@ -99,8 +98,8 @@ def _cache() -> tuple[str, bool]:
             pass
     except OSError as e:
         return f"{d}: NOT WRITABLE ({e.strerror or e}); set KGEN_CACHE_DIR to a writable directory", False
-    except KgenError as e:  # (cache.root: not a directory, or not creatable)
-        return f"{d}: NOT WRITABLE ({str(e).rsplit(': ', 1)[-1]}); set KGEN_CACHE_DIR to a writable directory", False
+    except cache.CacheDirError as e:  # (not a directory, or not creatable)
+        return f"{d}: NOT WRITABLE ({e.why}); set KGEN_CACHE_DIR to a writable directory", False
     i = cache.info()
     return f"{d}: {i['entries']} entries, {i['bytes'] / 2**20:.1f} MiB, writable", True
 

@@ -31,15 +31,21 @@ def root() -> Path:
     d = config.cache_dir()
     if not d.is_dir():
         if d.exists():
-            raise KgenError(f"kgen's cache directory {d} (KGEN_CACHE_DIR, or the platform's user cache dir) "
-                            "is not a directory")
+            raise CacheDirError(d, "is not a directory")
         try:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             os.chmod(d, 0o700)  # mkdir's mode is filtered by the umask
         except OSError as e:
-            raise KgenError(f"kgen's cache directory {d} (KGEN_CACHE_DIR, or the platform's user cache dir) "
-                            f"cannot be created: {e.strerror or e}") from None
+            raise CacheDirError(d, f"cannot be created: {e.strerror or e}") from None
     return d
+
+
+class CacheDirError(KgenError):
+    """The cache directory cannot be used; `why` says how (what `kgen doctor` prints)."""
+
+    def __init__(self, path: Path, why: str):
+        self.path, self.why = path, why
+        super().__init__(f"kgen's cache directory {path} (KGEN_CACHE_DIR, or the platform's user cache dir) {why}")
 
 
 def digest(parts: dict) -> str:

@@ -10,7 +10,7 @@ from torch import nn
 
 from kgen.families.fused_mlp.launch import row_padded
 from kgen.families.fused_mlp.op import fused_mlp
-from kgen.families.fused_mlp.schema import ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, weight_strides
+from kgen.families.fused_mlp.schema import ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, fits, weight_strides
 
 # activation module type -> fused_mlp's name (GELU only in its tanh form: checked below)
 _ACT_MODULES = {nn.ReLU: "relu", nn.Sigmoid: "sigmoid", nn.GELU: "gelu", nn.SiLU: "silu"}
@@ -266,8 +266,7 @@ def _has_exact_variant(widths: tuple[int, ...]) -> bool:
     widths: only those read a row-padded weight in place."""
     from kgen.runtime import dispatch
 
-    return any(v.params.get("widths") and tuple(v.params["widths"]) == tuple(widths)
-               for v in dispatch.family_variants("fused_mlp"))
+    return any(v.params["widths"] and fits(v.params, tuple(widths)) for v in dispatch.family_variants("fused_mlp"))
 
 
 def _run_pre_hooks(plist: nn.ParameterList) -> None:

@@ -31,8 +31,7 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
     # differences: logp = z_t - lse and entropy = lse - E[z] then subtract numbers of the
     # logits' spread, not of their size (a common offset of 1e4 cost 4.7e-4 in logp and
     # 9.8e-4 in entropy unshifted; PyTorch's log_softmax 3e-7)
-    m = logits.detach().amax(dim=-1, keepdim=True) if logits.shape[1] else logits.new_zeros(logits.shape[0], 1)
-    logits = logits - torch.where(torch.isfinite(m), m, m.new_zeros(()))
+    logits = _shifted(logits)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, torch.where(valid & ~bad, t, 0)[:, None]).squeeze(1) - lse
     entropy = lse - (torch.softmax(logits, dim=-1) * _finite_floor(logits)).sum(-1)
@@ -47,6 +46,16 @@ def reference(hidden, weight, target, bias=None, *, temperature: float = 1.0,
         return torch.where(valid, x.reshape(shape), zero) * poison
 
     return rows(logp), rows(entropy)
+
+
+def _shifted(z):
+    """Logits [rows, V] less each row's maximum where it is finite (detached: every quantity
+    taken from them is shift-invariant, so gradients are unchanged); a row holding +inf,
+    NaN or only -inf is left as it is, to give the NaN it gives unshifted."""
+    if not z.shape[1]:
+        return z
+    m = z.detach().amax(dim=-1, keepdim=True)
+    return z - torch.where(torch.isfinite(m), m, m.new_zeros(()))
 
 
 def _finite_floor(z):
@@ -67,9 +76,7 @@ def reference_backward(hidden, weight, target, bias, grad_logp, grad_entropy, te
     if bias is not None:
         z = z + bias.to(f32)
     z = z / temperature
-    if z.shape[1]:  # shifted by the row's (finite) maximum: z - E[z] then loses no digits to an offset
-        m = z.amax(dim=-1, keepdim=True)
-        z = z - torch.where(torch.isfinite(m), m, m.new_zeros(()))
+    z = _shifted(z)  # (z - E[z] then loses no digits to an offset)
     p = torch.softmax(z, dim=-1)
     target = target.long()  # (compared in int64, as the forward: an int32 target and a wide ignore_index)
     valid = target != ignore_index
