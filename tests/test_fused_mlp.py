@@ -937,6 +937,41 @@ def test_float32_buckets_carry_the_tf32_setting(monkeypatch):
     assert seen[-1] == "w13-512-256-64-16.B<=128"
 
 
+def test_padded_weights_have_their_own_bucket(monkeypatch, tmp_path):
+    """Row-padded weights (FusedMLP's pad_weights) are a bucket of their own, `padded`, which
+    dispatch looks up as the tuner records it (its inputs then row-padded too); dense weights,
+    other layouts and widths of whole 16-byte rows keep the plain bucket; a padded bucket
+    nobody tuned takes the dense bucket's entry (TUNE_CLASS_FALLBACK); `kgen tune --shapes`
+    tunes both layouts, or the one given."""
+    from kgen import tune_cli
+    from kgen.families.fused_mlp import launch
+    from kgen.runtime import tuning_table
+
+    top = (367, 512, 256, 1)
+    x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 3, top)
+    padded = [launch.row_padded(ws[0], 368), *ws[1:]]
+    assert fm.layout_of(padded, 2) == "padded" and fm.layout_of(ws, 2) is None
+    assert fm.layout_of([launch.row_padded(ws[0], 370), *ws[1:]], 2) is None  # 740-byte rows: not whole vectors
+    assert fm.layout_of([padded[0], ws[1].t().contiguous().t(), ws[2]], 2) is None  # a transposed weight
+    assert fm.layout_of(fm.make_inputs("cpu", torch.bfloat16, 3, (64, 32, 8))[1], 2) is None  # whole rows already
+    seen = []
+    monkeypatch.setattr(fm.KERNELS, "choose", lambda key, device, dtype, shp: seen.append(fm.tune_bucket(**shp)))
+    monkeypatch.setattr(fm.KERNELS, "lookup", lambda key: fm.op.MISSING)
+    cuda = torch.device("cuda", 0)
+    fm.module_for(cuda, torch.bfloat16, top, 700, padded)
+    fm.module_for(cuda, torch.bfloat16, top, 700, ws)
+    assert seen == ["w367-512-256-1.B<=1024.padded", "w367-512-256-1.B<=1024"]
+    tuned = fm.tune_inputs(torch.device("cpu"), "bfloat16", 700, "367-512-256-1", layout="padded")
+    assert fm.layout_of(tuned["weights"], 2) == "padded" and tuned["weights"][0].stride() == (368, 1)
+    with pytest.raises(ValueError, match="layout 'pad'"):
+        fm.tune_bucket(B=1, widths="8-8", layout="pad")
+    k = tuning_table.key("fused_mlp", "H100|9.0|132", "bfloat16", "w367-512-256-1.B<=1024.padded")
+    assert tuning_table.stand_in(k) == k.removesuffix(".padded")
+    shapes = tune_cli.shapes_arg(fm, ["B=700,widths=367-512-256-1"])
+    assert [s.get("layout") for s in shapes] == [None, "padded"]
+    assert [s.get("layout") for s in tune_cli.shapes_arg(fm, ["B=700,widths=367-512-256-1,layout=padded"])] == ["padded"]
+
+
 def test_spec_widths_knob_errors():
     from kgen import spec
     from kgen.errors import SpecError
@@ -988,10 +1023,28 @@ USER_WGMMA = {
 }
 
 
+# ... and the TMA ring kernel's (every K a multiple of 8: the weights' rows whole 16-byte vectors
+# without padding): a 136-wide layer (a half-empty second tile), a last layer written from the
+# accumulators (10 wide); four layers of one tile each (the second warpgroup idle) on one CTA;
+# a one-wide last layer as a dot of a two-tile layer, 64 rows a CTA on a cluster of 4; one layer
+# of one output (a ring layer, not a dot)
+USER_RING = {
+    "64-256-136-10 c2 m16 st8": "widths: [64, 256, 136, 10]\n    cluster: 2\n    block_m: 16\n    warps: 8\n"
+                                "    stages: 8\n    dtypes: [bfloat16]\n",
+    "40-96-48-24-3 c1 m32 st6": "widths: [40, 96, 48, 24, 3]\n    cluster: 1\n    block_m: 32\n    warps: 8\n"
+                                "    stages: 6\n    dtypes: [float16]\n",
+    "24-200-1 c4 m64 st4": "widths: [24, 200, 1]\n    cluster: 4\n    block_m: 64\n    warps: 8\n"
+                           "    stages: 4\n    dtypes: [bfloat16]\n",
+    "256-1 c1 m16 st4": "widths: [256, 1]\n    cluster: 1\n    block_m: 16\n    warps: 8\n"
+                        "    stages: 4\n    dtypes: [bfloat16]\n",
+}
+
+
 def _user_cuda(key):
     from kgen import spec
 
-    arch, body = ("sm_90a", USER_WGMMA[key]) if key in USER_WGMMA else ("sm_90", USER_CUDA[key])
+    arch, body = (("sm_90a", USER_WGMMA[key]) if key in USER_WGMMA else ("sm_90a", USER_RING[key]) if key in USER_RING
+                  else ("sm_90", USER_CUDA[key]))
     return spec.parse(f"family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: {arch}\n    " + body).variants[0]
 
 
@@ -1048,6 +1101,60 @@ def test_wgmma_checks():
             ("widths: [2048, 2048, 8]\n    cluster: 8\n    block_m: 128\n    warps: 8", "shared memory")):
         with pytest.raises(SpecError, match=match):
             spec.parse(head + "    " + body + ("" if "dtypes" in body else "\n    dtypes: [bfloat16]") + "\n")
+
+
+@pytest.mark.parametrize("widths,cluster,block_m,stages", [
+    ((367, 512, 256, 1), 4, 16, 11), ((367, 512, 256, 1), 2, 32, 10), ((13, 512, 256, 64, 16), 2, 16, 11),
+    ((64, 256, 136, 10), 2, 16, 8), ((40, 96, 48, 24, 3), 1, 32, 6), ((24, 200, 1), 4, 64, 4), ((256, 1), 1, 16, 4)])
+def test_ring_plan(widths, cluster, block_m, stages):
+    """The TMA ring plan: every layer's features in 128-row tiles and its K in 64-column panels;
+    the chunks of the layers one after another in the ring; a layer reads the buffer the one
+    before wrote, each buffer large enough for every layer's panels that use it; a one-wide last
+    layer (after another) a dot, not a ring layer; regions disjoint, 1024-byte aligned where
+    TMA and the descriptors read them, within sm_90's shared memory."""
+    from kgen.families.fused_mlp import cuda_plans as plans
+
+    p = plans.ring_plan(widths, cluster, block_m, stages)
+    L = p["layers"]
+    assert p["dot"] == (len(widths) > 2 and widths[-1] == 1) and len(L) == len(widths) - 1 - p["dot"]
+    c0 = 0
+    for l in L:
+        assert l["mt"] * 128 >= l["N"] > (l["mt"] - 1) * 128 and l["kc"] * 64 >= l["K"] > (l["kc"] - 1) * 64
+        assert l["c0"] == c0 and l["src"] == l["i"] % 2
+        c0 += l["mt"] * l["kc"]
+        size = p["buf_off"][1] - p["buf_off"][0] if l["src"] == 0 else None
+        if size is not None:
+            assert l["kc"] * p["panel"] <= size
+        if l["dst"] is not None:
+            assert l["dst"] == L[l["i"] + 1]["src"] and L[l["i"] + 1]["kc"] * 64 >= l["N"]
+    assert p["chunks"] == c0 and L[-1]["dst"] is None and L[-1]["last"] != p["dot"]
+    ring = stages * plans.RING_SLOT
+    assert p["buf_off"][0] == ring and all(o % 1024 == 0 for o in p["buf_off"]) and p["panel"] % 1024 == 0
+    ends = [L[-1]["b_off"] + L[-1]["mt"] * 512] + ([p["dot_off"], p["red_off"]] if p["dot"] else [])
+    assert L[0]["b_off"] >= p["buf_off"][1] and p["bar_off"] >= max(ends) and p["bar_off"] % 8 == 0
+    assert p["smem"] <= plans.SMEM_MAX and p["threads"] == 288
+
+
+def test_ring_checks():
+    """What the TMA ring variant cannot be is a SpecError naming the knob."""
+    from kgen import spec
+    from kgen.errors import SpecError
+
+    head = "family: fused_mlp\nvariants:\n  - backend: cuda\n    arch: {arch}\n    "
+    base = {"widths": "[64, 64]", "cluster": 2, "block_m": 16, "warps": 8, "stages": 6, "dtypes": "[bfloat16]"}
+    for change, match, arch in (
+            ({"dtypes": "[float32]"}, "bfloat16 and float16", "sm_90a"),
+            ({"block_m": 128}, "16, 32 or 64", "sm_90a"),
+            ({"warps": 4}, "8 consumer warps", "sm_90a"),
+            ({"cluster": 8}, "clusters of 1, 2, 4", "sm_90a"),
+            ({"stages": 3}, "at least 4 slots", "sm_90a"),
+            ({"stages": 14}, "shared memory", "sm_90a"),
+            ({}, "leave it out for sm_90", "sm_90")):
+        body = "\n    ".join(f"{k}: {v}" for k, v in {**base, **change}.items())
+        with pytest.raises(SpecError, match=match):
+            spec.parse(head.format(arch=arch) + body + "\n")
+    v = spec.parse(head.format(arch="sm_90a") + "\n    ".join(f"{k}: {v}" for k, v in base.items()) + "\n").variants[0]
+    assert v.name.endswith("_st6_bf16") and v.params["stages"] == 6
 
 
 def test_cuda_plan_and_checks():
@@ -1144,7 +1251,7 @@ def test_cuda_variants_sass():
 
     from kgen.runtime import build, toolchain
 
-    users = list(USER_CUDA) + list(USER_WGMMA)
+    users = list(USER_CUDA) + list(USER_WGMMA) + list(USER_RING)
     results = build.build_cuda([SPEC.variant(n) for n in CUDA_VARIANTS] + [_user_cuda(k) for k in users])
     assert len(results) == len(CUDA_VARIANTS) + len(users)
     for r in results:
@@ -1154,6 +1261,20 @@ def test_cuda_variants_sass():
         res = toolchain.resource_usage(lib)
         assert len(res) == 1 and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
         assert not re.search(r"\b(LDL|STL)\b", sass), r.variant.name
+        if r.variant.params["stages"]:
+            # the TMA ring: WGMMA (HGMMA) with the batch as N, TMA loads (multicast on a
+            # cluster), mbarriers, the dependent launch's wait; no GPU-wide fence; one or two
+            # indirect branches (the activation's switch) a layer; no serialised WGMMA
+            rows = r.variant.params["block_m"]
+            ops = [f"HGMMA.64x{rows}x16.F32", "SYNCS", "ACQBULK", "UCGABAR_ARV",
+                   "UTMALDG.2D.MULTICAST" if r.variant.params["cluster"] > 1 else "UTMALDG.2D"]
+            for op in ops:
+                assert op in sass, (r.variant.name, op)
+            assert not re.search(r"MEMBAR\.\w+\.GPU", sass), r.variant.name
+            assert sass.count("BRX") <= 2 * (len(r.variant.params["widths"]) - 1), (r.variant.name, sass.count("BRX"))
+            log = r.entry.file(build.BUILD_LOG).read_text()
+            assert not re.search(r"C75(08|10|11|15|19|20)", log), (r.variant.name, log)
+            continue
         if r.variant.arch == "sm_90a":
             # WGMMA (HGMMA) on shared-memory operands, bulk copies into the peers (UBLKCP) and
             # their mbarriers (SYNCS), the dependent launch's wait; no GPU-wide fence at all; one
@@ -1256,6 +1377,18 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
     assert [tile(n) for n in mid if "_sp" not in n] == sorted(tiles)  # ties: spec order
     assert _untuned(top, 128)[3:5] == ["triton_367x512x256x1_m16_k64_w4_sp8_bf16",
                                        "triton_367x512x256x1_m16_k64_w4_sp4_bf16"]  # (after the clusters)
+    # the TMA ring variants: last at 128 rows and for dense weights they cannot read (W0 367
+    # wide); first from 256 to 4096 rows of row-padded weights (or widths of whole 16-byte rows)
+    ring = [n for n in large if "_st" in n]
+    assert len(ring) == 3 and large[-3:] == ring and small[-3:] == ring
+    # (fewest waves of CTAs, then the larger cluster, then the smaller tile; 132 SMs without a GPU)
+    first = {256: "c4_m16", 1024: "c4_m16", 2048: "c2_m16", 4096: "c2_m32"}
+    for B, want in first.items():
+        order = [v.name for v in fm.untuned_order(
+            [v for v in dispatch._ordered("fused_mlp", "bfloat16", (9, 0)) if fm.variant_fits(v, {"widths": top})],
+            {"B": B, "widths": "367-512-256-1", "layout": "padded"})]
+        assert sorted(order[:3]) == sorted(ring) and f"_{want}_" in order[0], (B, order[:3])
+    assert _untuned(top, 8192)[-3:] == ring
     # float32's split variant: 512 programs at 2048 rows, last
     assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m16_k64_w4_f32", "triton_367x512x256x1_m64_k64_w8_f32",
                                               "triton_367x512x256x1_m16_k64_w4_sp4_f32"]
@@ -1415,7 +1548,8 @@ def test_gpu_cuda_variant(name):
     """A CUDA cluster variant: the kernel itself runs the inference calls it takes (several
     row tiles per cluster, the last one partial) against float64 into a poisoned output,
     bit-identical run to run; an x not 16-byte aligned, and a forward with `save` (the
-    backward's), go to its Triton companion; the op's eager fast path launches it."""
+    backward's), go to its Triton companion; the op's eager fast path launches it. (The TMA
+    ring variants take row-padded weights: W0's 367-wide rows are not whole vectors.)"""
     from kgen.families.fused_mlp import launch
     from kgen.families.fused_mlp.cuda import CudaMLP
     from kgen.runtime.op import error_ratio, poisoned
@@ -1429,6 +1563,9 @@ def test_gpu_cuda_variant(name):
     acts = ("gelu", "sigmoid")
     for B in (1, 1000, 40001):
         x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[True, False] + [True] * (len(widths) - 3))
+        if v.params["stages"]:
+            assert not impl.takes(x, ws, bs)
+            ws = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
         assert impl.takes(x, ws, bs)
         got = poisoned((B, widths[-1]), dtype, "cuda")
         launch.forward(impl, x, ws, bs, *acts, out=got)
@@ -1475,7 +1612,7 @@ def test_gpu_cuda_variant(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key", list(USER_CUDA) + list(USER_WGMMA))
+@pytest.mark.parametrize("key", list(USER_CUDA) + list(USER_WGMMA) + list(USER_RING))
 def test_gpu_cuda_variant_user_widths(key):
     """A CUDA variant a user's spec builds (USER_CUDA: aligned x, no unaligned weight, an even
     layer count, a one-CTA last layer) against float64 into a poisoned output, at one row tile,

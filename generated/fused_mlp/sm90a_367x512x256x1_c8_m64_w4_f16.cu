@@ -3,7 +3,7 @@
 // variant: fused_mlp/sm90a_367x512x256x1_c8_m64_w4_f16
 // backend: cuda, arch: sm_90a
 // dtype:   float16
-// knobs:   widths=(367, 512, 256, 1), cluster=8, block_m=64, warps=4
+// knobs:   widths=(367, 512, 256, 1), cluster=8, block_m=64, warps=4, stages=0
 //
 // A whole MLP of exact widths 367-512-256-1 in one launch on tensor cores (sm_90a:
 // WGMMA), spread over a thread-block cluster of 8 CTAs, float16, float32
@@ -366,28 +366,30 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // Tensor maps of 16-bit or 8-bit data (CU_TENSOR_MAP_DATA_TYPE_UINT8: int8 bytes), encoded once
-// per (address, shape, box) and reused: a small table replaced round-robin, shared by the
-// threads that launch (launches run without the GIL). Matrices: row-major [rows, cols], box
-// [box_rows, 128 bytes of columns], 128-byte swizzle (what the WGMMA descriptors above
-// expect). Vectors: [cols], box [box], no swizzle (rows == 0).
+// per (address, shape, pitch, box) and reused: a small table replaced round-robin, shared by the
+// threads that launch (launches run without the GIL). Matrices: row-major [rows, cols] with
+// rows `pitch` elements apart (0: cols), box [box_rows, 128 bytes of columns], 128-byte
+// swizzle (what the WGMMA descriptors above expect). Vectors: [cols], box [box], no swizzle
+// (rows == 0).
 class TensorMapCache {
  public:
   // Each returns false when the driver refuses (e.g. an address or row pitch not 16-byte
   // aligned, a box too large).
   bool matrix(CUtensorMap* out, const void* base, uint64_t rows, uint64_t cols, uint32_t box_rows,
-              CUtensorMapDataType dtype) {
-    return get(out, base, rows, cols, box_rows, dtype);
+              CUtensorMapDataType dtype, uint64_t pitch = 0) {
+    return get(out, base, rows, cols, pitch ? pitch : cols, box_rows, dtype);
   }
   bool vector(CUtensorMap* out, const void* base, uint64_t length, uint32_t box, CUtensorMapDataType dtype) {
-    return get(out, base, 0, length, box, dtype);
+    return get(out, base, 0, length, length, box, dtype);
   }
 
  private:
-  bool get(CUtensorMap* out, const void* base, uint64_t rows, uint64_t cols, uint32_t box,
+  bool get(CUtensorMap* out, const void* base, uint64_t rows, uint64_t cols, uint64_t pitch, uint32_t box,
            CUtensorMapDataType dtype) {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const Slot& s : slots_) {
-      if (s.used && s.base == base && s.rows == rows && s.cols == cols && s.box == box && s.dtype == dtype) {
+      if (s.used && s.base == base && s.rows == rows && s.cols == cols && s.pitch == pitch && s.box == box &&
+          s.dtype == dtype) {
         *out = s.map;
         return true;
       }
@@ -397,7 +399,7 @@ class TensorMapCache {
     Slot& s = slots_[next_];
     const uint32_t elem = dtype == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : 2;  // bytes an element
     const cuuint64_t dims[2] = {cols, rows};
-    const cuuint64_t strides[1] = {cols * elem};
+    const cuuint64_t strides[1] = {pitch * elem};
     const cuuint32_t box_dims[2] = {rows ? 128u / elem : box, box};
     const cuuint32_t elem_strides[2] = {1, 1};
     const CUresult r = encode(&s.map, dtype, rows ? 2 : 1, const_cast<void*>(base), dims, strides, box_dims,
@@ -409,7 +411,7 @@ class TensorMapCache {
       return false;
     }
     s.used = true;
-    s.base = base, s.rows = rows, s.cols = cols, s.box = box, s.dtype = dtype;
+    s.base = base, s.rows = rows, s.cols = cols, s.pitch = pitch, s.box = box, s.dtype = dtype;
     next_ = (next_ + 1) % kSlots;
     *out = s.map;
     return true;
@@ -420,7 +422,7 @@ class TensorMapCache {
     CUtensorMap map;
     bool used = false;
     const void* base = nullptr;
-    uint64_t rows = 0, cols = 0;
+    uint64_t rows = 0, cols = 0, pitch = 0;
     uint32_t box = 0;
     CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   };

@@ -261,9 +261,10 @@ def _free_dims(family: str) -> tuple:
 
 def stand_in(k: str) -> str | None:
     """Key `k` with each bucket flag the family maps in `TUNE_CLASS_FALLBACK` ({flag:
-    stand-in}) replaced, None where it maps none: the entry dispatch takes for a bucket
-    nobody tuned (fused_bias_act's `vec8` rows take the `tail` entry of the same sizes,
-    whose winner runs them at least as fast)."""
+    stand-in}) replaced (dropped where the stand-in is ""), None where it maps none: the
+    entry dispatch takes for a bucket nobody tuned (fused_bias_act's `vec8` rows take the
+    `tail` entry of the same sizes, whose winner runs them at least as fast; fused_mlp's
+    `padded` weights the entry of the same call with dense ones)."""
     prefix, _, bucket = k.rpartition("|")
     other = ".".join(_stand_in_parts(prefix.partition("|")[0], bucket.split(".")))
     return f"{prefix}|{other}" if other != bucket else None
@@ -271,7 +272,7 @@ def stand_in(k: str) -> str | None:
 
 def _stand_in_parts(family: str, parts) -> tuple:
     mapping = _family_attr(family, "TUNE_CLASS_FALLBACK", {})
-    return tuple(mapping.get(p, p) for p in parts)
+    return tuple(q for q in (mapping.get(p, p) for p in parts) if q)
 
 
 def nearest(k: str) -> tuple[str, dict] | None:

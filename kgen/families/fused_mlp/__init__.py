@@ -11,8 +11,10 @@ every gradient in two or three Triton launches) and `module` (kgen.nn.FusedMLP).
 is the contract kgen's core reads.
 
 The forward's Triton kernels live in kgen/templates/fused_mlp/triton.py.j2 (rendered per
-variant), the CUDA cluster kernels (exact widths, inference) in cuda.cu.j2 (sm_90, mma.sync)
-and cuda_wgmma.cu.j2 (sm_90a, WGMMA; helpers shared through device.cuh.j2); the
+variant), the CUDA cluster kernels (exact widths, inference) in cuda.cu.j2 (sm_90, mma.sync),
+cuda_wgmma.cu.j2 (sm_90a, WGMMA) and cuda_ring.cu.j2 (sm_90a with `stages`: WGMMA with the batch
+as N, the weights streamed by TMA; cuda_sm90a.cu.j2 picks one of the two; helpers shared through
+device.cuh.j2); the
 backward's, generic in the widths (constexprs), in fused_backward_kernels.py (launched by
 fused_backward.py).
 """
@@ -20,9 +22,9 @@ fused_backward.py).
 from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.launch import backward, forward, precision
 from kgen.families.fused_mlp.op import (
-    DLRM_BOTTOM, DLRM_TOP, GOLDEN_CASES, KERNELS, OPS, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, bucket_extras,
-    fused_mlp, golden, grad_check, implementation, make_inputs, module_for, tune_bucket, tune_choices, tune_inputs,
-    tune_runner, untuned_order, using)
+    DLRM_BOTTOM, DLRM_TOP, GOLDEN_CASES, KERNELS, OPS, TUNE_CLASS_FALLBACK, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, TUNE_VARIATIONS,
+    bucket_extras, fused_mlp, golden, grad_check, implementation, layout_of, make_inputs, module_for, tune_bucket,
+    tune_choices, tune_inputs, tune_runner, untuned_order, using)
 from kgen.families.fused_mlp.reference import act, dact, eager, reference
 from kgen.families.fused_mlp.schema import (
     ACTIVATIONS, MAX_LAYERS, MAX_WIDTH, SCHEMA, TEMPLATES, template_context, triton_aot, variant_fits)

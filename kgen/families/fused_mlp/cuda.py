@@ -1,5 +1,5 @@
 """fused_mlp's CUDA cluster variants as the op runs them (templates/fused_mlp/cuda.cu.j2, and
-cuda_wgmma.cu.j2 with the same launcher arguments): one
+cuda_wgmma.cu.j2 and cuda_ring.cu.j2 with the same launcher arguments): one
 launch of the inference forward for its exact widths, beside a Triton companion that serves
 everything it does not take (the forward with `save` for the backward, inputs not contiguous
 or not 16-byte aligned, other widths)."""
@@ -36,11 +36,15 @@ class CudaMLP:
         self.name = kernel.name
         self.widths = tuple(kernel.params["widths"])
         self.dtype = getattr(torch, kernel.variant.dtype)
+        # the TMA ring kernel (cuda_ring.cu.j2) reads every weight through a tensor map: rows
+        # on 16-byte boundaries
+        self.tma = bool(kernel.params.get("stages"))
 
     def takes(self, x: torch.Tensor, weights, biases) -> bool:
         """Whether the kernel runs this call: x [B, w0] of its dtype and widths, B >= 1,
         x and the biases contiguous, each weight contiguous or row-padded (`row_stride`), all
-        16-byte aligned (its vector loads)."""
+        16-byte aligned (its vector loads); for the TMA ring kernel every weight's row stride
+        whole 16-byte vectors too (a weight of width 367 row-padded to 368, not contiguous)."""
         if x.dtype != self.dtype or x.shape[0] < 1 or (x.shape[1], *(w.shape[0] for w in weights)) != self.widths:
             return False
         ptrs = 0
@@ -49,7 +53,8 @@ class CudaMLP:
                 return False
             ptrs |= t.data_ptr()
         for w in weights:
-            if w.dtype != self.dtype or row_stride(w) is None:
+            ld = row_stride(w)
+            if w.dtype != self.dtype or ld is None or (self.tma and (ld * w.element_size()) & 15):
                 return False
             ptrs |= w.data_ptr()
         return not ptrs & 15

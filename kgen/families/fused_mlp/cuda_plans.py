@@ -1,7 +1,8 @@
 """fused_mlp's CUDA cluster variants' plans and the rules they obey: the mma.sync kernel's
-(templates/fused_mlp/cuda.cu.j2, `cuda_plan`) and the WGMMA kernel's (cuda_wgmma.cu.j2,
-`wgmma_plan`): how each layer's columns split over a cluster, what sits where in shared
-memory, and the spec errors for what a variant cannot be (schema._check_variant calls them)."""
+(templates/fused_mlp/cuda.cu.j2, `cuda_plan`), the WGMMA kernel's (cuda_wgmma.cu.j2,
+`wgmma_plan`) and the TMA ring kernel's (cuda_ring.cu.j2, `ring_plan`): how each layer's
+columns split over a cluster (or its weights stream through the ring), what sits where in
+shared memory, and the spec errors for what a variant cannot be (schema._check_variant calls them)."""
 
 from __future__ import annotations
 
@@ -149,6 +150,86 @@ def wgmma_plan(widths: tuple[int, ...], cluster: int, block_m: int, itemsize: in
     return {"layers": layers, "smem": smem, "wgmma_ns": sorted({l["n"] for l in layers}),
             # at least 256 threads a CTA for the prologue's loads (64 rows: a warpgroup idles in the layers)
             "warpgroups": block_m // 64, "threads": max(256, block_m * 2)}
+
+
+# ---------------------------------------------------------------- the TMA ring kernel (sm_90a)
+
+RING_ROWS = 128  # a ring slot's weight rows (output features): two m64 wgmma tiles
+RING_K = 64  # ... and its K columns: one 128-byte swizzled row of 16-bit elements
+RING_SLOT = RING_ROWS * RING_K * 2  # bytes
+RING_WARPS = 8  # two consumer warpgroups (the producer warp comes on top)
+RING_CLUSTERS = (1, 2, 4)
+
+
+def ring_plan(widths: tuple[int, ...], cluster: int, block_m: int, stages: int) -> dict:
+    """The TMA ring variant's plan (templates/fused_mlp/cuda_ring.cu.j2) for exact widths, 16-bit
+    dtypes: a CTA owns `block_m` rows of x (WGMMA's N: the batch is the B operand, "swap AB"),
+    the weights are the A operand, streamed through `stages` slots of RING_ROWS features x
+    RING_K columns (TMA, 128-byte swizzle, zeros past N and K), each slot multicast to the
+    `cluster` CTAs of a cluster. Per ring layer: K, N, kc (its K panels of 64), mt (its tiles of
+    128 features), c0 (its first chunk in the ring's order: layer by layer, mt * kc chunks a
+    layer), b_off (its float32 bias, mt * 128 entries, zeros past N), and the activation
+    buffers it reads (`src`: x's is buffer 0) and writes (`dst`, None for the last ring layer).
+    A one-wide last layer after another (DLRM's top MLP) is no ring layer: a dot of the layer
+    before's output in its epilogue (`dot`, its weights as float32 at dot_off, the warps'
+    partial sums at red_off). Shared memory: the ring (1024-byte aligned slots), two
+    activation buffers of 64-column panels (block_m rows x 128 bytes, swizzled; layer i reads
+    buffer i % 2), the biases, the dot's operands, 2 * stages mbarriers."""
+    L = len(widths) - 1
+    dot = L >= 2 and widths[-1] == 1
+    ring = L - 1 if dot else L
+    panel = block_m * 128
+    layers, c0, b_off = [], 0, 0
+    for i in range(ring):
+        K, N = widths[i], widths[i + 1]
+        kc, mt = -(-K // RING_K), -(-N // RING_ROWS)
+        layers.append({"i": i, "K": K, "N": N, "kc": kc, "mt": mt, "c0": c0, "b_off": b_off, "src": i % 2,
+                       "dst": None if i == ring - 1 else (i + 1) % 2, "last": i == L - 1,
+                       "feeds_dot": dot and i == ring - 1})
+        c0 += mt * kc
+        b_off += mt * RING_ROWS * 4
+    bufs = [max([l["kc"] * panel for l in layers if l["src"] == b], default=0) for b in (0, 1)]
+    off = stages * RING_SLOT
+    buf_off = [off, off + bufs[0]]
+    off += bufs[0] + bufs[1]
+    for l in layers:
+        l["b_off"] += off
+    off += b_off
+    dot_off = red_off = 0
+    if dot:
+        dot_off = off
+        off += layers[-1]["mt"] * RING_ROWS * 4
+        red_off = off
+        off += RING_WARPS * block_m * 4
+    bar_off = _round(off, 8)
+    off = bar_off + 2 * stages * 8
+    return {"layers": layers, "dot": dot, "chunks": c0, "panel": panel, "buf_off": buf_off, "dot_off": dot_off,
+            "red_off": red_off, "bar_off": bar_off, "smem": off + 1024,  # + the 1024-byte alignment of the ring
+            "slot": RING_SLOT, "threads": RING_WARPS * 32 + 32}
+
+
+def check_ring(dtype: str, k: Mapping[str, Any]):
+    widths = k["widths"]
+    problems = check_common(dtype, widths, "WGMMA m64nNk16, TMA ring")
+    if any(p[0] == "widths" for p in problems):
+        return problems
+    if k["block_m"] not in (16, 32, 64):
+        problems.append(("block_m", "the ring variant's rows a CTA are one wgmma's N: 16, 32 or 64"))
+    if k["warps"] != RING_WARPS:
+        problems.append(("warps", f"the ring variant runs {RING_WARPS} consumer warps (two warpgroups; "
+                                  "its producer warp comes on top)"))
+    if k["cluster"] not in RING_CLUSTERS:
+        problems.append(("cluster", f"the ring variant multicasts to clusters of {', '.join(map(str, RING_CLUSTERS))}"))
+    if k["stages"] < 4:
+        problems.append(("stages", "the ring needs at least 4 slots (each consumer warpgroup holds two)"))
+    if problems:
+        return problems
+    plan = ring_plan(widths, k["cluster"], k["block_m"], k["stages"])
+    if plan["smem"] > SMEM_MAX:
+        problems.append(("stages", f"{plan['smem']} bytes of shared memory ({k['stages']} ring slots of "
+                                   f"{RING_SLOT}, the activation panels, biases) exceed {SMEM_MAX}; "
+                                   "use fewer stages or a smaller block_m"))
+    return problems
 
 
 def check_common(dtype: str, widths, mma: str) -> list:

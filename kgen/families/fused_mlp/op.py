@@ -15,9 +15,9 @@ from kgen.families.fused_mlp.checks import check_inputs
 from kgen.families.fused_mlp.reference import eager, reference
 from kgen.families.fused_mlp.schema import fits, widths_of
 from kgen.families.fused_mlp.tuning import (  # noqa: F401 (the family package and tests read them here too)
-    DLRM_BOTTOM, DLRM_TOP, FAMILY, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, UNTUNED_CLUSTER_B, UNTUNED_SMALL_TILES_B,
-    bucket_extras, eager_us, generic_us, implementation, make_inputs, runner, tune_bucket, tune_choices, tune_inputs,
-    tune_runner, untuned_order)
+    DLRM_BOTTOM, DLRM_TOP, FAMILY, TUNE_CLASS_FALLBACK, TUNE_DIMS, TUNE_FREE_DIMS, TUNE_SHAPES, TUNE_VARIATIONS, UNTUNED_CLUSTER_B,
+    UNTUNED_SMALL_TILES_B, bucket_extras, eager_us, generic_us, implementation, layout_of, make_inputs, runner,
+    tune_bucket, tune_choices, tune_inputs, tune_runner, untuned_order)
 from kgen.runtime.memo import CallMemo
 from kgen.runtime.op import (Kernels, MISSING, Override, _any_autocast, autocast, check_dispatch_env, define,
                              dispatch_modes, error_ratio, poisoned, with_reference)
@@ -44,10 +44,10 @@ FAST_TRAIN = os.environ.get("KGEN_FUSED_MLP_FAST_TRAIN", "1") != "0"
 using = _FORCED.using
 
 
-def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
-    """What runs the variant dispatch chose for (widths, B bucket, dtype): a Triton variant's
-    rendered module, a CUDA variant's CudaMLP, or None for the eager composition (CPU
-    tensors, nothing fits or builds, or eager won)."""
+def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int, weights=()):
+    """What runs the variant dispatch chose for (widths, B bucket, dtype, the weights' layout:
+    tuning.layout_of): a Triton variant's rendered module, a CUDA variant's CudaMLP, or None
+    for the eager composition (CPU tensors, nothing fits or builds, or eager won)."""
     forced = _FORCED.get()
     if forced is not MISSING:
         return forced
@@ -55,7 +55,10 @@ def module_for(device: torch.device, dtype: torch.dtype, widths: tuple, B: int):
         check_dispatch_env()  # (a typo in KGEN_BACKEND / KGEN_AUTOTUNE fails here too)
         return None
     extras = bucket_extras(str(dtype).removeprefix("torch."))  # the bucket's process state, as the tuner's
-    key = (device.index, dtype, widths, B.bit_length(), *extras.values())
+    layout = layout_of(weights, dtype.itemsize)
+    if layout is not None:
+        extras["layout"] = layout
+    key = (device.index, dtype, widths, B.bit_length(), layout, *extras.values())
     kernel = KERNELS.lookup(key)
     if kernel is MISSING:
         kernel = KERNELS.choose(key, device, dtype, {"B": max(B, 1), "widths": "-".join(map(str, widths)), **extras})
@@ -103,7 +106,7 @@ def _forward_impl(x: torch.Tensor, weights: list[torch.Tensor], biases: list[tor
     bl = _per_layer(biases, bias_mask, len(weights))
     widths = check_inputs(x, weights, bl, activation, last_activation)
     x2 = _flat(x, widths)
-    mod = module_for(x.device, x.dtype, widths, x2.shape[0])
+    mod = module_for(x.device, x.dtype, widths, x2.shape[0], weights)
     if mod is None:
         out = eager(x2, weights, bl, activation, last_activation)[0]
     else:
@@ -169,7 +172,7 @@ def _backward_impl(grad: torch.Tensor, x: torch.Tensor, weights: list[torch.Tens
     bl = _per_layer(biases, bias_mask, len(weights))
     widths = (x.shape[-1], *(w.shape[0] for w in weights))
     x2, g2 = _flat(x, widths), _flat(grad, widths[-1:])
-    mod = module_for(x.device, x.dtype, widths, x2.shape[0])
+    mod = module_for(x.device, x.dtype, widths, x2.shape[0], weights)
     ws = list(weights)  # (as given: train.gradients copies those its kernels do not read in place)
     if x2.shape[0] == 0:
         gx, gws = x2.clone(), [torch.zeros_like(w) for w in ws]
@@ -354,7 +357,11 @@ GOLDEN_CASES = (("relu", "none", True), ("sigmoid", "sigmoid", False), ("gelu", 
 def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
     """Forward of one loaded variant at its widths (exact) or GOLDEN_GENERIC_WIDTHS (generic,
     those within its bound), B in GOLDEN_B, GOLDEN_CASES (each activation in both places, biases on every
-    layer and on none), against float64, into a NaN-poisoned output (an element never written fails)."""
+    layer and on none), against float64, into a NaN-poisoned output (an element never written fails).
+    A CUDA variant runs every case itself, never its Triton companion: the TMA ring kernel's
+    weights row-padded to whole 16-byte vectors (cuda.CudaMLP.takes), as FusedMLP lays them out."""
+    from kgen.families.fused_mlp.cuda import CudaMLP
+
     t = getattr(torch, dtype)
     p = kernel.params
     all_widths = [tuple(p["widths"])] if p["widths"] else [w for w in GOLDEN_GENERIC_WIDTHS if fits(p, w)]
@@ -364,6 +371,11 @@ def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
         for B in GOLDEN_B:
             for k, (a, last, bias) in enumerate(GOLDEN_CASES):
                 x, ws, bs = make_inputs(device, t, B, widths, seed=B * 31 + k, bias=bias)
+                if type(mod) is CudaMLP:
+                    if mod.tma:
+                        ws = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
+                    if not mod.takes(x, ws, bs):
+                        raise AssertionError(f"{kernel.name} does not take its golden inputs (its companion would run)")
                 got = poisoned((B, widths[-1]), t, device)
                 launch.forward(mod, x, ws, bs, a, last, out=got)
                 ref = reference(x, ws, bs, a, last)

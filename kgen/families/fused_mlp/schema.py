@@ -215,6 +215,10 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
     if backend == "cuda":
         from kgen.families.fused_mlp import cuda_plans  # (it imports this module's limits)
 
+        if k["stages"]:
+            if arch != "sm_90a":
+                return [("stages", "the TMA ring (stages) is the sm_90a WGMMA variant's; leave it out for sm_90")]
+            return cuda_plans.check_ring(dtype, k)
         return cuda_plans.check_wgmma(dtype, k) if arch == "sm_90a" else cuda_plans.check_mma_sync(dtype, k)
     problems = []
     widths, mw = k["widths"], k["max_width"]
@@ -273,6 +277,9 @@ SCHEMA = Schema(
             Knob("cluster", "c", lo=1, hi=16, pow2=True),  # CTAs per cluster (above 8: non-portable)
             Knob("block_m", "m", lo=16, hi=128, pow2=True),  # rows per cluster tile
             Knob("warps", "w", lo=4, hi=16, pow2=True),
+            # sm_90a: slots of the TMA ring (templates/fused_mlp/cuda_ring.cu.j2: block_m rows a
+            # CTA, the weights streamed and multicast over the cluster); 0: the exchange kernel
+            Knob("stages", "st", lo=0, hi=32, default=0),
         ),
     },
     check=_check_variant,
@@ -280,15 +287,19 @@ SCHEMA = Schema(
     archs=("sm_90", "sm_90a"),
 )
 TEMPLATES = {"triton": "fused_mlp/triton.py.j2",
-             "cuda": {"sm_90": "fused_mlp/cuda.cu.j2", "sm_90a": "fused_mlp/cuda_wgmma.cu.j2"}}
+             "cuda": {"sm_90": "fused_mlp/cuda.cu.j2", "sm_90a": "fused_mlp/cuda_sm90a.cu.j2"}}
 
 
 def template_context(variant) -> dict:
     p = variant.params
-    from kgen.families.fused_mlp.cuda_plans import cuda_plan, wgmma_plan  # (it imports this module)
+    from kgen.families.fused_mlp.cuda_plans import RING_ROWS, cuda_plan, ring_plan, wgmma_plan  # (it imports this module)
 
+    if variant.backend == "cuda" and variant.arch == "sm_90a" and p["stages"]:
+        return {"dtype": variant.dtype, "activations": ACTIVATIONS, "widths": tuple(p["widths"]), "ring": True,
+                "CLUSTER": p["cluster"], "ROWS": p["block_m"], "STAGES": p["stages"], "slot_rows": RING_ROWS,
+                **ring_plan(tuple(p["widths"]), p["cluster"], p["block_m"], p["stages"])}
     if variant.backend == "cuda" and variant.arch == "sm_90a":
-        return {"dtype": variant.dtype, "activations": ACTIVATIONS, "widths": tuple(p["widths"]),
+        return {"dtype": variant.dtype, "activations": ACTIVATIONS, "widths": tuple(p["widths"]), "ring": False,
                 "CLUSTER": p["cluster"], "BLOCK_M": p["block_m"],
                 **wgmma_plan(tuple(p["widths"]), p["cluster"], p["block_m"], ITEMSIZE[variant.dtype])}
     if variant.backend == "cuda":

@@ -13,7 +13,7 @@ import torch
 from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.reference import backward_lean, eager
-from kgen.families.fused_mlp.schema import fits, widths_of
+from kgen.families.fused_mlp.schema import ITEMSIZE, fits, widths_of
 from kgen.runtime.op import sm_count
 
 FAMILY = "fused_mlp"
@@ -28,16 +28,48 @@ TUNE_DIMS = ("B", "widths")
 # variant, 2-7x slower than the Triton tiles from B = 16384).
 TUNE_FREE_DIMS = ("B",)
 DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
-TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last}
+# The weights' layout is part of a bucket where it changes what can run: `padded` (a bucket
+# flag) where every weight whose rows are not whole 16-byte vectors (the top MLP's W0, 367
+# wide; the bottom's, 13) comes row-padded to whole vectors, as FusedMLP lays them out
+# (pad_weights), and the rest are contiguous (`layout_of`). The TMA ring variants read only such
+# weights (their tensor maps need 16-byte row pitches), so the same widths and B have two
+# winners: one for dense weights, one for padded. A padded bucket nobody tuned takes the dense
+# bucket's entry (TUNE_CLASS_FALLBACK: every variant runs padded weights at least as fast).
+TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last, **layout}
+                    for layout in ({}, {"layout": "padded"})
                     for w, last in ((DLRM_TOP, "sigmoid"), (DLRM_BOTTOM, "relu"))
-                    for b in (128, 512, 2048, 16384, 65536))
+                    for b in ((128, 512, 2048, 16384, 65536) if not layout else (128, 512, 1024, 2048, 4096, 16384)))
+TUNE_CLASS_FALLBACK = {"padded": ""}  # tuning_table.stand_in: a padded bucket's untuned entry is the dense one's
+TUNE_VARIATIONS = ({}, {"layout": "padded"})  # what `kgen tune --shapes` adds to each shape (layout=padded: only that)
 
 
-def tune_bucket(B: int, widths, precision: str | None = None, **_) -> str:
-    """Widths, B rounded up to a power of two, and for float32 the dot precision (TF32 on
-    or off: different kernels, and eager's own matmuls change speed with it too)."""
+def tune_bucket(B: int, widths, precision: str | None = None, layout: str | None = None, **_) -> str:
+    """Widths, B rounded up to a power of two, for float32 the dot precision (TF32 on or
+    off: different kernels, and eager's own matmuls change speed with it too), and `padded`
+    for row-padded weights (`layout_of`)."""
+    if layout not in (None, "padded"):
+        raise ValueError(f"layout {layout!r}: the weights' layouts are dense (none given) and 'padded'")
     w = "-".join(map(str, widths_of(widths)))
-    return f"w{w}.B<={1 << max(0, B - 1).bit_length()}" + (f".{precision}" if precision else "")
+    return (f"w{w}.B<={1 << max(0, B - 1).bit_length()}" + (f".{precision}" if precision else "")
+            + (".padded" if layout == "padded" else ""))
+
+
+def layout_of(weights, itemsize: int) -> str | None:
+    """"padded" where at least one weight's width is not whole 16-byte vectors and every such
+    weight is row-padded to whole vectors (rows contiguous, their stride a multiple of 16
+    bytes: launch.row_padded, FusedMLP's pad_weights), the others contiguous; None otherwise
+    (dense weights, any other layout, or widths whose rows all are whole vectors already)."""
+    padded = False
+    for w in weights:
+        k = w.shape[1]
+        if (k * itemsize) % 16:
+            s = w.stride(0)
+            if w.stride(1) != 1 or s <= k or (s * itemsize) % 16:
+                return None
+            padded = True
+        elif not w.is_contiguous():
+            return None
+    return "padded" if padded else None
 
 
 def bucket_extras(dtype: str) -> dict:
@@ -65,8 +97,11 @@ def make_inputs(device, dtype, B: int, widths, seed: int = 0, bias=True):
 
 
 def tune_inputs(device, dtype: str, B: int, widths, activation: str = "relu", last_activation: str = "none",
-                precision: str | None = None) -> dict:
+                precision: str | None = None, layout: str | None = None) -> dict:
     x, ws, bs = make_inputs(device, getattr(torch, dtype), B, widths)
+    if layout == "padded":  # (as FusedMLP's pad_weights: rows of whole 16-byte vectors)
+        v = 16 // x.element_size()
+        ws = [launch.row_padded(w, -(-w.shape[1] // v) * v) for w in ws]
     return {"x": x, "weights": ws, "biases": bs, "activation": activation, "last_activation": last_activation}
 
 
@@ -296,6 +331,12 @@ EAGER_KERNEL_US = 3.0
 EAGER_TFLOPS = {"16-bit": 300.0, "tf32x3": 50.0, "tf32": 150.0}
 EAGER_GBPS = 3000.0
 UNTUNED_CLUSTER_B = 128
+# ... and the TMA ring variants first from there up to UNTUNED_RING_B rows where they take the
+# weights (`_ring_rank`): 12.5-16.2 us against the dispatch's 13.6-27.4 at B = 512-4096 (H100, bf16
+# top MLP, row-padded W0, eighty-first session); at B <= 128 they come last (12.5 us against the
+# clusters' 8.2), past 4096 after the Triton tiles (8192: 31.0, the Triton m32's 31.0)
+UNTUNED_RING_B = 4096
+RING_C4_SHARE = 0.9  # 32 clusters of 4 (128 CTAs) took two waves on the H100's 132 SMs
 UNTUNED_SMALL_TILES_B = 8192
 UNTUNED_ONE_WIDE_K = 64
 UNTUNED_WIDE_16BIT = 128
@@ -379,4 +420,25 @@ def untuned_order(variants, shape: dict) -> list:
         eager = eager_us(generic[0].dtype, B, widths, shape)
         generic = [v for v in generic
                    if generic_us(v.params, v.dtype, B, widths, shape) <= UNTUNED_EAGER_FACTOR * eager]
-    return cuda + exact + generic if B <= UNTUNED_CLUSTER_B else exact + generic + cuda
+    ring = [v for v in cuda if v.params.get("stages")]
+    cuda = [v for v in cuda if not v.params.get("stages")]
+    if ring and UNTUNED_CLUSTER_B < B <= UNTUNED_RING_B and _ring_takes(shape, widths, ring[0].dtype):
+        return sorted(ring, key=lambda v: _ring_rank(v.params, B)) + exact + generic + cuda
+    return cuda + exact + generic + ring if B <= UNTUNED_CLUSTER_B else exact + generic + cuda + ring
+
+
+def _ring_rank(params: dict, B: int) -> tuple:
+    """A TMA ring variant's place among the others for B rows: fewest waves of CTAs first (one
+    CTA an SM; clusters of 4 place on at most RING_C4_SHARE of the SMs), then the larger cluster
+    (fewer L2 reads of the weights), then the smaller row tile. H100, bf16 top MLP (tools/
+    fused_mlp_ring_bench.py, eighty-first session): c4 m16 12.5 us at B <= 1024, 24.2 at 2048 (128
+    CTAs: two waves) where c2 m16 takes 13.5, c2 m32 16.2 at 4096 where c2 m16 takes 26.0."""
+    ctas = -(-B // params["block_m"])
+    capacity = int(_sms() * (RING_C4_SHARE if params["cluster"] >= 4 else 1.0))
+    return -(-ctas // max(1, capacity)), -params["cluster"], params["block_m"]
+
+
+def _ring_takes(shape: dict, widths: tuple, dtype: str) -> bool:
+    """Whether the TMA ring variants take a call of `shape`: every weight's rows whole 16-byte
+    vectors, as given (`layout` padded) or by their widths."""
+    return shape.get("layout") == "padded" or all(k * ITEMSIZE[dtype] % 16 == 0 for k in widths[:-1])
