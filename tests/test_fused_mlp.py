@@ -954,6 +954,17 @@ def test_padded_weights_have_their_own_bucket(monkeypatch, tmp_path):
     assert fm.layout_of([launch.row_padded(ws[0], 370), *ws[1:]], 2) is None  # 740-byte rows: not whole vectors
     assert fm.layout_of([padded[0], ws[1].t().contiguous().t(), ws[2]], 2) is None  # a transposed weight
     assert fm.layout_of(fm.make_inputs("cpu", torch.bfloat16, 3, (64, 32, 8))[1], 2) is None  # whole rows already
+    # a whole-vector width may be row-padded too; a one-row weight has no layout
+    assert fm.layout_of([padded[0], launch.row_padded(ws[1], 520), ws[2]], 2) == "padded"
+    assert fm.layout_of(fm.make_inputs("cpu", torch.bfloat16, 3, (64, 100, 1))[1], 2) is None
+    # the TMA ring variants are candidates only where they read the weights: padded, or whole
+    # rows by their widths (a one-wide last layer's, a dot, not read through a tensor map)
+    ring = SPEC.variant("sm90a_367x512x256x1_c4_m16_w8_st11_bf16")
+    assert fm.variant_fits(ring, {"widths": top, "layout": "padded"}) and not fm.variant_fits(ring, {"widths": top})
+    from kgen.families.fused_mlp.schema import ring_reads
+
+    assert ring_reads((64, 100, 1), "bfloat16", None) and not ring_reads((64, 100, 3), "bfloat16", None)
+    assert not ring_reads((100, 1), "bfloat16", None) and ring_reads((100, 1), "bfloat16", "padded")
     seen = []
     monkeypatch.setattr(fm.KERNELS, "choose", lambda key, device, dtype, shp: seen.append(fm.tune_bucket(**shp)))
     monkeypatch.setattr(fm.KERNELS, "lookup", lambda key: fm.op.MISSING)
@@ -1241,6 +1252,30 @@ def test_cuda_direct_arguments(monkeypatch, bias):
         f(x, ws, bs)
 
 
+def test_ring_takes_weights_its_tensor_maps_read():
+    """The TMA ring variant's `takes`: every weight it reads through a tensor map with rows of
+    whole 16-byte vectors (row-padded where its width is not), a one-wide last layer's weight
+    (a dot, read in registers) whatever its width; the other CUDA variants take them all."""
+    from types import SimpleNamespace
+
+    from kgen.families.fused_mlp import cuda, launch
+
+    def impl(widths, stages):
+        kernel = SimpleNamespace(name="fake", params={"widths": list(widths), "stages": stages},
+                                 variant=SimpleNamespace(dtype="bfloat16"))
+        return cuda.CudaMLP(kernel, None)
+
+    for widths in ((64, 100, 1), (367, 512, 256, 1)):
+        x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 5, widths)
+        ring, other = impl(widths, 6), impl(widths, 0)
+        assert ring.tma == len(widths) - 2 and other.tma == 0 and other.takes(x, ws, bs)
+        assert ring.takes(x, ws, bs) == (widths[0] % 8 == 0)
+        pw = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
+        assert ring.takes(x, pw, bs)
+    x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 5, (100, 1))  # one layer: read through a tensor map
+    assert impl((100, 1), 6).tma == 1 and not impl((100, 1), 6).takes(x, ws, bs)
+
+
 @requires_nvcc
 def test_cuda_variants_sass():
     """Every shipped CUDA variant compiles for sm_90: mma.sync (HMMA.16816.F32) from ldmatrix
@@ -1377,18 +1412,22 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
     assert [tile(n) for n in mid if "_sp" not in n] == sorted(tiles)  # ties: spec order
     assert _untuned(top, 128)[3:5] == ["triton_367x512x256x1_m16_k64_w4_sp8_bf16",
                                        "triton_367x512x256x1_m16_k64_w4_sp4_bf16"]  # (after the clusters)
-    # the TMA ring variants: last at 128 rows and for dense weights they cannot read (W0 367
-    # wide); first from 256 to 4096 rows of row-padded weights (or widths of whole 16-byte rows)
-    ring = [n for n in large if "_st" in n]
-    assert len(ring) == 3 and large[-3:] == ring and small[-3:] == ring
+    # the TMA ring variants: no candidates for dense weights they cannot read (W0 367 wide);
+    # for row-padded ones first from 256 to 4096 rows, last at 128 and past 4096
+    assert not any("_st" in n for n in large)
+
+    def padded(B):
+        shape = {"B": B, "widths": "367-512-256-1", "layout": "padded"}
+        return [v.name for v in fm.untuned_order(
+            [v for v in dispatch._ordered("fused_mlp", "bfloat16", (9, 0)) if fm.variant_fits(v, shape)], shape)]
+
+    ring = [n for n in padded(128) if "_st" in n]
+    assert len(ring) == 3 and padded(128)[-3:] == ring and padded(8192)[-3:] == ring
     # (fewest waves of CTAs, then the larger cluster, then the smaller tile; 132 SMs without a GPU)
     first = {256: "c4_m16", 1024: "c4_m16", 2048: "c2_m16", 4096: "c2_m32"}
     for B, want in first.items():
-        order = [v.name for v in fm.untuned_order(
-            [v for v in dispatch._ordered("fused_mlp", "bfloat16", (9, 0)) if fm.variant_fits(v, {"widths": top})],
-            {"B": B, "widths": "367-512-256-1", "layout": "padded"})]
+        order = padded(B)
         assert sorted(order[:3]) == sorted(ring) and f"_{want}_" in order[0], (B, order[:3])
-    assert _untuned(top, 8192)[-3:] == ring
     # float32's split variant: 512 programs at 2048 rows, last
     assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m16_k64_w4_f32", "triton_367x512x256x1_m64_k64_w8_f32",
                                               "triton_367x512x256x1_m16_k64_w4_sp4_f32"]

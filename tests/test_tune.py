@@ -684,6 +684,28 @@ def test_nearest_bucket():
         tune.TABLES.invalidate()
 
 
+def test_a_stand_in_entry_strictly_closer_than_its_own_flags_serves():
+    """nearest searches a bucket's own flags and its stand-in's (fused_mlp: `padded` -> none):
+    the stand-in's entry serves where it is strictly closer (padded weights tuned at B <= 4096
+    only: B = 32768 takes the dense B <= 16384 winner, B = 64 the dense B <= 128 one), its own
+    on a tie or where closer."""
+    def key(b):
+        return tune.key("fused_mlp", FAKE_DEVICE, "bfloat16", b)
+
+    tune.TABLES._merged = {key(b): _entry(b) for b in ("w8-8.B<=4096.padded", "w8-8.B<=16384", "w8-8.B<=128")}
+    try:
+        def near(b):
+            return tune.nearest(key(b))[1]["winner"]
+
+        assert near("w8-8.B<=32768.padded") == "w8-8.B<=16384"
+        assert near("w8-8.B<=64.padded") == "w8-8.B<=128"
+        assert near("w8-8.B<=2048.padded") == "w8-8.B<=4096.padded"
+        assert near("w8-8.B<=8192.padded") == "w8-8.B<=4096.padded"  # 1 class from both: its own
+        assert near("w8-8.B<=8192") == "w8-8.B<=16384"  # a dense bucket never takes a padded entry
+    finally:
+        tune.TABLES.invalidate()
+
+
 def test_a_vec8_bucket_nobody_tuned_takes_the_tail_entry_of_its_sizes(tables):
     a, b, c = _triton_f32()[:3]
     vec8, tail = fba.tune_bucket(1000, 4100), fba.tune_bucket(1000, 4102)

@@ -614,6 +614,10 @@ __device__ __forceinline__ void produce(const Params& p, uint32_t ring, uint32_t
       issue(&p.maps[1], kc, m);
       if (m + 1 < 2) issue(&p.maps[1], kc, m + 1);
     }
+  // The tail: every slot's last round freed by every CTA's consumers, so that no peer's
+  // arrival on this CTA's barriers is still in flight when it leaves (the cluster barrier at
+  // the end is relaxed: it orders nothing by itself).
+  for (int s = 0; s < STAGES && s < c; ++s) bar_wait(empty + 8 * s, ((c - 1 - s) / STAGES) & 1);
 }
 
 // Consumer state: one m64 x ROWS accumulator per half of a slot's features.
@@ -843,15 +847,17 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
 }
 
 // The launcher's tensor maps: each ring layer's weight [N, K] at its row stride, boxes of
-// 128 rows x 64 columns (128-byte swizzle); false where the driver refuses one (a
-// pointer or row pitch not on 16 bytes).
+// 128 rows x 64 columns (128-byte swizzle). 0, or -1 (KGEN_MISALIGNED) where the
+// driver refuses one (a pointer or row pitch not on 16 bytes), or cudaErrorNotSupported where
+// the driver has no tensor-map encoder at all.
 kgen::TensorMapCache tensor_maps;
 
-bool encode_maps(Params& p) {
+int encode_maps(Params& p) {
   constexpr CUtensorMapDataType dt = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-  if (!tensor_maps.matrix(&p.maps[0], p.w[0], 512, 367, 128, dt, (uint64_t)p.ldw[0])) return false;
-  if (!tensor_maps.matrix(&p.maps[1], p.w[1], 256, 512, 128, dt, (uint64_t)p.ldw[1])) return false;
-  return true;
+  if (kgen::tensor_map_encoder() == nullptr) return (int)cudaErrorNotSupported;
+  if (!tensor_maps.matrix(&p.maps[0], p.w[0], 512, 367, 128, dt, (uint64_t)p.ldw[0])) return -1;
+  if (!tensor_maps.matrix(&p.maps[1], p.w[1], 256, 512, 128, dt, (uint64_t)p.ldw[1])) return -1;
+  return 0;
 }
 
 constexpr int KGEN_MISALIGNED = -1;  // kgen_launch: a pointer not 16-byte aligned, nothing launched
@@ -940,7 +946,8 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
   }
   if (ptrs & 15) return KGEN_MISALIGNED;
   if (p.B < 1) return (int)cudaErrorInvalidValue;
-  if (!encode_maps(p)) return KGEN_MISALIGNED;  // a weight's rows not on 16-byte boundaries (TMA)
+  // KGEN_MISALIGNED where a weight's rows are not on 16-byte boundaries (TMA), or an error code
+  if (const int m = encode_maps(p)) return m;
   const cudaError_t e = setup(device);
   if (e != cudaSuccess) return (int)e;
   cudaLaunchAttribute attr[2];

@@ -280,11 +280,15 @@ def nearest(k: str) -> tuple[str, dict] | None:
     smallest summed distance of the numeric classes in powers of two, at most
     NEAR_MAX_DISTANCE over the classes the family does not name free (`TUNE_FREE_DIMS`).
     How a shape between the tuned ones is served; None when nothing comparable is tuned
-    that near. Where nothing of its flags is, those of its `stand_in` are searched."""
+    that near. The entries of its `stand_in`'s flags are searched too, and serve where one
+    is strictly closer than any of its own flags (fused_mlp's padded buckets tuned at
+    B = 512-4096 only: B = 32768 takes the dense B <= 16384 winner, not the padded B <= 4096
+    one, a kernel 1.7x slower there)."""
     prefix, _, bucket = k.rpartition("|")
     nums, flags = _parts(bucket)
     family = prefix.partition("|")[0]
     free = _free_dims(family)
+    found = []
     for want in dict.fromkeys((flags, _stand_in_parts(family, flags))):  # its own flags, then the stand-in's
         best = None
         for other, entry in TABLES.entries().items():
@@ -299,8 +303,11 @@ def nearest(k: str) -> tuple[str, dict] | None:
             if bounded <= NEAR_MAX_DISTANCE and (best is None or (d, other) < best[0]):
                 best = ((d, other), entry)
         if best:
-            return best[0][1], best[1]
-    return None
+            found.append(best)
+    if not found:
+        return None
+    best = found[0] if len(found) == 1 or found[0][0][0] <= found[1][0][0] else found[1]
+    return best[0][1], best[1]
 
 
 def record(entries: dict, path: Path | None = None, replace: bool = False) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kgen.families.fused_mlp.schema import ACT_CODE
+from kgen.families.fused_mlp.schema import ACT_CODE, ring_weights
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
@@ -36,15 +36,16 @@ class CudaMLP:
         self.name = kernel.name
         self.widths = tuple(kernel.params["widths"])
         self.dtype = getattr(torch, kernel.variant.dtype)
-        # the TMA ring kernel (cuda_ring.cu.j2) reads every weight through a tensor map: rows
-        # on 16-byte boundaries
-        self.tma = bool(kernel.params.get("stages"))
+        # the TMA ring kernel (cuda_ring.cu.j2) reads its first `tma` weights through tensor
+        # maps (all but a one-wide last layer's, a dot): rows on 16-byte boundaries
+        self.tma = ring_weights(self.widths) if kernel.params.get("stages") else 0
 
     def takes(self, x: torch.Tensor, weights, biases) -> bool:
         """Whether the kernel runs this call: x [B, w0] of its dtype and widths, B >= 1,
         x and the biases contiguous, each weight contiguous or row-padded (`row_stride`), all
-        16-byte aligned (its vector loads); for the TMA ring kernel every weight's row stride
-        whole 16-byte vectors too (a weight of width 367 row-padded to 368, not contiguous)."""
+        16-byte aligned (its vector loads); for the TMA ring kernel the row stride of every
+        weight it reads through a tensor map whole 16-byte vectors too (a weight of width 367
+        row-padded to 368, not contiguous)."""
         if x.dtype != self.dtype or x.shape[0] < 1 or (x.shape[1], *(w.shape[0] for w in weights)) != self.widths:
             return False
         ptrs = 0
@@ -52,9 +53,9 @@ class CudaMLP:
             if t.dtype != self.dtype or not t.is_contiguous():
                 return False
             ptrs |= t.data_ptr()
-        for w in weights:
+        for i, w in enumerate(weights):
             ld = row_stride(w)
-            if w.dtype != self.dtype or ld is None or (self.tma and (ld * w.element_size()) & 15):
+            if w.dtype != self.dtype or ld is None or (i < self.tma and (ld * w.element_size()) & 15):
                 return False
             ptrs |= w.data_ptr()
         return not ptrs & 15

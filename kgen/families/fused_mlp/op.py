@@ -373,7 +373,8 @@ def golden(kernel, device, dtype: str, tol) -> list[tuple[str, float]]:
                 x, ws, bs = make_inputs(device, t, B, widths, seed=B * 31 + k, bias=bias)
                 if type(mod) is CudaMLP:
                     if mod.tma:
-                        ws = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
+                        ws = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) if i < mod.tma else w
+                              for i, w in enumerate(ws)]
                     if not mod.takes(x, ws, bs):
                         raise AssertionError(f"{kernel.name} does not take its golden inputs (its companion would run)")
                 got = poisoned((B, widths[-1]), t, device)

@@ -322,8 +322,27 @@ def template_context(variant) -> dict:
 
 
 def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
-    """Whether `variant` can run a call of `shape` ({"widths": "w0-w1-..." or a tuple, ...})."""
-    return fits(variant.params, widths_of(shape["widths"]))
+    """Whether `variant` can run a call of `shape` ({"widths": "w0-w1-..." or a tuple, ...;
+    "layout": "padded" for row-padded weights}): its widths, and for the TMA ring kernel
+    weights it can read (`ring_reads`): otherwise its Triton companion would run in its
+    name, timed and chosen as if it were the ring."""
+    widths = widths_of(shape["widths"])
+    if not fits(variant.params, widths):
+        return False
+    return not variant.params.get("stages") or ring_reads(widths, variant.dtype, shape.get("layout"))
+
+
+def ring_weights(widths: tuple[int, ...]) -> int:
+    """How many weights the TMA ring kernel reads through tensor maps: every one but a one-wide
+    last layer's after another (a dot in registers, cuda_plans.ring_plan)."""
+    L = len(widths) - 1
+    return L - 1 if L >= 2 and widths[-1] == 1 else L
+
+
+def ring_reads(widths: tuple[int, ...], dtype: str, layout: str | None) -> bool:
+    """Whether the TMA ring kernel reads a call's weights: rows of whole 16-byte vectors, as
+    given (`layout` "padded": tuning.layout_of) or by their widths."""
+    return layout == "padded" or all(k * ITEMSIZE[dtype] % 16 == 0 for k in widths[:ring_weights(widths)])
 
 
 def fits(params: Mapping[str, Any], widths: tuple[int, ...]) -> bool:

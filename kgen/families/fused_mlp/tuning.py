@@ -13,7 +13,7 @@ import torch
 from kgen.families.fused_mlp import fused_backward, launch
 from kgen.families.fused_mlp.cuda import CudaMLP
 from kgen.families.fused_mlp.reference import backward_lean, eager
-from kgen.families.fused_mlp.schema import ITEMSIZE, fits, widths_of
+from kgen.families.fused_mlp.schema import fits, ring_reads, widths_of
 from kgen.runtime.op import sm_count
 
 FAMILY = "fused_mlp"
@@ -55,20 +55,17 @@ def tune_bucket(B: int, widths, precision: str | None = None, layout: str | None
 
 
 def layout_of(weights, itemsize: int) -> str | None:
-    """"padded" where at least one weight's width is not whole 16-byte vectors and every such
-    weight is row-padded to whole vectors (rows contiguous, their stride a multiple of 16
-    bytes: launch.row_padded, FusedMLP's pad_weights), the others contiguous; None otherwise
-    (dense weights, any other layout, or widths whose rows all are whole vectors already)."""
+    """"padded" where at least one weight's width is not whole 16-byte vectors and every
+    weight's rows are whole vectors apart (rows contiguous, their stride a multiple of 16
+    bytes: launch.row_padded, FusedMLP's pad_weights; a whole-vector width may be contiguous);
+    None otherwise (dense weights, any other layout, or widths whose rows all are whole
+    vectors already)."""
     padded = False
     for w in weights:
-        k = w.shape[1]
-        if (k * itemsize) % 16:
-            s = w.stride(0)
-            if w.stride(1) != 1 or s <= k or (s * itemsize) % 16:
-                return None
-            padded = True
-        elif not w.is_contiguous():
+        k, s = w.shape[1], w.stride(0)
+        if w.shape[0] > 1 and (w.stride(1) != 1 or s < k or (s * itemsize) % 16):
             return None
+        padded = padded or (w.shape[0] > 1 and (k * itemsize) % 16 != 0)  # (one row: no layout to speak of)
     return "padded" if padded else None
 
 
@@ -422,7 +419,7 @@ def untuned_order(variants, shape: dict) -> list:
                    if generic_us(v.params, v.dtype, B, widths, shape) <= UNTUNED_EAGER_FACTOR * eager]
     ring = [v for v in cuda if v.params.get("stages")]
     cuda = [v for v in cuda if not v.params.get("stages")]
-    if ring and UNTUNED_CLUSTER_B < B <= UNTUNED_RING_B and _ring_takes(shape, widths, ring[0].dtype):
+    if ring and UNTUNED_CLUSTER_B < B <= UNTUNED_RING_B and ring_reads(widths, ring[0].dtype, shape.get("layout")):
         return sorted(ring, key=lambda v: _ring_rank(v.params, B)) + exact + generic + cuda
     return cuda + exact + generic + ring if B <= UNTUNED_CLUSTER_B else exact + generic + cuda + ring
 
@@ -437,8 +434,3 @@ def _ring_rank(params: dict, B: int) -> tuple:
     capacity = int(_sms() * (RING_C4_SHARE if params["cluster"] >= 4 else 1.0))
     return -(-ctas // max(1, capacity)), -params["cluster"], params["block_m"]
 
-
-def _ring_takes(shape: dict, widths: tuple, dtype: str) -> bool:
-    """Whether the TMA ring variants take a call of `shape`: every weight's rows whole 16-byte
-    vectors, as given (`layout` padded) or by their widths."""
-    return shape.get("layout") == "padded" or all(k * ITEMSIZE[dtype] % 16 == 0 for k in widths[:-1])
