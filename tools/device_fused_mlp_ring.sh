@@ -18,7 +18,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   rc=$?; echo "tests: rc $rc in $((SECONDS - start)) s"; tail -30 "$OUT/pytest.txt"
   [ $rc -eq 0 ] || exit $rc  # (a wrong or hung kernel: nothing to time)
 fi
-for dt in ${SKIP_BENCH:+}${DTYPES:-bfloat16}; do
+for dt in ${DTYPES:-bfloat16}; do
   [ -n "${SKIP_BENCH:-}" ] && break
   timeout ${BENCH_TIMEOUT:-240} python3 tools/fused_mlp_ring_bench.py --dtype "$dt" ${ROWS:+--rows $ROWS} 2>&1 \
     | grep -v Warning | tee -a "$OUT/bench.txt"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from kgen.families.fused_mlp.schema import ITEMSIZE, MAX_LAYERS, _round
+from kgen.families.fused_mlp.schema import ITEMSIZE, MAX_LAYERS, _round, ring_weights
 
 # ---------------------------------------------------------------- the mma.sync kernel
 
@@ -176,8 +176,8 @@ def ring_plan(widths: tuple[int, ...], cluster: int, block_m: int, stages: int) 
     activation buffers of 64-column panels (block_m rows x 128 bytes, swizzled; layer i reads
     buffer i % 2), the biases, the dot's operands, 2 * stages mbarriers."""
     L = len(widths) - 1
-    dot = L >= 2 and widths[-1] == 1
-    ring = L - 1 if dot else L
+    ring = ring_weights(widths)
+    dot = ring < L
     panel = block_m * 128
     layers, c0, b_off = [], 0, 0
     for i in range(ring):
