@@ -1048,6 +1048,17 @@ USER_RING = {
                            "    stages: 4\n    dtypes: [bfloat16]\n",
     "256-1 c1 m16 st4": "widths: [256, 1]\n    cluster: 1\n    block_m: 16\n    warps: 8\n"
                         "    stages: 4\n    dtypes: [bfloat16]\n",
+    # split rings: a narrow last layer some CTAs own no tile of; an uneven split (3 tiles over 2,
+    # the last 48 features) into a dot; one ring layer of 5 tiles over 4 CTAs into a dot; two (5
+    # and 4 tiles) over 4 (three peers a panel)
+    "64-256-136-10 c2 m16 st8 sn1": "widths: [64, 256, 136, 10]\n    cluster: 2\n    block_m: 16\n    warps: 8\n"
+                                    "    stages: 8\n    split_n: 1\n    dtypes: [bfloat16]\n",
+    "40-304-200-1 c2 m32 st6 sn1": "widths: [40, 304, 200, 1]\n    cluster: 2\n    block_m: 32\n    warps: 8\n"
+                                   "    stages: 6\n    split_n: 1\n    dtypes: [float16]\n",
+    "24-520-1 c4 m64 st4 sn1": "widths: [24, 520, 1]\n    cluster: 4\n    block_m: 64\n    warps: 8\n"
+                               "    stages: 4\n    split_n: 1\n    dtypes: [bfloat16]\n",
+    "32-520-512-1 c4 m16 st6 sn1": "widths: [32, 520, 512, 1]\n    cluster: 4\n    block_m: 16\n    warps: 8\n"
+                                   "    stages: 6\n    split_n: 1\n    dtypes: [bfloat16]\n",
 }
 
 
@@ -1114,10 +1125,13 @@ def test_wgmma_checks():
             spec.parse(head + "    " + body + ("" if "dtypes" in body else "\n    dtypes: [bfloat16]") + "\n")
 
 
-@pytest.mark.parametrize("widths,cluster,block_m,stages", [
-    ((367, 512, 256, 1), 4, 16, 11), ((367, 512, 256, 1), 2, 32, 10), ((13, 512, 256, 64, 16), 2, 16, 11),
-    ((64, 256, 136, 10), 2, 16, 8), ((40, 96, 48, 24, 3), 1, 32, 6), ((24, 200, 1), 4, 64, 4), ((256, 1), 1, 16, 4)])
-def test_ring_plan(widths, cluster, block_m, stages):
+@pytest.mark.parametrize("widths,cluster,block_m,stages,split", [
+    ((367, 512, 256, 1), 4, 16, 11, 0), ((367, 512, 256, 1), 2, 32, 10, 0), ((13, 512, 256, 64, 16), 2, 16, 11, 0),
+    ((64, 256, 136, 10), 2, 16, 8, 0), ((40, 96, 48, 24, 3), 1, 32, 6, 0), ((24, 200, 1), 4, 64, 4, 0),
+    ((256, 1), 1, 16, 4, 0), ((367, 512, 256, 1), 2, 32, 10, 1), ((367, 512, 256, 1), 2, 64, 6, 1),
+    ((64, 256, 136, 10), 2, 16, 8, 1), ((24, 520, 1), 4, 64, 4, 1),
+    ((32, 520, 512, 1), 4, 16, 6, 1)])
+def test_ring_plan(widths, cluster, block_m, stages, split):
     """The TMA ring plan: every layer's features in 128-row tiles and its K in 64-column panels;
     the chunks of the layers one after another in the ring; a layer reads the buffer the one
     before wrote, each buffer large enough for every layer's panels that use it; a one-wide last
@@ -1125,7 +1139,7 @@ def test_ring_plan(widths, cluster, block_m, stages):
     TMA and the descriptors read them, within sm_90's shared memory."""
     from kgen.families.fused_mlp import cuda_plans as plans
 
-    p = plans.ring_plan(widths, cluster, block_m, stages)
+    p = plans.ring_plan(widths, cluster, block_m, stages, bool(split))
     L = p["layers"]
     assert p["dot"] == (len(widths) > 2 and widths[-1] == 1) and len(L) == len(widths) - 1 - p["dot"]
     c0 = 0
@@ -1141,8 +1155,13 @@ def test_ring_plan(widths, cluster, block_m, stages):
     assert p["chunks"] == c0 and L[-1]["dst"] is None and L[-1]["last"] != p["dot"]
     ring = stages * plans.RING_SLOT
     assert p["buf_off"][0] == ring and all(o % 1024 == 0 for o in p["buf_off"]) and p["panel"] % 1024 == 0
-    ends = [L[-1]["b_off"] + L[-1]["mt"] * 512] + ([p["dot_off"], p["red_off"]] if p["dot"] else [])
+    ends = [L[-1]["b_off"] + L[-1]["mt"] * 512] + ([p["dot_off"], p["red_off"] + 8 * block_m * 4] if p["dot"] else [])
+    if split and p["dot"]:  # the dot's partials of every CTA (bulk-copied: 16-byte aligned)
+        assert p["dotp_off"] >= max(ends) and p["dotp_off"] % 16 == 0
+        ends.append(p["dotp_off"] + cluster * block_m * 4)
     assert L[0]["b_off"] >= p["buf_off"][1] and p["bar_off"] >= max(ends) and p["bar_off"] % 8 == 0
+    bars = 2 * stages + (len(L) + 1 if split else 0)  # full, empty; split: a barrier a layer's panels, the dot's
+    assert p["smem"] >= p["bar_off"] + 8 * bars + 1024
     assert p["smem"] <= plans.SMEM_MAX and p["threads"] == 288
 
 
@@ -1160,12 +1179,18 @@ def test_ring_checks():
             ({"cluster": 8}, "clusters of 1, 2, 4", "sm_90a"),
             ({"stages": 3}, "at least 4 slots", "sm_90a"),
             ({"stages": 14}, "shared memory", "sm_90a"),
-            ({}, "leave it out for sm_90", "sm_90")):
+            ({}, "leave it out for sm_90", "sm_90"),
+            ({"split_n": 1, "cluster": 1}, "cluster of 2 or 4", "sm_90a"),
+            ({"split_n": 1, "widths": "[64, 100, 64]"}, "every layer but the last", "sm_90a"),
+            ({"split_n": 1, "stages": 0}, "stages > 0", "sm_90a")):
         body = "\n    ".join(f"{k}: {v}" for k, v in {**base, **change}.items())
         with pytest.raises(SpecError, match=match):
             spec.parse(head.format(arch=arch) + body + "\n")
     v = spec.parse(head.format(arch="sm_90a") + "\n    ".join(f"{k}: {v}" for k, v in base.items()) + "\n").variants[0]
     assert v.name.endswith("_st6_bf16") and v.params["stages"] == 6
+    split = {**base, "widths": "[64, 256, 64]", "split_n": 1}
+    v = spec.parse(head.format(arch="sm_90a") + "\n    ".join(f"{k}: {v}" for k, v in split.items()) + "\n").variants[0]
+    assert v.name.endswith("_st6_sn1_bf16") and v.params["split_n"] == 1
 
 
 def test_cuda_plan_and_checks():
@@ -1301,8 +1326,11 @@ def test_cuda_variants_sass():
             # cluster), mbarriers, the dependent launch's wait; no GPU-wide fence; one or two
             # indirect branches (the activation's switch) a layer; no serialised WGMMA
             rows = r.variant.params["block_m"]
+            split = r.variant.params["split_n"]  # (split: bulk copies of the panels to the peers, no multicast)
             ops = [f"HGMMA.64x{rows}x16.F32", "SYNCS", "ACQBULK", "UCGABAR_ARV",
-                   "UTMALDG.2D.MULTICAST" if r.variant.params["cluster"] > 1 else "UTMALDG.2D"]
+                   "UTMALDG.2D.MULTICAST" if r.variant.params["cluster"] > 1 and not split else "UTMALDG.2D"]
+            ops += ["UBLKCP"] if split else []
+            assert not (split and "MULTICAST" in sass), r.variant.name
             for op in ops:
                 assert op in sass, (r.variant.name, op)
             assert not re.search(r"MEMBAR\.\w+\.GPU", sass), r.variant.name
@@ -1422,12 +1450,15 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
             [v for v in dispatch._ordered("fused_mlp", "bfloat16", (9, 0)) if fm.variant_fits(v, shape)], shape)]
 
     ring = [n for n in padded(128) if "_st" in n]
-    assert len(ring) == 3 and padded(128)[-3:] == ring and padded(8192)[-3:] == ring
-    # (fewest waves of CTAs, then the larger cluster, then the smaller tile; 132 SMs without a GPU)
-    first = {256: "c4_m16", 1024: "c4_m16", 2048: "c2_m16", 4096: "c2_m32"}
+    assert len(ring) == 6 and padded(128)[-6:] == ring and padded(8192)[-6:] == ring
+    # (fewest waves of CTAs, then split, then the larger cluster, then the smaller tile; 132 SMs
+    # without a GPU; a split variant's cluster shares one row tile: c2 m16 split is 256 CTAs at
+    # 2048 rows, two waves)
+    first = {256: "c2_m16_w8_st10_sn1", 1024: "c2_m16_w8_st10_sn1", 2048: "c2_m32_w8_st10_sn1",
+             4096: "c2_m64_w8_st6_sn1"}
     for B, want in first.items():
         order = padded(B)
-        assert sorted(order[:3]) == sorted(ring) and f"_{want}_" in order[0], (B, order[:3])
+        assert sorted(order[:6]) == sorted(ring) and f"_{want}_" in order[0], (B, order[:6])
     # float32's split variant: 512 programs at 2048 rows, last
     assert _untuned(top, 2048, "float32") == ["triton_367x512x256x1_m16_k64_w4_f32", "triton_367x512x256x1_m64_k64_w8_f32",
                                               "triton_367x512x256x1_m16_k64_w4_sp4_f32"]

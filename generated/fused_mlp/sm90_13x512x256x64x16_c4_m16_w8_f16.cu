@@ -3,7 +3,7 @@
 // variant: fused_mlp/sm90_13x512x256x64x16_c4_m16_w8_f16
 // backend: cuda, arch: sm_90
 // dtype:   float16
-// knobs:   widths=(13, 512, 256, 64, 16), cluster=4, block_m=16, warps=8, stages=0
+// knobs:   widths=(13, 512, 256, 64, 16), cluster=4, block_m=16, warps=8, stages=0, split_n=0
 //
 // A whole MLP of exact widths 13-512-256-64-16 in one launch, spread over a thread-block
 // cluster of 4 CTAs (sm_90: distributed shared memory), float16, mma.sync m16n8k16

@@ -3,7 +3,7 @@
 // variant: fused_mlp/sm90_367x512x256x1_c8_m16_w16_f16
 // backend: cuda, arch: sm_90
 // dtype:   float16
-// knobs:   widths=(367, 512, 256, 1), cluster=8, block_m=16, warps=16, stages=0
+// knobs:   widths=(367, 512, 256, 1), cluster=8, block_m=16, warps=16, stages=0, split_n=0
 //
 // A whole MLP of exact widths 367-512-256-1 in one launch, spread over a thread-block
 // cluster of 8 CTAs (sm_90: distributed shared memory), float16, mma.sync m16n8k16

@@ -3,7 +3,7 @@
 // variant: fused_mlp/sm90a_13x512x256x64x16_c8_m64_w4_f16
 // backend: cuda, arch: sm_90a
 // dtype:   float16
-// knobs:   widths=(13, 512, 256, 64, 16), cluster=8, block_m=64, warps=4, stages=0
+// knobs:   widths=(13, 512, 256, 64, 16), cluster=8, block_m=64, warps=4, stages=0, split_n=0
 //
 // A whole MLP of exact widths 13-512-256-64-16 in one launch on tensor cores (sm_90a:
 // WGMMA), spread over a thread-block cluster of 8 CTAs, float16, float32

@@ -3,7 +3,7 @@
 // variant: fused_mlp/sm90a_367x512x256x1_c4_m16_w8_st11_bf16
 // backend: cuda, arch: sm_90a
 // dtype:   bfloat16
-// knobs:   widths=(367, 512, 256, 1), cluster=4, block_m=16, warps=8, stages=11
+// knobs:   widths=(367, 512, 256, 1), cluster=4, block_m=16, warps=8, stages=11, split_n=0
 //
 // A whole MLP of exact widths 367-512-256-1 in one launch on tensor cores (sm_90a: WGMMA
 // fed by TMA), bfloat16, float32 accumulation. Plan: cuda_plans.ring_plan.
@@ -12,8 +12,9 @@
 // the B operand (64-column panels, 128-byte swizzle); the weights are the A operand, m64 tiles
 // of output features. They stream through a ring of 11 slots, each 128 features x 64
 // columns of one layer (16 KB), filled by TMA (zeros past a layer's N and K, so widths need
-// not be multiples of anything) and multicast to the 4 CTA(s) of a cluster: the CTAs
-// take turns issuing the slots, and L2 serves each slot once a cluster.
+// not be multiples of anything).
+// Each slot is multicast to the 4 CTA(s) of a cluster: the CTAs take turns issuing the
+// slots, and L2 serves each slot once a cluster.
 // Warps: one producer (lane 0 issues the ring's chunks in order: layer by layer, a layer's
 // 128-feature tiles in pairs, their 64-column panels interleaved) and two consumer warpgroups,
 // which take a layer's tiles in turn (ping-pong: one's epilogue overlaps the other's wgmmas).
@@ -449,8 +450,9 @@ cudaError_t launch_pdl(int device, void (*kernel)(Params...), dim3 grid, dim3 bl
 
 using T = __nv_bfloat16;
 constexpr int CLUSTER = 4;
+constexpr bool SPLIT = false;  // the cluster's CTAs split the features of one row tile
 constexpr int ROWS = 16;  // rows of x a CTA
-constexpr int BLOCK_M = CLUSTER * ROWS;  // rows a cluster (launch.cuh.j2: one cluster a row tile)
+constexpr int BLOCK_M = SPLIT ? ROWS : CLUSTER * ROWS;  // rows a cluster (launch.cuh.j2: one cluster a row tile)
 constexpr int THREADS = 288;  // two consumer warpgroups, then the producer warp
 constexpr int LAYERS = 3;
 constexpr int RING_LAYERS = 2;
@@ -581,17 +583,18 @@ __device__ __forceinline__ int chunk_in_layer(int m, int kc) {
   return (m >> 1) * 2 * KC + kc * ((m | 1) < MT ? 2 : 1) + (m & 1);
 }
 
-// The producer: every chunk of the ring in order; this CTA issues every CLUSTER-th (multicast).
+// The producer: every chunk of the ring in order; this CTA issues every CLUSTER-th (multicast),
+// or (SPLIT) its own tiles' chunks only, a tile's panels in order.
 __device__ __forceinline__ void produce(const Params& p, uint32_t ring, uint32_t full, uint32_t empty, int rank) {
   int c = 0;  // the chunk's index in the ring's order
   auto issue = [&](const CUtensorMap* map, int kc, int mt) {
     const int s = c % STAGES, round = c / STAGES;
     if (round > 0) bar_wait(empty + 8 * s, (round - 1) & 1);  // every CTA's consumers freed slot s
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(full + 8 * s), "r"(SLOT) : "memory");
-    if (c % CLUSTER == rank) {
+    if (SPLIT || c % CLUSTER == rank) {
       void* dst = reinterpret_cast<void*>(__cvta_shared_to_generic(ring + s * SLOT));
       uint64_t* bar = reinterpret_cast<uint64_t*>(__cvta_shared_to_generic(full + 8 * s));
-      if constexpr (CLUSTER > 1)
+      if constexpr (CLUSTER > 1 && !SPLIT)
         kgen::tma_load_2d_multicast(dst, map, kc * 64, mt * 128, bar, uint16_t((1u << CLUSTER) - 1));
       else
         kgen::tma_load_2d(dst, map, kc * 64, mt * 128, bar);
@@ -666,23 +669,24 @@ __device__ __forceinline__ void tile(Acc& a, int c0, int m, uint32_t ring, uint3
 
 // The epilogue of tile m of a ring layer of N features for activation ACT: accumulator i of
 // half h holds feature 128 m + 64 h + 16 w + g + 8 ((i >> 1) & 1) of row 8 (i >> 2) + 2 t + (i & 1)
-// (g = lane / 4, t = lane % 4). To the next layer's panels at `dst` (NP of them; features past
-// N as zeros), or (LAST) to the output rows, or (DOT) into the dot's partial sums `part`.
-template <int N, int NP, bool LAST, bool DOT, int ACT>
-__device__ __forceinline__ void epilogue_act(const Params& p, const Acc& a, int m, const float* bias,
+// (g = lane / 4, t = lane % 4); HALVES of them from half h0 on (a.v[0] holds half h0). To the
+// next layer's panels at `dst` (NP of them; features past N as zeros), or (LAST) to the output
+// rows, or (DOT) into the dot's partial sums `part`.
+template <int N, int NP, bool LAST, bool DOT, int ACT, int HALVES>
+__device__ __forceinline__ void epilogue_act(const Params& p, const Acc& a, int m, int h0, const float* bias,
                                              const float* wdot, float (&part)[ACC / 2], uint32_t dst, int row0,
                                              int w, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int pan = 2 * m + h;  // the 64-feature panel this half writes
+  for (int hh = 0; hh < HALVES; ++hh) {
+    const int h = h0 + hh, pan = 2 * m + h;  // the 64-feature panel this half writes
     if constexpr (!LAST && !DOT) {
       if (pan >= NP) continue;
     }
 #pragma unroll
     for (int i = 0; i < ACC; ++i) {
       const int fl = 16 * w + g + 8 * ((i >> 1) & 1), f = 64 * pan + fl, r = 8 * (i >> 2) + 2 * t + (i & 1);
-      const T z = kgen::from_float<T>(a.v[h][i] + bias[f]);
+      const T z = kgen::from_float<T>(a.v[hh][i] + bias[f]);
       const T y = f < N ? kgen::from_float<T>(kgen::activate<ACT>(kgen::to_float(z))) : kgen::from_float<T>(0.f);
       if constexpr (DOT) {
         part[((i >> 2) << 1) | (i & 1)] += kgen::to_float(y) * wdot[f];
@@ -697,16 +701,16 @@ __device__ __forceinline__ void epilogue_act(const Params& p, const Acc& a, int 
 }
 
 // The same for the call's activation: one switch a tile, each case straight-line code.
-template <int N, int NP, bool LAST, bool DOT>
-__device__ __forceinline__ void epilogue(const Params& p, int act, const Acc& a, int m, const float* bias,
+template <int N, int NP, bool LAST, bool DOT, int HALVES>
+__device__ __forceinline__ void epilogue(const Params& p, int act, const Acc& a, int m, int h0, const float* bias,
                                          const float* wdot, float (&part)[ACC / 2], uint32_t dst, int row0, int w,
                                          int lane) {
   switch (act) {
-    case kgen::ACT_NONE: epilogue_act<N, NP, LAST, DOT, kgen::ACT_NONE>(p, a, m, bias, wdot, part, dst, row0, w, lane); break;
-    case kgen::ACT_RELU: epilogue_act<N, NP, LAST, DOT, kgen::ACT_RELU>(p, a, m, bias, wdot, part, dst, row0, w, lane); break;
-    case kgen::ACT_SIGMOID: epilogue_act<N, NP, LAST, DOT, kgen::ACT_SIGMOID>(p, a, m, bias, wdot, part, dst, row0, w, lane); break;
-    case kgen::ACT_GELU: epilogue_act<N, NP, LAST, DOT, kgen::ACT_GELU>(p, a, m, bias, wdot, part, dst, row0, w, lane); break;
-    case kgen::ACT_SILU: epilogue_act<N, NP, LAST, DOT, kgen::ACT_SILU>(p, a, m, bias, wdot, part, dst, row0, w, lane); break;
+    case kgen::ACT_NONE: epilogue_act<N, NP, LAST, DOT, kgen::ACT_NONE, HALVES>(p, a, m, h0, bias, wdot, part, dst, row0, w, lane); break;
+    case kgen::ACT_RELU: epilogue_act<N, NP, LAST, DOT, kgen::ACT_RELU, HALVES>(p, a, m, h0, bias, wdot, part, dst, row0, w, lane); break;
+    case kgen::ACT_SIGMOID: epilogue_act<N, NP, LAST, DOT, kgen::ACT_SIGMOID, HALVES>(p, a, m, h0, bias, wdot, part, dst, row0, w, lane); break;
+    case kgen::ACT_GELU: epilogue_act<N, NP, LAST, DOT, kgen::ACT_GELU, HALVES>(p, a, m, h0, bias, wdot, part, dst, row0, w, lane); break;
+    case kgen::ACT_SILU: epilogue_act<N, NP, LAST, DOT, kgen::ACT_SILU, HALVES>(p, a, m, h0, bias, wdot, part, dst, row0, w, lane); break;
   }
 }
 
@@ -745,11 +749,11 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
   const uint32_t full = base + BAR_OFF, empty = full + 8 * STAGES;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rank = CLUSTER > 1 ? int(kgen::cluster_rank()) : 0;
-  const int row0 = blockIdx.x * ROWS;
+  const int row0 = (SPLIT ? blockIdx.x / CLUSTER : blockIdx.x) * ROWS;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(full + 8 * s), "r"(1));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty + 8 * s), "r"(CLUSTER));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(empty + 8 * s), "r"(SPLIT ? 2 : CLUSTER));
     }
     kgen::mbar_init_fence();
   }
@@ -796,8 +800,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
 #pragma unroll 1
   for (int m = wg; m < 4; m += 2) {
     tile<4, 6>(a, 0, m, base, base + 180224u, full, empty, w, lane);
-    epilogue<512, 8, false, false>(
-        p, p.act, a, m, reinterpret_cast<const float*>(smem + 208896),
+    epilogue<512, 8, false, false, 2>(
+        p, p.act, a, m, 0, reinterpret_cast<const float*>(smem + 208896),
         reinterpret_cast<const float*>(smem + 211968), part, base + 192512u, row0, w, lane);
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the panels just written, before the wgmmas read them
@@ -806,8 +810,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
 #pragma unroll 1
   for (int m = wg; m < 2; m += 2) {
     tile<2, 8>(a, 24, m, base, base + 192512u, full, empty, w, lane);
-    epilogue<256, 0, false, true>(
-        p, p.act, a, m, reinterpret_cast<const float*>(smem + 210944),
+    epilogue<256, 0, false, true, 2>(
+        p, p.act, a, m, 0, reinterpret_cast<const float*>(smem + 210944),
         reinterpret_cast<const float*>(smem + 211968), part, base + 0u, row0, w, lane);
   }
   // the one-wide last layer: the dot's partial sums over the warps, in a fixed order
@@ -823,10 +827,12 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
       if (lane < 4) red[warp * ROWS + 8 * (j >> 1) + 2 * t + (j & 1)] = v;
     }
     consumers_sync();
-    if (tid < ROWS && row0 + tid < p.B) {
-      float s = 0.f;
+    float s = 0.f;
+    if (tid < ROWS) {
 #pragma unroll
       for (int q = 0; q < 8; ++q) s += red[q * ROWS + tid];
+    }
+    if (tid < ROWS && row0 + tid < p.B) {
       const T* b = (p.bias_mask >> (LAYERS - 1)) & 1 ? p.b[LAYERS - 1] : nullptr;
       const T z = kgen::from_float<T>(s + (b != nullptr ? kgen::to_float(b[0]) : 0.f));
       float y;
@@ -841,7 +847,8 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
       p.out[row0 + tid] = kgen::from_float<T>(y);
     }
   }
-  // no CTA leaves while a peer may still multicast into it or arrive on its barriers
+  // no CTA leaves while a peer may still multicast or copy into it, read its copies' sources or
+  // arrive on its barriers
   kgen::cluster_arrive_relaxed();
   kgen::cluster_wait();
 }

@@ -161,7 +161,7 @@ RING_WARPS = 8  # two consumer warpgroups (the producer warp comes on top)
 RING_CLUSTERS = (1, 2, 4)
 
 
-def ring_plan(widths: tuple[int, ...], cluster: int, block_m: int, stages: int) -> dict:
+def ring_plan(widths: tuple[int, ...], cluster: int, block_m: int, stages: int, split: bool = False) -> dict:
     """The TMA ring variant's plan (templates/fused_mlp/cuda_ring.cu.j2) for exact widths, 16-bit
     dtypes: a CTA owns `block_m` rows of x (WGMMA's N: the batch is the B operand, "swap AB"),
     the weights are the A operand, streamed through `stages` slots of RING_ROWS features x
@@ -174,7 +174,12 @@ def ring_plan(widths: tuple[int, ...], cluster: int, block_m: int, stages: int) 
     before's output in its epilogue (`dot`, its weights as float32 at dot_off, the warps'
     partial sums at red_off). Shared memory: the ring (1024-byte aligned slots), two
     activation buffers of 64-column panels (block_m rows x 128 bytes, swizzled; layer i reads
-    buffer i % 2), the biases, the dot's operands, 2 * stages mbarriers."""
+    buffer i % 2), the biases, the dot's operands, 2 * stages mbarriers.
+    `split`: the cluster's CTAs share one row tile of `block_m` rows and take every cluster-th
+    128-feature tile of each layer (no multicast: each streams its own tiles' weights), sending
+    each written panel to the others by bulk copies; then one mbarrier a ring layer for the
+    panels coming in, one for the dot's partials (CTA 0 sums `cluster` x block_m of them at
+    dotp_off)."""
     L = len(widths) - 1
     ring = ring_weights(widths)
     dot = ring < L
@@ -201,10 +206,14 @@ def ring_plan(widths: tuple[int, ...], cluster: int, block_m: int, stages: int) 
         off += layers[-1]["mt"] * RING_ROWS * 4
         red_off = off
         off += RING_WARPS * block_m * 4
+    dotp_off = 0
+    if dot and split:
+        dotp_off = _round(off, 16)
+        off = dotp_off + cluster * block_m * 4
     bar_off = _round(off, 8)
-    off = bar_off + 2 * stages * 8
+    off = bar_off + (2 * stages + (ring + 1 if split else 0)) * 8
     return {"layers": layers, "dot": dot, "chunks": c0, "panel": panel, "buf_off": buf_off, "dot_off": dot_off,
-            "red_off": red_off, "bar_off": bar_off, "smem": off + 1024,  # + the 1024-byte alignment of the ring
+            "red_off": red_off, "dotp_off": dotp_off, "bar_off": bar_off, "smem": off + 1024,  # + the ring's 1024-byte alignment
             "slot": RING_SLOT, "threads": RING_WARPS * 32 + 32}
 
 
@@ -222,9 +231,18 @@ def check_ring(dtype: str, k: Mapping[str, Any]):
         problems.append(("cluster", f"the ring variant multicasts to clusters of {', '.join(map(str, RING_CLUSTERS))}"))
     if k["stages"] < 4:
         problems.append(("stages", "the ring needs at least 4 slots (each consumer warpgroup holds two)"))
+    if k["split_n"]:
+        if k["cluster"] < 2:
+            problems.append(("split_n", "a split ring variant (split_n) splits the features over a cluster of 2 or 4"))
+        elif any(-(-n // RING_ROWS) < k["cluster"] for n in widths[1:ring_weights(widths)]):
+            # (a CTA's panel of layer i is overwritten by its layer i + 2, once every peer has sent
+            # it layer i + 1, so after each peer's copy of the panel landed: every peer must own a tile)
+            problems.append(("split_n", f"a split ring variant gives each of its {k['cluster']} CTAs at least one "
+                                      f"{RING_ROWS}-feature tile of every layer but the last it streams: a layer "
+                                      f"{min(widths[1:ring_weights(widths)])} wide has fewer; use a smaller cluster"))
     if problems:
         return problems
-    plan = ring_plan(widths, k["cluster"], k["block_m"], k["stages"])
+    plan = ring_plan(widths, k["cluster"], k["block_m"], k["stages"], bool(k["split_n"]))
     if plan["smem"] > SMEM_MAX:
         problems.append(("stages", f"{plan['smem']} bytes of shared memory ({k['stages']} ring slots of "
                                    f"{RING_SLOT}, the activation panels, biases) exceed {SMEM_MAX}; "

@@ -215,6 +215,8 @@ def _check_variant(backend: str, arch: str | None, dtype: str, k: Mapping[str, A
     if backend == "cuda":
         from kgen.families.fused_mlp import cuda_plans  # (it imports this module's limits)
 
+        if k["split_n"] and not k["stages"]:
+            return [("split_n", "split_n is the TMA ring variant's (stages > 0)")]
         if k["stages"]:
             if arch != "sm_90a":
                 return [("stages", "the TMA ring (stages) is the sm_90a WGMMA variant's; leave it out for sm_90")]
@@ -280,6 +282,10 @@ SCHEMA = Schema(
             # sm_90a: slots of the TMA ring (templates/fused_mlp/cuda_ring.cu.j2: block_m rows a
             # CTA, the weights streamed and multicast over the cluster); 0: the exchange kernel
             Knob("stages", "st", lo=0, hi=32, default=0),
+            # the ring (stages > 0): 1 = the cluster's CTAs share a row tile and split every
+            # layer's features (each streams its own tiles' weights, sends its activations to the
+            # others by bulk copies); 0 = a row tile a CTA, the weights multicast over the cluster
+            Knob("split_n", "sn", lo=0, hi=1, default=0),
         ),
     },
     check=_check_variant,
@@ -297,7 +303,8 @@ def template_context(variant) -> dict:
     if variant.backend == "cuda" and variant.arch == "sm_90a" and p["stages"]:
         return {"dtype": variant.dtype, "activations": ACTIVATIONS, "widths": tuple(p["widths"]), "ring": True,
                 "CLUSTER": p["cluster"], "ROWS": p["block_m"], "STAGES": p["stages"], "slot_rows": RING_ROWS,
-                **ring_plan(tuple(p["widths"]), p["cluster"], p["block_m"], p["stages"])}
+                "SPLIT": bool(p["split_n"]),
+                **ring_plan(tuple(p["widths"]), p["cluster"], p["block_m"], p["stages"], bool(p["split_n"]))}
     if variant.backend == "cuda" and variant.arch == "sm_90a":
         return {"dtype": variant.dtype, "activations": ACTIVATIONS, "widths": tuple(p["widths"]), "ring": False,
                 "CLUSTER": p["cluster"], "BLOCK_M": p["block_m"],

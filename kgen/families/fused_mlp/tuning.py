@@ -426,11 +426,13 @@ def untuned_order(variants, shape: dict) -> list:
 
 def _ring_rank(params: dict, B: int) -> tuple:
     """A TMA ring variant's place among the others for B rows: fewest waves of CTAs first (one
-    CTA an SM; clusters of 4 place on at most RING_C4_SHARE of the SMs), then the larger cluster
-    (fewer L2 reads of the weights), then the smaller row tile. H100, bf16 top MLP (tools/
-    fused_mlp_ring_bench.py, eighty-first session): c4 m16 12.5 us at B <= 1024, 24.2 at 2048 (128
-    CTAs: two waves) where c2 m16 takes 13.5, c2 m32 16.2 at 4096 where c2 m16 takes 26.0."""
-    ctas = -(-B // params["block_m"])
+    CTA an SM; clusters of 4 place on at most RING_C4_SHARE of the SMs; a split variant's
+    cluster shares one row tile), then the split variants (half the weights through each SM),
+    then the larger cluster (fewer L2 reads of the weights), then the smaller row tile. H100,
+    top MLP, row-padded W0, bf16 (tools/fused_mlp_ring_bench.py, eighty-second session): split c2
+    m16 10.0 us at B = 512-1024 where c4 m16 takes 12.6; at 2048 split c2 m16 (256 CTAs: two
+    waves) 20.1 where split c2 m32 takes 11.7; at 4096 split c2 m64 15.7 where c2 m32 takes 16.3."""
+    split = bool(params.get("split_n"))
+    ctas = -(-B // params["block_m"]) * (params["cluster"] if split else 1)
     capacity = int(_sms() * (RING_C4_SHARE if params["cluster"] >= 4 else 1.0))
-    return -(-ctas // max(1, capacity)), -params["cluster"], params["block_m"]
-
+    return -(-ctas // max(1, capacity)), not split, -params["cluster"], params["block_m"]
