@@ -578,12 +578,6 @@ __device__ __forceinline__ void bar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-// Chunk index, within its layer, of panel kc of tile m (layer of MT tiles, KC panels): tiles go
-// in pairs, one a consumer warpgroup, their panels interleaved (a last odd tile alone).
-template <int MT, int KC>
-__device__ __forceinline__ int chunk_in_layer(int m, int kc) {
-  return (m >> 1) * 2 * KC + kc * ((m | 1) < MT ? 2 : 1) + (m & 1);
-}
 
 // The producer: every chunk of the ring in order; this CTA issues every CLUSTER-th (multicast),
 // or (SPLIT) its own tiles' chunks only, a tile's panels in order.
@@ -623,45 +617,6 @@ __device__ __forceinline__ void produce(const Params& p, uint32_t ring, uint32_t
 struct Acc {
   float v[2][ACC];
 };
-
-// Tile m of a ring layer (its first chunk c0, MT tiles, KC panels) into `a`, against the B
-// panels at `bpan`: one wgmma group a chunk, one group in flight, each slot freed once its
-// group has completed. `w` is the warp in the warpgroup, `lane` its lane.
-template <int MT, int KC>
-__device__ __forceinline__ void tile(Acc& a, int c0, int m, uint32_t ring, uint32_t bpan, uint32_t full,
-                                     uint32_t empty, int w, int lane) {
-  // slot s free in this CTA: lane q < CLUSTER of the warpgroup's first warp tells CTA q
-  // (predicated, not branched: a branch between wgmmas serialises them, ptxas C7520)
-  auto release = [&](int s) {
-    const uint32_t go = w == 0 && lane < CLUSTER;
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .b32 r;\nsetp.ne.u32 p, %2, 0;\nmapa.shared::cluster.u32 r, %0, %1;\n"
-        "@p mbarrier.arrive.shared::cluster.b64 _, [r];\n}" ::"r"(empty + 8 * s),
-        "r"(lane % CLUSTER), "r"(go)
-        : "memory");
-  };
-  int held = 0;
-#pragma unroll 1
-  for (int kc = 0; kc < KC; ++kc) {
-    const int c = c0 + chunk_in_layer<MT, KC>(m, kc), s = c % STAGES;
-    bar_wait(full + 8 * s, (c / STAGES) & 1);
-    kgen::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-        kgen::wgmma_m64n32k16(a.v[h], desc(ring + s * SLOT + h * (SLOT / 2) + kk * 32),
-                                   desc(bpan + kc * PANEL + kk * 32), kc + kk > 0);
-    kgen::wgmma_commit();
-    kgen::wgmma_wait<1>();
-    if (kc > 0) release(held);
-    held = s;
-  }
-  kgen::wgmma_wait<0>();
-  kgen::fence_registers(a.v[0]);
-  kgen::fence_registers(a.v[1]);
-  release(held);
-}
 
 // SPLIT: warpgroup wg's half (64 features) of this CTA's next tile of a ring layer (KC panels, its
 // chunks from c on) into a.v[0]: four k16 wgmmas a chunk, one group in flight, each slot freed

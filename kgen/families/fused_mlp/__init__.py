@@ -13,7 +13,7 @@ is the contract kgen's core reads.
 The forward's Triton kernels live in kgen/templates/fused_mlp/triton.py.j2 (rendered per
 variant), the CUDA cluster kernels (exact widths, inference) in cuda.cu.j2 (sm_90, mma.sync),
 cuda_wgmma.cu.j2 (sm_90a, WGMMA) and cuda_ring.cu.j2 (sm_90a with `stages`: WGMMA with the batch
-as N, the weights streamed by TMA, multicast over a cluster or, with `split`, split over the
+as N, the weights streamed by TMA, multicast over a cluster or, with `split_n`, split over the
 cluster's CTAs sharing one row tile; cuda_sm90a.cu.j2 picks one of the two; helpers shared through
 device.cuh.j2); the
 backward's, generic in the widths (constexprs), in fused_backward_kernels.py (launched by
