@@ -824,9 +824,7 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
     if (tid == 0)  // (tile m's first panel is always below the next layer's count: 128 m < N)
       send_peers(base + 176128u + 2 * m * PANEL, act + 8 * 0, rank, (2 * m + 1 < 8 ? 2 : 1) * PANEL);
   }
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the panels just written, before the wgmmas read them
-  consumers_sync();
-  bar_wait(act + 8 * 0, 0);  // ... and the other CTAs' panels landed
+  bar_wait(act + 8 * 0, 0);  // the other CTAs' panels landed (this CTA's: fenced and synced after its last tile)
   // ---- layer 1: 512 -> 256, 2 tile(s) of 128 features, 8 panel(s)
   // this CTA's tiles (every CLUSTER-th from its rank on), each warpgroup one half of each; a
   // tile's panels to the other CTAs once both halves are written (so a panel sent also says
