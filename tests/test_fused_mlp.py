@@ -957,10 +957,12 @@ def test_padded_weights_have_their_own_bucket(monkeypatch, tmp_path):
     # a whole-vector width may be row-padded too; a one-row weight has no layout
     assert fm.layout_of([padded[0], launch.row_padded(ws[1], 520), ws[2]], 2) == "padded"
     assert fm.layout_of(fm.make_inputs("cpu", torch.bfloat16, 3, (64, 100, 1))[1], 2) is None
-    # the TMA ring variants are candidates only where they read the weights: padded, or whole
-    # rows by their widths (a one-wide last layer's, a dot, not read through a tensor map)
+    # the TMA ring variants read the weights in place where they are padded, or whole rows by
+    # their widths (a one-wide last layer's, a dot, not read through a tensor map); dense
+    # weights of other widths through a copy (cuda.CudaMLP.tma_pitched): candidates either way
     ring = SPEC.variant("sm90a_367x512x256x1_c4_m16_w8_st11_bf16")
-    assert fm.variant_fits(ring, {"widths": top, "layout": "padded"}) and not fm.variant_fits(ring, {"widths": top})
+    assert fm.variant_fits(ring, {"widths": top, "layout": "padded"}) and fm.variant_fits(ring, {"widths": top})
+    assert not fm.variant_fits(ring, {"widths": (368, 512, 256, 1)})
     from kgen.families.fused_mlp.schema import ring_reads
 
     assert ring_reads((64, 100, 1), "bfloat16", None) and not ring_reads((64, 100, 3), "bfloat16", None)
@@ -1299,6 +1301,20 @@ def test_ring_takes_weights_its_tensor_maps_read():
         assert ring.takes(x, pw, bs)
     x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 5, (100, 1))  # one layer: read through a tensor map
     assert impl((100, 1), 6).tma == 1 and not impl((100, 1), 6).takes(x, ws, bs)
+    # a dense weight it cannot read in place: taken once tma_pitched has copied it into
+    # row-padded storage (the same values; the others passed through as they are)
+    assert not impl((100, 1), 6).takes(x, ws, bs, pitch=False)  # (one row: its pitch is its width)
+    for widths in ((367, 512, 256, 1), (36, 20, 12, 3), (64, 100, 1)):
+        x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 5, widths)
+        ring = impl(widths, 6)
+        copy = [i for i in range(ring.tma) if widths[i] % 8]
+        assert ring.unpitched(ws) == copy and ring.takes(x, ws, bs, pitch=False) and ring.takes(x, ws, bs) == (not copy)
+        pw = ring.tma_pitched(ws)
+        assert ring.takes(x, pw, bs) and ring.unpitched(pw) == [] and impl(widths, 0).unpitched(ws) == []
+        for i, (w, p) in enumerate(zip(ws, pw)):
+            assert torch.equal(w, p) and ((p is w) == (i not in copy))
+            assert i not in copy or p.stride() == (-(-w.shape[1] // 8) * 8, 1)
+    assert not ring.takes(x.float(), ws, bs, pitch=False)  # (the other checks still apply)
 
 
 @requires_nvcc
@@ -1440,9 +1456,9 @@ def test_untuned_widths_keep_generic_variants_where_they_beat_eager():
     assert [tile(n) for n in mid if "_sp" not in n] == sorted(tiles)  # ties: spec order
     assert _untuned(top, 128)[3:5] == ["triton_367x512x256x1_m16_k64_w4_sp8_bf16",
                                        "triton_367x512x256x1_m16_k64_w4_sp4_bf16"]  # (after the clusters)
-    # the TMA ring variants: no candidates for dense weights they cannot read (W0 367 wide);
-    # for row-padded ones first from 256 to 4096 rows, last at 128 and past 4096
-    assert not any("_st" in n for n in large)
+    # the TMA ring variants: for dense weights they read through a copy (W0 367 wide) last at
+    # every B; for row-padded ones first from 256 to 4096 rows, last at 128 and past 4096
+    assert small[-6:] == large[-6:] == [n for n in large if "_st" in n]
 
     def padded(B):
         shape = {"B": B, "widths": "367-512-256-1", "layout": "padded"}
@@ -1619,7 +1635,8 @@ def test_gpu_cuda_variant(name):
     row tiles per cluster, the last one partial) against float64 into a poisoned output,
     bit-identical run to run; an x not 16-byte aligned, and a forward with `save` (the
     backward's), go to its Triton companion; the op's eager fast path launches it. (The TMA
-    ring variants take row-padded weights: W0's 367-wide rows are not whole vectors.)"""
+    ring variants read row-padded weights in place, dense ones through a row-padded copy:
+    W0's 367-wide rows are not whole vectors.)"""
     from kgen.families.fused_mlp import launch
     from kgen.families.fused_mlp.cuda import CudaMLP
     from kgen.runtime.op import error_ratio, poisoned
@@ -1633,6 +1650,7 @@ def test_gpu_cuda_variant(name):
     acts = ("gelu", "sigmoid")
     for B in (1, 1000, 40001):
         x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[True, False] + [True] * (len(widths) - 3))
+        dense = ws
         if v.params["stages"]:
             assert not impl.takes(x, ws, bs)
             ws = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
@@ -1664,6 +1682,16 @@ def test_gpu_cuda_variant(name):
     assert torch.equal(launch.forward(impl, x, pw, bs, *acts)[0], got)
     fp = launch.direct(impl, x, pw, bs, *acts)
     assert fp is not None and torch.equal(fp(x, pw, bs), got)
+    if v.params["stages"]:
+        # dense W0 (367-wide rows): the ring itself runs the call, on a row-padded copy made
+        # each call (CudaMLP.tma_pitched), in forward and in the fast path; no companion
+        companion, impl.triton = impl.triton, None
+        try:
+            assert torch.equal(launch.forward(impl, x, dense, bs, *acts)[0], got)
+            fd = launch.direct(impl, x, dense, bs, *acts)
+            assert fd is not None and torch.equal(fd(x, dense, bs), got) and torch.equal(fd(x, dense, bs), got)
+        finally:
+            impl.triton = companion
     # the C launcher checks every pointer: a weight or a bias off by one element launches nothing
     wu = torch.empty(ws[1].numel() + 1, dtype=dtype, device="cuda")[1:].view(ws[1].shape).copy_(ws[1])
     assert f(x, [ws[0], wu, *ws[2:]], bs) is None

@@ -28,6 +28,13 @@ def row_stride(w: torch.Tensor):
     return s if w.stride(1) == 1 and s > k and not (s * w.element_size()) & 15 else None
 
 
+def _pitch(w: torch.Tensor) -> int:
+    """Weight `w`'s width rounded up to whole 16-byte vectors: its row stride in
+    `CudaMLP.tma_pitched`'s copy."""
+    v = 16 // w.element_size()
+    return -(-w.shape[1] // v) * v
+
+
 class CudaMLP:
     """A loaded CUDA variant (`kernel`) with its Triton companion's module (`triton`)."""
 
@@ -40,12 +47,13 @@ class CudaMLP:
         # maps (all but a one-wide last layer's, a dot): rows on 16-byte boundaries
         self.tma = ring_weights(self.widths) if kernel.params.get("stages") else 0
 
-    def takes(self, x: torch.Tensor, weights, biases) -> bool:
+    def takes(self, x: torch.Tensor, weights, biases, pitch: bool = True) -> bool:
         """Whether the kernel runs this call: x [B, w0] of its dtype and widths, B >= 1,
         x and the biases contiguous, each weight contiguous or row-padded (`row_stride`), all
         16-byte aligned (its vector loads); for the TMA ring kernel the row stride of every
         weight it reads through a tensor map whole 16-byte vectors too (a weight of width 367
-        row-padded to 368, not contiguous)."""
+        row-padded to 368, not contiguous), unless `pitch` is False: then it runs the call
+        once `tma_pitched` has copied the others (not a one-row weight: its pitch is its width)."""
         if x.dtype != self.dtype or x.shape[0] < 1 or (x.shape[1], *(w.shape[0] for w in weights)) != self.widths:
             return False
         ptrs = 0
@@ -55,10 +63,32 @@ class CudaMLP:
             ptrs |= t.data_ptr()
         for i, w in enumerate(weights):
             ld = row_stride(w)
-            if w.dtype != self.dtype or ld is None or (i < self.tma and (ld * w.element_size()) & 15):
+            if w.dtype != self.dtype or ld is None:
                 return False
+            if i < self.tma and (ld * w.element_size()) & 15 and (pitch or w.shape[0] == 1):
+                return False  # (one row: contiguous however laid out, its pitch its width)
             ptrs |= w.data_ptr()
         return not ptrs & 15
+
+    def unpitched(self, weights) -> list:
+        """Which weights the TMA ring kernel reads through a tensor map whose rows are not
+        whole 16-byte vectors apart (dense, of a width such as 367 in bf16): `tma_pitched`
+        copies them. None of them for the other kernels."""
+        return [i for i in range(self.tma) if (row_stride(weights[i]) * weights[i].element_size()) & 15]
+
+    def tma_pitched(self, weights, copy=None) -> list:
+        """`weights` with each of `copy` (default: `unpitched`) copied into row-padded
+        scratch (launch.row_padded's layout without the zeros: the tensor map stops at the
+        width, so the padding is never read), one torch copy launch each. The DLRM top MLP's
+        dense 367-wide W0 (376 KB in bf16): ~3.5 us of GPU time and ~15 us of host time a call
+        on an H100, where the ring saves 4-11 us of GPU time at B = 1024-4096 over the variants
+        that read it dense (BENCHMARKS.md, eighty-third session); the tuner weighs both.
+        FusedMLP(pad_weights=True) keeps W0 so and saves the copy."""
+        weights = list(weights)
+        for i in self.unpitched(weights) if copy is None else copy:
+            w = weights[i]
+            weights[i] = torch.empty((w.shape[0], _pitch(w)), dtype=w.dtype, device=w.device)[:, :w.shape[1]].copy_(w)
+        return weights
 
     def max_clusters(self, device_index: int) -> int:
         """How many clusters of the kernel `device_index` holds at once: the persistent grid's
@@ -99,13 +129,16 @@ class CudaMLP:
         where this signature has no fast form."""
         B = x.numel() // self.widths[0] if self.widths[0] else 0
         x2 = x.reshape(B, self.widths[0]) if B else x
-        if B == 0 or not self.takes(x2, weights, biases):
+        if B == 0 or not self.takes(x2, weights, biases, pitch=False):
             return None
         k, index = self.kernel, x.device.index
         raw, ptr, fail = k.raw, k.ptr, k.fail
         present = [i for i, b in enumerate(biases) if b is not None]
         mask = sum(1 << i for i in present)
-        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation], *map(row_stride, weights))
+        copy = self.unpitched(weights)  # (copied each call: tma_pitched)
+        lds = [_pitch(w) if i in copy else row_stride(w) for i, w in enumerate(weights)]
+        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation], *lds)
+        pitched = self.tma_pitched
         proto = prototype((*x.shape[:-1], self.widths[-1]), x.dtype, x.device)
         empty_like, data_ptr = torch.empty_like, torch.Tensor.data_ptr
 
@@ -114,6 +147,8 @@ class CudaMLP:
         # (each pointer read once, by a C-level map: this closure is most of a fast call's Python;
         # the alignment check is the C launcher's)
         def launch(x, weights, biases):
+            if copy:
+                weights = pitched(weights, copy)
             out = empty_like(proto)
             rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
                      *map(data_ptr, weights), *map(data_ptr, biases if every else [biases[i] for i in present]))

@@ -64,8 +64,8 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     through kgen.runtime.triton_launch (Triton's own launch the first time per specialisation)."""
     if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
         weights = [w if row_stride(w) is not None else w.contiguous() for w in weights]
-        if not save and mod.takes(x, weights, biases):
-            return mod.run(x, weights, biases, activation, last_activation, out), []
+        if not save and mod.takes(x, weights, biases, pitch=False):
+            return mod.run(x, mod.tma_pitched(weights), biases, activation, last_activation, out), []
         mod = mod.triton
     weights = readable(mod, x, weights)
     out, zs, launches, *_ = _plan(mod, x, weights, biases, activation, last_activation, save, out)

@@ -330,13 +330,10 @@ def template_context(variant) -> dict:
 
 def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
     """Whether `variant` can run a call of `shape` ({"widths": "w0-w1-..." or a tuple, ...;
-    "layout": "padded" for row-padded weights}): its widths, and for the TMA ring kernel
-    weights it can read (`ring_reads`): otherwise its Triton companion would run in its
-    name, timed and chosen as if it were the ring."""
-    widths = widths_of(shape["widths"])
-    if not fits(variant.params, widths):
-        return False
-    return not variant.params.get("stages") or ring_reads(widths, variant.dtype, shape.get("layout"))
+    "layout": "padded" for row-padded weights}): its widths. (The TMA ring kernel reads dense
+    weights whose rows are not whole 16-byte vectors through a row-padded copy made each call,
+    cuda.CudaMLP.tma_pitched: it is timed, and chosen, with that copy.)"""
+    return fits(variant.params, widths_of(shape["widths"]))
 
 
 def ring_weights(widths: tuple[int, ...]) -> int:
@@ -347,8 +344,9 @@ def ring_weights(widths: tuple[int, ...]) -> int:
 
 
 def ring_reads(widths: tuple[int, ...], dtype: str, layout: str | None) -> bool:
-    """Whether the TMA ring kernel reads a call's weights: rows of whole 16-byte vectors, as
-    given (`layout` "padded": tuning.layout_of) or by their widths."""
+    """Whether the TMA ring kernel reads a call's weights in place: rows of whole 16-byte
+    vectors, as given (`layout` "padded": tuning.layout_of) or by their widths (else it reads
+    copies, cuda.CudaMLP.tma_pitched)."""
     return layout == "padded" or all(k * ITEMSIZE[dtype] % 16 == 0 for k in widths[:ring_weights(widths)])
 
 
