@@ -963,6 +963,16 @@ def test_padded_weights_have_their_own_bucket(monkeypatch, tmp_path):
     ring = SPEC.variant("sm90a_367x512x256x1_c4_m16_w8_st11_bf16")
     assert fm.variant_fits(ring, {"widths": top, "layout": "padded"}) and fm.variant_fits(ring, {"widths": top})
     assert not fm.variant_fits(ring, {"widths": (368, 512, 256, 1)})
+    # ... but not a one-row weight read through a tensor map at a width not whole vectors
+    # (its pitch is its width however it is laid out: cuda.CudaMLP.takes refuses it)
+    from types import SimpleNamespace
+
+    one = SimpleNamespace(params={**ring.params, "widths": [100, 1]}, dtype="bfloat16")
+    assert not fm.variant_fits(one, {"widths": (100, 1)}) and not fm.variant_fits(one, {"widths": (100, 1), "layout": "padded"})
+    one.params["widths"] = [104, 1]
+    assert fm.variant_fits(one, {"widths": (104, 1)})
+    one.params["widths"] = [64, 100, 1]  # (the one-wide last layer after another: a dot, no tensor map)
+    assert fm.variant_fits(one, {"widths": (64, 100, 1)})
     from kgen.families.fused_mlp.schema import ring_reads
 
     assert ring_reads((64, 100, 1), "bfloat16", None) and not ring_reads((64, 100, 3), "bfloat16", None)

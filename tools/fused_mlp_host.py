@@ -78,6 +78,8 @@ def breakdown(mlp, x, ws, bs, act, last):
     proto = cells["proto"].cell_contents
     parts.append((f"{mlp} part: torch.empty_like(proto)", "after", lambda: torch.empty_like(proto)))
     if "raw" in cells:  # a CUDA cluster variant (fused_mlp/cuda.py, CudaMLP.direct)
+        if cells["copy"].cell_contents:  # a weight copied each call (tma_pitched), freed after it: not replayed alone
+            return parts
         raw, got = cells["raw"].cell_contents, []
         cells["raw"].cell_contents = lambda *a: got.append(a) or 0
         keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer

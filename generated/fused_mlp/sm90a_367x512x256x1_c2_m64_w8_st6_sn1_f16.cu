@@ -33,7 +33,8 @@
 // The weights are read through tensor maps encoded by the launcher (cached per pointer and
 // pitch, common/hopper.cuh.j2): every weight's rows must start on 16-byte boundaries (a width
 // that is a multiple of 8, or a row-padded weight); the launcher returns KGEN_MISALIGNED for
-// any other, as for unaligned pointers, and the op runs the Triton companion.
+// any other, as for unaligned pointers (the op copies a dense weight of another width into
+// row-padded storage first: fused_mlp/cuda.py, CudaMLP.tma_pitched).
 // No atomics; every output element is written by one thread: bit-identical run to run.
 // Launched as a programmatic dependent launch where the device takes one (common/pdl.cuh.j2).
 #include <cuda_runtime.h>

@@ -80,7 +80,7 @@ class CudaMLP:
         """`weights` with each of `copy` (default: `unpitched`) copied into row-padded
         scratch (launch.row_padded's layout without the zeros: the tensor map stops at the
         width, so the padding is never read), one torch copy launch each. The DLRM top MLP's
-        dense 367-wide W0 (376 KB in bf16): ~3.5 us of GPU time and ~15 us of host time a call
+        dense 367-wide W0 (376 KB in bf16): ~3.5 us of GPU time and 15-30 us of host time a call
         on an H100, where the ring saves 4-11 us of GPU time at B = 1024-4096 over the variants
         that read it dense (BENCHMARKS.md, eighty-third session); the tuner weighs both.
         FusedMLP(pad_weights=True) keeps W0 so and saves the copy."""

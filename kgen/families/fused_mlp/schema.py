@@ -332,8 +332,14 @@ def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
     """Whether `variant` can run a call of `shape` ({"widths": "w0-w1-..." or a tuple, ...;
     "layout": "padded" for row-padded weights}): its widths. (The TMA ring kernel reads dense
     weights whose rows are not whole 16-byte vectors through a row-padded copy made each call,
-    cuda.CudaMLP.tma_pitched: it is timed, and chosen, with that copy.)"""
-    return fits(variant.params, widths_of(shape["widths"]))
+    cuda.CudaMLP.tma_pitched: it is timed, and chosen, with that copy; not a one-row weight
+    of such a width, whose pitch is its width however it is laid out: there its Triton
+    companion would run in its name, timed and chosen as if it were the ring.)"""
+    widths = widths_of(shape["widths"])
+    if not fits(variant.params, widths):
+        return False
+    return not variant.params.get("stages") or not any(
+        widths[i + 1] == 1 and widths[i] * ITEMSIZE[variant.dtype] % 16 for i in range(ring_weights(widths)))
 
 
 def ring_weights(widths: tuple[int, ...]) -> int:
