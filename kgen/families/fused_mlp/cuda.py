@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kgen.families.fused_mlp.schema import ACT_CODE, ring_weights
+from kgen.families.fused_mlp.schema import ACT_CODE, _round, ring_weights
 from kgen.runtime.op import prototype
 from kgen.runtime.streams import current_raw_stream
 
@@ -31,8 +31,7 @@ def row_stride(w: torch.Tensor):
 def _pitch(w: torch.Tensor) -> int:
     """Weight `w`'s width rounded up to whole 16-byte vectors: its row stride in
     `CudaMLP.tma_pitched`'s copy."""
-    v = 16 // w.element_size()
-    return -(-w.shape[1] // v) * v
+    return _round(w.shape[1], 16 // w.element_size())
 
 
 class CudaMLP:
