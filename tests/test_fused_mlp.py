@@ -959,7 +959,7 @@ def test_padded_weights_have_their_own_bucket(monkeypatch, tmp_path):
     assert fm.layout_of(fm.make_inputs("cpu", torch.bfloat16, 3, (64, 100, 1))[1], 2) is None
     # the TMA ring variants read the weights in place where they are padded, or whole rows by
     # their widths (a one-wide last layer's, a dot, not read through a tensor map); dense
-    # weights of other widths through a copy (cuda.CudaMLP.tma_pitched): candidates either way
+    # weights of other widths through a copy (cuda.CudaMLP.scratch): candidates either way
     ring = SPEC.variant("sm90a_367x512x256x1_c4_m16_w8_st11_bf16")
     assert fm.variant_fits(ring, {"widths": top, "layout": "padded"}) and fm.variant_fits(ring, {"widths": top})
     assert not fm.variant_fits(ring, {"widths": (368, 512, 256, 1)})
@@ -1071,6 +1071,10 @@ USER_RING = {
                                "    stages: 4\n    split_n: 1\n    dtypes: [bfloat16]\n",
     "32-520-512-1 c4 m16 st6 sn1": "widths: [32, 520, 512, 1]\n    cluster: 4\n    block_m: 16\n    warps: 8\n"
                                    "    stages: 6\n    split_n: 1\n    dtypes: [bfloat16]\n",
+    # dense weights of widths not whole 16-byte vectors, each read through a row-padded copy
+    # its launcher makes (three copies back to back in the scratch: plan_pads)
+    "36-20-12-3 c1 m16 st4": "widths: [36, 20, 12, 3]\n    cluster: 1\n    block_m: 16\n    warps: 8\n"
+                             "    stages: 4\n    dtypes: [float16]\n",
 }
 
 
@@ -1244,8 +1248,8 @@ def test_cuda_direct_arguments(monkeypatch, bias):
     """The CUDA cluster variant's fast launcher passes the C launcher's arguments in the order
     launch.cuh.j2 reads them (device, stream, B, bias mask, activations, the weights' row
     strides, x, out, the weights, the present biases) with this call's pointers and a new
-    output each call (a row-padded weight: its own row stride), and returns None
-    where the launcher answers MISALIGNED; another error code raises. (A fake launcher: the
+    output each call (a row-padded weight: its own row stride), the TMA ring's scratch last,
+    and returns None where the launcher answers MISALIGNED; another error code raises. (A fake launcher: the
     kernel itself runs in the GPU tests.)"""
     from types import SimpleNamespace
 
@@ -1287,6 +1291,36 @@ def test_cuda_direct_arguments(monkeypatch, bias):
     answer[0] = 700
     with pytest.raises(RuntimeError, match="700"):
         f(x, ws, bs)
+    # the TMA ring's launcher takes one more: the scratch it copies W0 (13 wide: rows not whole
+    # 16-byte vectors) into, row-padded to 16 (40 x 16 elements), alive while the launcher runs;
+    # the row strides as given; 0 where nothing is copied. The fast path and run() alike.
+    import weakref
+
+    made, empty = [], torch.empty
+
+    def recorded(*a, **kw):
+        t = empty(*a, **kw)
+        made.append(weakref.ref(t))
+        return t
+
+    def ring_raw(ptr, *args):
+        calls.append((ptr, args))
+        held = [t() for t in made if t() is not None and t().data_ptr() == args[-1]]
+        assert args[-1] == 0 or [t.numel() for t in held] == [40 * 16]
+        return 0
+
+    monkeypatch.setattr(torch, "empty", recorded)
+    kernel.params["stages"], kernel.raw = 6, ring_raw
+    ring = cuda.CudaMLP(kernel, None)
+    x6 = x.reshape(6, widths[0])
+    for weights in (ws, [fm.launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]):
+        f = ring.direct(x, weights, bs, "gelu", "sigmoid")
+        for call in (lambda: f(x, weights, bs), lambda: ring.run(x6, weights, bs, "gelu", "sigmoid")):
+            call()
+            _, args = calls[-1]
+            assert args[6:9] == tuple(cuda.row_stride(w) for w in weights)
+            assert len(args) == 9 + 2 * len(ws) + len(present)
+            assert (args[-1] != 0) == (weights is ws)
 
 
 def test_ring_takes_weights_its_tensor_maps_read():
@@ -1311,19 +1345,21 @@ def test_ring_takes_weights_its_tensor_maps_read():
         assert ring.takes(x, pw, bs)
     x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 5, (100, 1))  # one layer: read through a tensor map
     assert impl((100, 1), 6).tma == 1 and not impl((100, 1), 6).takes(x, ws, bs)
-    # a dense weight it cannot read in place: taken once tma_pitched has copied it into
-    # row-padded storage (the same values; the others passed through as they are)
+    # a dense weight it cannot read in place: taken, its launcher copying it row-padded into
+    # the scratch it is given (cuda_ring.cu.j2, plan_pads: the copies back to back in layer
+    # order, each rows x the width rounded up to whole vectors); none where nothing is copied
     assert not impl((100, 1), 6).takes(x, ws, bs, pitch=False)  # (one row: its pitch is its width)
     for widths in ((367, 512, 256, 1), (36, 20, 12, 3), (64, 100, 1)):
         x, ws, bs = fm.make_inputs("cpu", torch.bfloat16, 5, widths)
         ring = impl(widths, 6)
         copy = [i for i in range(ring.tma) if widths[i] % 8]
         assert ring.unpitched(ws) == copy and ring.takes(x, ws, bs, pitch=False) and ring.takes(x, ws, bs) == (not copy)
-        pw = ring.tma_pitched(ws)
-        assert ring.takes(x, pw, bs) and ring.unpitched(pw) == [] and impl(widths, 0).unpitched(ws) == []
-        for i, (w, p) in enumerate(zip(ws, pw)):
-            assert torch.equal(w, p) and ((p is w) == (i not in copy))
-            assert i not in copy or p.stride() == (-(-w.shape[1] // 8) * 8, 1)
+        scratch = ring.scratch(ws)
+        assert (scratch is None) == (not copy) and impl(widths, 0).unpitched(ws) == []
+        assert not copy or (scratch.dtype, scratch.numel()) == (
+            torch.bfloat16, sum(widths[i + 1] * -(-widths[i] // 8) * 8 for i in copy))
+        pw = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) if i in copy else w for i, w in enumerate(ws)]
+        assert ring.takes(x, pw, bs) and ring.unpitched(pw) == [] and ring.scratch(pw) is None
     assert not ring.takes(x.float(), ws, bs, pitch=False)  # (the other checks still apply)
 
 
@@ -1345,12 +1381,21 @@ def test_cuda_variants_sass():
         lib = r.entry.file(build.CUDA_LIB)
         sass = toolchain.sass(lib)
         res = toolchain.resource_usage(lib)
-        assert len(res) == 1 and all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+        # (the TMA ring's launcher has a second kernel: pad_rows, its row-padded weight copy)
+        assert len(res) == 1 + bool(r.variant.params["stages"]), res
+        assert all(k["local"] == 0 and k["stack"] == 0 for k in res.values()), res
+        assert not r.variant.params["stages"] or any("pad_rows" in k for k in res), res
         assert not re.search(r"\b(LDL|STL)\b", sass), r.variant.name
         if r.variant.params["stages"]:
             # the TMA ring: WGMMA (HGMMA) with the batch as N, TMA loads (multicast on a
             # cluster), mbarriers, the dependent launch's wait; no GPU-wide fence; one or two
-            # indirect branches (the activation's switch) a layer; no serialised WGMMA
+            # indirect branches (the activation's switch) a layer; no serialised WGMMA. Each
+            # kernel's own SASS: its launcher's pad_rows waits for the kernel before too
+            # (ACQBULK), so that the ring reads the copy after it was written
+            functions = {f.split("\n", 1)[0]: f for f in sass.split("Function : ")[1:]}
+            (pad,) = [f for n, f in functions.items() if "pad_rows" in n]
+            (sass,) = [f for n, f in functions.items() if "fused_mlp_ring" in n]
+            assert "ACQBULK" in pad and "STG.E.128" in pad, r.variant.name
             rows = r.variant.params["block_m"]
             split = r.variant.params["split_n"]  # (split: bulk copies of the panels to the peers, no multicast)
             ops = [f"HGMMA.64x{rows}x16.F32", "SYNCS", "ACQBULK", "UCGABAR_ARV",
@@ -1693,8 +1738,8 @@ def test_gpu_cuda_variant(name):
     fp = launch.direct(impl, x, pw, bs, *acts)
     assert fp is not None and torch.equal(fp(x, pw, bs), got)
     if v.params["stages"]:
-        # dense W0 (367-wide rows): the ring itself runs the call, on a row-padded copy made
-        # each call (CudaMLP.tma_pitched), in forward and in the fast path; no companion
+        # dense W0 (367-wide rows): the ring itself runs the call, on a row-padded copy its
+        # launcher makes each call (CudaMLP.scratch), in forward and in the fast path; no companion
         companion, impl.triton = impl.triton, None
         try:
             assert torch.equal(launch.forward(impl, x, dense, bs, *acts)[0], got)
@@ -1724,7 +1769,10 @@ def test_gpu_cuda_variant(name):
 def test_gpu_cuda_variant_user_widths(key):
     """A CUDA variant a user's spec builds (USER_CUDA: aligned x, no unaligned weight, an even
     layer count, a one-CTA last layer) against float64 into a poisoned output, at one row tile,
-    a few per cluster and more than the clusters that fit, bit-identical run to run."""
+    a few per cluster and more than the clusters that fit, bit-identical run to run. A TMA ring
+    on dense weights its tensor maps cannot read (rows not whole 16-byte vectors) runs on its
+    launcher's row-padded copies, made after the kernel before on the stream (a weight changed
+    in place just before) and again at each CUDA graph replay."""
     from kgen.families.fused_mlp import launch
     from kgen.families.fused_mlp.cuda import CudaMLP
     from kgen.runtime.op import error_ratio, poisoned
@@ -1733,13 +1781,35 @@ def test_gpu_cuda_variant_user_widths(key):
     widths, dtype = tuple(v.params["widths"]), getattr(torch, v.dtype)
     impl = fm.implementation(dispatch.load(v), widths)
     assert type(impl) is CudaMLP
-    for B, acts in ((1, ("relu", "none")), (777, ("silu", "sigmoid")), (50001, ("gelu", "relu"))):
-        x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[i % 2 == 0 for i in range(len(widths) - 1)])
-        assert impl.takes(x, ws, bs)
-        got = poisoned((B, widths[-1]), dtype, "cuda")
-        launch.forward(impl, x, ws, bs, *acts, out=got)
-        assert error_ratio(got, fm.reference(x, ws, bs, *acts), TOL[v.dtype]) <= 1, (key, B)
-        assert torch.equal(launch.forward(impl, x, ws, bs, *acts)[0], got)
+    companion, impl.triton = impl.triton, None  # (the companion never runs these calls)
+    try:
+        for B, acts in ((1, ("relu", "none")), (777, ("silu", "sigmoid")), (50001, ("gelu", "relu"))):
+            x, ws, bs = fm.make_inputs("cuda", dtype, B, widths, seed=B, bias=[i % 2 == 0 for i in range(len(widths) - 1)])
+            copies = impl.unpitched(ws)
+            assert impl.takes(x, ws, bs, pitch=False) and impl.takes(x, ws, bs) == (not copies)
+            got = poisoned((B, widths[-1]), dtype, "cuda")
+            launch.forward(impl, x, ws, bs, *acts, out=got)
+            assert error_ratio(got, fm.reference(x, ws, bs, *acts), TOL[v.dtype]) <= 1, (key, B)
+            assert torch.equal(launch.forward(impl, x, ws, bs, *acts)[0], got)
+            if copies:
+                padded = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
+                assert torch.equal(launch.forward(impl, x, padded, bs, *acts)[0], got)
+                for i in copies:  # each weight changed in place right before the call
+                    ws[i].mul_(-0.5)
+                    now = launch.forward(impl, x, ws, bs, *acts)[0]
+                    padded = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
+                    assert torch.equal(now, launch.forward(impl, x, padded, bs, *acts)[0]), (key, B, i)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out = launch.forward(impl, x, ws, bs, *acts)[0]
+                for w in ws:
+                    w.mul_(1.5)
+                g.replay()
+                padded = [launch.row_padded(w, -(-w.shape[1] // 8) * 8) for w in ws]
+                assert torch.equal(out, launch.forward(impl, x, padded, bs, *acts)[0]), (key, B)
+    finally:
+        impl.triton = companion
 
 
 @pytest.mark.gpu

@@ -51,6 +51,19 @@ def test_trampoline_passes_ints_and_floats_in_order(probe):
     _check_call(tramp.call, ptr, probe)
 
 
+def test_trampoline_takes_up_to_40_arguments(probe):
+    """The widest launcher kgen ships, fused_mlp's TMA ring at 8 layers with every bias, takes 33
+    arguments (launch.cuh.j2); the trampoline takes up to 40 and refuses more, launching nothing."""
+    tramp = loader.trampoline()
+    if tramp is None:
+        pytest.fail("the trampoline did not build (Python.h and cc are present in CI)")
+    ptr = ctypes.cast(probe.kgen_launch, ctypes.c_void_p).value
+    assert tramp.call(ptr, *range(1, 41)) == 1 + 5 and probe.seen_int(4) == 5
+    with pytest.raises(TypeError, match="40 arguments"):
+        tramp.call(ptr, *range(2, 43))
+    assert probe.seen_int(0) == 1  # (not called)
+
+
 def test_ctypes_fallback_passes_the_same(probe):
     ptr = ctypes.cast(probe.kgen_launch, ctypes.c_void_p).value
     _check_call(loader._ctypes_raw(probe.kgen_launch), ptr, probe)

@@ -78,13 +78,14 @@ def breakdown(mlp, x, ws, bs, act, last):
     proto = cells["proto"].cell_contents
     parts.append((f"{mlp} part: torch.empty_like(proto)", "after", lambda: torch.empty_like(proto)))
     if "raw" in cells:  # a CUDA cluster variant (fused_mlp/cuda.py, CudaMLP.direct)
-        if cells["copy"].cell_contents:  # a weight copied each call (tma_pitched), freed after it: not replayed alone
-            return parts
         raw, got = cells["raw"].cell_contents, []
         cells["raw"].cell_contents = lambda *a: got.append(a) or 0
         keep = f(x, ws, bs)  # its pointer stays in the argument list: a live buffer
         cells["raw"].cell_contents = raw
         a = got[0]
+        if cells["size"].cell_contents:  # the ring launcher's scratch (a weight copied row-padded each call)
+            scratch = torch.empty(cells["size"].cell_contents, dtype=x.dtype, device=x.device)
+            a, keep = (*a[:-1], scratch.data_ptr()), (keep, scratch)  # (a live buffer in its place)
         return parts + [(f"{mlp} part: trampoline launch alone", "after", lambda: raw(*a) or keep)]
     # a Triton variant (launch.direct): triton_launch's Replay of the recorded launches
     go, got = cells["go"].cell_contents, []  # (Replay.go, bound)

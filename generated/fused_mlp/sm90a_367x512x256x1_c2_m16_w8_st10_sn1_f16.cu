@@ -32,9 +32,10 @@
 // order; each CTA's sum (over its own features) is bulk-copied to CTA 0, which adds them in rank order.
 // The weights are read through tensor maps encoded by the launcher (cached per pointer and
 // pitch, common/hopper.cuh.j2): every weight's rows must start on 16-byte boundaries (a width
-// that is a multiple of 8, or a row-padded weight); the launcher returns KGEN_MISALIGNED for
-// any other, as for unaligned pointers (the op copies a dense weight of another width into
-// row-padded storage first: fused_mlp/cuda.py, CudaMLP.tma_pitched).
+// that is a multiple of 8, or a row-padded weight). A dense weight of another width (the DLRM
+// top MLP's 367-wide W0) the launcher first copies row-padded into the caller's scratch
+// (pad_rows, one launch a weight before the kernel; fused_mlp/cuda.py, CudaMLP.scratch); without
+// scratch it returns KGEN_MISALIGNED, as for unaligned pointers.
 // No atomics; every output element is written by one thread: bit-identical run to run.
 // Launched as a programmatic dependent launch where the device takes one (common/pdl.cuh.j2).
 #include <cuda_runtime.h>
@@ -888,6 +889,73 @@ __global__ void __launch_bounds__(THREADS, 1) fused_mlp_ring(const __grid_consta
   kgen::cluster_wait();
 }
 
+// The launcher's row-padding copy of a weight whose rows are not on 16-byte boundaries: dst
+// [n, pitch] from src [n, ld] (pitch a multiple of 8, the columns past k zeros: never read, the
+// tensor map stops at k). One thread an 8-element group of a destination row, one 16-byte store.
+// Launched as a dependent launch (it waits for the kernel before, which may have written src)
+// that lets the ring kernel launch at once (its pdl_wait waits for this grid's completion).
+__global__ void __launch_bounds__(256) pad_rows(const T* __restrict__ src, T* __restrict__ dst, int n, int k, int ld,
+                                                int pitch) {
+  pdl_wait();
+  pdl_launch_dependents();
+  const int groups = pitch / 8;
+  const long long total = (long long)n * groups;
+  for (long long g = blockIdx.x * 256ll + threadIdx.x; g < total; g += gridDim.x * 256ll) {
+    const int r = int(g / groups), c = int(g % groups) * 8;
+    const T* s = src + (long long)r * ld + c;
+    union {
+      T e[8];
+      uint4 v;
+    } u;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) u.e[j] = c + j < k ? s[j] : kgen::from_float<T>(0.f);
+    *reinterpret_cast<uint4*>(dst + (long long)r * pitch + c) = u.v;
+  }
+}
+
+// The launcher's plan of the copies: each ring layer's weight whose row stride is not whole
+// 16-byte vectors is repointed at its row-padded copy in `scratch` (16-byte aligned; the copies
+// back to back in layer order, each n x round_up(k, 8) elements), recorded in `pads`. 0, or
+// KGEN_MISALIGNED where one needs a copy and there is no scratch.
+struct Pads {
+  int n = 0;
+  const T* src[RING_LAYERS];
+  T* dst[RING_LAYERS];
+  int rows[RING_LAYERS], cols[RING_LAYERS], ld[RING_LAYERS], pitch[RING_LAYERS];
+};
+
+int plan_pads(Params& p, long long scratch, Pads& pads) {
+  T* next = reinterpret_cast<T*>(scratch);
+  if (p.ldw[0] % 8) {
+    if (next == nullptr) return -1;
+    const int i = pads.n++;
+    pads.src[i] = p.w[0], pads.dst[i] = next, pads.rows[i] = 512, pads.cols[i] = 367;
+    pads.ld[i] = p.ldw[0], pads.pitch[i] = (367 + 7) / 8 * 8;
+    p.w[0] = next, p.ldw[0] = pads.pitch[i];
+    next += (long long)512 * pads.pitch[i];
+  }
+  if (p.ldw[1] % 8) {
+    if (next == nullptr) return -1;
+    const int i = pads.n++;
+    pads.src[i] = p.w[1], pads.dst[i] = next, pads.rows[i] = 256, pads.cols[i] = 512;
+    pads.ld[i] = p.ldw[1], pads.pitch[i] = (512 + 7) / 8 * 8;
+    p.w[1] = next, p.ldw[1] = pads.pitch[i];
+    next += (long long)256 * pads.pitch[i];
+  }
+  return 0;
+}
+
+cudaError_t launch_pads(const Pads& pads, int device, cudaStream_t stream) {
+  for (int i = 0; i < pads.n; ++i) {
+    const long long groups = (long long)pads.rows[i] * (pads.pitch[i] / 8);
+    const int blocks = int(groups < 256ll * 1024 ? (groups + 255) / 256 : 1024);
+    const cudaError_t e = launch_pdl(device, pad_rows, dim3(blocks), dim3(256), 0, stream, pads.src[i], pads.dst[i],
+                                     pads.rows[i], pads.cols[i], pads.ld[i], pads.pitch[i]);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 // The launcher's tensor maps: each ring layer's weight [N, K] at its row stride, boxes of
 // 128 rows x 64 columns (128-byte swizzle). 0, or -1 (KGEN_MISALIGNED) where the
 // driver refuses one (a pointer or row pitch not on 16 bytes), or cudaErrorNotSupported where
@@ -962,7 +1030,9 @@ cudaError_t setup(int device) {
 // pointer once. It launches on the caller's stream, one cluster a row tile.
 //   ints: device, stream, B, bias_mask, act, last_act, ldw_0 .. ldw_{L-1} (each weight's row
 //         stride in elements), x, out, w_0 .. w_{L-1}, then the biases present (bit i of
-//         bias_mask: layer i has one), in layer order
+//         bias_mask: layer i has one), in layer order,
+//         then scratch: where the weights whose rows are not on 16-byte boundaries are copied
+//         row-padded before the kernel runs (plan_pads; 0: none given, KGEN_MISALIGNED for such a weight)
 extern "C" int kgen_launch(const long long* ints, const double* floats) {
   (void)floats;
   const int device = (int)ints[0];
@@ -986,11 +1056,18 @@ extern "C" int kgen_launch(const long long* ints, const double* floats) {
     p.b[i] = (p.bias_mask >> i & 1) ? reinterpret_cast<const T*>(*next++) : nullptr;
     ptrs |= (unsigned long long)ptr[2 + i] | (unsigned long long)p.b[i] | (ld[i] == K[i] ? 0ull : 2ull * ld[i]);
   }
+  const long long scratch = *next;
+  ptrs |= (unsigned long long)scratch;
   if (ptrs & 15) return KGEN_MISALIGNED;
   if (p.B < 1) return (int)cudaErrorInvalidValue;
-  // KGEN_MISALIGNED where a weight's rows are not on 16-byte boundaries (TMA), or an error code
+  // KGEN_MISALIGNED where a weight's rows are not on 16-byte boundaries and there is no
+  // scratch to copy it into, or a tensor map the driver refuses; or an error code
+  Pads pads;
+  if (const int m = plan_pads(p, scratch, pads)) return m;
   if (const int m = encode_maps(p)) return m;
-  const cudaError_t e = setup(device);
+  cudaError_t e = setup(device);
+  if (e != cudaSuccess) return (int)e;
+  e = launch_pads(pads, device, stream);
   if (e != cudaSuccess) return (int)e;
   cudaLaunchAttribute attr[2];
   const cudaLaunchConfig_t cfg = launch_config(attr, (p.B + BLOCK_M - 1) / BLOCK_M, stream, pdl_supported(device));

@@ -29,8 +29,8 @@ def row_stride(w: torch.Tensor):
 
 
 def _pitch(w: torch.Tensor) -> int:
-    """Weight `w`'s width rounded up to whole 16-byte vectors: its row stride in
-    `CudaMLP.tma_pitched`'s copy."""
+    """Weight `w`'s width rounded up to whole 16-byte vectors: its row stride in the ring
+    launcher's row-padded copy (`CudaMLP.scratch`)."""
     return _round(w.shape[1], 16 // w.element_size())
 
 
@@ -51,8 +51,8 @@ class CudaMLP:
         x and the biases contiguous, each weight contiguous or row-padded (`row_stride`), all
         16-byte aligned (its vector loads); for the TMA ring kernel the row stride of every
         weight it reads through a tensor map whole 16-byte vectors too (a weight of width 367
-        row-padded to 368, not contiguous), unless `pitch` is False: then it runs the call
-        once `tma_pitched` has copied the others (not a one-row weight: its pitch is its width)."""
+        row-padded to 368, not contiguous), unless `pitch` is False: then its launcher copies the
+        others row-padded (`scratch`; not a one-row weight: its pitch is its width)."""
         if x.dtype != self.dtype or x.shape[0] < 1 or (x.shape[1], *(w.shape[0] for w in weights)) != self.widths:
             return False
         ptrs = 0
@@ -71,23 +71,30 @@ class CudaMLP:
 
     def unpitched(self, weights) -> list:
         """Which weights the TMA ring kernel reads through a tensor map whose rows are not
-        whole 16-byte vectors apart (dense, of a width such as 367 in bf16): `tma_pitched`
-        copies them. None of them for the other kernels."""
+        whole 16-byte vectors apart (dense, of a width such as 367 in bf16): its launcher
+        copies them row-padded (`scratch`). None of them for the other kernels."""
         return [i for i in range(self.tma) if (row_stride(weights[i]) * weights[i].element_size()) & 15]
 
-    def tma_pitched(self, weights, copy=None) -> list:
-        """`weights` with each of `copy` (default: `unpitched`) copied into row-padded
-        scratch (launch.row_padded's layout without the zeros: the tensor map stops at the
-        width, so the padding is never read), one torch copy launch each. The DLRM top MLP's
-        dense 367-wide W0 (376 KB in bf16): ~3.5 us of GPU time and 15-30 us of host time a call
-        on an H100, where the ring saves 4-11 us of GPU time at B = 1024-4096 over the variants
-        that read it dense (BENCHMARKS.md, eighty-third session); the tuner weighs both.
+    def scratch_size(self, weights, copy) -> int:
+        """Elements of the scratch the ring launcher copies weights `copy` (`unpitched`) into,
+        row-padded back to back (cuda_ring.cu.j2, plan_pads)."""
+        return sum(weights[i].shape[0] * _pitch(weights[i]) for i in copy)
+
+    def scratch(self, weights, copy=None):
+        """The TMA ring launcher's last argument: a fresh buffer (on the current stream, freed
+        after the call as any temporary) into which it copies the weights of `copy` (default:
+        `unpitched`) row-padded before the kernel reads them (pad_rows, one launch a weight: the
+        tensor map stops at the width, the padding is never read), or None where there are
+        none. The DLRM top MLP's dense 367-wide W0 (376 KB in bf16) takes one such copy a call:
+        0.4-1.3 us of GPU time and ~6 us of host time over the same variant on padded weights
+        (H100), where the ring saves 3-11 us of GPU time at B = 512-4096 over the variants that
+        read W0 dense (BENCHMARKS.md, eighty-fourth session); the tuner weighs both.
         FusedMLP(pad_weights=True) keeps W0 so and saves the copy."""
-        weights = list(weights)
-        for i in self.unpitched(weights) if copy is None else copy:
-            w = weights[i]
-            weights[i] = torch.empty((w.shape[0], _pitch(w)), dtype=w.dtype, device=w.device)[:, :w.shape[1]].copy_(w)
-        return weights
+        copy = self.unpitched(weights) if copy is None else copy
+        if not copy:
+            return None
+        w = weights[copy[0]]
+        return torch.empty(self.scratch_size(weights, copy), dtype=w.dtype, device=w.device)
 
     def max_clusters(self, device_index: int) -> int:
         """How many clusters of the kernel `device_index` holds at once: the persistent grid's
@@ -102,18 +109,21 @@ class CudaMLP:
             self.kernel.fail(-n)
         return n
 
-    def _args(self, x, out, weights, biases, activation, last_activation):
+    def _args(self, x, out, weights, biases, activation, last_activation, scratch):
         mask = sum(1 << i for i, b in enumerate(biases) if b is not None)
+        tail = [scratch.data_ptr() if scratch is not None else 0] if self.tma else []
         return [x.device.index, current_raw_stream(x.device.index), x.shape[0], mask, ACT_CODE[activation],
                 ACT_CODE[last_activation], *map(row_stride, weights), x.data_ptr(), out.data_ptr(),
-                *(w.data_ptr() for w in weights), *(b.data_ptr() for b in biases if b is not None)]
+                *(w.data_ptr() for w in weights), *(b.data_ptr() for b in biases if b is not None), *tail]
 
     def run(self, x, weights, biases, activation: str, last_activation: str, out=None) -> torch.Tensor:
-        """The forward into `out` (or a new [B, wL] tensor); the caller checked `takes`."""
+        """The forward into `out` (or a new [B, wL] tensor); the caller checked `takes` (with
+        `pitch=False`: the ring launcher copies what its tensor maps cannot read, `scratch`)."""
         if out is None:
             out = torch.empty((x.shape[0], self.widths[-1]), dtype=x.dtype, device=x.device)
         k = self.kernel
-        rc = k.raw(k.ptr, *self._args(x, out, weights, biases, activation, last_activation))
+        scratch = self.scratch(weights)
+        rc = k.raw(k.ptr, *self._args(x, out, weights, biases, activation, last_activation, scratch))
         if rc == MISALIGNED:
             raise ValueError(f"{self.name}: an input or the output is not 16-byte aligned")
         if rc:
@@ -134,23 +144,23 @@ class CudaMLP:
         raw, ptr, fail = k.raw, k.ptr, k.fail
         present = [i for i, b in enumerate(biases) if b is not None]
         mask = sum(1 << i for i in present)
-        copy = self.unpitched(weights)  # (copied each call: tma_pitched)
-        lds = [_pitch(w) if i in copy else row_stride(w) for i, w in enumerate(weights)]
-        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation], *lds)
-        pitched = self.tma_pitched
+        copy = self.unpitched(weights)  # (copied row-padded each call by the launcher, into scratch)
+        head = (B, mask, ACT_CODE[activation], ACT_CODE[last_activation], *map(row_stride, weights))
         proto = prototype((*x.shape[:-1], self.widths[-1]), x.dtype, x.device)
-        empty_like, data_ptr = torch.empty_like, torch.Tensor.data_ptr
+        empty, empty_like, data_ptr = torch.empty, torch.empty_like, torch.Tensor.data_ptr
+        size, kind = self.scratch_size(weights, copy), dict(dtype=x.dtype, device=x.device)
+        tail = (0,) if self.tma else ()
 
         every = len(present) == len(biases)
 
         # (each pointer read once, by a C-level map: this closure is most of a fast call's Python;
         # the alignment check is the C launcher's)
         def launch(x, weights, biases):
-            if copy:
-                weights = pitched(weights, copy)
             out = empty_like(proto)
+            scratch = empty(size, **kind) if size else None  # (alive until the copy is enqueued)
             rc = raw(ptr, index, current_raw_stream(index), *head, x.data_ptr(), out.data_ptr(),
-                     *map(data_ptr, weights), *map(data_ptr, biases if every else [biases[i] for i in present]))
+                     *map(data_ptr, weights), *map(data_ptr, biases if every else [biases[i] for i in present]),
+                     *((scratch.data_ptr(),) if size else tail))
             if rc:
                 return None if rc == MISALIGNED else fail(rc)
             return out

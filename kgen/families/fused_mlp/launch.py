@@ -57,8 +57,8 @@ def grid(B: int, mod) -> tuple[int]:
 def forward(mod, x, weights, biases, activation: str, last_activation: str, save: bool = False, out=None):
     """Run one variant's forward (`mod`: its rendered module) on checked, contiguous 2-D x
     [B, w0] and weights (a row-padded one read in place where the kernel can: `in_place`,
-    cuda.row_stride; any other layout copied contiguous; the TMA ring's dense weights whose rows
-    are not whole 16-byte vectors copied row-padded, CudaMLP.tma_pitched); returns (out [B, wL], zs), zs what
+    cuda.row_stride; any other layout copied contiguous; the TMA ring launcher copies the dense weights whose rows
+    are not whole 16-byte vectors row-padded, CudaMLP.scratch); returns (out [B, wL], zs), zs what
     the backward needs when `save` (None where it needs none), else []: each layer's
     pre-activation z, but a ReLU layer's output relu(z), as reference.eager keeps them.
     `out`: a given [B, wL] output buffer (golden passes a poisoned one). The launch goes
@@ -66,7 +66,7 @@ def forward(mod, x, weights, biases, activation: str, last_activation: str, save
     if type(mod) is CudaMLP:  # the CUDA cluster variant: inference calls it takes, else its companion
         weights = [w if row_stride(w) is not None else w.contiguous() for w in weights]
         if not save and mod.takes(x, weights, biases, pitch=False):
-            return mod.run(x, mod.tma_pitched(weights), biases, activation, last_activation, out), []
+            return mod.run(x, weights, biases, activation, last_activation, out), []
         mod = mod.triton
     weights = readable(mod, x, weights)
     out, zs, launches, *_ = _plan(mod, x, weights, biases, activation, last_activation, save, out)
@@ -270,7 +270,7 @@ def direct(mod, x, weights, biases, activation: str, last_activation: str, save:
     the biases given here not contiguous, an input not 16-byte aligned or aliased (a later
     call makes it), or no binary yet (`forward` launched it first, with the same `save`). A
     weight the kernel cannot read in its layout is copied contiguous each call, as `forward`
-    copies it (the TMA ring's: row-padded, in CudaMLP.direct).
+    copies it (the TMA ring's: row-padded by its C launcher, into CudaMLP.scratch).
     What it launches is what `forward` launches (triton_launch.replay of `_plan`'s launches:
     the weight pads, if any, then the forward): the same kernels, grids and arguments, only
     the output, z and scratch buffers new."""

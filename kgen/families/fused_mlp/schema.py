@@ -332,7 +332,7 @@ def variant_fits(variant, shape: Mapping[str, Any]) -> bool:
     """Whether `variant` can run a call of `shape` ({"widths": "w0-w1-..." or a tuple, ...;
     "layout": "padded" for row-padded weights}): its widths. (The TMA ring kernel reads dense
     weights whose rows are not whole 16-byte vectors through a row-padded copy made each call,
-    cuda.CudaMLP.tma_pitched: it is timed, and chosen, with that copy; not a one-row weight
+    cuda.CudaMLP.scratch: it is timed, and chosen, with that copy; not a one-row weight
     of such a width, whose pitch is its width however it is laid out: there its Triton
     companion would run in its name, timed and chosen as if it were the ring.)"""
     widths = widths_of(shape["widths"])
@@ -352,7 +352,7 @@ def ring_weights(widths: tuple[int, ...]) -> int:
 def ring_reads(widths: tuple[int, ...], dtype: str, layout: str | None) -> bool:
     """Whether the TMA ring kernel reads a call's weights in place: rows of whole 16-byte
     vectors, as given (`layout` "padded": tuning.layout_of) or by their widths (else it reads
-    copies, cuda.CudaMLP.tma_pitched)."""
+    copies, cuda.CudaMLP.scratch)."""
     return layout == "padded" or all(k * ITEMSIZE[dtype] % 16 == 0 for k in widths[:ring_weights(widths)])
 
 

@@ -33,7 +33,7 @@ DLRM_TOP, DLRM_BOTTOM = "367-512-256-1", "13-512-256-64-16"
 # wide; the bottom's, 13) comes row-padded to whole vectors, as FusedMLP lays them out
 # (pad_weights), and the rest are contiguous (`layout_of`). The TMA ring variants read only such
 # weights in place (their tensor maps need 16-byte row pitches; dense ones through a copy made
-# each call, cuda.CudaMLP.tma_pitched), so the same widths and B have two winners: one for
+# each call, cuda.CudaMLP.scratch), so the same widths and B have two winners: one for
 # dense weights, one for padded. A padded bucket nobody tuned takes the dense
 # bucket's entry (TUNE_CLASS_FALLBACK: every variant runs padded weights at least as fast).
 TUNE_SHAPES = tuple({"B": b, "widths": w, "activation": "relu", "last_activation": last, **layout}
