@@ -80,17 +80,17 @@ class CudaMLP:
         row-padded back to back (cuda_ring.cu.j2, plan_pads)."""
         return sum(weights[i].shape[0] * _pitch(weights[i]) for i in copy)
 
-    def scratch(self, weights, copy=None):
+    def scratch(self, weights):
         """The TMA ring launcher's last argument: a fresh buffer (on the current stream, freed
-        after the call as any temporary) into which it copies the weights of `copy` (default:
-        `unpitched`) row-padded before the kernel reads them (pad_rows, one launch a weight: the
+        after the call as any temporary) into which it copies the weights `unpitched` names
+        row-padded before the kernel reads them (pad_rows, one launch a weight: the
         tensor map stops at the width, the padding is never read), or None where there are
         none. The DLRM top MLP's dense 367-wide W0 (376 KB in bf16) takes one such copy a call:
         0.4-1.3 us of GPU time and ~6 us of host time over the same variant on padded weights
         (H100), where the ring saves 3-11 us of GPU time at B = 512-4096 over the variants that
         read W0 dense (BENCHMARKS.md, eighty-fourth session); the tuner weighs both.
         FusedMLP(pad_weights=True) keeps W0 so and saves the copy."""
-        copy = self.unpitched(weights) if copy is None else copy
+        copy = self.unpitched(weights)
         if not copy:
             return None
         w = weights[copy[0]]
